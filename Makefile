@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create or reuse .venv and install what
+# they need; the stamp file makes the second run skip pip when the requirement files have not changed.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.tensorwire-installed
+
+# Keep UCX on loopback and quiet on these CPU machines (nixl-on-cpu.md §5); the library sets its own
+# per-process defaults too, these only make the CLI and tests reproducible.
+export NIXL_LOG_LEVEL ?= WARN
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-gpu test-long demo proto bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/dev.txt requirements/nixl.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements/dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements/nixl.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -m "not gpu and not slow" -q
+
+test-gpu: install
+	$(PY) -m pytest -m gpu -q
+
+test-long: install
+	$(PY) -m pytest -m slow -q
+
+demo: install
+	$(PY) -m tensorwire.cli.main demo
+
+# Regenerates the protobuf modules from the .proto files (see scripts/gen_proto.py for why it post-processes).
+proto: install
+	$(PY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
