@@ -1,0 +1,83 @@
+"""Shared helpers for benchmark scripts: machine description, statistics, JSON output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import statistics
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULTS_DIR = Path(os.environ.get("TENSORWIRE_RESULTS_DIR", "benchmarks/results"))
+
+
+def machine_info() -> dict[str, Any]:
+    """What ran the benchmark: host, CPU count, Python, torch and GPU (when there is one)."""
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def summarize(samples_s: Sequence[float]) -> dict[str, float]:
+    """Median, p99, mean, sd, min and max of a list of durations, in milliseconds."""
+    ms = sorted(s * 1e3 for s in samples_s)
+    if not ms:
+        return {}
+    p99 = ms[min(len(ms) - 1, int(round(0.99 * (len(ms) - 1))))]
+    return {
+        "n": len(ms),
+        "median_ms": statistics.median(ms),
+        "p99_ms": p99,
+        "mean_ms": statistics.fmean(ms),
+        "sd_ms": statistics.stdev(ms) if len(ms) > 1 else 0.0,
+        "min_ms": ms[0],
+        "max_ms": ms[-1],
+    }
+
+
+def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
+    """Write ``payload`` (plus the machine description) as JSON; returns the path written."""
+    path = Path(out) if out else RESULTS_DIR / f"{name}-{machine_tag()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"benchmark": name, "machine": machine_info(), **payload}
+    path.write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def machine_tag() -> str:
+    """Short tag for file names: 'h200' on the GPU machine, 'cpu<N>' elsewhere."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0).lower()
+            return "h200" if "h200" in name else name.replace(" ", "-")
+    except ImportError:
+        pass
+    return f"cpu{os.cpu_count()}"

@@ -1,0 +1,1 @@
+"""Command-line interface: argument parsing, logging set-up and exit codes only."""
