@@ -1,0 +1,65 @@
+"""Generic tensor export / read / release over a one-sided data plane (NIXL/UCX), independent of any model.
+
+Owner side::
+
+    with TensorExporter(RdmaConfig(device="cpu")) as exp:
+        desc = exp.export([emb, pos])            # copies into a pooled registered slot; inputs may be dropped
+        wire = desc.to_bytes()                   # send to the reader (gRPC, anything)
+        ...
+        exp.release([desc.lease_id])             # when the reader is done (else the TTL GC reclaims it)
+
+Reader side::
+
+    with TensorReader(RdmaConfig()) as rd:
+        emb, pos = rd.read([Descriptor.from_bytes(wire)], timeout_ms=500)
+
+``has_rdma()`` / ``available_providers()`` say whether a real provider exists; with provider "none" (or "auto"
+without NIXL) constructing an exporter/reader raises ``ExportError``/``ReadError`` with reason
+``PROVIDER_UNAVAILABLE`` so callers fall back. Contracts: ``docs/rdma.md``; generation protocol: ``_pool``.
+"""
+
+from __future__ import annotations
+
+from tensorwire.errors import (
+    ClosedError,
+    ConfigError,
+    ExportError,
+    InvalidDescriptor,
+    LeaseExpired,
+    PoolExhausted,
+    ReadError,
+    ReadTimeout,
+    Reason,
+    TensorwireError,
+)
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
+from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
+from tensorwire.rdma._exporter import Lease, TensorExporter
+from tensorwire.rdma._reader import TensorReader
+from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
+
+__all__ = [
+    "RdmaConfig",
+    "Descriptor",
+    "TensorMeta",
+    "Owner",
+    "Lease",
+    "TensorExporter",
+    "TensorReader",
+    "SUPPORTED_DTYPES",
+    "available_providers",
+    "has_rdma",
+    "known_providers",
+    "register_provider",
+    "Reason",
+    "TensorwireError",
+    "ConfigError",
+    "ClosedError",
+    "InvalidDescriptor",
+    "ExportError",
+    "PoolExhausted",
+    "ReadError",
+    "ReadTimeout",
+    "LeaseExpired",
+]

@@ -1,0 +1,270 @@
+"""``Descriptor`` (one exported slot) and ``TensorMeta`` (one manifest entry), their wire form and validation.
+
+Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and ``TensorReader.read`` run
+:meth:`Descriptor.validate` before any memory is touched. Rules, each raising ``InvalidDescriptor`` with a reason:
+
+- presence: version 1, owner agent name, host and port 1..65535, a non-empty lease id (<= 256 chars), a known mem
+  type, non-zero slot and generation addresses (the generation word 8-byte aligned), a non-empty manifest
+  (<= ``MAX_MANIFEST_ENTRIES``) -> DESCRIPTOR_MALFORMED / EMPTY_LEASE_ID / EMPTY_MANIFEST;
+- sizes: ``0 < payload_bytes <= max_slot_bytes`` -> OUT_OF_BOUNDS / SLOT_TOO_LARGE; slot_addr + payload_bytes
+  must not wrap the 64-bit address space;
+- per tensor: known dtype (UNSUPPORTED_DTYPE); <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
+  itemsize computed in Python integers and capped at 2**63 (SIZE_OVERFLOW); nbytes equal to it
+  (NBYTES_MISMATCH); offset a multiple of ``slot_align`` (MISALIGNED_OFFSET); offset + nbytes <= payload_bytes
+  (OUT_OF_BOUNDS);
+- no two non-empty tensors overlap (OVERLAPPING_TENSORS).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from google.protobuf.message import DecodeError
+
+from tensorwire.errors import InvalidDescriptor, Reason
+from tensorwire.rdma import _dtypes
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._proto import descriptor_pb2 as pb
+
+WIRE_VERSION = 1
+MAX_DESCRIPTOR_BYTES = 1 << 20
+MAX_MANIFEST_ENTRIES = 4096
+MAX_DIMS = 16
+MAX_LEASE_ID_CHARS = 256
+MAX_NAME_CHARS = 256
+_INT63 = 1 << 63
+_UINT64 = 1 << 64
+
+MEM_TYPES = ("DRAM", "VRAM")
+_MEM_TO_WIRE = {"DRAM": pb.MEM_DRAM, "VRAM": pb.MEM_VRAM}
+_MEM_FROM_WIRE = {v: k for k, v in _MEM_TO_WIRE.items()}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One manifest entry: a tensor of ``shape``/``dtype`` stored at ``offset`` in the slot payload."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who owns a slot: the data-plane agent name and the endpoint serving its metadata."""
+
+    agent_name: str
+    host: str
+    port: int
+    registration_epoch: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """Serializable address of one exported slot plus its manifest. Immutable; build with the exporter.
+
+    ``lease_id`` is globally unique across processes and hosts; return it to the owner with
+    ``TensorExporter.release``. ``generation`` is the slot generation at export and ``generation_addr`` the owner
+    address of the word that holds the current one (see ``tensorwire.rdma._pool`` for the protocol).
+    """
+
+    owner: Owner
+    mem_type: str
+    device_id: int
+    slot_addr: int
+    payload_bytes: int
+    lease_id: str
+    generation: int
+    generation_addr: int
+    manifest: tuple[TensorMeta, ...] = field(default_factory=tuple)
+
+    @property
+    def nbytes(self) -> int:
+        """Sum of the manifest's tensor sizes (payload_bytes also counts alignment padding)."""
+        return sum(m.nbytes for m in self.manifest)
+
+    def to_bytes(self) -> bytes:
+        msg = pb.DescriptorPB(
+            version=WIRE_VERSION,
+            owner=pb.OwnerPB(
+                agent_name=self.owner.agent_name,
+                host=self.owner.host,
+                port=self.owner.port,
+                registration_epoch=self.owner.registration_epoch,
+            ),
+            mem_type=_MEM_TO_WIRE.get(self.mem_type, pb.MEM_UNSPECIFIED),
+            device_id=self.device_id,
+            slot_addr=self.slot_addr,
+            payload_bytes=self.payload_bytes,
+            lease_id=self.lease_id,
+            generation=self.generation,
+            generation_addr=self.generation_addr,
+        )
+        for m in self.manifest:
+            msg.manifest.add(shape=list(m.shape), dtype=_dtypes.to_wire(m.dtype), offset=m.offset, nbytes=m.nbytes)
+        return msg.SerializeToString()
+
+    @classmethod
+    def from_bytes(
+        cls,
+        data: bytes,
+        *,
+        max_slot_bytes: int = RdmaConfig.max_slot_bytes,
+        slot_align: int = RdmaConfig.slot_align,
+    ) -> Descriptor:
+        """Parse and validate untrusted bytes; raises ``InvalidDescriptor`` (never another exception)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidDescriptor(f"descriptor must be bytes, got {type(data).__name__}")
+        if len(data) > MAX_DESCRIPTOR_BYTES:
+            raise InvalidDescriptor(f"descriptor is {len(data)} bytes, over the {MAX_DESCRIPTOR_BYTES} limit")
+        msg = pb.DescriptorPB()
+        try:
+            msg.ParseFromString(bytes(data))
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            raise InvalidDescriptor(f"descriptor bytes do not parse: {exc}") from exc
+        if msg.version != WIRE_VERSION:
+            raise InvalidDescriptor(f"descriptor version {msg.version} is not {WIRE_VERSION}")
+        if len(msg.manifest) > MAX_MANIFEST_ENTRIES:
+            raise InvalidDescriptor(f"manifest has {len(msg.manifest)} entries, over {MAX_MANIFEST_ENTRIES}")
+        entries = []
+        for i, e in enumerate(msg.manifest):
+            dtype = _dtypes.from_wire(e.dtype)
+            if dtype is None:
+                raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
+            if len(e.shape) > MAX_DIMS:
+                raise InvalidDescriptor(f"manifest[{i}]: {len(e.shape)} dims, over {MAX_DIMS}")
+            entries.append(TensorMeta(shape=tuple(int(d) for d in e.shape), dtype=dtype, offset=e.offset, nbytes=e.nbytes))
+        mem_type = _MEM_FROM_WIRE.get(msg.mem_type)
+        if mem_type is None:
+            raise InvalidDescriptor(f"unknown mem_type value {msg.mem_type}")
+        desc = cls(
+            owner=Owner(msg.owner.agent_name, msg.owner.host, msg.owner.port, msg.owner.registration_epoch),
+            mem_type=mem_type,
+            device_id=msg.device_id,
+            slot_addr=msg.slot_addr,
+            payload_bytes=msg.payload_bytes,
+            lease_id=msg.lease_id,
+            generation=msg.generation,
+            generation_addr=msg.generation_addr,
+            manifest=tuple(entries),
+        )
+        desc.validate(max_slot_bytes=max_slot_bytes, slot_align=slot_align)
+        return desc
+
+    def validate(
+        self, *, max_slot_bytes: int = RdmaConfig.max_slot_bytes, slot_align: int = RdmaConfig.slot_align
+    ) -> None:
+        """Check every rule of the module docstring; raises ``InvalidDescriptor`` with a reason."""
+        try:
+            _validate(self, max_slot_bytes, slot_align)
+        except InvalidDescriptor:
+            raise
+        except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+            # Hand-built descriptors with wrong field types end up here rather than as a crash later.
+            raise InvalidDescriptor(f"descriptor fields have wrong types: {exc}") from exc
+
+
+def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
+    o = d.owner
+    if not isinstance(o, Owner) or not o.agent_name or len(o.agent_name) > MAX_NAME_CHARS:
+        raise InvalidDescriptor("owner agent name is empty or too long")
+    if not o.host or len(o.host) > MAX_NAME_CHARS:
+        raise InvalidDescriptor("owner host is empty or too long")
+    if not isinstance(o.port, int) or not 1 <= o.port <= 65535:
+        raise InvalidDescriptor(f"owner port {o.port!r} is not in 1..65535")
+    if not _u64(o.registration_epoch):
+        raise InvalidDescriptor("registration epoch is not a uint64")
+    if not isinstance(d.lease_id, str) or not d.lease_id:
+        raise InvalidDescriptor("lease id is empty", reason=Reason.EMPTY_LEASE_ID)
+    if len(d.lease_id) > MAX_LEASE_ID_CHARS:
+        raise InvalidDescriptor(f"lease id is {len(d.lease_id)} chars, over {MAX_LEASE_ID_CHARS}")
+    if d.mem_type not in MEM_TYPES:
+        raise InvalidDescriptor(f"mem_type {d.mem_type!r} is not one of {MEM_TYPES}")
+    if not isinstance(d.device_id, int) or not 0 <= d.device_id < 1 << 16:
+        raise InvalidDescriptor(f"device id {d.device_id!r} is out of range")
+    for name in ("slot_addr", "generation_addr", "generation", "payload_bytes"):
+        if not _u64(getattr(d, name)):
+            raise InvalidDescriptor(f"{name} is not a uint64")
+    if d.slot_addr == 0:
+        raise InvalidDescriptor("slot address is 0")
+    if d.generation_addr == 0 or d.generation_addr % 8:
+        raise InvalidDescriptor(f"generation address {d.generation_addr:#x} is 0 or not 8-byte aligned")
+    if d.payload_bytes == 0:
+        raise InvalidDescriptor("payload_bytes is 0", reason=Reason.OUT_OF_BOUNDS)
+    if d.payload_bytes > max_slot_bytes:
+        raise InvalidDescriptor(
+            f"payload_bytes {d.payload_bytes} exceeds max_slot_bytes {max_slot_bytes}", reason=Reason.SLOT_TOO_LARGE
+        )
+    if d.slot_addr + d.payload_bytes >= _UINT64:
+        raise InvalidDescriptor("slot address + payload_bytes wraps around", reason=Reason.OUT_OF_BOUNDS)
+    if not d.manifest:
+        raise InvalidDescriptor("manifest is empty", reason=Reason.EMPTY_MANIFEST)
+    if len(d.manifest) > MAX_MANIFEST_ENTRIES:
+        raise InvalidDescriptor(f"manifest has {len(d.manifest)} entries, over {MAX_MANIFEST_ENTRIES}")
+    spans: list[tuple[int, int, int]] = []
+    for i, m in enumerate(d.manifest):
+        if not isinstance(m.dtype, torch.dtype) or not _dtypes.is_supported(m.dtype):
+            raise InvalidDescriptor(f"manifest[{i}]: unsupported dtype {m.dtype!r}", reason=Reason.UNSUPPORTED_DTYPE)
+        if len(m.shape) > MAX_DIMS:
+            raise InvalidDescriptor(f"manifest[{i}]: {len(m.shape)} dims, over {MAX_DIMS}")
+        nbytes = _dtypes.itemsize(m.dtype)
+        for dim in m.shape:
+            if not isinstance(dim, int) or isinstance(dim, bool):
+                raise InvalidDescriptor(f"manifest[{i}]: dim {dim!r} is not an int")
+            if dim < 0:
+                raise InvalidDescriptor(f"manifest[{i}]: negative dim in {m.shape}", reason=Reason.NEGATIVE_DIM)
+        for dim in m.shape:
+            nbytes *= dim
+            if nbytes >= _INT63:
+                raise InvalidDescriptor(f"manifest[{i}]: shape {m.shape} overflows int64 bytes", reason=Reason.SIZE_OVERFLOW)
+        if not _u64(m.nbytes) or not _u64(m.offset):
+            raise InvalidDescriptor(f"manifest[{i}]: offset/nbytes are not uint64")
+        if m.nbytes != nbytes:
+            raise InvalidDescriptor(
+                f"manifest[{i}]: nbytes {m.nbytes} != prod{m.shape} x {_dtypes.itemsize(m.dtype)} = {nbytes}",
+                reason=Reason.NBYTES_MISMATCH,
+            )
+        if m.offset % slot_align:
+            raise InvalidDescriptor(
+                f"manifest[{i}]: offset {m.offset} is not a multiple of {slot_align}", reason=Reason.MISALIGNED_OFFSET
+            )
+        if not (m.offset <= d.payload_bytes and m.nbytes <= d.payload_bytes - m.offset):
+            raise InvalidDescriptor(
+                f"manifest[{i}]: [{m.offset}, +{m.nbytes}) exceeds payload_bytes {d.payload_bytes}",
+                reason=Reason.OUT_OF_BOUNDS,
+            )
+        if m.nbytes:
+            spans.append((m.offset, m.offset + m.nbytes, i))
+    spans.sort()
+    for (_, end_a, ia), (start_b, _, ib) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise InvalidDescriptor(f"manifest[{ia}] and manifest[{ib}] overlap", reason=Reason.OVERLAPPING_TENSORS)
+
+
+def _u64(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _UINT64
+
+
+def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]], slot_align: int) -> tuple[list[TensorMeta], int]:
+    """Manifest entries packed at ``slot_align`` offsets, in order, and the payload size (>= 1 byte)."""
+    entries: list[TensorMeta] = []
+    offset = 0
+    for shape, dtype in shapes_and_dtypes:
+        shape_t = tuple(int(d) for d in shape)
+        nbytes = math.prod(shape_t) * _dtypes.itemsize(dtype)
+        entries.append(TensorMeta(shape=shape_t, dtype=dtype, offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // slot_align) * slot_align
+    last_end = max((m.offset + m.nbytes for m in entries), default=0)
+    return entries, max(last_end, 1)

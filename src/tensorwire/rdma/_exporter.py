@@ -1,0 +1,366 @@
+"""``TensorExporter``: copies tensors into pooled registered slots and hands out descriptors + leases.
+
+Lease life: ``export``/``allocate`` create a lease (globally unique id: a per-exporter uuid4 plus a counter) on
+a busy slot. ``release`` (idempotent; unknown ids are counted) or the TTL GC (``slot_gc_timeout_ms`` after the
+lease was created) ends it: the slot's generation is bumped, then the slot goes back to its free list with its
+registration kept. ``close`` voids every lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from tensorwire.errors import ClosedError, ExportError, Reason
+from tensorwire.rdma import _dtypes
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, layout
+from tensorwire.rdma._pool import GenerationTable, Slot, SlotPool
+from tensorwire.rdma.providers import create_provider
+from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Lease:
+    """A leased slot. ``tensors`` are views into it (``allocate``); ``descriptor`` is set once exported."""
+
+    lease_id: str
+    slot: Slot = field(repr=False)
+    manifest: tuple[TensorMeta, ...] = field(repr=False)
+    payload_bytes: int
+    created_s: float
+    descriptor: Descriptor | None = field(default=None, repr=False)
+
+    @property
+    def exported(self) -> bool:
+        return self.descriptor is not None
+
+
+class TensorExporter:
+    """Owner side of the rdma layer. Thread-safe; use as a context manager or call ``close()``.
+
+    ``export(tensors)`` copies the tensors (they may be dropped as soon as it returns) and, on CUDA, synchronizes
+    the caller's current stream of the configured device before the descriptor exists, so a reader never sees an
+    unfinished tensor. Work producing the inputs on other streams must be ordered before the call by the caller
+    (``torch.cuda.current_stream().wait_stream(s)``) or the call made under ``torch.cuda.stream(s)``.
+    """
+
+    def __init__(self, config: RdmaConfig | None = None) -> None:
+        self._cfg = config or RdmaConfig()
+        self._lock = threading.RLock()
+        self._closed = False
+        self._leases: dict[str, Lease] = {}
+        self._counter = 0
+        self._prefix = uuid.uuid4().hex
+        self._counts = {
+            "exports": 0,
+            "export_failures": 0,
+            "batch_rollbacks": 0,
+            "releases": 0,
+            "unknown_releases": 0,
+            "gc_reclaims": 0,
+            "allocations": 0,
+            "exported_bytes": 0,
+        }
+        self._gc_stop = threading.Event()
+        self._gc_thread: threading.Thread | None = None
+        self._provider: Provider | None = None
+        self._pool: SlotPool | None = None
+        self._gens: GenerationTable | None = None
+        self._owner: Owner | None = None
+        try:
+            self._device = torch.device(self._cfg.device)
+            if self._device.type == "cuda":
+                _check_cuda_device(self._cfg.device_index)
+            self._provider = create_provider(self._cfg, role=ROLE_EXPORTER)
+            self._gens = GenerationTable(self._provider)
+            self._pool = SlotPool(self._provider, self._cfg, generations=self._gens)
+            self._owner = self._provider.serve()
+            self._gc_thread = threading.Thread(target=self._gc_loop, name="tensorwire-rdma-gc", daemon=True)
+            self._gc_thread.start()
+        except BaseException:
+            self.close()
+            raise
+        log.info(
+            "rdma exporter ready: provider=%s agent=%s endpoint=%s device=%s pool_cap=%d gc=%d ms",
+            self._provider.name, self._owner.agent_name, self._owner.endpoint, self._cfg.device,
+            self._cfg.pool_cap_bytes, self._cfg.slot_gc_timeout_ms,
+        )
+
+    # -- properties --
+
+    @property
+    def config(self) -> RdmaConfig:
+        return self._cfg
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed and self._provider is not None
+
+    @property
+    def provider_name(self) -> str:
+        return self._provider.name if self._provider is not None else "none"
+
+    @property
+    def owner(self) -> Owner:
+        self._check_open()
+        assert self._owner is not None
+        return self._owner
+
+    # -- export --
+
+    def export(self, tensors: Sequence[torch.Tensor]) -> Descriptor:
+        """Copy ``tensors`` into one slot and return its descriptor (one manifest entry per tensor, in order)."""
+        self._check_open()
+        inputs = self._check_inputs(tensors)
+        manifest, payload = self._layout([(tuple(t.shape), t.dtype) for t in inputs])
+        lease = self._new_lease(manifest, payload)
+        try:
+            self._copy_in(lease, inputs)
+            return self._publish(lease)
+        except BaseException:
+            self._counts["export_failures"] += 1
+            self._end_lease(lease.lease_id)
+            raise
+
+    def export_batch(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[Descriptor]:
+        """One descriptor per group, in order. All or nothing: on any failure every lease made here is released."""
+        done: list[Descriptor] = []
+        try:
+            for group in groups:
+                done.append(self.export(group))
+        except BaseException:
+            if done:
+                self._counts["batch_rollbacks"] += 1
+                self.release([d.lease_id for d in done])
+            raise
+        return done
+
+    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[Lease, list[torch.Tensor]]:
+        """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``."""
+        self._check_open()
+        specs = []
+        for i, item in enumerate(shapes_and_dtypes):
+            try:
+                shape, dtype = item
+                shape = tuple(int(d) for d in shape)
+            except (TypeError, ValueError) as exc:
+                raise ExportError(f"allocate item {i}: expected (shape, dtype), got {item!r}") from exc
+            if not isinstance(dtype, torch.dtype) or not _dtypes.is_supported(dtype):
+                raise ExportError(f"allocate item {i}: unsupported dtype {dtype!r}", reason=Reason.UNSUPPORTED_DTYPE)
+            if any(d < 0 for d in shape):
+                raise ExportError(f"allocate item {i}: negative dim in {shape}", reason=Reason.NEGATIVE_DIM)
+            specs.append((shape, dtype))
+        if not specs:
+            raise ExportError("allocate needs at least one tensor", reason=Reason.EMPTY_EXPORT)
+        manifest, payload = self._layout(specs)
+        lease = self._new_lease(manifest, payload)
+        self._counts["allocations"] += 1
+        return lease, _views(lease.slot.tensor, manifest)
+
+    def export_allocated(self, lease: Lease) -> Descriptor:
+        """Publish an ``allocate``d lease (syncing the current CUDA stream first). Exporting twice raises."""
+        self._check_open()
+        with self._lock:
+            current = self._leases.get(lease.lease_id)
+        if current is not lease:
+            raise ExportError(f"lease {lease.lease_id} is released, reclaimed or not from this exporter",
+                              reason=Reason.LEASE_EXPIRED)
+        if lease.exported:
+            raise ExportError(f"lease {lease.lease_id} is already exported")
+        self._sync_device()
+        return self._publish(lease)
+
+    # -- release / GC --
+
+    def release(self, lease_ids: Iterable[str]) -> None:
+        """End these leases (idempotent). Unknown ids are counted in ``stats()["unknown_releases"]``."""
+        if isinstance(lease_ids, str):
+            lease_ids = [lease_ids]
+        for lease_id in lease_ids:
+            if self._end_lease(lease_id):
+                self._counts["releases"] += 1
+            else:
+                self._counts["unknown_releases"] += 1
+
+    def collect_garbage(self, now: float | None = None) -> int:
+        """Reclaim leases older than ``slot_gc_timeout_ms``; the GC thread calls this. Returns the count."""
+        now = time.monotonic() if now is None else now
+        ttl = self._cfg.slot_gc_timeout_ms / 1000.0
+        with self._lock:
+            expired = [lid for lid, lease in self._leases.items() if now - lease.created_s >= ttl]
+        reclaimed = sum(1 for lid in expired if self._end_lease(lid))
+        if reclaimed:
+            self._counts["gc_reclaims"] += reclaimed
+            log.warning("rdma GC reclaimed %d lease(s) older than %d ms; are readers releasing?",
+                        reclaimed, self._cfg.slot_gc_timeout_ms)
+        return reclaimed
+
+    def _gc_loop(self) -> None:
+        # Wake at most 4 times per TTL (at least every 10 ms, at most every 1 s): negligible CPU when idle.
+        interval = min(1.0, max(0.01, self._cfg.slot_gc_timeout_ms / 4000.0))
+        while not self._gc_stop.wait(interval):
+            try:
+                self.collect_garbage()
+            except Exception:
+                log.exception("rdma GC pass failed")
+
+    # -- introspection / lifecycle --
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {"provider": self.provider_name, "device": self._cfg.device,
+                                   "live_leases": len(self._leases), **self._counts}
+        if self._pool is not None:
+            out.update(self._pool.stats())
+        if self._provider is not None:
+            out.update(self._provider.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop GC and the metadata endpoint, void every lease, deregister everything. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            outstanding = len(self._leases)
+            self._leases.clear()
+        self._gc_stop.set()
+        if self._gc_thread is not None and self._gc_thread is not threading.current_thread():
+            self._gc_thread.join(timeout=5.0)
+        if outstanding:
+            log.info("rdma exporter closing with %d outstanding lease(s)", outstanding)
+        if self._pool is not None:
+            self._pool.force_close()
+        if self._gens is not None and self._gens.reg is not None and self._provider is not None:
+            try:
+                self._provider.deregister(self._gens.reg)
+            except Exception:
+                log.warning("deregistering the generation table failed", exc_info=True)
+            self._gens.reg = None
+        if self._provider is not None:
+            self._provider.close()
+
+    def __enter__(self) -> TensorExporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("TensorExporter is closed")
+
+    def _check_inputs(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if isinstance(tensors, torch.Tensor):
+            raise ExportError("export takes a sequence of tensors, not one tensor", reason=Reason.EMPTY_EXPORT)
+        tensors = list(tensors)
+        if not tensors:
+            raise ExportError("nothing to export: empty tensor list", reason=Reason.EMPTY_EXPORT)
+        out = []
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise ExportError(f"input {i} is a {type(t).__name__}, not a torch.Tensor")
+            if not _dtypes.is_supported(t.dtype):
+                raise ExportError(f"input {i}: unsupported dtype {t.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
+            if t.device != tensors[0].device:
+                raise ExportError(f"input {i} is on {t.device}, input 0 on {tensors[0].device}",
+                                  reason=Reason.MIXED_DEVICES)
+            if not _same_device(t.device, self._device):
+                raise ExportError(f"input {i} is on {t.device}, the exporter is configured for {self._device}",
+                                  reason=Reason.WRONG_DEVICE)
+            if t.layout != torch.strided or t.is_sparse:
+                raise ExportError(f"input {i} has layout {t.layout}; only dense tensors", reason=Reason.NOT_CONTIGUOUS)
+            out.append(t if t.is_contiguous() else t.contiguous())
+        return out
+
+    def _layout(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[tuple[TensorMeta, ...], int]:
+        manifest, payload = layout(specs, self._cfg.slot_align)
+        if payload > self._cfg.max_slot_bytes:
+            raise ExportError(
+                f"{len(specs)} tensor(s) need {payload} bytes (aligned to {self._cfg.slot_align}), over "
+                f"max_slot_bytes {self._cfg.max_slot_bytes}; split the export", reason=Reason.SLOT_TOO_LARGE)
+        return tuple(manifest), payload
+
+    def _new_lease(self, manifest: tuple[TensorMeta, ...], payload: int) -> Lease:
+        assert self._pool is not None
+        slot = self._pool.acquire(payload)
+        with self._lock:
+            if self._closed:
+                self._pool.release(slot)
+                raise ClosedError("TensorExporter is closed")
+            self._counter += 1
+            lease = Lease(lease_id=f"{self._prefix}-{self._counter:x}", slot=slot, manifest=manifest,
+                          payload_bytes=payload, created_s=time.monotonic())
+            self._leases[lease.lease_id] = lease
+        return lease
+
+    def _end_lease(self, lease_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.pop(lease_id, None) if isinstance(lease_id, str) else None
+        if lease is None:
+            return False
+        if self._pool is not None:
+            self._pool.release(lease.slot)
+        return True
+
+    def _copy_in(self, lease: Lease, inputs: list[torch.Tensor]) -> None:
+        views = _views(lease.slot.tensor, lease.manifest)
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                for v, t in zip(views, inputs):
+                    v.copy_(t)
+                # The copies run on the caller's current stream after the producer's work; waiting for them
+                # here is the "visible before the descriptor exists" contract.
+                torch.cuda.current_stream(self._device).synchronize()
+        else:
+            for v, t in zip(views, inputs):
+                v.copy_(t)
+
+    def _sync_device(self) -> None:
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                torch.cuda.current_stream(self._device).synchronize()
+
+    def _publish(self, lease: Lease) -> Descriptor:
+        assert self._owner is not None and self._provider is not None and self._gens is not None
+        owner = Owner(self._owner.agent_name, self._owner.host, self._owner.port, self._provider.registration_epoch)
+        slot = lease.slot
+        desc = Descriptor(
+            owner=owner,
+            mem_type=self._pool.mem_type if self._pool else "DRAM",
+            device_id=self._cfg.device_index,
+            slot_addr=slot.addr,
+            payload_bytes=lease.payload_bytes,
+            lease_id=lease.lease_id,
+            generation=self._gens.current(slot.gen_index),
+            generation_addr=self._gens.addr_of(slot.gen_index),
+            manifest=lease.manifest,
+        )
+        lease.descriptor = desc
+        self._counts["exports"] += 1
+        self._counts["exported_bytes"] += desc.nbytes
+        return desc
+
+
+def _views(buf: torch.Tensor, manifest: Sequence[TensorMeta]) -> list[torch.Tensor]:
+    return [buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape) for m in manifest]
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.type != "cuda" or (a.index or 0) == (b.index or 0))
+
+
+def _check_cuda_device(index: int) -> None:
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise ExportError(f"device cuda:{index} is not available in this process", reason=Reason.PROVIDER_UNAVAILABLE)

@@ -1,0 +1,317 @@
+"""Registered slot pool (size buckets, cap, shrink) and the generation table that makes stale reads detectable.
+
+Slot pool
+---------
+Slots are 1-D ``uint8`` tensors on the configured device, registered with the provider once and kept registered
+while they sit on their bucket's free list. Buckets are powers of two from ``MIN_BUCKET_BYTES`` up to
+``max_slot_bytes`` (the top bucket is ``max_slot_bytes`` itself). Pool-owned bytes (idle + busy) never exceed
+``pool_cap_bytes``. When a new slot cannot be had (cap reached or out of memory) the pool runs, in order:
+shrink 50% of the idle slots -> retry -> shrink every idle slot -> retry -> ``PoolExhausted``. Shrinking only
+deregisters and frees idle slots; a busy (leased) slot is never touched.
+
+Generation protocol (why a stale descriptor never returns a new tenant's bytes)
+-------------------------------------------------------------------------------
+Deregistration is not enforced by every transport (CMA reads deregistered memory happily), so staleness is
+detected by the protocol, not by the transport:
+
+1. The exporter keeps a *generation table*: one 8-byte word per slot in host memory that stays registered for the
+   exporter's lifetime. Values come from one per-exporter counter that only grows, so a (word, value) pair is
+   never issued twice, even when the word is later given to another slot.
+2. A descriptor carries the slot's value at export time (``generation``) and the word's address.
+3. Before a slot is reused, freed by shrink or reclaimed by GC, the exporter stores a fresh value into its word.
+   That store completes (program order; a plain aligned 8-byte store on the CPU) before any byte of a new tenant
+   is written into the slot, because the new tenant's copy is issued by the same code path afterwards.
+4. The reader READs the payload, waits for that READ to complete, and only then READs the generation word. If the
+   word still equals the descriptor's value the bytes are returned, else ``LeaseExpired(STALE_GENERATION)``.
+
+Soundness: suppose the payload READ observed a byte of a new tenant. That byte was written after the bump (3),
+and it was observed before the payload READ completed, which is before the generation READ started (4). So the
+bump completed before the generation READ started, and the reader sees a value different from the descriptor's
+(1: values never repeat), and rejects. A torn 8-byte read cannot defeat this: the bump had completed before the
+generation READ began. Release without reuse also bumps, so any read after ``release`` fails even if the old
+bytes are still there. The argument does not depend on the slot memory still being mapped: only the table must
+be, and it is registered until ``close``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tensorwire.errors import ClosedError, ExportError, PoolExhausted, Reason, TensorwireError
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma.providers.base import Provider, Registration
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET_BYTES = 4096
+GENERATION_WORDS = 65536  # 512 KiB of host memory; bounds the number of live slots of one exporter
+
+
+def bucket_bytes(nbytes: int, max_slot_bytes: int) -> int:
+    """The slot size used for a request of ``nbytes`` (a power of two, or ``max_slot_bytes`` at the top)."""
+    size = MIN_BUCKET_BYTES
+    while size < nbytes:
+        size <<= 1
+    return min(size, max(max_slot_bytes, nbytes))
+
+
+class GenerationTable:
+    """Registered host words holding the current generation of each slot (see the module docstring)."""
+
+    def __init__(self, provider: Provider, words: int = GENERATION_WORDS) -> None:
+        self._words = torch.zeros(words, dtype=torch.int64)
+        self._view = self._words.numpy()
+        self._next_value = 1
+        self._free = collections.deque(range(words))
+        self._lock = threading.Lock()
+        self.reg: Registration | None = provider.register(self._words.data_ptr(), words * 8, "DRAM", 0)
+
+    def addr_of(self, index: int) -> int:
+        return self._words.data_ptr() + index * 8
+
+    def take(self) -> int | None:
+        """A free word index, freshly bumped; None when all words are in use."""
+        with self._lock:
+            if not self._free:
+                return None
+            index = self._free.popleft()
+        self.bump(index)
+        return index
+
+    def give_back(self, index: int) -> None:
+        self.bump(index)
+        with self._lock:
+            self._free.append(index)
+
+    def bump(self, index: int) -> int:
+        with self._lock:
+            value = self._next_value
+            self._next_value += 1
+            self._view[index] = value
+        return value
+
+    def current(self, index: int) -> int:
+        return int(self._view[index])
+
+
+@dataclass(eq=False)
+class Slot:
+    """One registered buffer of ``nbytes`` (its bucket size)."""
+
+    nbytes: int
+    tensor: torch.Tensor
+    reg: Registration
+    gen_index: int = -1
+    busy: bool = False
+
+    @property
+    def addr(self) -> int:
+        return int(self.tensor.data_ptr())
+
+
+@dataclass
+class _Counters:
+    allocations: int = 0
+    reuses: int = 0
+    shrinks: int = 0
+    shrunk_slots: int = 0
+    shrunk_bytes: int = 0
+    exhausted: int = 0
+    alloc_failures: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class SlotPool:
+    """Size-bucketed registered slots; thread-safe. See the module docstring for the shrink sequence."""
+
+    def __init__(self, provider: Provider, config: RdmaConfig, *, generations: GenerationTable | None) -> None:
+        self._provider = provider
+        self._cfg = config
+        self._gens = generations
+        self._mem_type = "VRAM" if config.is_cuda else "DRAM"
+        self._device = torch.device(config.device)
+        self._free: dict[int, list[Slot]] = collections.defaultdict(list)
+        self._busy: set[Slot] = set()
+        self._total_bytes = 0
+        self._lock = threading.RLock()
+        self._closed = False
+        self.counters = _Counters()
+
+    @property
+    def mem_type(self) -> str:
+        return self._mem_type
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total_bytes
+
+    def acquire(self, nbytes: int) -> Slot:
+        """A busy slot of at least ``nbytes``; ``PoolExhausted`` after the shrink sequence."""
+        size = bucket_bytes(nbytes, self._cfg.max_slot_bytes)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("slot pool is closed")
+            free = self._free.get(size)
+            if free:
+                slot = free.pop()
+                self.counters.reuses += 1
+                return self._mark_busy(slot)
+            errors: list[str] = []
+            for step in (None, 0.5, 1.0):
+                if step is not None:
+                    self._shrink_locked(step)
+                slot = self._try_new(size, errors)
+                if slot is not None:
+                    return self._mark_busy(slot)
+            self.counters.exhausted += 1
+            busy_bytes = sum(s.nbytes for s in self._busy)
+            raise PoolExhausted(
+                f"no slot of {size} bytes after shrinking every idle slot ({busy_bytes}/{self._cfg.pool_cap_bytes} "
+                f"bytes leased in {len(self._busy)} slots; last error: {errors[-1] if errors else 'none'}); "
+                "raise pool_cap_bytes or check that readers release their leases"
+            )
+
+    def release(self, slot: Slot) -> None:
+        """Bump the slot's generation, then put it back on its free list (registration kept)."""
+        with self._lock:
+            if slot not in self._busy:
+                return
+            if self._gens is not None:
+                self._gens.bump(slot.gen_index)
+            self._busy.discard(slot)
+            slot.busy = False
+            if self._closed:
+                self._destroy(slot)
+            else:
+                self._free[slot.nbytes].append(slot)
+
+    def shrink(self, fraction: float) -> int:
+        """Free ``fraction`` of the idle slots (largest first); returns the bytes freed."""
+        with self._lock:
+            return self._shrink_locked(fraction)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            buckets: dict[int, dict[str, int]] = {}
+            for size, slots in self._free.items():
+                buckets.setdefault(size, {"idle": 0, "busy": 0})["idle"] += len(slots)
+            for s in self._busy:
+                buckets.setdefault(s.nbytes, {"idle": 0, "busy": 0})["busy"] += 1
+            c = self.counters
+            return {
+                "pool_bytes": self._total_bytes,
+                "pool_cap_bytes": self._cfg.pool_cap_bytes,
+                "busy_bytes": sum(s.nbytes for s in self._busy),
+                "idle_slots": sum(len(v) for v in self._free.values()),
+                "busy_slots": len(self._busy),
+                "buckets": {str(k): v for k, v in sorted(buckets.items())},
+                "slot_allocations": c.allocations,
+                "slot_reuses": c.reuses,
+                "shrinks": c.shrinks,
+                "shrunk_slots": c.shrunk_slots,
+                "shrunk_bytes": c.shrunk_bytes,
+                "pool_exhausted": c.exhausted,
+                "alloc_failures": c.alloc_failures,
+            }
+
+    def close(self) -> int:
+        """Deregister and free idle slots; busy ones are freed when released. Returns the busy count."""
+        with self._lock:
+            if self._closed:
+                return len(self._busy)
+            self._closed = True
+            for slots in self._free.values():
+                for slot in slots:
+                    self._destroy(slot)
+            self._free.clear()
+            return len(self._busy)
+
+    def force_close(self) -> None:
+        """Free busy slots too (exporter close: every lease is void)."""
+        with self._lock:
+            self.close()
+            for slot in list(self._busy):
+                if self._gens is not None:
+                    self._gens.bump(slot.gen_index)
+                self._busy.discard(slot)
+                self._destroy(slot)
+
+    # -- internals (lock held) --
+
+    def _mark_busy(self, slot: Slot) -> Slot:
+        slot.busy = True
+        self._busy.add(slot)
+        return slot
+
+    def _try_new(self, size: int, errors: list[str]) -> Slot | None:
+        if self._total_bytes + size > self._cfg.pool_cap_bytes:
+            errors.append(f"cap: {self._total_bytes} + {size} > {self._cfg.pool_cap_bytes}")
+            return None
+        gen_index = -1
+        if self._gens is not None:
+            taken = self._gens.take()
+            if taken is None:
+                errors.append(f"all {GENERATION_WORDS} generation words in use")
+                return None
+            gen_index = taken
+        try:
+            tensor = self._allocate(size)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self.counters.alloc_failures += 1
+            errors.append(f"allocation failed: {exc}")
+            if self._gens is not None:
+                self._gens.give_back(gen_index)
+            return None
+        try:
+            reg = self._provider.register(int(tensor.data_ptr()), size, self._mem_type, self._cfg.device_index)
+        except TensorwireError:
+            if self._gens is not None:
+                self._gens.give_back(gen_index)
+            raise
+        except Exception as exc:
+            if self._gens is not None:
+                self._gens.give_back(gen_index)
+            raise ExportError(f"registering a {size}-byte slot failed: {exc}", reason=Reason.REGISTRATION_FAILED) from exc
+        self._total_bytes += size
+        self.counters.allocations += 1
+        return Slot(nbytes=size, tensor=tensor, reg=reg, gen_index=gen_index)
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                return torch.empty(size, dtype=torch.uint8, device=self._device)
+        return torch.empty(size, dtype=torch.uint8)
+
+    def _shrink_locked(self, fraction: float) -> int:
+        idle = sorted((s for slots in self._free.values() for s in slots), key=lambda s: s.nbytes, reverse=True)
+        if not idle:
+            return 0
+        count = len(idle) if fraction >= 1.0 else max(1, int(len(idle) * fraction + 0.5))
+        victims = idle[:count]
+        freed = 0
+        for slot in victims:
+            self._free[slot.nbytes].remove(slot)
+            freed += slot.nbytes
+            self._destroy(slot)
+        self.counters.shrinks += 1
+        self.counters.shrunk_slots += len(victims)
+        self.counters.shrunk_bytes += freed
+        log.info("slot pool shrank %d idle slots (%d bytes) of %d idle", len(victims), freed, len(idle))
+        return freed
+
+    def _destroy(self, slot: Slot) -> None:
+        try:
+            self._provider.deregister(slot.reg)
+        except Exception:  # the memory is dropped either way; a failed deregistration only leaks the handle
+            log.warning("deregistering a %d-byte slot failed", slot.nbytes, exc_info=True)
+        if self._gens is not None and slot.gen_index >= 0:
+            self._gens.give_back(slot.gen_index)
+            slot.gen_index = -1
+        self._total_bytes -= slot.nbytes
+        slot.tensor = torch.empty(0, dtype=torch.uint8)

@@ -1,0 +1,315 @@
+"""``TensorReader``: validates descriptors, READs the slots, checks generations, returns owned tensors.
+
+Destinations: a payload below ``LARGE_READ_BYTES`` lands in a pooled registered buffer and is cloned out (one
+extra copy, cheap at that size, no registration on the hot path); a larger one is READ straight into freshly
+allocated result tensors registered just for that read (no second copy of hundreds of MiB).
+After a ``ReadTimeout`` the destinations are quarantined until the provider reports the transfer finished; a
+quarantined pooled buffer is never handed out again before that, and a fresh tensor is never returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from tensorwire.errors import (
+    ClosedError,
+    InvalidDescriptor,
+    LeaseExpired,
+    ReadError,
+    ReadTimeout,
+    Reason,
+)
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._descriptor import Descriptor, TensorMeta
+from tensorwire.rdma._pool import Slot, SlotPool
+from tensorwire.rdma.providers import create_provider
+from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provider, Range, Registration
+
+log = logging.getLogger(__name__)
+
+LARGE_READ_BYTES = 4 << 20
+_GEN_CELLS = 4096
+
+
+@dataclass(eq=False)
+class _Quarantined:
+    pending: PendingTransfer
+    slots: list[Slot] = field(default_factory=list)
+    regs: list[Registration] = field(default_factory=list)
+    keep: list[Any] = field(default_factory=list)
+
+
+class _GenScratch:
+    """Registered host cells the reader READs generation words into (8 bytes each)."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.words = torch.zeros(_GEN_CELLS, dtype=torch.int64)
+        self.reg = provider.register(self.words.data_ptr(), _GEN_CELLS * 8, "DRAM", 0)
+        self._free = list(range(_GEN_CELLS))
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> list[int]:
+        with self._lock:
+            if len(self._free) < n:
+                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR)
+            cells, self._free = self._free[:n], self._free[n:]
+        for c in cells:
+            self.words[c] = 0
+        return cells
+
+    def give_back(self, cells: list[int]) -> None:
+        with self._lock:
+            self._free.extend(cells)
+
+    def addr(self, cell: int) -> int:
+        return self.words.data_ptr() + cell * 8
+
+
+class TensorReader:
+    """Reader side of the rdma layer. ``read`` is thread-safe; use as a context manager or call ``close()``."""
+
+    def __init__(self, config: RdmaConfig | None = None) -> None:
+        self._cfg = config or RdmaConfig()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._quarantine: list[_Quarantined] = []
+        self._counts = {"reads": 0, "read_descriptors": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
+                        "stale_generations": 0, "invalid_descriptors": 0, "quarantined": 0, "quarantine_freed": 0}
+        self._provider: Provider | None = None
+        self._pool: SlotPool | None = None
+        self._scratch: _GenScratch | None = None
+        try:
+            self._device = torch.device(self._cfg.device)
+            self._mem_type = "VRAM" if self._device.type == "cuda" else "DRAM"
+            if self._device.type == "cuda" and (not torch.cuda.is_available()
+                                                or self._cfg.device_index >= torch.cuda.device_count()):
+                raise ReadError(f"device {self._cfg.device} is not available", reason=Reason.PROVIDER_UNAVAILABLE)
+            self._provider = create_provider(self._cfg, role=ROLE_READER)
+            self._pool = SlotPool(self._provider, self._cfg, generations=None)
+            self._scratch = _GenScratch(self._provider)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def config(self) -> RdmaConfig:
+        return self._cfg
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed and self._provider is not None
+
+    @property
+    def provider_name(self) -> str:
+        return self._provider.name if self._provider is not None else "none"
+
+    def transport(self, descriptor: Descriptor | None = None) -> str:
+        """The UCX transport the last READ (from ``descriptor``'s owner, when given) went over, or "unknown"."""
+        if self._provider is None:
+            return "unknown"
+        return self._provider.transport(descriptor.owner if descriptor is not None else None)
+
+    def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None) -> list[torch.Tensor]:
+        """Fetch every descriptor's tensors: flattened in descriptor order x manifest order.
+
+        The tensors are on the reader's device, own their storage and outlive the reader and the remote lease.
+        ``timeout_ms`` (default ``read_timeout_ms``) bounds the whole call; <= 0 fails at once with ReadTimeout.
+        Raises InvalidDescriptor before touching memory, ReadTimeout, LeaseExpired (stale generation), ReadError.
+        """
+        if self._closed:
+            raise ClosedError("TensorReader is closed")
+        timeout = self._cfg.read_timeout_ms if timeout_ms is None else timeout_ms
+        deadline = time.monotonic() + timeout / 1000.0
+        descs = self._validate(descriptors)
+        if timeout <= 0:
+            raise ReadTimeout(f"read budget {timeout} ms is already exhausted", reason=Reason.READ_TIMEOUT)
+        self._drain_quarantine()
+        out: list[torch.Tensor] = []
+        try:
+            for d in descs:
+                out.extend(self._read_one(d, deadline))
+        except ReadTimeout:
+            self._counts["read_timeouts"] += 1
+            raise
+        except LeaseExpired:
+            self._counts["stale_generations"] += 1
+            raise
+        except ReadError:
+            self._counts["read_errors"] += 1
+            raise
+        self._counts["reads"] += 1
+        self._counts["read_descriptors"] += len(descs)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"provider": self.provider_name, "device": self._cfg.device, **self._counts,
+                               "quarantine_live": len(self._quarantine), "transport": self.transport()}
+        if self._pool is not None:
+            out.update({f"buffer_{k}": v for k, v in self._pool.stats().items()})
+        if self._provider is not None:
+            out.update(self._provider.stats())
+        return out
+
+    def close(self) -> None:
+        """Release buffers and the provider; idempotent. Transfers still in flight are abandoned first."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._drain_quarantine(wait_s=1.0)
+        leftover = self._quarantine
+        for q in leftover:
+            q.pending.abandon()
+        if self._pool is not None:
+            self._pool.close()
+        if self._scratch is not None and self._provider is not None:
+            try:
+                self._provider.deregister(self._scratch.reg)
+            except Exception:
+                log.warning("deregistering the generation scratch failed", exc_info=True)
+        if self._provider is not None:
+            self._provider.close()
+        if leftover:
+            # The engine is gone now, so nothing can write into these buffers any more; drop them.
+            log.warning("rdma reader closed with %d transfer(s) still in flight after their deadline", len(leftover))
+            self._quarantine = []
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --
+
+    def _validate(self, descriptors: Sequence[Descriptor | bytes]) -> list[Descriptor]:
+        if isinstance(descriptors, (Descriptor, bytes, bytearray)):
+            descriptors = [descriptors]  # type: ignore[list-item]
+        out = []
+        try:
+            for d in descriptors:
+                if isinstance(d, (bytes, bytearray, memoryview)):
+                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
+                elif isinstance(d, Descriptor):
+                    d.validate(max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
+                else:
+                    raise InvalidDescriptor(f"expected a Descriptor or bytes, got {type(d).__name__}")
+                out.append(d)
+        except InvalidDescriptor:
+            self._counts["invalid_descriptors"] += 1
+            raise
+        if not out:
+            raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
+        return out
+
+    def _read_one(self, d: Descriptor, deadline: float) -> list[torch.Tensor]:
+        assert self._provider is not None and self._pool is not None and self._scratch is not None
+        large = d.payload_bytes >= LARGE_READ_BYTES
+        slot: Slot | None = None
+        regs: list[Registration] = []
+        results: list[torch.Tensor] = []
+        local: list[Range] = []
+        remote: list[Range] = []
+        dev = self._cfg.device_index
+        cells = self._scratch.take(1)
+        finished = False
+        try:
+            if large:
+                for m in d.manifest:
+                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                    results.append(t)
+                    if m.nbytes:
+                        regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
+                        local.append((t.data_ptr(), m.nbytes, dev))
+                        remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
+            else:
+                slot = self._pool.acquire(d.payload_bytes)
+                local.append((slot.addr, d.payload_bytes, dev))
+                remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+            if local:
+                self._provider.read(d.owner, self._mem_type, local, d.mem_type, remote, deadline=deadline)
+            # Only after the payload READ completed: the generation READ (see _pool's module docstring).
+            self._provider.read(d.owner, "DRAM", [(self._scratch.addr(cells[0]), 8, 0)],
+                                "DRAM", [(d.generation_addr, 8, 0)], deadline=deadline)
+            current = int(self._scratch.words[cells[0]])
+            if current != d.generation:
+                raise LeaseExpired(
+                    f"lease {d.lease_id}: slot generation is {current}, descriptor has {d.generation}; the lease was "
+                    "released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
+            if not large:
+                assert slot is not None
+                results = [self._clone_out(slot.tensor, m) for m in d.manifest]
+            _check_results(d, results)
+            self._counts["read_bytes"] += d.nbytes
+            finished = True
+            return results
+        except ReadTimeout as exc:
+            pending = getattr(exc, "pending", None)
+            if pending is not None:
+                self._counts["quarantined"] += 1
+                q = _Quarantined(pending=pending, slots=[slot] if slot else [], regs=regs, keep=[list(results), list(cells)])
+                with self._lock:
+                    self._quarantine.append(q)
+                slot, regs, cells = None, [], []
+            raise
+        finally:
+            if slot is not None:
+                self._pool.release(slot)
+            for r in regs:
+                self._provider.deregister(r)
+            if cells:
+                self._scratch.give_back(cells)
+            if not finished:
+                results.clear()
+
+    def _clone_out(self, buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+        src = buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
+        if self._device.type == "cuda":
+            with torch.cuda.device(self._device):
+                return src.clone()
+        return src.clone()
+
+    def _drain_quarantine(self, wait_s: float = 0.0) -> None:
+        if not self._quarantine:
+            return
+        end = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                live = self._quarantine
+                self._quarantine = []
+            still = []
+            for q in live:
+                if q.pending.poll():
+                    self._counts["quarantine_freed"] += 1
+                    for s in q.slots:
+                        assert self._pool is not None
+                        self._pool.release(s)
+                    for r in q.regs:
+                        assert self._provider is not None
+                        self._provider.deregister(r)
+                    for c in q.keep[1]:
+                        assert self._scratch is not None
+                        self._scratch.give_back([c])
+                else:
+                    still.append(q)
+            with self._lock:
+                self._quarantine.extend(still)
+            if not still or time.monotonic() >= end:
+                return
+            time.sleep(0.005)
+
+
+def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
+    if len(results) != len(d.manifest):
+        raise ReadError(f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
+                        reason=Reason.RESULT_MISMATCH)
+    for i, (t, m) in enumerate(zip(results, d.manifest)):
+        if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.numel() * t.element_size() != m.nbytes:
+            raise ReadError(f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says "
+                            f"{m.shape}/{m.dtype}", reason=Reason.RESULT_MISMATCH)

@@ -1,0 +1,98 @@
+"""Provider registry: ``nixl`` and ``none`` by name; ``auto`` picks nixl when it is importable.
+
+Providers are imported only when chosen, so ``tensorwire.rdma`` never imports NIXL unless it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
+
+# name -> "module:Class"; entries are resolved lazily. register_provider() adds third-party ones.
+_REGISTRY: dict[str, str | Callable[[], type[Provider]]] = {
+    "nixl": "tensorwire.rdma.providers.nixl:NixlProvider",
+    "none": "tensorwire.rdma.providers.none:NoneProvider",
+}
+_AUTO_ORDER = ("nixl",)
+
+
+def register_provider(name: str, target: str | Callable[[], type[Provider]]) -> None:
+    """Add a provider under ``name`` ("module:Class" or a zero-argument factory returning the class)."""
+    if not name or name == "auto":
+        raise ConfigError(f"provider name {name!r} is reserved or empty")
+    _REGISTRY[name] = target
+
+
+def known_providers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def provider_class(name: str) -> type[Provider]:
+    """The class registered as ``name``; ``ConfigError`` naming the known providers otherwise."""
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise ConfigError(f"unknown rdma provider {name!r}; known: {', '.join(['auto', *known_providers()])}")
+    if callable(target):
+        return target()
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+
+
+def _is_available(name: str) -> bool:
+    try:
+        return provider_class(name).available()
+    except ImportError:
+        return False
+
+
+def available_providers() -> list[str]:
+    """Names of the registered providers that can work in this process (``none`` never can)."""
+    return [n for n in known_providers() if _is_available(n)]
+
+
+def has_rdma(config: RdmaConfig | None = None) -> bool:
+    """Whether ``config.provider`` (default ``auto``) resolves to a working provider."""
+    name = (config or RdmaConfig()).provider
+    if name == "auto":
+        return any(_is_available(n) for n in _AUTO_ORDER)
+    return _is_available(name)
+
+
+def resolve_name(config: RdmaConfig) -> str:
+    if config.provider != "auto":
+        provider_class(config.provider)  # ConfigError for unknown names
+        return config.provider
+    for name in _AUTO_ORDER:
+        if _is_available(name):
+            return name
+    return "none"
+
+
+def create_provider(config: RdmaConfig, *, role: str) -> Provider:
+    """Build the configured provider for ``role``; raises PROVIDER_UNAVAILABLE (ExportError/ReadError by role)."""
+    name = resolve_name(config)
+    cls = provider_class(name)
+    if not cls.available():
+        msg = f"rdma provider {name!r} is not available in this process (requested {config.provider!r})"
+        err = ExportError if role == ROLE_EXPORTER else ReadError
+        raise err(msg, reason=Reason.PROVIDER_UNAVAILABLE)
+    return cls(config, role=role)
+
+
+__all__ = [
+    "PendingTransfer",
+    "Provider",
+    "Range",
+    "Registration",
+    "available_providers",
+    "create_provider",
+    "has_rdma",
+    "known_providers",
+    "provider_class",
+    "register_provider",
+    "resolve_name",
+]
