@@ -1,0 +1,138 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    EMBEDDING: _ClassVar[Role]
+    POS_ID: _ClassVar[Role]
+    EXTRA_INPUT: _ClassVar[Role]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT64: DType
+INT64: DType
+INT32: DType
+INT16: DType
+INT8: DType
+UINT8: DType
+BOOL: DType
+ROLE_UNSPECIFIED: Role
+EMBEDDING: Role
+POS_ID: Role
+EXTRA_INPUT: Role
+
+class MultimodalInput(_message.Message):
+    __slots__ = ("data", "kind", "params", "timeout_ms")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    kind: str
+    params: _containers.ScalarMap[str, str]
+    timeout_ms: int
+    def __init__(self, data: _Optional[bytes] = ..., kind: _Optional[str] = ..., params: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class EncodeRequest(_message.Message):
+    __slots__ = ("inputs", "support_rdma", "deadline_ms", "rdma_excluded_workers")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    SUPPORT_RDMA_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    RDMA_EXCLUDED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[MultimodalInput]
+    support_rdma: bool
+    deadline_ms: int
+    rdma_excluded_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[MultimodalInput, _Mapping]]] = ..., support_rdma: _Optional[bool] = ..., deadline_ms: _Optional[int] = ..., rdma_excluded_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RdmaSlot(_message.Message):
+    __slots__ = ("descriptor", "roles")
+    DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    descriptor: bytes
+    roles: _containers.RepeatedScalarFieldContainer[Role]
+    def __init__(self, descriptor: _Optional[bytes] = ..., roles: _Optional[_Iterable[_Union[Role, str]]] = ...) -> None: ...
+
+class WorkerIdentity(_message.Message):
+    __slots__ = ("worker_id", "address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class EncodeResponse(_message.Message):
+    __slots__ = ("embedding", "position_ids", "extra_inputs", "split_sizes", "rdma_slots", "worker", "encoder_stage_us")
+    class EncoderStageUsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    POSITION_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_SIZES_FIELD_NUMBER: _ClassVar[int]
+    RDMA_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_STAGE_US_FIELD_NUMBER: _ClassVar[int]
+    embedding: Tensor
+    position_ids: Tensor
+    extra_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    split_sizes: _containers.RepeatedScalarFieldContainer[int]
+    rdma_slots: _containers.RepeatedCompositeFieldContainer[RdmaSlot]
+    worker: WorkerIdentity
+    encoder_stage_us: _containers.ScalarMap[str, int]
+    def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class ReleaseLeasesRequest(_message.Message):
+    __slots__ = ("lease_ids",)
+    LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseLeasesResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

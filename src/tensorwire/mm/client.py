@@ -1,0 +1,576 @@
+"""LLM side: RemoteOutputTransport.fetch(inputs) -> MultimodalOutput.
+
+One fetch, one budget (never reset), shared by every step::
+
+    budget = timeout_ms or max_i(item.timeout_ms > 0 ? item.timeout_ms : worker_timeout_ms) + margin
+    advertise RDMA  iff  mode auto, the reader is built, and the endpoint breaker allows it
+    Encode(request, deadline = remaining)
+    receipt has slots, RDMA was advertised  -> consume:
+        validate every descriptor and role list; read all slots in ONE batch with
+        read_ms = min(remaining - fallback_reserve_ms, read_timeout_ms); check every tensor against its
+        manifest; reassemble by role and split sizes
+        ok   -> queue an async release (never blocks), breaker success, return (plane rdma)
+        fail -> sync release within min(release_timeout_ms, remaining); breaker failure unless the cause was the
+                budget; the request is withdrawn to an _InlineAttempt and sent ONCE more if at least
+                min_fallback_ms remain, else the original error is raised
+    receipt has slots, RDMA not advertised -> sync release, ProtocolError(UNREQUESTED_RDMA), no fallback
+    receipt inline -> decode (validated), return (plane inline)
+
+"At most one fallback" is a property of the types: the retry is an ``_InlineAttempt``, which has no RDMA
+capability to advertise, and the terminal decoder it goes to returns an output or raises; nothing in it can
+ask for another round.
+
+Errors: the caller sees tensorwire exceptions only (PeerUnavailable, DeadlineExceeded, InvalidPayload,
+ProtocolError, ReadError, ...). ``DeadlineExceeded`` with reason BUDGET_EXHAUSTED means the caller's own
+budget ran out; it is never counted against an endpoint's breaker.
+
+Thread-safety: ``fetch`` may be called from many threads at once; ``close`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import grpc
+import torch
+
+from tensorwire.errors import (
+    ClosedError,
+    ConfigError,
+    DeadlineExceeded,
+    InvalidPayload,
+    ProtocolError,
+    ReadError,
+    ReadTimeout,
+    Reason,
+    TensorwireError,
+)
+from tensorwire.mm import _codec, wire
+from tensorwire.mm._init import BackgroundInit, InitState
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm.breaker import BreakerBoard, BreakerState
+from tensorwire.mm.config import MODE_AUTO, TransportConfig
+from tensorwire.mm.metrics import TransportMetrics, metrics_for
+from tensorwire.mm.release import ReleaseQueue
+from tensorwire.mm.service import inputs_to_pb
+from tensorwire.mm.types import MultimodalInput, MultimodalOutput, Plane
+
+log = logging.getLogger(__name__)
+
+MAX_SLOTS_PER_RECEIPT = 4096
+_ROLE_NAMES = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
+
+
+class Reader(Protocol):
+    """What the transport needs from ``tensorwire.rdma.TensorReader``."""
+
+    def read(self, descriptors: Sequence[Any], timeout_ms: int | None = None) -> list[torch.Tensor]: ...
+    def close(self) -> None: ...
+
+
+ReaderFactory = Callable[[Any], Reader]
+DescriptorParser = Callable[[bytes], Any]
+Observer = Callable[[str, dict[str, Any]], None]
+"""observer(event, details): "request", "read", "release_sync", "release_async", "decode_inline"; for tests."""
+
+
+def _default_reader_factory(rdma_config: Any) -> Reader:
+    from tensorwire.rdma import TensorReader
+
+    return TensorReader(rdma_config)  # type: ignore[no-any-return]
+
+
+def _default_parser(config: TransportConfig) -> DescriptorParser:
+    from tensorwire.rdma import Descriptor
+
+    max_slot = int(config.rdma.max_slot_bytes)
+    align = int(config.rdma.slot_align)
+    return lambda data: Descriptor.from_bytes(data, max_slot_bytes=max_slot, slot_align=align)
+
+
+def resolve_rpc_timeout_ms(inputs: Sequence[MultimodalInput], config: TransportConfig) -> int:
+    """max over items of (item timeout if > 0 else worker_timeout_ms) + margin; the default with no items."""
+    if not inputs:
+        return config.default_rpc_timeout_ms
+    worker = max(int(i.timeout_ms) if int(i.timeout_ms) > 0 else config.worker_timeout_ms for i in inputs)
+    return worker + config.rpc_timeout_margin_ms  # Python ints: no overflow
+
+
+class Budget:
+    """The one deadline of a fetch."""
+
+    def __init__(self, total_ms: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_ms = float(total_ms)
+        self._clock = clock
+        self._deadline = clock() + self.total_ms / 1000.0
+
+    def remaining_ms(self) -> float:
+        return (self._deadline - self._clock()) * 1000.0
+
+
+@dataclass(frozen=True)
+class _RdmaAttempt:
+    """A request that advertises RDMA. ``withdraw`` is the only way to the inline plane."""
+
+    inputs: tuple[MultimodalInput, ...]
+    excluded_workers: tuple[str, ...] = ()
+
+    def to_pb(self, budget: Budget) -> pb.EncodeRequest:
+        req = inputs_to_pb(self.inputs)
+        req.support_rdma = True
+        req.rdma_excluded_workers.extend(self.excluded_workers)
+        req.deadline_ms = max(0, int(budget.remaining_ms()))
+        return req
+
+    def withdraw(self) -> _InlineAttempt:
+        return _InlineAttempt(self.inputs)
+
+
+@dataclass(frozen=True)
+class _InlineAttempt:
+    """A request that cannot advertise RDMA (it has no such field); its answer goes to the terminal decoder."""
+
+    inputs: tuple[MultimodalInput, ...]
+
+    def to_pb(self, budget: Budget) -> pb.EncodeRequest:
+        req = inputs_to_pb(self.inputs)
+        req.deadline_ms = max(0, int(budget.remaining_ms()))
+        return req
+
+
+@dataclass(frozen=True)
+class _Retry:
+    """An RDMA consume that did not deliver; the caller withdraws to the inline plane (once)."""
+
+    error: TensorwireError
+    endpoint_fault: bool  # False: the cause was the caller's budget; the breaker does not count it
+
+
+@dataclass
+class _Stages:
+    ms: dict[str, float] = field(default_factory=dict)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.ms[name] = self.ms.get(name, 0.0) + seconds * 1e3
+
+
+class _Control:
+    """The gRPC client of one endpoint; translates RpcError once, here."""
+
+    def __init__(self, endpoint: str, options: list[tuple[str, Any]]) -> None:
+        self.endpoint = endpoint
+        self._channel = grpc.insecure_channel(endpoint, options=options)
+        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString,
+                                                 response_deserializer=None)
+        self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
+                                                  request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
+                                                  response_deserializer=pb.ReleaseLeasesResponse.FromString)
+
+    def encode(self, request: pb.EncodeRequest, timeout_s: float) -> pb.EncodeResponse:
+        if timeout_s <= 0:
+            raise DeadlineExceeded("fetch budget exhausted before the Encode call", reason=Reason.BUDGET_EXHAUSTED)
+        try:
+            raw = self._encode(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise wire.error_from_rpc(exc, f"Encode on {self.endpoint}") from exc
+        try:
+            return pb.EncodeResponse.FromString(raw)
+        except Exception as exc:
+            raise ProtocolError(f"receipt from {self.endpoint} does not parse: {exc}") from exc
+
+    def release(self, lease_ids: list[str], timeout_s: float) -> int:
+        try:
+            resp = self._release(pb.ReleaseLeasesRequest(lease_ids=lease_ids), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise wire.error_from_rpc(exc, f"ReleaseLeases on {self.endpoint}") from exc
+        return int(resp.released)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class RemoteOutputTransport:
+    """The LLM-side transport for one encoder endpoint (a worker or a proxy in front of workers).
+
+    Keyword-only test seams: ``reader_factory`` / ``descriptor_parser`` (default tensorwire.rdma),
+    ``clock`` (the breaker's and the budget's), ``metrics`` (a TransportMetrics on your registry),
+    ``release_queue`` (share one across transports; default: one per transport), ``observer``.
+    """
+
+    def __init__(self, endpoint: str, config: TransportConfig | None = None, *,
+                 reader_factory: ReaderFactory | None = None, descriptor_parser: DescriptorParser | None = None,
+                 clock: Callable[[], float] = time.monotonic, metrics: TransportMetrics | None = None,
+                 release_queue: ReleaseQueue | None = None, observer: Observer | None = None) -> None:
+        if not endpoint:
+            raise ConfigError("endpoint must be 'host:port'")
+        self.endpoint = endpoint
+        self.config = config if config is not None else TransportConfig()
+        self.metrics = metrics if metrics is not None else metrics_for(None)
+        self._clock = clock
+        self._observer = observer
+        self._control = _Control(endpoint, wire.channel_options())
+        self._owns_queue = release_queue is None
+        self._queue = release_queue if release_queue is not None else ReleaseQueue(
+            self._send_release, max_pending=self.config.release_queue_max,
+            release_timeout_ms=self.config.release_timeout_ms, shutdown_ms=self.config.release_shutdown_ms,
+            metrics=self.metrics)
+        self.endpoint_breakers = BreakerBoard("endpoint", self.config.failures_to_open, self.config.open_seconds,
+                                              clock, self.metrics)
+        self.worker_breakers = BreakerBoard("worker", self.config.failures_to_open, self.config.open_seconds,
+                                            clock, self.metrics)
+        self._rl = RateLimitedLog(log)
+        self._hit_logged = False
+        self._hit_lock = threading.Lock()
+        self._closed = False
+        rfactory = reader_factory or _default_reader_factory
+        cfg = self.config
+        self._parse: DescriptorParser | None = descriptor_parser
+        self._reader: BackgroundInit[Reader] = BackgroundInit(
+            "reader", lambda: rfactory(cfg.rdma), _is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            backoff_max_s=cfg.init_backoff_max_ms / 1000.0,
+            on_failure=lambda exc, permanent: self.metrics.fallbacks.labels("llm", "rdma_init_failed").inc())
+        if self.config.mode == MODE_AUTO:
+            # Warm up now, off the request path; until it is ready, fetch does not advertise RDMA.
+            self._reader.start()
+
+    # -- public -------------------------------------------------------------------------------------------
+
+    @property
+    def reader_state(self) -> InitState:
+        return self._reader.state
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Waits for the RDMA reader to be built (False in mode grpc or when it cannot be)."""
+        return self._reader.wait_ready(timeout_s)
+
+    @property
+    def release_queue(self) -> ReleaseQueue:
+        return self._queue
+
+    def fetch(self, inputs: Sequence[MultimodalInput], timeout_ms: int | None = None) -> MultimodalOutput:
+        """Asks the encoder for ``inputs``' output and returns it as owning tensors (see the module docstring)."""
+        if self._closed:
+            raise ClosedError("RemoteOutputTransport is closed")
+        items = tuple(inputs)
+        total_ms = resolve_rpc_timeout_ms(items, self.config) if timeout_ms is None else timeout_ms
+        budget = Budget(total_ms, self._clock)
+        stages = _Stages()
+        t0 = time.perf_counter()
+        try:
+            excluded = self._advertise()
+            if excluded is not None:
+                out = self._fetch_rdma(_RdmaAttempt(items, excluded), budget, stages)
+            else:
+                out = self._fetch_inline(_InlineAttempt(items), budget, stages, fallback_from=None)
+        except TensorwireError as exc:
+            self.metrics.errors.labels("llm", exc.reason.value).inc()
+            raise
+        elapsed = time.perf_counter() - t0
+        stages.add("total", elapsed)
+        out.stage_ms = stages.ms
+        self.metrics.fetch_seconds.labels(out.plane.value).observe(elapsed)
+        self.metrics.requests.labels("llm", out.plane.value).inc()
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._owns_queue:
+                self._queue.close()
+        finally:
+            self._reader.close()
+            self._control.close()
+
+    def __enter__(self) -> RemoteOutputTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- planes -------------------------------------------------------------------------------------------
+
+    def _advertise(self) -> tuple[str, ...] | None:
+        """None: do not advertise. Otherwise the workers to exclude (their breakers are open)."""
+        if self.config.mode != MODE_AUTO or self._reader.get() is None:
+            return None
+        if not self.endpoint_breakers.allow(self.endpoint):
+            return None
+        return tuple(w for w in self.worker_breakers.keys_not_closed() if not self.worker_breakers.allow(w))
+
+    def _emit(self, event: str, **details: Any) -> None:
+        if self._observer is not None:
+            self._observer(event, details)
+
+    def _request(self, attempt: _RdmaAttempt | _InlineAttempt, budget: Budget, stages: _Stages,
+                 stage: str) -> pb.EncodeResponse:
+        req = attempt.to_pb(budget)
+        self._emit("request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers))
+        t = time.perf_counter()
+        try:
+            return self._control.encode(req, budget.remaining_ms() / 1000.0)
+        finally:
+            stages.add(stage, time.perf_counter() - t)
+
+    def _fetch_rdma(self, attempt: _RdmaAttempt, budget: Budget, stages: _Stages) -> MultimodalOutput:
+        try:
+            receipt = self._request(attempt, budget, stages, "request")
+        except TensorwireError:
+            self._neutral(None)
+            raise
+        worker = receipt.worker.worker_id
+        self._neutral_probes_except(worker)
+        if not receipt.rdma_slots:
+            # The encoder chose inline (exporter not ready, this worker excluded, ...): nothing learned about RDMA.
+            self._neutral(worker)
+            return self._decode_terminal(receipt, budget, stages, fallback_from=None)
+        result = self._consume_rdma(receipt, budget, stages)
+        if isinstance(result, MultimodalOutput):
+            return result
+        if result.endpoint_fault:
+            self.endpoint_breakers.record_failure(self.endpoint)
+            if worker:
+                self.worker_breakers.record_failure(worker)
+        else:
+            self._neutral(worker)
+        reason = result.error.reason
+        self.metrics.fallbacks.labels("llm", reason.value).inc()
+        if budget.remaining_ms() < self.config.min_fallback_ms:
+            self._rl.log(logging.WARNING, "nofallback-" + reason.value,
+                         "RDMA consume failed (%s) and %.0f ms of budget remain (< min_fallback_ms=%d); no fallback",
+                         result.error, budget.remaining_ms(), self.config.min_fallback_ms)
+            if result.endpoint_fault:
+                raise result.error
+            raise DeadlineExceeded(f"data-plane fallback exhausted request deadline ({result.error})",
+                                   reason=Reason.BUDGET_EXHAUSTED) from result.error
+        self._rl.log(logging.WARNING, "fallback-" + reason.value,
+                     "RDMA consume from %s failed (%s); falling back to inline once", self.endpoint, result.error)
+        return self._fetch_inline(attempt.withdraw(), budget, stages, fallback_from=reason)
+
+    def _fetch_inline(self, attempt: _InlineAttempt, budget: Budget, stages: _Stages,
+                      fallback_from: Reason | None) -> MultimodalOutput:
+        stage = "request" if fallback_from is None else "fallback_request"
+        receipt = self._request(attempt, budget, stages, stage)
+        return self._decode_terminal(receipt, budget, stages, fallback_from)
+
+    def _decode_terminal(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
+                         fallback_from: Reason | None) -> MultimodalOutput:
+        """The terminal plane: decodes inline bytes or raises. It cannot ask for another round."""
+        if receipt.rdma_slots:
+            ids = self._lease_ids_best_effort(receipt)
+            self._release_sync(ids, budget, stages)
+            self._rl.log(logging.WARNING, "unrequested", "encoder %s sent an RDMA receipt (%d slot(s)) that was "
+                         "not asked for; released and failing the request", self.endpoint, len(receipt.rdma_slots))
+            raise ProtocolError(f"{self.endpoint} answered with {len(receipt.rdma_slots)} RDMA slot(s) to a request "
+                                "that did not advertise RDMA", reason=Reason.UNREQUESTED_RDMA)
+        t = time.perf_counter()
+        embs, splits, pos, extras, nbytes = _codec.decode_inline_receipt(receipt)
+        stages.add("decode", time.perf_counter() - t)
+        self._emit("decode_inline", items=len(splits))
+        self.metrics.bytes.labels("llm", "inline", "embedding").inc(len(receipt.embedding.data))
+        _add_encoder_stages(stages, receipt)
+        return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos, extra_inputs=extras,
+                                plane=Plane.INLINE, fallback_reason=fallback_from, worker_id=receipt.worker.worker_id,
+                                payload_bytes=nbytes)
+
+    def _consume_rdma(self, receipt: pb.EncodeResponse, budget: Budget,
+                      stages: _Stages) -> MultimodalOutput | _Retry:
+        ids = self._lease_ids_best_effort(receipt)
+        try:
+            descs, roles = self._validate_slots(receipt)
+        except TensorwireError as exc:
+            self._release_sync(ids, budget, stages)
+            return _Retry(exc, endpoint_fault=True)
+        remaining = budget.remaining_ms() - self.config.fallback_reserve_ms
+        cap = int(self.config.rdma.read_timeout_ms)
+        budget_limited = cap <= 0 or remaining < cap
+        read_ms = int(math.floor(remaining if budget_limited else cap))
+        if read_ms <= 0:
+            self._release_sync(ids, budget, stages)
+            return _Retry(DeadlineExceeded(f"no budget left for the RDMA read ({budget.remaining_ms():.0f} ms remain, "
+                                           f"{self.config.fallback_reserve_ms} ms reserved for the fallback)",
+                                           reason=Reason.BUDGET_EXHAUSTED), endpoint_fault=False)
+        reader = self._reader.get()
+        if reader is None:  # closed under us
+            self._release_sync(ids, budget, stages)
+            return _Retry(ReadError("RDMA reader is not available", reason=Reason.PROVIDER_UNAVAILABLE), False)
+        self._emit("read", slots=len(descs), timeout_ms=read_ms)
+        t = time.perf_counter()
+        try:
+            tensors = reader.read(descs, timeout_ms=read_ms)
+        except ReadTimeout as exc:
+            stages.add("read", time.perf_counter() - t)
+            self._release_sync(ids, budget, stages)
+            if budget_limited:
+                return _Retry(DeadlineExceeded(f"RDMA read ran out of the request budget ({read_ms} ms): {exc}",
+                                               reason=Reason.BUDGET_EXHAUSTED), endpoint_fault=False)
+            return _Retry(exc, endpoint_fault=True)
+        except TensorwireError as exc:
+            stages.add("read", time.perf_counter() - t)
+            self._release_sync(ids, budget, stages)
+            return _Retry(exc, endpoint_fault=True)
+        except Exception as exc:  # a provider bug: same treatment as a read error, keep the cause
+            stages.add("read", time.perf_counter() - t)
+            self._release_sync(ids, budget, stages)
+            err = ReadError(f"RDMA read raised {exc!r}", reason=Reason.RDMA_READ_ERROR)
+            err.__cause__ = exc
+            return _Retry(err, endpoint_fault=True)
+        read_s = time.perf_counter() - t
+        stages.add("read", read_s)
+        self.metrics.read_seconds.observe(read_s)
+        try:
+            output = self._assemble(descs, roles, tensors, receipt)
+        except TensorwireError as exc:
+            self._release_sync(ids, budget, stages)
+            return _Retry(exc, endpoint_fault=True)
+        t = time.perf_counter()
+        self._queue.submit(self.endpoint, ids)
+        stages.add("release", time.perf_counter() - t)
+        self._emit("release_async", lease_ids=list(ids))
+        self.endpoint_breakers.record_success(self.endpoint)
+        if output.worker_id:
+            self.worker_breakers.record_success(output.worker_id)
+        self._log_hit(len(descs), output.payload_bytes, read_s)
+        _add_encoder_stages(stages, receipt)
+        return output
+
+    # -- helpers ------------------------------------------------------------------------------------------
+
+    def _parser(self) -> DescriptorParser:
+        if self._parse is None:
+            self._parse = _default_parser(self.config)
+        return self._parse
+
+    def _lease_ids_best_effort(self, receipt: pb.EncodeResponse) -> list[str]:
+        """Every lease id that can be read out of the receipt (unparsable slots are left to the owner's GC)."""
+        ids = []
+        for slot in receipt.rdma_slots[:MAX_SLOTS_PER_RECEIPT]:
+            try:
+                lease = self._parser()(slot.descriptor).lease_id
+            except Exception:
+                continue
+            if lease:
+                ids.append(lease)
+        return ids
+
+    def _validate_slots(self, receipt: pb.EncodeResponse) -> tuple[list[Any], list[int]]:
+        if len(receipt.rdma_slots) > MAX_SLOTS_PER_RECEIPT:
+            raise ProtocolError(f"receipt has {len(receipt.rdma_slots)} slots, over {MAX_SLOTS_PER_RECEIPT}")
+        if receipt.HasField("embedding") or receipt.HasField("position_ids") or len(receipt.extra_inputs):
+            raise ProtocolError("RDMA receipt also carries inline tensors")
+        descs, roles = [], []
+        for i, slot in enumerate(receipt.rdma_slots):
+            desc = self._parser()(slot.descriptor)  # raises InvalidDescriptor with a reason
+            if len(slot.roles) != len(desc.manifest):
+                raise InvalidPayload(f"slot {i}: {len(slot.roles)} roles for {len(desc.manifest)} tensors",
+                                     reason=Reason.ASSEMBLY_MISMATCH)
+            for r in slot.roles:
+                if r not in _ROLE_NAMES:
+                    raise InvalidPayload(f"slot {i}: role {r} is unspecified or unknown", reason=Reason.ASSEMBLY_MISMATCH)
+            descs.append(desc)
+            roles.extend(slot.roles)
+        return descs, roles
+
+    def _assemble(self, descs: list[Any], roles: list[int], tensors: list[torch.Tensor],
+                  receipt: pb.EncodeResponse) -> MultimodalOutput:
+        metas = [m for d in descs for m in d.manifest]
+        if len(tensors) != len(roles) or len(metas) != len(roles):
+            raise ReadError(f"read returned {len(tensors)} tensors for {len(roles)} manifest entries",
+                            reason=Reason.RESULT_MISMATCH)
+        for i, (t, m) in enumerate(zip(tensors, metas)):
+            if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
+                raise ReadError(f"tensor {i}: read {tuple(t.shape)} {t.dtype}, manifest says {tuple(m.shape)} "
+                                f"{m.dtype}", reason=Reason.RESULT_MISMATCH)
+        chunks: list[torch.Tensor] = []
+        pos: torch.Tensor | None = None
+        extras: list[torch.Tensor] = []
+        nbytes = 0
+        for t, role in zip(tensors, roles):
+            nbytes += t.numel() * t.element_size()
+            self.metrics.bytes.labels("llm", "rdma", _ROLE_NAMES[role]).inc(t.numel() * t.element_size())
+            if role == pb.EMBEDDING:
+                chunks.append(t)
+            elif role == pb.POS_ID:
+                if pos is not None:
+                    raise InvalidPayload("receipt has more than one POS_ID tensor", reason=Reason.ASSEMBLY_MISMATCH)
+                pos = t.cpu()  # position ids are consumed on the host (documented on MultimodalOutput)
+            else:
+                extras.append(t)
+        if not chunks:
+            raise InvalidPayload("RDMA receipt has no EMBEDDING tensor", reason=Reason.ASSEMBLY_MISMATCH)
+        if len({(c.shape[1:], c.dtype) for c in chunks}) != 1:
+            raise InvalidPayload("embedding chunks disagree in row shape or dtype", reason=Reason.ASSEMBLY_MISMATCH)
+        embedding = chunks[0] if len(chunks) == 1 else torch.cat(chunks, 0)
+        splits = [int(s) for s in receipt.split_sizes]
+        embs, pos_parts, extra_list = _codec.assemble(embedding, splits, pos, extras)
+        return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos_parts, extra_inputs=extra_list,
+                                plane=Plane.RDMA, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
+
+    def _release_sync(self, lease_ids: list[str], budget: Budget, stages: _Stages) -> None:
+        """Best effort within min(release_timeout_ms, remaining); the owner's GC is the backstop."""
+        if not lease_ids:
+            return
+        timeout_ms = min(float(self.config.release_timeout_ms), budget.remaining_ms())
+        self._emit("release_sync", lease_ids=list(lease_ids), timeout_ms=timeout_ms)
+        if timeout_ms <= 0:
+            self.metrics.releases.labels("sync", "release_budget_exhausted").inc(len(lease_ids))
+            return
+        t = time.perf_counter()
+        try:
+            self._control.release(lease_ids, timeout_ms / 1000.0)
+        except TensorwireError as exc:
+            self.metrics.releases.labels("sync", exc.reason.value).inc(len(lease_ids))
+            self._rl.log(logging.WARNING, "sync-release", "sync release of %d lease(s) on %s failed: %s; the "
+                         "encoder's TTL GC will reclaim them", len(lease_ids), self.endpoint, exc)
+            return
+        finally:
+            stages.add("release", time.perf_counter() - t)
+        self.metrics.release_seconds.labels("sync").observe(time.perf_counter() - t)
+        self.metrics.releases.labels("sync", "ok").inc(len(lease_ids))
+
+    def _send_release(self, endpoint: str, lease_ids: list[str], timeout_s: float) -> None:
+        if endpoint != self.endpoint:  # a shared queue routes each batch to its own transport's channel
+            raise ProtocolError(f"release batch for {endpoint} reached the transport of {self.endpoint}")
+        self._control.release(lease_ids, timeout_s)
+
+    def _neutral(self, worker: str | None) -> None:
+        self.endpoint_breakers.record_neutral(self.endpoint)
+        if worker:
+            self.worker_breakers.record_neutral(worker)
+
+    def _neutral_probes_except(self, worker: str) -> None:
+        for w in self.worker_breakers.keys_not_closed():
+            if w != worker and self.worker_breakers.state(w) is BreakerState.HALF_OPEN:
+                self.worker_breakers.record_neutral(w)
+
+    def _log_hit(self, slots: int, nbytes: int, read_s: float) -> None:
+        with self._hit_lock:
+            first = not self._hit_logged
+            self._hit_logged = True
+        if first:
+            log.info("[MM-RDMA-HIT] multimodal embedding read over rdma, %d slot(s)", slots)
+        else:
+            self._rl.log(logging.INFO, "hit", "[MM-RDMA-HIT] multimodal embedding read over rdma, %d slot(s)", slots)
+        gbps = nbytes / read_s / 1e9 if read_s > 0 else float("inf")
+        self._rl.log(logging.INFO, "bw", "[RDMA-BW] read %d bytes in %.3f ms: %.2f GB/s", nbytes, read_s * 1e3, gbps)
+
+
+def _add_encoder_stages(stages: _Stages, receipt: pb.EncodeResponse) -> None:
+    for k, v in receipt.encoder_stage_us.items():
+        stages.ms[f"encoder.{k}"] = v / 1000.0
+
+
+def _is_permanent(exc: BaseException) -> bool:
+    if isinstance(exc, ConfigError):
+        return True
+    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
+
+
+__all__ = ["RemoteOutputTransport", "Budget", "resolve_rpc_timeout_ms"]

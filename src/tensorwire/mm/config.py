@@ -1,0 +1,155 @@
+"""TransportConfig: every knob of the encoder-output transport, with its default, in one place.
+
+Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the seed's
+name, kept as the one-switch rollback) and ``TENSORWIRE_MM_<FIELD>`` for the other fields; the nested RDMA
+settings come from ``TENSORWIRE_MM_RDMA_<FIELD>``. The CLI builds its flags from :func:`fields_for_cli`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from tensorwire.errors import ConfigError
+from tensorwire.rdma import RdmaConfig
+
+MODE_AUTO = "auto"
+MODE_GRPC = "grpc"
+MODES: tuple[str, ...] = (MODE_AUTO, MODE_GRPC)
+Mode = Literal["auto", "grpc"]
+
+ENV_MODE = "MM_TRANSPORT_MODE"
+ENV_PREFIX = "TENSORWIRE_MM_"
+ENV_RDMA_PREFIX = "TENSORWIRE_MM_RDMA_"
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings of both ends of the transport (each end reads the fields it needs).
+
+    mode: ``auto`` (the client advertises RDMA, the encoder prefers it, inline is the fallback) or ``grpc``
+    (always inline; works when set on either side alone).
+    """
+
+    mode: Mode = "auto"
+    rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    # Deadlines. A fetch's budget is max over items of (item timeout_ms or worker_timeout_ms) plus the margin.
+    worker_timeout_ms: int = 120_000
+    rpc_timeout_margin_ms: int = 5_000
+    # Kept back from the RDMA read for the synchronous release and the one inline fallback.
+    fallback_reserve_ms: int = 2_000
+    # Below this remaining budget the inline fallback is not tried (it would only time out); the original
+    # error is returned instead.
+    min_fallback_ms: int = 500
+    # Lease release (client side).
+    release_timeout_ms: int = 1_000
+    release_queue_max: int = 1_024
+    release_shutdown_ms: int = 1_000
+    # Circuit breaker per endpoint and per worker (client side).
+    failures_to_open: int = 3
+    open_seconds: float = 30.0
+    # Encoder side: exporter start-up retries back off from init_backoff_ms, doubling up to init_backoff_max_ms.
+    init_backoff_ms: int = 200
+    init_backoff_max_ms: int = 30_000
+    server_threads: int = 8
+    worker_id: str = ""  # empty: "<hostname>-<pid>"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode={self.mode!r} is not one of {list(MODES)} (set {ENV_MODE} or --mm-transport-mode)")
+        if not isinstance(self.rdma, RdmaConfig):
+            raise ConfigError(f"rdma must be an RdmaConfig, got {type(self.rdma).__name__}")
+        positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
+                    "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer")
+        if not isinstance(self.open_seconds, (int, float)) or isinstance(self.open_seconds, bool) \
+                or self.open_seconds <= 0:
+            raise ConfigError(f"open_seconds={self.open_seconds!r} must be a positive number")
+        if self.init_backoff_max_ms < self.init_backoff_ms:
+            raise ConfigError(f"init_backoff_max_ms={self.init_backoff_max_ms} must be >= "
+                              f"init_backoff_ms={self.init_backoff_ms}")
+
+    @property
+    def default_rpc_timeout_ms(self) -> int:
+        """The client deadline when no item names its own budget (120 s + 5 s by default)."""
+        return self.worker_timeout_ms + self.rpc_timeout_margin_ms
+
+    def with_mode(self, mode: str) -> TransportConfig:
+        return dataclasses.replace(self, mode=mode)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransportConfig:
+        """Builds a config from the environment; keyword ``overrides`` win over it."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if ENV_MODE in env:
+            values["mode"] = env[ENV_MODE].strip().lower()
+        for f in dataclasses.fields(cls):
+            if f.name in ("mode", "rdma"):
+                continue
+            key = ENV_PREFIX + f.name.upper()
+            if key in env:
+                values[f.name] = _convert(key, env[key], _default_of(cls, f))
+        rdma_values: dict[str, Any] = {}
+        base_rdma = overrides.get("rdma") or RdmaConfig()
+        for f in dataclasses.fields(base_rdma):
+            key = ENV_RDMA_PREFIX + f.name.upper()
+            if key in env:
+                rdma_values[f.name] = _convert(key, env[key], getattr(base_rdma, f.name))
+        if rdma_values:
+            try:
+                values["rdma"] = dataclasses.replace(base_rdma, **rdma_values)
+            except ConfigError:
+                raise
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"invalid {ENV_RDMA_PREFIX}* setting: {exc}") from exc
+        values.update(overrides)
+        return cls(**values)
+
+
+def _default_of(cls: type, f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _convert(key: str, raw: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if raw.strip().lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.strip().lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if isinstance(default, int):
+            return int(raw, 0)
+        if isinstance(default, float):
+            return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={raw!r} is not a valid {type(default).__name__}") from exc
+    return raw
+
+
+def fields_for_cli() -> list[tuple[str, Any, str]]:
+    """(field name, default, type name) of every scalar field, for building CLI flags from the dataclass."""
+    out = []
+    for f in dataclasses.fields(TransportConfig):
+        if f.name == "rdma":
+            continue
+        default = _default_of(TransportConfig, f)
+        out.append((f.name, default, type(default).__name__))
+    return out
+
+
+__all__ = ["TransportConfig", "MODES", "MODE_AUTO", "MODE_GRPC", "ENV_MODE", "fields_for_cli"]

@@ -1,0 +1,300 @@
+"""Encoder side: OutputTransport turns an EncoderOutput into a receipt (RDMA slots or inline tensors).
+
+Decision (per request): RDMA only when the config mode is ``auto``, the caller advertised ``support_rdma``, the
+caller did not exclude this worker, the exporter is built, and every tensor is exportable; otherwise inline in
+the same response. An RDMA attempt that fails in any way (planning, export, descriptor serialization) rolls
+back every lease of the request and answers inline, counting the reason on ``tensorwire_mm_fallbacks_total``
+(degrades are not errors).
+
+The exporter is built at ``start()``, on a background thread, off the request path. A permanent failure
+(no provider, bad config) disables RDMA for the process with one WARNING; any other failure is retried with
+exponential backoff (``init_backoff_ms`` doubling to ``init_backoff_max_ms``) until it succeeds or
+``close()``. Leases a reader never releases are reclaimed by the exporter's TTL GC.
+
+Thread-safety: ``transfer`` and ``release`` may run on many gRPC threads at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from tensorwire.errors import ConfigError, ExportError, Reason, TensorwireError
+from tensorwire.mm import _codec
+from tensorwire.mm._init import BackgroundInit, InitState
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm.config import MODE_AUTO, TransportConfig
+from tensorwire.mm.metrics import TransportMetrics, metrics_for
+from tensorwire.mm.types import EncoderOutput
+
+log = logging.getLogger(__name__)
+
+ROLE_LABEL = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
+
+
+class Exporter(Protocol):
+    """What OutputTransport needs from ``tensorwire.rdma.TensorExporter``."""
+
+    def export_batch(self, groups: list[list[torch.Tensor]]) -> list[Any]: ...
+    def release(self, lease_ids: Sequence[str]) -> Any: ...
+    def close(self) -> None: ...
+
+
+ExporterFactory = Callable[[Any], Exporter]
+
+
+def _default_exporter_factory(rdma_config: Any) -> Exporter:
+    from tensorwire.rdma import TensorExporter
+
+    return TensorExporter(rdma_config)  # type: ignore[no-any-return]
+
+
+ExporterState = InitState
+
+
+def _is_permanent(exc: BaseException) -> bool:
+    """No provider or a bad config will not get better by retrying; anything else might."""
+    if isinstance(exc, ConfigError):
+        return True
+    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
+
+
+def _gc_reader(exporter: Any) -> Callable[[], float]:
+    def reclaimed() -> float:
+        try:
+            s = exporter.stats()
+            items = s.items() if isinstance(s, dict) else vars(s).items()
+            for k, v in items:
+                if ("gc" in k or "reclaim" in k) and isinstance(v, (int, float)):
+                    return float(v)
+        except Exception:
+            pass
+        return 0.0
+
+    return reclaimed
+
+
+def _align_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def plan_slots(
+    embedding: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    extra_inputs: Sequence[torch.Tensor],
+    max_slot_bytes: int,
+    align: int,
+) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """Groups of (tensors, roles), one per slot, in reassembly order; no slot's aligned footprint exceeds
+    ``max_slot_bytes``. The embedding is split along dim 0 into whole-row chunks. ExportError(SLOT_TOO_LARGE)
+    when one embedding row or one other tensor cannot fit in a slot."""
+    rows = int(embedding.shape[0])
+    row_bytes = embedding[0].numel() * embedding.element_size() if rows else 0
+    if rows == 0 or row_bytes == 0:
+        raise ExportError("embedding has no bytes to export", reason=Reason.EMPTY_EXPORT)
+    rows_per_slot = max_slot_bytes // row_bytes
+    while rows_per_slot > 0 and _align_up(rows_per_slot * row_bytes, align) > max_slot_bytes:
+        rows_per_slot = (max_slot_bytes // align * align) // row_bytes
+        if _align_up(rows_per_slot * row_bytes, align) > max_slot_bytes:
+            rows_per_slot -= 1
+    if rows_per_slot <= 0:
+        raise ExportError(f"one embedding row is {row_bytes} bytes; max_slot_bytes={max_slot_bytes} "
+                          f"(aligned to {align}) cannot hold it", reason=Reason.SLOT_TOO_LARGE)
+    groups: list[tuple[list[torch.Tensor], list[int]]] = []
+    footprints: list[int] = []
+    for start in range(0, rows, rows_per_slot):
+        n = min(rows_per_slot, rows - start)
+        chunk = embedding.narrow(0, start, n)
+        groups.append(([chunk], [pb.EMBEDDING]))
+        footprints.append(_align_up(n * row_bytes, align))
+    tail = ([(position_ids, pb.POS_ID)] if position_ids is not None else []) + \
+        [(t, pb.EXTRA_INPUT) for t in extra_inputs]
+    for t, role in tail:
+        fp = _align_up(t.numel() * t.element_size(), align)
+        if fp > max_slot_bytes:
+            raise ExportError(f"a {ROLE_LABEL[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
+                              f"max_slot_bytes={max_slot_bytes}", reason=Reason.SLOT_TOO_LARGE)
+        if footprints[-1] + fp <= max_slot_bytes:
+            groups[-1][0].append(t)
+            groups[-1][1].append(role)
+            footprints[-1] += fp
+        else:
+            groups.append(([t], [role]))
+            footprints.append(fp)
+    return groups
+
+
+class OutputTransport:
+    """Encoder-side transport: ``transfer(request, output) -> receipt`` and ``release(lease_ids)``.
+
+    ``request`` is the EncodeRequest the caller sent (its ``support_rdma`` and ``rdma_excluded_workers`` are
+    read); the receipt is an EncodeResponse. ``start()`` begins building the exporter (``serve_encoder`` calls
+    it); ``close()`` is idempotent and releases the exporter, after which ``transfer`` answers inline.
+    """
+
+    def __init__(self, config: TransportConfig | None = None, *, exporter_factory: ExporterFactory | None = None,
+                 metrics: TransportMetrics | None = None, worker_id: str | None = None,
+                 worker_address: str = "") -> None:
+        self.config = config if config is not None else TransportConfig()
+        self.metrics = metrics if metrics is not None else metrics_for(None)
+        self.worker_id = worker_id or self.config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.worker_address = worker_address
+        factory = exporter_factory or _default_exporter_factory
+        cfg = self.config
+
+        def on_ready(exporter: Exporter) -> None:
+            self.metrics.exporter_ready.set(1)
+            if hasattr(exporter, "stats"):
+                self.metrics.watch_gc(_gc_reader(exporter))
+
+        def on_failure(exc: BaseException, permanent: bool) -> None:
+            self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
+
+        self._holder: BackgroundInit[Exporter] = BackgroundInit(
+            "exporter", lambda: factory(cfg.rdma), _is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
+        self._rl = RateLimitedLog(log)
+        self._closed = False
+
+    @property
+    def exporter_state(self) -> ExporterState:
+        return self._holder.state
+
+    def start(self) -> None:
+        """Begins building the exporter in the background (mode auto only); idempotent."""
+        if self.config.mode == MODE_AUTO:
+            self._holder.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        return self._holder.wait_ready(timeout_s)
+
+    def transfer(self, request: pb.EncodeRequest, output: EncoderOutput) -> pb.EncodeResponse:
+        emb, splits, pos, extras = output.flatten()
+        receipt = pb.EncodeResponse()
+        receipt.worker.worker_id = self.worker_id
+        receipt.worker.address = self.worker_address
+        if emb is None:
+            self.metrics.requests.labels("encoder", "inline").inc()
+            return receipt
+        receipt.split_sizes[:] = splits
+        exporter, why_not = self._rdma_choice(request, emb, pos, extras)
+        if exporter is not None:
+            t0 = time.perf_counter()
+            slots = self._try_export(exporter, emb, pos, extras)
+            if slots is not None:
+                receipt.rdma_slots.extend(slots)
+                receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
+                self.metrics.requests.labels("encoder", "rdma").inc()
+                return receipt
+        elif why_not is not None:
+            self.metrics.fallbacks.labels("encoder", why_not).inc()
+        t0 = time.perf_counter()
+        _codec.encode_tensor(emb, receipt.embedding)
+        self.metrics.bytes.labels("encoder", "inline", "embedding").inc(len(receipt.embedding.data))
+        if pos is not None:
+            _codec.encode_tensor(pos, receipt.position_ids)
+            self.metrics.bytes.labels("encoder", "inline", "pos_id").inc(len(receipt.position_ids.data))
+        for t in extras:
+            m = receipt.extra_inputs.add()
+            _codec.encode_tensor(t, m)
+            self.metrics.bytes.labels("encoder", "inline", "extra_input").inc(len(m.data))
+        receipt.encoder_stage_us["serialize"] = int((time.perf_counter() - t0) * 1e6)
+        self.metrics.requests.labels("encoder", "inline").inc()
+        return receipt
+
+    def _rdma_choice(self, request: pb.EncodeRequest, emb: torch.Tensor, pos: torch.Tensor | None,
+                     extras: list[torch.Tensor]) -> tuple[Exporter | None, str | None]:
+        """(exporter, None) to try RDMA; (None, reason) for a counted degrade; (None, None) when not asked."""
+        if self.config.mode != MODE_AUTO or not request.support_rdma or self._closed:
+            return None, None
+        if self.worker_id in request.rdma_excluded_workers:
+            return None, Reason.BREAKER_OPEN.value
+        exporter = self._holder.get()
+        if exporter is None:
+            return None, Reason.PROVIDER_UNAVAILABLE.value
+        for t in [emb, *([pos] if pos is not None else []), *extras]:
+            if t.dtype not in _codec.SUPPORTED_DTYPES:
+                return None, Reason.UNSUPPORTED_DTYPE.value
+            if t.numel() == 0:
+                return None, Reason.EMPTY_EXPORT.value
+        return exporter, None
+
+    def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
+                    extras: list[torch.Tensor]) -> list[pb.RdmaSlot] | None:
+        descs: list[Any] = []
+        try:
+            emb = emb.contiguous()
+            pos = pos.to(emb.device).contiguous() if pos is not None else None
+            extras = [e.to(emb.device).contiguous() for e in extras]
+            groups = plan_slots(emb, pos, extras, int(self.config.rdma.max_slot_bytes),
+                                int(self.config.rdma.slot_align))
+            descs = list(exporter.export_batch([g for g, _ in groups]))
+            if len(descs) != len(groups):
+                raise ExportError(f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
+                                  reason=Reason.RESULT_MISMATCH)
+            slots = []
+            for desc, (tensors, roles) in zip(descs, groups):
+                if len(desc.manifest) != len(roles):
+                    raise ExportError(f"descriptor manifest has {len(desc.manifest)} entries for {len(roles)} "
+                                      "tensors", reason=Reason.RESULT_MISMATCH)
+                slot = pb.RdmaSlot(descriptor=desc.to_bytes())
+                slot.roles.extend(roles)
+                slots.append(slot)
+                for t, role in zip(tensors, roles):
+                    self.metrics.bytes.labels("encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
+            return slots
+        except Exception as exc:
+            reason = exc.reason.value if isinstance(exc, TensorwireError) else Reason.EXPORT_FAILED.value
+            lease_ids = [d.lease_id for d in descs if getattr(d, "lease_id", "")]
+            if lease_ids:
+                try:
+                    exporter.release(lease_ids)
+                except Exception as rexc:
+                    self.metrics.errors.labels("encoder", "rdma_release_error").inc()
+                    log.warning("rollback of %d lease(s) failed: %r; the TTL GC reclaims them", len(lease_ids), rexc)
+            self.metrics.fallbacks.labels("encoder", reason).inc()
+            self._rl.log(logging.WARNING, "export-" + reason,
+                         "RDMA export failed (%s: %s); rolled back %d lease(s), answering inline",
+                         type(exc).__name__, exc, len(lease_ids))
+            return None
+
+    def release(self, lease_ids: Sequence[str]) -> int:
+        """Returns leases to the exporter (idempotent; unknown ids are ignored). Returns the count accepted."""
+        ids = [i for i in lease_ids if i]
+        if not ids:
+            return 0
+        exporter = self._holder.get()
+        if exporter is None:
+            # Closed or never built: nothing of ours can be leased; the ids are stale or foreign.
+            self.metrics.exported_leases_released.labels("no_exporter").inc(len(ids))
+            return 0
+        try:
+            exporter.release(ids)
+        except Exception as exc:
+            self.metrics.errors.labels("encoder", "rdma_release_error").inc()
+            self.metrics.exported_leases_released.labels("error").inc(len(ids))
+            self._rl.log(logging.WARNING, "release", "releasing %d lease(s) failed: %r; the TTL GC reclaims them",
+                         len(ids), exc)
+            return 0
+        self.metrics.exported_leases_released.labels("ok").inc(len(ids))
+        return len(ids)
+
+    def close(self) -> None:
+        self._closed = True
+        self._holder.close()
+        self.metrics.exporter_ready.set(0)
+
+    def __enter__(self) -> OutputTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["OutputTransport", "ExporterState", "plan_slots"]

@@ -1,0 +1,83 @@
+"""Prometheus metrics of the encoder-output transport, with bounded labels only.
+
+Labels: ``side`` (encoder/llm), ``plane`` (rdma/inline), ``role`` (embedding/pos_id/extra_input), ``reason``
+(a :class:`~tensorwire.errors.Reason` value or one of the fixed strings below), ``mode`` (sync/async),
+``scope`` (endpoint/worker), ``state``. Never endpoints, lease ids, shapes or free text.
+
+``TransportMetrics(registry)`` registers the family in ``registry``; ``metrics_for(None)`` returns the shared
+instance registered in prometheus_client's default registry. Tests pass their own ``CollectorRegistry``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class TransportMetrics:
+    """The metric family; one instance per registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else REGISTRY
+        self.registry = reg
+        self.requests = Counter("tensorwire_mm_requests_total",
+                                "Encoder outputs delivered, by side and plane", ["side", "plane"], registry=reg)
+        self.fallbacks = Counter("tensorwire_mm_fallbacks_total",
+                                 "Recoverable degrades from RDMA to inline, by side and reason (not errors)",
+                                 ["side", "reason"], registry=reg)
+        self.errors = Counter("tensorwire_mm_errors_total",
+                              "Requests that failed, by side and reason", ["side", "reason"], registry=reg)
+        self.bytes = Counter("tensorwire_mm_bytes_total", "Tensor payload bytes moved, by side, plane and role",
+                             ["side", "plane", "role"], registry=reg)
+        self.read_seconds = Histogram("tensorwire_mm_read_seconds", "RDMA batched read latency (client)",
+                                      buckets=_LATENCY_BUCKETS, registry=reg)
+        self.fetch_seconds = Histogram("tensorwire_mm_fetch_seconds", "fetch() latency by delivering plane",
+                                       ["plane"], buckets=_LATENCY_BUCKETS, registry=reg)
+        self.release_seconds = Histogram("tensorwire_mm_release_seconds", "ReleaseLeases RPC latency (client)",
+                                         ["mode"], buckets=_LATENCY_BUCKETS, registry=reg)
+        self.releases = Counter("tensorwire_mm_releases_total", "Lease ids by release mode and outcome",
+                                ["mode", "outcome"], registry=reg)
+        self.release_queue_dropped = Counter("tensorwire_mm_release_queue_dropped_total",
+                                             "Lease ids dropped by the async release queue (the owner's GC reclaims)",
+                                             ["reason"], registry=reg)
+        self.release_queue_pending = Gauge("tensorwire_mm_release_queue_pending",
+                                           "Lease ids waiting in async release queues", registry=reg)
+        self.exported_leases_released = Counter("tensorwire_mm_encoder_released_total",
+                                                "Lease ids released on the encoder by ReleaseLeases",
+                                                ["outcome"], registry=reg)
+        self.gc_reclaimed = Gauge("tensorwire_mm_encoder_gc_reclaimed_leases",
+                                  "Leases the encoder's TTL GC reclaimed (never released by a reader)", registry=reg)
+        self.exporter_ready = Gauge("tensorwire_mm_encoder_exporter_ready",
+                                    "1 when the encoder's RDMA exporter is built", registry=reg)
+        self.breaker_open = Gauge("tensorwire_mm_breaker_open", "Circuit breakers not closed, by scope",
+                                  ["scope"], registry=reg)
+        self.breaker_transitions = Counter("tensorwire_mm_breaker_transitions_total",
+                                           "Circuit breaker transitions, by scope and new state",
+                                           ["scope", "state"], registry=reg)
+        self._gc_source: Callable[[], float] | None = None
+
+    def watch_gc(self, source: Callable[[], float]) -> None:
+        """Reads the exporter's GC reclaim count at scrape time."""
+        self.gc_reclaimed.set_function(source)
+
+
+_lock = threading.Lock()
+_by_registry: dict[int, TransportMetrics] = {}
+
+
+def metrics_for(registry: CollectorRegistry | None = None) -> TransportMetrics:
+    """The TransportMetrics registered in ``registry`` (the default registry when None), built once."""
+    reg = registry if registry is not None else REGISTRY
+    with _lock:
+        m = _by_registry.get(id(reg))
+        if m is None or m.registry is not reg:
+            m = TransportMetrics(reg)
+            _by_registry[id(reg)] = m
+        return m
+
+
+__all__ = ["TransportMetrics", "metrics_for"]

@@ -1,0 +1,109 @@
+"""An in-memory stand-in for tensorwire.rdma's exporter and reader, for orchestration-policy tests only.
+
+It mints real ``tensorwire.rdma.Descriptor`` objects (so the real wire form and validation run) but keeps the
+bytes in a process-local table instead of registered memory; it claims nothing about NIXL. Failure knobs let a
+test make export or read fail in a chosen way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tensorwire.errors import ExportError, LeaseExpired, ReadError, Reason
+from tensorwire.rdma import Descriptor, Owner, RdmaConfig
+from tensorwire.rdma._descriptor import layout
+
+
+@dataclass
+class FakeFabric:
+    """The shared 'memory' both fakes see, and a log of what happened."""
+
+    slots: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    released: list[str] = field(default_factory=list)
+    exported: list[str] = field(default_factory=list)
+    reads: list[tuple[int, int | None]] = field(default_factory=list)  # (descriptor count, timeout_ms)
+    fail_export_at: int | None = None       # export_batch raises when it reaches this group index
+    read_error: Callable[[], Exception] | None = None
+    read_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _addr: Any = field(default_factory=lambda: itertools.count(1))
+
+    def live(self) -> set[str]:
+        with self.lock:
+            return set(self.slots)
+
+
+class FakeExporter:
+    def __init__(self, fabric: FakeFabric, config: RdmaConfig) -> None:
+        self.fabric = fabric
+        self.config = config
+        self.closed = False
+
+    def export_batch(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[Descriptor]:
+        out: list[Descriptor] = []
+        try:
+            for i, group in enumerate(groups):
+                if self.fabric.fail_export_at is not None and i == self.fabric.fail_export_at:
+                    raise ExportError(f"fake export failure at group {i}", reason=Reason.REGISTRATION_FAILED)
+                manifest, payload = layout([(t.shape, t.dtype) for t in group], self.config.slot_align)
+                if payload > self.config.max_slot_bytes:
+                    raise ExportError("slot too large", reason=Reason.SLOT_TOO_LARGE)
+                lease = uuid.uuid4().hex
+                n = next(self.fabric._addr)
+                desc = Descriptor(owner=Owner("fake-owner", "127.0.0.1", 1), mem_type="DRAM", device_id=0,
+                                  slot_addr=n << 32, payload_bytes=payload, lease_id=lease, generation=1,
+                                  generation_addr=(n << 32) - 8, manifest=tuple(manifest))
+                with self.fabric.lock:
+                    self.fabric.slots[lease] = [t.detach().clone() for t in group]
+                    self.fabric.exported.append(lease)
+                out.append(desc)
+        except Exception:
+            self.release([d.lease_id for d in out])
+            raise
+        return out
+
+    def release(self, lease_ids: Sequence[str]) -> None:
+        with self.fabric.lock:
+            for lid in lease_ids:
+                if self.fabric.slots.pop(lid, None) is not None:
+                    self.fabric.released.append(lid)
+
+    def stats(self) -> dict[str, Any]:
+        return {"gc_reclaims": 0, "live_leases": len(self.fabric.slots)}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeReader:
+    def __init__(self, fabric: FakeFabric, config: RdmaConfig) -> None:
+        self.fabric = fabric
+        self.config = config
+
+    def read(self, descriptors: Sequence[Descriptor], timeout_ms: int | None = None) -> list[torch.Tensor]:
+        self.fabric.reads.append((len(descriptors), timeout_ms))
+        if self.fabric.read_error is not None:
+            raise self.fabric.read_error()
+        out: list[torch.Tensor] = []
+        with self.fabric.lock:
+            for d in descriptors:
+                tensors = self.fabric.slots.get(d.lease_id)
+                if tensors is None:
+                    raise LeaseExpired(f"lease {d.lease_id} is gone")
+                out.extend(t.clone() for t in tensors)
+        if self.fabric.read_hook is not None:
+            out = self.fabric.read_hook(out)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def make_read_error() -> Exception:
+    return ReadError("fake NIC fault", reason=Reason.RDMA_READ_ERROR)
