@@ -1,0 +1,109 @@
+"""``WorkerInfo``: what a worker tells a proxy at start-up, and the proxy's checks on the answers.
+
+Decision (issue 4, seed §7 "fixed RDMA port with multiple workers"): the proxy asks every worker for its RDMA
+listener settings with ``WorkerInfo/Get`` before it serves, and refuses to start when two workers on one host
+were given the same non-zero ``--rdma-port`` (only one of them could bind it; the other would serve inline
+forever without anyone noticing). Receipts are checked too, at run time: two workers whose descriptors name
+the same owner endpoint are logged and counted (``check_receipt_owner`` in the proxy).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from tensorwire.errors import ConfigError, PeerUnavailable
+from tensorwire.service._proto import service_pb2 as pb
+
+INFO_SERVICE = "tensorwire.service.v1.WorkerInfo"
+INFO_METHOD = f"/{INFO_SERVICE}/Get"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    address: str  # how the proxy reaches the worker (its --worker value)
+    worker_id: str
+    hostname: str
+    pid: int
+    mode: str
+    rdma_provider: str
+    rdma_bind_ip: str
+    rdma_port: int
+    slot_gc_timeout_ms: int
+    model: str
+    device: str
+    hidden_size: int
+    version: str
+
+    @classmethod
+    def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> "WorkerInfo":
+        return cls(address=address, worker_id=msg.worker_id, hostname=msg.hostname, pid=msg.pid, mode=msg.mode,
+                   rdma_provider=msg.rdma_provider, rdma_bind_ip=msg.rdma_bind_ip, rdma_port=msg.rdma_port,
+                   slot_gc_timeout_ms=msg.slot_gc_timeout_ms, model=msg.model, device=msg.device,
+                   hidden_size=msg.hidden_size, version=msg.version)
+
+
+def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericRpcHandler:
+    """A generic handler serving ``WorkerInfo/Get`` from ``get_info()``."""
+
+    def get(_request: pb.WorkerInfoRequest, _context: grpc.ServicerContext) -> pb.WorkerInfoResponse:
+        return get_info()
+
+    return grpc.method_handlers_generic_handler(INFO_SERVICE, {
+        "Get": grpc.unary_unary_rpc_method_handler(
+            get, request_deserializer=pb.WorkerInfoRequest.FromString,
+            response_serializer=pb.WorkerInfoResponse.SerializeToString),
+    })
+
+
+def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str, hidden_size: int) -> pb.WorkerInfoResponse:
+    """The answer of a worker built from its ``RdmaConfig`` (``rdma``) and encoder."""
+    import tensorwire
+
+    return pb.WorkerInfoResponse(
+        worker_id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), mode=mode,
+        rdma_provider=str(rdma.provider), rdma_bind_ip=str(rdma.bind_ip), rdma_port=int(rdma.port),
+        slot_gc_timeout_ms=int(rdma.slot_gc_timeout_ms), model=model, device=device, hidden_size=hidden_size,
+        version=tensorwire.__version__,
+    )
+
+
+def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float) -> WorkerInfo:
+    """Ask one worker, waiting up to ``timeout_s`` for it to come up; raises ``PeerUnavailable``."""
+    call = channel.unary_unary(INFO_METHOD, request_serializer=pb.WorkerInfoRequest.SerializeToString,
+                               response_deserializer=pb.WorkerInfoResponse.FromString)
+    try:
+        msg = call(pb.WorkerInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+    except grpc.RpcError as exc:
+        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
+        raise PeerUnavailable(
+            f"worker {address} did not answer WorkerInfo within {timeout_s:.1f} s ({code}); is it a "
+            "`tensorwire serve-encoder` and is it up?") from exc
+    return WorkerInfo.from_pb(address, msg)
+
+
+def check_workers(infos: Sequence[WorkerInfo]) -> None:
+    """Refuse a worker set that cannot work behind one proxy; raises ``ConfigError`` naming both workers."""
+    seen_ids: dict[str, str] = {}
+    for info in infos:
+        if info.worker_id in seen_ids:
+            raise ConfigError(f"workers {seen_ids[info.worker_id]} and {info.address} report the same worker_id "
+                              f"{info.worker_id!r}; receipts could not tell their leases apart")
+        seen_ids[info.worker_id] = info.address
+    fixed = [i for i in infos if i.rdma_port != 0 and i.mode != "grpc" and i.rdma_provider != "none"]
+    for a_idx, a in enumerate(fixed):
+        for b in fixed[a_idx + 1:]:
+            same_host = a.hostname == b.hostname
+            overlapping_ip = not a.rdma_bind_ip or not b.rdma_bind_ip or a.rdma_bind_ip == b.rdma_bind_ip
+            if same_host and overlapping_ip and a.rdma_port == b.rdma_port:
+                raise ConfigError(
+                    f"workers {a.address} and {b.address} on host {a.hostname} both use the fixed RDMA port "
+                    f"{a.rdma_port}; only one can bind it and the other would serve inline only. Give each "
+                    "worker its own --rdma-port, or use --rdma-port 0 (the default)")
+
+
+__all__ = ["INFO_METHOD", "INFO_SERVICE", "WorkerInfo", "check_workers", "fetch_info", "info_handler", "make_info"]

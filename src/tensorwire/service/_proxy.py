@@ -1,0 +1,429 @@
+"""The encoder proxy: one ``EncoderService`` endpoint in front of several encoder workers.
+
+Per ``Encode``: pick workers round-robin, forward the request bytes unchanged, retry on the next worker when the
+failure is about the worker (UNAVAILABLE, INTERNAL, ...) rather than about the request (INVALID_ARGUMENT...),
+within the caller's deadline and ``max_attempts``. A successful receipt's lease ids are recorded in the
+``RouteTable`` under the worker the proxy called (not the identity the receipt claims), and the response
+bytes go back unchanged. Per ``ReleaseLeases``: group the ids by owner and forward one batch per worker,
+concurrently; a route is dropped only after its worker confirmed the release.
+
+Orphans: a failed attempt may still have exported slots on that worker (it finished the forward, then the
+call timed out or the connection broke). Their lease ids never reach a reader; the worker's TTL GC reclaims
+them after ``slot_gc_timeout_ms``. Each such attempt is logged with the worker and counted in
+``tensorwire_proxy_slots_possibly_orphaned_total``; size the workers' pool for it (docs/deployment.md).
+
+Metric labels are bounded: ``worker`` is the worker's index in ``--worker`` order, ``code`` a gRPC status name.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tensorwire.errors import ConfigError, Reason
+from tensorwire.mm import wire
+from tensorwire.mm.config import TransportConfig
+from tensorwire.rdma import RdmaConfig
+from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
+from tensorwire.service._routes import RouteTable, route_ttl_s
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_TRANSPORT = TransportConfig()
+
+# Failures that say nothing about the request itself: another worker may well succeed.
+RETRYABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+})
+# Failures after which the worker may have finished the forward and exported slots that nobody will release.
+MAY_HAVE_EXPORTED = frozenset({
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
+})
+
+
+def may_have_orphaned(code: grpc.StatusCode, support_rdma: bool) -> bool:
+    """True when a failed attempt with ``code`` may have left exported slots behind on its worker."""
+    return support_rdma and code in MAY_HAVE_EXPORTED
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Settings of ``serve-proxy``. Timeouts default to the transport's, so proxy and workers agree."""
+
+    workers: tuple[str, ...] = ()
+    # 0: try every worker once. Attempts also stop when the caller's deadline is spent.
+    max_attempts: int = 0
+    worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
+    rpc_timeout_margin_ms: int = _DEFAULT_TRANSPORT.rpc_timeout_margin_ms
+    release_timeout_ms: int = _DEFAULT_TRANSPORT.release_timeout_ms
+    # Used for the route TTL when workers are not asked (check_workers=False); else the workers' largest.
+    slot_gc_timeout_ms: int = RdmaConfig().slot_gc_timeout_ms
+    # Ask every worker for WorkerInfo at start-up (RDMA port check, route TTL); wait this long for each.
+    check_workers: bool = True
+    worker_wait_s: float = 30.0
+    server_threads: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ConfigError("the proxy needs at least one --worker HOST:PORT")
+        if len(set(self.workers)) != len(self.workers):
+            raise ConfigError(f"--worker lists a worker twice: {list(self.workers)}")
+        for w in self.workers:
+            host, sep, port = w.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--worker {w!r}: expected HOST:PORT")
+        for name in ("max_attempts",):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("worker_timeout_ms", "release_timeout_ms", "slot_gc_timeout_ms", "server_threads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.worker_wait_s <= 0:
+            raise ConfigError(f"worker_wait_s={self.worker_wait_s} must be > 0")
+
+    @property
+    def attempts(self) -> int:
+        return min(self.max_attempts, len(self.workers)) if self.max_attempts else len(self.workers)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry, routes: RouteTable, n_workers: int) -> None:
+        self.requests = Counter("tensorwire_proxy_requests_total", "Encode requests by outcome",
+                                ["outcome"], registry=registry)
+        self.seconds = Histogram("tensorwire_proxy_request_seconds", "Encode latency through the proxy",
+                                 registry=registry)
+        self.worker_errors = Counter("tensorwire_proxy_worker_errors_total",
+                                     "Failed worker calls by worker index and gRPC status", ["worker", "code"],
+                                     registry=registry)
+        self.retries = Counter("tensorwire_proxy_retries_total", "Encode attempts retried on another worker",
+                               registry=registry)
+        self.orphaned = Counter("tensorwire_proxy_slots_possibly_orphaned_total",
+                                "Failed attempts that may have left exported slots on the worker (its GC reclaims)",
+                                ["worker"], registry=registry)
+        self.releases = Counter("tensorwire_proxy_release_ids_total",
+                                "Lease ids in ReleaseLeases by outcome (released, failed, unknown, poisoned)",
+                                ["outcome"], registry=registry)
+        self.owner_conflicts = Counter("tensorwire_proxy_rdma_owner_conflicts_total",
+                                       "Receipts whose RDMA owner endpoint another worker also used",
+                                       registry=registry)
+        self.bad_receipts = Counter("tensorwire_proxy_bad_receipts_total",
+                                    "Worker responses the proxy could not parse for lease ids", registry=registry)
+        for i in range(n_workers):
+            self.orphaned.labels(str(i))
+        registry.register(_RouteCollector(routes))
+
+
+class _RouteCollector:
+    def __init__(self, routes: RouteTable) -> None:
+        self._routes = routes
+
+    def collect(self) -> Iterable[Any]:
+        s = self._routes.stats()
+        yield GaugeMetricFamily("tensorwire_proxy_routes", "Live lease -> worker routes", value=s.routes)
+        for name, value, doc in (
+            ("tensorwire_proxy_lease_collisions", s.collisions_total,
+             "Lease ids claimed by two workers (poisoned; both released)"),
+            ("tensorwire_proxy_routes_expired", s.expired_total, "Routes dropped by TTL without a release"),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+def _remaining_s(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of the caller's deadline; None when it set none."""
+    fn = getattr(context, "time_remaining", None)
+    left = fn() if callable(fn) else None
+    if left is None:
+        return None
+    if hasattr(left, "total_seconds"):  # some grpc versions hand back a timedelta (seed §7)
+        left = left.total_seconds()
+    return float(left)
+
+
+@dataclass
+class _Worker:
+    index: int
+    address: str
+    channel: grpc.Channel
+    encode: Any
+    release: Any
+    info: WorkerInfo | None = None
+
+
+class EncoderProxy:
+    """The proxy server; ``start(address)`` binds and returns the port, ``stop(grace_s)`` drains and closes.
+
+    Lifecycle: ``start`` once (it first asks every worker for ``WorkerInfo`` unless ``check_workers`` is off,
+    raising ``ConfigError`` or ``PeerUnavailable`` before binding anything); ``stop`` is idempotent and closes
+    the worker channels after in-flight calls finished or the grace ran out.
+    """
+
+    def __init__(self, config: ProxyConfig, *, registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        opts = wire.channel_options()
+        self._workers = []
+        for i, address in enumerate(config.workers):
+            ch = grpc.insecure_channel(address, options=opts)
+            self._workers.append(_Worker(
+                index=i, address=address, channel=ch,
+                encode=ch.unary_unary(wire.ENCODE_METHOD),  # bytes in, bytes out: forwarded unparsed
+                release=ch.unary_unary(wire.RELEASE_METHOD,
+                                       request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
+                                       response_deserializer=wire.ReleaseLeasesResponse.FromString),
+            ))
+        self.routes = RouteTable(route_ttl_s(config.slot_gc_timeout_ms), clock=clock)
+        self._registry = registry if registry is not None else REGISTRY
+        self._metrics: _Metrics | None = None
+        self._rr = itertools.count()
+        self._owner_by_endpoint: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(max_workers=max(2, len(self._workers)),
+                                                thread_name_prefix="proxy-release")
+        self._server: grpc.Server | None = None
+        self._health: Any = None
+        self._closed = False
+        self.port: int | None = None
+
+    # ---- lifecycle
+    def start(self, address: str = "127.0.0.1:0") -> int:
+        if self._server is not None:
+            raise RuntimeError("proxy already started")
+        if self.config.check_workers:
+            infos = self._ask_workers()
+            check_workers(infos)
+            ttl = route_ttl_s(max(i.slot_gc_timeout_ms for i in infos))
+            self.routes = RouteTable(ttl, clock=self._clock)
+        self._metrics = _Metrics(self._registry, self.routes, len(self._workers))
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.server_threads,
+                                                        thread_name_prefix="proxy"),
+                             options=wire.channel_options())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
+            "Encode": grpc.unary_unary_rpc_method_handler(self._encode),  # raw bytes both ways
+            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
+                self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
+                response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
+        }),))
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise ConfigError(f"cannot bind the proxy to {address}")
+        server.start()
+        for name in ("", wire.SERVICE_NAME):
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server, self.port = server, port
+        log.info("proxy serving on port %d for %d workers (route TTL %.1f s)", port, len(self._workers),
+                 self.routes.ttl_s)
+        return port
+
+    def _ask_workers(self) -> list[WorkerInfo]:
+        pending = {self._pool.submit(fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s): w
+                   for w in self._workers}
+        infos = []
+        for fut, w in pending.items():
+            w.info = fut.result()  # raises PeerUnavailable naming the worker
+            infos.append(w.info)
+        return infos
+
+    @property
+    def worker_infos(self) -> list[WorkerInfo | None]:
+        return [w.info for w in self._workers]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1.0)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for w in self._workers:
+            w.channel.close()
+
+    close = stop
+
+    def __enter__(self) -> "EncoderProxy":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait(self) -> None:
+        if self._server is not None:
+            self._server.wait_for_termination()
+
+    # ---- Encode
+    def _attempt_budget_s(self, request: Any) -> float:
+        items = [t if t > 0 else self.config.worker_timeout_ms for t in (i.timeout_ms for i in request.inputs)]
+        worker_ms = max(items) if items else self.config.worker_timeout_ms
+        return (worker_ms + self.config.rpc_timeout_margin_ms) / 1000.0
+
+    def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        assert self._metrics is not None
+        m = self._metrics
+        start = time.monotonic()
+        try:
+            request = wire.EncodeRequest.FromString(raw)
+        except Exception:  # noqa: BLE001 - any parse failure is the caller's malformed request
+            m.requests.labels("invalid").inc()
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeRequest does not parse")
+        # Each attempt gets the worker budget (the seed's formula), capped by what the caller has left overall.
+        budget_s = self._attempt_budget_s(request)
+        caller_left = _remaining_s(context)
+        end = start + caller_left if caller_left is not None else None
+        first = next(self._rr)
+        order = [self._workers[(first + k) % len(self._workers)] for k in range(len(self._workers))]
+        last_error: grpc.RpcError | None = None
+        for attempt, worker in enumerate(order[: self.config.attempts]):
+            left = budget_s if end is None else min(budget_s, end - time.monotonic())
+            if left <= 0 or not context.is_active():
+                break
+            if attempt:
+                m.retries.inc()
+            try:
+                response = worker.encode(raw, timeout=left)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+                m.worker_errors.labels(str(worker.index), code.name).inc()
+                last_error = exc
+                if may_have_orphaned(code, request.support_rdma):
+                    m.orphaned.labels(str(worker.index)).inc()
+                    log.warning("worker %s failed with %s after it may have exported RDMA slots; they are "
+                                "reclaimed by its GC (slot_gc_timeout_ms)", worker.address, code.name)
+                if code not in RETRYABLE:
+                    break
+                log.info("worker %s failed with %s; trying another worker", worker.address, code.name)
+                continue
+            self._record(worker, response)
+            m.requests.labels("ok").inc()
+            m.seconds.observe(time.monotonic() - start)
+            return response
+        m.requests.labels("error").inc()
+        m.seconds.observe(time.monotonic() - start)
+        if last_error is None:
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.DEADLINE_EXCEEDED.value),))
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left to call an encoder worker")
+        self._forward_error(last_error, context)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    @staticmethod
+    def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        try:
+            md = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == wire.REASON_METADATA_KEY]
+        except AttributeError:
+            md = []
+        if md:
+            context.set_trailing_metadata(tuple(md))
+        context.abort(code, f"via proxy: {details}")
+
+    def _record(self, worker: _Worker, response: bytes) -> None:
+        assert self._metrics is not None
+        try:
+            msg = wire.EncodeResponse.FromString(response)
+        except Exception:  # noqa: BLE001 - the client will reject it too; the proxy only cannot route it
+            self._metrics.bad_receipts.inc()
+            log.warning("worker %s sent a response that does not parse", worker.address)
+            return
+        if not msg.rdma_slots:
+            return
+        from tensorwire.errors import InvalidDescriptor
+        from tensorwire.rdma import Descriptor
+
+        lease_ids = []
+        for slot in msg.rdma_slots:
+            try:
+                # The proxy reads no memory; it only needs the lease id, so the slot size cap is not its concern.
+                desc = Descriptor.from_bytes(slot.descriptor, max_slot_bytes=1 << 48)
+            except InvalidDescriptor as exc:
+                self._metrics.bad_receipts.inc()
+                log.warning("worker %s sent an invalid descriptor (%s); its lease is not routed", worker.address, exc)
+                continue
+            lease_ids.append(desc.lease_id)
+            self._check_owner(worker, desc.owner.endpoint)
+        collided = self.routes.record(worker.address, lease_ids)
+        if collided:
+            log.error("lease id collision between workers %s; the ids are poisoned and released on both",
+                      sorted({w for w, _ in collided}))
+            by_worker: dict[str, list[str]] = {}
+            for w, lease in collided:
+                by_worker.setdefault(w, []).append(lease)
+            for w, ids in by_worker.items():
+                self._pool.submit(self._release_on, self._by_address(w), ids, self.config.release_timeout_ms / 1e3)
+
+    def _check_owner(self, worker: _Worker, endpoint: str) -> None:
+        with self._lock:
+            owner = self._owner_by_endpoint.setdefault(endpoint, worker.address)
+        if owner != worker.address:
+            assert self._metrics is not None
+            self._metrics.owner_conflicts.inc()
+            log.error("workers %s and %s both export from RDMA endpoint %s; give each worker its own --rdma-port",
+                      owner, worker.address, endpoint)
+
+    def _by_address(self, address: str) -> _Worker:
+        return next(w for w in self._workers if w.address == address)
+
+    # ---- ReleaseLeases
+    def _release_on(self, worker: _Worker, lease_ids: Sequence[str], timeout_s: float) -> int:
+        resp = worker.release(wire.ReleaseLeasesRequest(lease_ids=list(lease_ids)), timeout=timeout_s)
+        return int(resp.released)
+
+    def _release(self, request: Any, context: grpc.ServicerContext) -> Any:
+        assert self._metrics is not None
+        m = self._metrics
+        plan = self.routes.plan_release(request.lease_ids)
+        m.releases.labels("unknown").inc(len(plan.unknown))
+        m.releases.labels("poisoned").inc(len(plan.poisoned))
+        caller_left = _remaining_s(context)
+        timeout_s = self.config.release_timeout_ms / 1000.0
+        if caller_left is not None:
+            timeout_s = min(timeout_s, caller_left)
+        calls = {}
+        for address, ids in plan.by_worker.items():
+            if timeout_s <= 0:
+                break
+            calls[address] = self._pool.submit(self._release_on, self._by_address(address), ids, timeout_s)
+        released, failed = 0, []
+        for address, ids in plan.by_worker.items():
+            fut = calls.get(address)
+            try:
+                if fut is None:
+                    raise TimeoutError("no time left")
+                released += fut.result()
+            except (grpc.RpcError, TimeoutError, futures.CancelledError) as exc:
+                failed.append(address)
+                m.releases.labels("failed").inc(len(ids))
+                code = exc.code().name if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else "DEADLINE"
+                m.worker_errors.labels(str(self._by_address(address).index), code).inc()
+                log.warning("release of %d lease(s) on %s failed (%s); routes kept for a retry",
+                            len(ids), address, code)
+                continue
+            self.routes.confirm_released(plan, address)
+            m.releases.labels("released").inc(len(ids))
+        if failed:
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PEER_UNAVAILABLE.value),))
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"release failed on {len(failed)} of {len(plan.by_worker)} worker(s) {failed}; "
+                          "routes kept, retry the release")
+        return wire.ReleaseLeasesResponse(released=released)
+
+
+__all__ = ["EncoderProxy", "MAY_HAVE_EXPORTED", "ProxyConfig", "RETRYABLE", "may_have_orphaned"]

@@ -1,0 +1,214 @@
+"""The proxy over real gRPC (127.0.0.1:0) in front of scripted workers (tests/unit/service/fake_worker.py)."""
+
+from __future__ import annotations
+
+import socket
+from typing import Iterator
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tensorwire.errors import ConfigError, PeerUnavailable
+from tensorwire.mm import wire
+from tensorwire.service._proxy import EncoderProxy, ProxyConfig, may_have_orphaned
+
+from .fake_worker import FakeWorker, abort_with, sleep_then
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _dead_address() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    return f"127.0.0.1:{port}"
+
+
+class Harness:
+    def __init__(self, workers: list[FakeWorker], extra: tuple[str, ...] = (), **cfg: object) -> None:
+        self.workers = [w.start() for w in workers]
+        self.registry = CollectorRegistry()
+        config = ProxyConfig(workers=tuple(w.address for w in self.workers) + extra, worker_wait_s=5.0, **cfg)
+        self.proxy = EncoderProxy(config, registry=self.registry)
+        self.proxy.start("127.0.0.1:0")
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy.port}", options=wire.channel_options())
+        self.encode_rpc = self.channel.unary_unary(wire.ENCODE_METHOD,
+                                                   request_serializer=wire.EncodeRequest.SerializeToString,
+                                                   response_deserializer=wire.EncodeResponse.FromString)
+        self.release_rpc = self.channel.unary_unary(wire.RELEASE_METHOD,
+                                                    request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
+                                                    response_deserializer=wire.ReleaseLeasesResponse.FromString)
+
+    def encode(self, rdma: bool = True, timeout: float = 10.0, item_timeout_ms: int = 0) -> wire.EncodeResponse:
+        req = wire.EncodeRequest(support_rdma=rdma)
+        req.inputs.add(data=b"img", kind="image", timeout_ms=item_timeout_ms)
+        return self.encode_rpc(req, timeout=timeout)
+
+    def release(self, ids: list[str]) -> int:
+        return self.release_rpc(wire.ReleaseLeasesRequest(lease_ids=ids), timeout=10).released
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, labels or None) or 0.0
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proxy.stop(1.0)
+        for w in self.workers:
+            w.stop()
+
+
+@pytest.fixture
+def make() -> Iterator:
+    made: list[Harness] = []
+
+    def factory(*args: object, **kwargs: object) -> Harness:
+        h = Harness(*args, **kwargs)  # type: ignore[arg-type]
+        made.append(h)
+        return h
+
+    yield factory
+    for h in made:
+        h.close()
+
+
+def _leases(resp: wire.EncodeResponse) -> list[str]:
+    from tensorwire.rdma import Descriptor
+
+    return [Descriptor.from_bytes(s.descriptor).lease_id for s in resp.rdma_slots]
+
+
+def test_spreads_and_releases_to_owners_batched(make) -> None:
+    h = make([FakeWorker("w0"), FakeWorker("w1")])
+    got = [h.encode() for _ in range(4)]
+    assert sorted(r.worker.worker_id for r in got) == ["w0", "w0", "w1", "w1"]
+    ids = [lease for r in got for lease in _leases(r)]
+    assert len(h.proxy.routes) == 4
+    assert h.release(ids + ["never-seen"]) == 4
+    # One batch per owner, each holding only that owner's ids.
+    assert [sorted(b) for b in h.workers[0].releases] == [sorted(i for i in ids if i.startswith("w0"))]
+    assert [sorted(b) for b in h.workers[1].releases] == [sorted(i for i in ids if i.startswith("w1"))]
+    assert len(h.proxy.routes) == 0
+    assert h.metric("tensorwire_proxy_release_ids_total", outcome="unknown") == 1
+    # Inline receipts are forwarded unchanged and create no route.
+    inline = h.encode(rdma=False)
+    assert inline.embedding.shape == [4, 8] and not inline.rdma_slots and len(h.proxy.routes) == 0
+
+
+def test_retry_on_another_worker_when_one_is_down(make) -> None:
+    h = make([FakeWorker("w0")], extra=(_dead_address(),), check_workers=False)
+    for _ in range(4):
+        assert h.encode().worker.worker_id == "w0"
+    assert h.metric("tensorwire_proxy_retries_total") >= 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker="1", code="UNAVAILABLE") >= 1
+    # Connection refused: the worker never ran the request, so nothing can be orphaned.
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="1") == 0
+
+
+def test_request_errors_are_not_retried_and_keep_their_reason(make) -> None:
+    bad = abort_with(grpc.StatusCode.INVALID_ARGUMENT, "image 0: cannot decode")
+    h = make([FakeWorker("w0", on_encode=bad), FakeWorker("w1", on_encode=bad)])
+    with pytest.raises(grpc.RpcError) as info:
+        h.encode()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot decode" in info.value.details()
+    assert (wire.REASON_METADATA_KEY, "invalid_payload") in tuple(info.value.trailing_metadata())
+    assert h.workers[0].encodes + h.workers[1].encodes == 1
+    assert h.metric("tensorwire_proxy_retries_total") == 0
+
+
+def test_retry_after_possible_export_is_counted_as_orphan(make) -> None:
+    # w0 takes longer than the per-attempt budget (item timeout 300 ms, margin 0): the call times out after the
+    # worker may have exported. The proxy retries on w1 within the caller's 10 s and counts the orphan.
+    slow = FakeWorker("w0", on_encode=sleep_then(1.0, ["slow-lease"]))
+    h = make([slow, FakeWorker("w1")], rpc_timeout_margin_ms=0, check_workers=False)
+    h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
+    resp = h.encode(item_timeout_ms=300)
+    assert resp.worker.worker_id == "w1"
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="0") == 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker="0", code="DEADLINE_EXCEEDED") == 1
+    assert h.proxy.routes.lookup("slow-lease") is None  # the orphan never reached a reader or the table
+    # Without RDMA nothing could be exported, so nothing is counted.
+    assert h.encode(rdma=False, item_timeout_ms=300).worker.worker_id == "w1"
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="0") == 1
+
+
+def test_may_have_orphaned_table() -> None:
+    assert may_have_orphaned(grpc.StatusCode.DEADLINE_EXCEEDED, True)
+    assert may_have_orphaned(grpc.StatusCode.INTERNAL, True)
+    assert not may_have_orphaned(grpc.StatusCode.DEADLINE_EXCEEDED, False)
+    assert not may_have_orphaned(grpc.StatusCode.UNAVAILABLE, True)
+    assert not may_have_orphaned(grpc.StatusCode.INVALID_ARGUMENT, True)
+
+
+def test_failed_release_keeps_the_route_for_a_retry(make) -> None:
+    h = make([FakeWorker("w0", release_failures=1)])
+    ids = _leases(h.encode())
+    with pytest.raises(grpc.RpcError) as info:
+        h.release(ids)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert h.proxy.routes.lookup(ids[0]) == h.workers[0].address
+    assert h.release(ids) == 1
+    assert h.proxy.routes.lookup(ids[0]) is None and h.workers[0].releases == [ids]
+
+
+def test_collision_poisons_and_releases_on_both(make) -> None:
+    same = lambda _r, _c: ["dup-lease"]  # noqa: E731
+    h = make([FakeWorker("w0", on_encode=same), FakeWorker("w1", on_encode=same)])
+    h.encode()
+    h.encode()
+    assert h.proxy.routes.is_poisoned("dup-lease")
+    assert h.metric("tensorwire_proxy_lease_collisions_total") == 1
+    # Both owners get the poisoned id back (asynchronously).
+    import time
+
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not (h.workers[0].releases and h.workers[1].releases):
+        time.sleep(0.02)
+    assert h.workers[0].releases == [["dup-lease"]] and h.workers[1].releases == [["dup-lease"]]
+    assert h.release(["dup-lease"]) == 0  # a reader's release of a poisoned id is not forwarded
+    assert h.metric("tensorwire_proxy_release_ids_total", outcome="poisoned") == 1
+
+
+def test_route_ttl_comes_from_the_workers(make) -> None:
+    h = make([FakeWorker("w0", slot_gc_timeout_ms=2_000), FakeWorker("w1", slot_gc_timeout_ms=10_000)])
+    assert h.proxy.routes.ttl_s == 15.0
+    assert [i.worker_id for i in h.proxy.worker_infos] == ["w0", "w1"]
+
+
+def test_fixed_rdma_port_shared_on_one_host_is_rejected() -> None:
+    workers = [FakeWorker("w0", rdma_port=7000).start(), FakeWorker("w1", rdma_port=7000).start()]
+    try:
+        proxy = EncoderProxy(ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0),
+                             registry=CollectorRegistry())
+        with pytest.raises(ConfigError, match="fixed RDMA port 7000"):
+            proxy.start("127.0.0.1:0")
+        proxy.stop()
+        # Other hosts, or port 0, are fine.
+        workers[1].hostname = "host-b"
+        ok = EncoderProxy(ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0),
+                          registry=CollectorRegistry())
+        assert ok.start("127.0.0.1:0") > 0
+        ok.stop()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_unreachable_worker_fails_start() -> None:
+    proxy = EncoderProxy(ProxyConfig(workers=(_dead_address(),), worker_wait_s=0.5), registry=CollectorRegistry())
+    with pytest.raises(PeerUnavailable, match="did not answer WorkerInfo"):
+        proxy.start("127.0.0.1:0")
+    proxy.stop()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"workers": ()}, "at least one"),
+    ({"workers": ("a:1", "a:1")}, "twice"),
+    ({"workers": ("nohost",)}, "HOST:PORT"),
+    ({"workers": ("a:1",), "release_timeout_ms": 0}, "release_timeout_ms"),
+])
+def test_config_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ProxyConfig(**kwargs)
