@@ -113,7 +113,7 @@ class TensorReader:
         """The UCX transport the last READ (from ``descriptor``'s owner, when given) went over, or "unknown"."""
         if self._provider is None:
             return "unknown"
-        return self._provider.transport(descriptor.owner if descriptor is not None else None)
+        return self._provider.transport(self._mem_type, descriptor.mem_type if descriptor is not None else None)
 
     def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None) -> list[torch.Tensor]:
         """Fetch every descriptor's tensors: flattened in descriptor order x manifest order.

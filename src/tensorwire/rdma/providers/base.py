@@ -120,8 +120,9 @@ class Provider(abc.ABC):
     ) -> None:
         """READ ``remote[i]`` of ``owner`` into ``local[i]`` (same lengths) before ``deadline`` (time.monotonic)."""
 
-    def transport(self, owner: Owner | None = None) -> str:
-        """Name of the transport the last READ (to ``owner``, when given) used, or "unknown"."""
+    def transport(self, local_mem: str | None = None, remote_mem: str | None = None) -> str:
+        """Transport of READs into ``local_mem`` from ``remote_mem`` (default: the configured device's memory),
+        or "unknown" when not detectable."""
         return "unknown"
 
     def stats(self) -> dict[str, Any]:

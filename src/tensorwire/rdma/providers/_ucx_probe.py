@@ -1,0 +1,109 @@
+"""Best-effort detection of the UCX transport a READ used, from UCX's ``UCX_PROTO_INFO`` tables.
+
+UCX prints a "remote memory read ... into <mem> memory from <mem>" table on stdout the first time it selects a
+READ protocol for an endpoint configuration. ``capture_stdout`` redirects fd 1 into a temporary file around the
+first READ to each peer (serialized by a lock, never on later reads), parses the tables, and writes every other
+line back to the real stdout. When nothing is printed (UCX_PROTO_INFO disabled by the operator, or the table was
+already printed for that configuration) the caller keeps its previous answer or "unknown".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import sys
+import tempfile
+import threading
+from typing import Iterator
+
+_LOCK = threading.Lock()
+_HEADER = re.compile(r"remote memory read by \S+ into (\w+) memory from (\w+)")
+_TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+)")
+_TABLE_LINE = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s+[|+]")
+_MEM = {"host": "DRAM", "cuda": "VRAM", "rocm": "VRAM", "cuda-managed": "VRAM"}
+
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None)
+except OSError:  # pragma: no cover - no libc symbols (unusual interpreters)
+    _libc = None
+
+
+def _flush_c_stdio() -> None:
+    if _libc is not None:
+        _libc.fflush(None)
+
+
+class Capture:
+    def __init__(self) -> None:
+        self.text = ""
+
+
+@contextlib.contextmanager
+def capture_stdout() -> Iterator[Capture]:
+    """Redirect fd 1 to a temp file for the block; ``Capture.text`` holds what was written."""
+    cap = Capture()
+    with _LOCK:
+        try:
+            sys.stdout.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+        _flush_c_stdio()
+        saved = os.dup(1)
+        tmp = tempfile.TemporaryFile()
+        try:
+            os.dup2(tmp.fileno(), 1)
+            try:
+                yield cap
+            finally:
+                _flush_c_stdio()
+                os.dup2(saved, 1)
+                tmp.seek(0)
+                cap.text = tmp.read().decode("utf-8", "replace")
+        finally:
+            os.close(saved)
+            tmp.close()
+        rest = [line for line in cap.text.splitlines(keepends=True) if not _TABLE_LINE.match(line)]
+        if rest:
+            os.write(1, "".join(rest).encode())
+
+
+def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
+    """{(local mem, remote mem): "tl/dev[+tl/dev]"} for every READ table in ``text``. "DRAM"/"VRAM" names."""
+    out: dict[tuple[str, str], str] = {}
+    current: tuple[str, str] | None = None
+    found: list[str] = []
+    emulated = False
+    for line in text.splitlines():
+        if "|" not in line:
+            continue
+        line = line[line.index("|"):]
+        m = _HEADER.search(line)
+        if m:
+            if current and found:
+                out[current] = _name(found, emulated)
+            current = (_MEM.get(m.group(1), m.group(1)), _MEM.get(m.group(2), m.group(2)))
+            found, emulated = [], False
+            continue
+        if current is None:
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and ".." in cells[0]:
+            if "emulation" in cells[1]:
+                emulated = True
+            for t in _TRANSPORT.findall(cells[-1]):
+                if t not in found:
+                    found.append(t)
+    if current and found:
+        out[current] = _name(found, emulated)
+    return out
+
+
+def _name(found: list[str], emulated: bool) -> str:
+    return "+".join(found) + (" (emulated over active messages)" if emulated else "")
+
+
+def is_slow_for_gpu(transport: str) -> bool:
+    """True when a VRAM READ went over a host-staged or TCP path instead of cuda_ipc / an RDMA NIC."""
+    return "tcp" in transport or "emulated" in transport

@@ -1,0 +1,369 @@
+"""The ``nixl`` provider: NIXL with its UCX backend (RDMA NICs between hosts, cuda_ipc / CMA inside a host).
+
+- Agent: one per provider instance, named ``tw-<role>-<host>-<pid>-<random>``. UCX defaults are applied first
+  (``_ucx_env``). NIXL's Python wrapper hard-codes ``pthrDelay = 0``, which makes the progress thread spin on
+  ``poll(fd, 0)`` and burn a core per agent (nixl-on-cpu.md §3); we construct the agent under a scoped patch that
+  sets ``progress_delay_us`` instead, so the idle thread blocks in ``poll`` on UCX's event fd.
+- Owner side: ``serve`` starts ``_metadata.MetadataServer`` on (bind_ip, port). ``registration_epoch`` counts
+  registrations; a snapshot (name, epoch, full agent metadata) is taken under the registration lock.
+- Reader side: per owner agent, the metadata is fetched once (``connect_timeout_ms``, bounded by the read
+  deadline), loaded with ``add_remote_agent`` and cached with its epoch; a descriptor with a newer epoch triggers a
+  refresh. Ranges are passed as plain (addr, len, dev) tuples; NIXL checks them against the owner's registered
+  regions (``NIXL_ERR_NOT_FOUND`` otherwise). On ``NIXL_ERR_REMOTE_DISCONNECT`` the owner is forgotten
+  (``remove_remote_agent``) so a restarted owner or another owner keeps working.
+- Deadline: NIXL has no transfer timeout. The caller polls ``check_xfer_state`` until the deadline; a transfer
+  still in progress then is returned as a ``PendingTransfer`` on the ``ReadTimeout`` (destination quarantined by
+  the reader until NIXL reports it done or failed).
+- Transport: the first READ to each owner runs under ``_ucx_probe.capture_stdout`` to learn the UCX transport.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
+from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._descriptor import Owner
+from tensorwire.rdma.providers import _metadata, _ucx_env, _ucx_probe
+from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
+
+log = logging.getLogger(__name__)
+
+_CTOR_LOCK = threading.Lock()  # serializes the scoped pthrDelay patch of nixlBind.nixlAgent
+_AVAILABLE: bool | None = None
+_SPIN_S = 0.0005  # busy-poll this long before sleeping between state checks (sub-ms reads stay sub-ms)
+
+
+def _api() -> Any:
+    _ucx_env.quiet_nixl()
+    import nixl._api as api  # noqa: PLC0415 - heavy, only when the provider is used
+
+    return api
+
+
+class _Remote:
+    __slots__ = ("name", "epoch", "lock", "probed")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.epoch = -1
+        self.lock = threading.Lock()
+        self.probed = False
+
+
+class _NixlPending(PendingTransfer):
+    def __init__(self, agent: Any, xfer: Any, handles: list[Any]) -> None:
+        self._agent = agent
+        self._xfer = xfer
+        self._handles = handles
+        self._done = False
+
+    def poll(self) -> bool:
+        if self._done:
+            return True
+        try:
+            state = self._agent.check_xfer_state(self._xfer)
+        except Exception:  # a failed transfer raises: NIXL no longer works on it
+            state = "ERR"
+        if state == "PROC":
+            return False
+        self._done = True
+        _release_quietly(self._xfer, *self._handles)
+        return True
+
+    def abandon(self) -> None:
+        if not self._done:
+            _release_quietly(self._xfer, *self._handles)  # NIXL tries to cancel an active transfer on release
+
+
+class NixlProvider(Provider):
+    name = "nixl"
+
+    def __init__(self, config: RdmaConfig, *, role: str) -> None:
+        super().__init__(config, role=role)
+        env = _ucx_env.apply_defaults(cuda=config.is_cuda)
+        api = _api()
+        self._agent_name = f"tw-{role}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            self._agent = _make_agent(api, self._agent_name, config)
+        except Exception as exc:
+            err = ExportError if role == ROLE_EXPORTER else ReadError
+            raise err(f"NIXL agent creation failed: {exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
+        self._reg_lock = threading.Lock()
+        self._epoch = 0
+        self._server: _metadata.MetadataServer | None = None
+        self._remotes: dict[str, _Remote] = {}
+        self._remotes_lock = threading.Lock()
+        self._transports: dict[tuple[str, str], str] = {}
+        self._closed = False
+        self._counts = {"metadata_fetches": 0, "peer_disconnects": 0, "nixl_read_errors": 0}
+        log.info("NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
+                 self._agent_name, role, config.device, config.progress_delay_us, env)
+
+    @classmethod
+    def available(cls) -> bool:
+        global _AVAILABLE
+        if _AVAILABLE is None:
+            try:
+                api = _api()
+                _AVAILABLE = hasattr(api, "nixl_agent")
+            except Exception as exc:  # ImportError, missing shared libraries (OSError), broken wheels
+                log.info("NIXL unavailable: %s", exc)
+                _AVAILABLE = False
+        return _AVAILABLE
+
+    @property
+    def supports_device_memory(self) -> bool:
+        return True
+
+    @property
+    def agent_name(self) -> str:
+        return self._agent_name
+
+    @property
+    def registration_epoch(self) -> int:
+        return self._epoch
+
+    # -- memory --
+
+    def register(self, addr: int, nbytes: int, mem_type: str, device_id: int) -> Registration:
+        self._check_open()
+        with self._reg_lock:
+            try:
+                reg = self._agent.register_memory([(addr, nbytes, device_id, "")], mem_type)
+            except Exception as exc:
+                raise ExportError(f"NIXL could not register {nbytes} bytes of {mem_type}: {exc}",
+                                  reason=Reason.REGISTRATION_FAILED) from exc
+            self._epoch += 1
+        return Registration(addr, nbytes, mem_type, device_id, reg)
+
+    def deregister(self, reg: Registration) -> None:
+        if self._closed:
+            return
+        with self._reg_lock:
+            self._agent.deregister_memory(reg.handle)
+
+    # -- owner side --
+
+    def serve(self) -> Owner:
+        self._check_open()
+        if self._server is None:
+            try:
+                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port, self._snapshot)
+            except OSError as exc:
+                raise ExportError(f"metadata endpoint {self.config.bind_ip or '0.0.0.0'}:{self.config.port} "
+                                  f"could not listen: {exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
+        return Owner(self._agent_name, _advertise_host(self.config), self._server.port, 0)
+
+    def _snapshot(self) -> tuple[str, int, bytes]:
+        with self._reg_lock:
+            return self._agent_name, self._epoch, self._agent.get_agent_metadata()
+
+    # -- reader side --
+
+    def read(self, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str, remote: Sequence[Range],
+             *, deadline: float) -> None:
+        self._check_open()
+        if len(local) != len(remote) or not local:
+            raise ReadError(f"read needs matching non-empty range lists ({len(local)} vs {len(remote)})")
+        rem = self._remote(owner, deadline)
+        if not rem.probed:
+            with _ucx_probe.capture_stdout() as cap:
+                try:
+                    self._transfer(rem, owner, local_mem, local, remote_mem, remote, deadline)
+                finally:
+                    rem.probed = True
+            self._learn_transport(cap.text, owner, local_mem, remote_mem)
+        else:
+            self._transfer(rem, owner, local_mem, local, remote_mem, remote, deadline)
+
+    def _remote(self, owner: Owner, deadline: float) -> _Remote:
+        with self._remotes_lock:
+            rem = self._remotes.get(owner.agent_name)
+            if rem is None:
+                rem = self._remotes[owner.agent_name] = _Remote(owner.agent_name)
+        if rem.epoch >= owner.registration_epoch:
+            return rem
+        with rem.lock:
+            if rem.epoch < owner.registration_epoch:
+                self._load(rem, owner, deadline)
+        return rem
+
+    def _load(self, rem: _Remote, owner: Owner, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ReadTimeout(f"no time left to fetch metadata of {owner.agent_name}", reason=Reason.READ_TIMEOUT)
+        timeout_s = min(self.config.connect_timeout_ms / 1000.0, remaining)
+        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, timeout_s=timeout_s)
+        self._counts["metadata_fetches"] += 1
+        try:
+            loaded = self._agent.add_remote_agent(md)
+        except Exception as exc:
+            raise ReadError(f"NIXL rejected the metadata of {owner.agent_name}: {exc}",
+                            reason=Reason.METADATA_UNAVAILABLE) from exc
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != owner.agent_name:
+            self._forget(loaded_name)
+            raise ReadError(f"metadata from {owner.endpoint} names agent {loaded_name!r}, not {owner.agent_name!r}",
+                            reason=Reason.METADATA_UNAVAILABLE)
+        rem.epoch = max(epoch, owner.registration_epoch) if epoch >= owner.registration_epoch else epoch
+
+    def _transfer(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
+                  remote: Sequence[Range], deadline: float) -> None:
+        agent = self._agent
+        handles: list[Any] = []
+        xfer = None
+        try:
+            try:
+                handles.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", list(local), local_mem))
+                handles.append(agent.prep_xfer_dlist(rem.name, list(remote), remote_mem))
+            except Exception as exc:
+                if _is(exc, "NotFound"):
+                    raise LeaseExpired(
+                        f"{owner.agent_name} has no registered memory at the descriptor's range (slot released and "
+                        "freed, or a bad address)", reason=Reason.LEASE_EXPIRED) from exc
+                raise self._translate(exc, rem, owner) from exc
+            idx = list(range(len(local)))
+            xfer = agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx)
+            state = agent.transfer(xfer)
+            spin_until = time.monotonic() + _SPIN_S
+            sleep_s = 0.00005
+            while state == "PROC":
+                now = time.monotonic()
+                if now >= deadline:
+                    pending = _NixlPending(agent, xfer, handles)
+                    xfer, handles = None, []
+                    err = ReadTimeout(f"READ from {owner.agent_name} ({sum(r[1] for r in remote)} bytes) missed its "
+                                      "deadline; destination quarantined until NIXL finishes", reason=Reason.READ_TIMEOUT)
+                    err.pending = pending  # type: ignore[attr-defined]
+                    raise err
+                if now >= spin_until:
+                    time.sleep(min(sleep_s, max(deadline - now, 0)))
+                    sleep_s = min(sleep_s * 2, 0.001)
+                state = agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise ReadError(f"READ from {owner.agent_name} failed (state {state})", reason=Reason.RDMA_READ_ERROR)
+        except (ReadError, ClosedError):
+            raise
+        except Exception as exc:
+            raise self._translate(exc, rem, owner) from exc
+        finally:
+            if xfer is not None or handles:
+                _release_quietly(xfer, *handles)
+
+    def _translate(self, exc: Exception, rem: _Remote, owner: Owner) -> ReadError:
+        if _is(exc, "RemoteDisconnect"):
+            self._counts["peer_disconnects"] += 1
+            self._forget(rem.name)
+            return ReadError(f"owner {owner.agent_name} at {owner.endpoint} disconnected (dead or restarted)",
+                             reason=Reason.PEER_DISCONNECTED)
+        self._counts["nixl_read_errors"] += 1
+        return ReadError(f"NIXL READ from {owner.agent_name} failed: {type(exc).__name__}: {exc}",
+                         reason=Reason.RDMA_READ_ERROR)
+
+    def _forget(self, name: str) -> None:
+        with self._remotes_lock:
+            self._remotes.pop(name, None)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception:  # already gone
+            log.debug("remove_remote_agent(%s) failed", name, exc_info=True)
+
+    def _learn_transport(self, text: str, owner: Owner, local_mem: str, remote_mem: str) -> None:
+        found = _ucx_probe.parse_read_tables(text)
+        for key, transport in found.items():
+            if self._transports.get(key) != transport:
+                self._transports[key] = transport
+                if "VRAM" in key and _ucx_probe.is_slow_for_gpu(transport):
+                    log.warning("GPU READ (%s <- %s) from %s goes over %s, not cuda_ipc/RDMA: expect ~1000x lower "
+                                "bandwidth; check UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_TLS",
+                                key[0], key[1], owner.agent_name, transport)
+                else:
+                    log.info("rdma READ %s <- %s from %s uses UCX transport %s", key[0], key[1], owner.agent_name, transport)
+
+    def transport(self, local_mem: str | None = None, remote_mem: str | None = None) -> str:
+        key = (local_mem or ("VRAM" if self.config.is_cuda else "DRAM"), remote_mem or local_mem or
+               ("VRAM" if self.config.is_cuda else "DRAM"))
+        return self._transports.get(key, "unknown")
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self._counts)
+        out["transport"] = self.transport()
+        out["known_owners"] = len(self._remotes)
+        if self._server is not None:
+            out["metadata_served"] = self._server.served
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for name in list(self._remotes):
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:
+                pass
+        self._remotes.clear()
+        # Dropping the last reference destroys the agent (UCX workers, progress thread) in the C++ destructor.
+        self._agent = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("NIXL provider is closed")
+
+
+def _make_agent(api: Any, name: str, config: RdmaConfig) -> Any:
+    conf = api.nixl_agent_config(
+        enable_prog_thread=True,
+        enable_listen_thread=False,
+        backends=[],
+        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,  # read() runs on many threads
+    )
+    delay_us = config.progress_delay_us
+    with _CTOR_LOCK:
+        original = api.nixlBind.nixlAgent
+
+        def patched(agent_name: str, cfg: Any) -> Any:
+            cfg.pthrDelay = delay_us
+            return original(agent_name, cfg)
+
+        api.nixlBind.nixlAgent = patched
+        try:
+            agent = api.nixl_agent(name, conf)
+        finally:
+            api.nixlBind.nixlAgent = original
+    agent.create_backend("UCX", {})
+    return agent
+
+
+def _advertise_host(config: RdmaConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    if config.bind_ip and config.bind_ip not in ("0.0.0.0", "::"):
+        return config.bind_ip
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _is(exc: BaseException, fragment: str) -> bool:
+    return fragment in type(exc).__name__ or f"NIXL_ERR_{fragment.upper()}" in str(exc)
+
+
+def _release_quietly(*handles: Any) -> None:
+    for h in handles:
+        if h is None:
+            continue
+        try:
+            h.release()
+        except Exception:
+            log.debug("releasing a NIXL handle failed", exc_info=True)
