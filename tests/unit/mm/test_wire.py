@@ -1,0 +1,121 @@
+"""Status mapping, public names, and compatibility with peers that predate the RDMA fields."""
+
+from __future__ import annotations
+
+import pickle
+
+import grpc
+import pytest
+import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+import tensorwire.mm as mm
+from tensorwire.errors import (ControlPlaneError, DeadlineExceeded, InvalidPayload, PeerUnavailable, ProtocolError,
+                               Reason)
+from tensorwire.mm import _codec, wire
+from tensorwire.mm._proto import encoder_pb2 as pb
+
+
+def test_public_names() -> None:
+    assert set(mm.__all__) >= {"EncoderOutput", "MultimodalOutput", "TransportConfig", "MultimodalInput",
+                               "OutputTransport", "EncoderService", "serve_encoder", "RemoteOutputTransport"}
+    for name in mm.__all__:
+        assert hasattr(mm, name), name
+    assert wire.ENCODE_METHOD == "/tensorwire.mm.v1.EncoderService/Encode"
+    assert wire.RELEASE_METHOD == "/tensorwire.mm.v1.EncoderService/ReleaseLeases"
+
+
+@pytest.mark.parametrize("exc,code", [
+    (InvalidPayload("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+    (NotImplementedError("x"), grpc.StatusCode.UNIMPLEMENTED),
+    (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
+    (PeerUnavailable("x"), grpc.StatusCode.UNAVAILABLE),
+    (RuntimeError("x"), grpc.StatusCode.INTERNAL),
+])
+def test_status_for(exc: BaseException, code: grpc.StatusCode) -> None:
+    assert wire.status_for(exc)[0] == code
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, reason: str | None = None) -> None:
+        self._code = code
+        self._md = ((wire.REASON_METADATA_KEY, reason),) if reason else ()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return "detail"
+
+    def trailing_metadata(self):  # type: ignore[no-untyped-def]
+        return self._md
+
+
+@pytest.mark.parametrize("code,reason,cls,expect_reason", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "nbytes_mismatch", InvalidPayload, Reason.NBYTES_MISMATCH),
+    (grpc.StatusCode.INVALID_ARGUMENT, None, InvalidPayload, Reason.INVALID_PAYLOAD),
+    (grpc.StatusCode.UNAVAILABLE, None, PeerUnavailable, Reason.PEER_UNAVAILABLE),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, None, DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
+    (grpc.StatusCode.UNIMPLEMENTED, None, ControlPlaneError, Reason.UNIMPLEMENTED),
+    (grpc.StatusCode.INTERNAL, None, ProtocolError, Reason.PROTOCOL_ERROR),
+    (grpc.StatusCode.INTERNAL, "not-a-reason", ProtocolError, Reason.PROTOCOL_ERROR),
+])
+def test_error_from_rpc(code, reason, cls, expect_reason) -> None:  # type: ignore[no-untyped-def]
+    err = wire.error_from_rpc(FakeRpcError(code, reason), "Encode")
+    assert type(err) is cls and err.reason is expect_reason
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls and back.reason is expect_reason
+
+
+def _legacy_classes():  # type: ignore[no-untyped-def]
+    """The same schema without any RDMA-era field, as an old peer compiled it."""
+    fdp = descriptor_pb2.FileDescriptorProto()
+    pb.DESCRIPTOR.CopyToProto(fdp)
+    fdp.name = "legacy_encoder.proto"
+    fdp.package = "legacy.mm"
+    new_fields = {"EncodeRequest": {2, 3, 4}, "EncodeResponse": {5, 6, 7}}
+    for msg in fdp.message_type:
+        drop = new_fields.get(msg.name, set())
+        keep = [f for f in msg.field if f.number not in drop]
+        del msg.field[:]
+        msg.field.extend(keep)
+        for f in [*msg.field, *(nf for nested in msg.nested_type for nf in nested.field)]:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(".tensorwire.mm.v1.", ".legacy.mm.")
+    keep_msgs = [m for m in fdp.message_type if m.name not in ("RdmaSlot", "WorkerIdentity")]
+    del fdp.message_type[:]
+    fdp.message_type.extend(keep_msgs)
+    del fdp.service[:]
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    get = lambda n: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"legacy.mm.{n}"))  # noqa: E731
+    return get("EncodeRequest"), get("EncodeResponse")
+
+
+def test_old_peers_interoperate_inline() -> None:
+    LegacyRequest, LegacyResponse = _legacy_classes()
+    assert "support_rdma" not in LegacyRequest.DESCRIPTOR.fields_by_name
+    # an old client's request parses with support_rdma false: a new encoder answers inline
+    old_req = LegacyRequest()
+    item = old_req.inputs.add()
+    item.data = b"jpeg"
+    item.kind = "image"
+    new_req = pb.EncodeRequest.FromString(old_req.SerializeToString())
+    assert not new_req.support_rdma and new_req.inputs[0].data == b"jpeg"
+    # an old encoder's receipt (no slots, no worker) decodes through the new terminal
+    old_resp = LegacyResponse()
+    old_resp.split_sizes.extend([1, 2])
+    emb = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    old_resp.embedding.dtype = pb.FLOAT32
+    old_resp.embedding.shape.extend([3, 4])
+    old_resp.embedding.data = emb.numpy().tobytes()
+    new_resp = pb.EncodeResponse.FromString(old_resp.SerializeToString())
+    assert not new_resp.rdma_slots and not new_resp.HasField("worker")
+    embs, splits, _, _, _ = _codec.decode_inline_receipt(new_resp)
+    assert splits == [1, 2] and torch.equal(torch.cat(embs), emb)
+    # a new encoder's inline receipt, with the new fields set, still parses for an old client
+    new_resp.worker.worker_id = "w1"
+    new_resp.encoder_stage_us["encode"] = 5
+    back = LegacyResponse.FromString(new_resp.SerializeToString())
+    assert list(back.split_sizes) == [1, 2] and back.embedding.data == old_resp.embedding.data
