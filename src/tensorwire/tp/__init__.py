@@ -1,0 +1,14 @@
+"""CPU tensor-parallel broadcaster: rank 0 sends small CPU tensors to the other ranks of its node every step.
+
+Two transports behind one API (see docs/broadcaster.md): a hardened Unix-socket star and a shared-memory ring
+(rank 0 writes once, readers spin briefly then sleep on their socket). ``broadcast_cpu`` is the
+torch.distributed-facing entry point that falls back to a torch.distributed broadcast across nodes.
+"""
+
+from __future__ import annotations
+
+from ._broadcaster import CpuTpBroadcaster, shm_available
+from ._config import BroadcastConfig
+from ._dist import broadcast_cpu, shutdown_broadcast_cpu
+
+__all__ = ["BroadcastConfig", "CpuTpBroadcaster", "broadcast_cpu", "shm_available", "shutdown_broadcast_cpu"]

@@ -1,0 +1,90 @@
+"""BroadcastConfig: every tunable of the CPU TP broadcaster, with its default, in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from tensorwire.errors import ConfigError
+
+_ENV_PREFIX = "TENSORWIRE_BROADCAST_"
+
+
+@dataclass(frozen=True)
+class BroadcastConfig:
+    """Settings shared by every rank of one broadcaster group.
+
+    Fields that change the wire or the shared-memory layout (``slot_bytes``, ``n_slots``, ``arena_bytes``) are
+    hashed into the handshake: ranks that disagree fail at bootstrap with ``Reason.PARAMS_MISMATCH``.
+    """
+
+    init_timeout_s: float = 120.0  # bootstrap: connect retries on peers, accept + handshake on rank 0
+    timeout_s: float | None = None  # per broadcast; None waits forever (idle TP workers legitimately wait)
+    stall_warn_s: float = 30.0  # while waiting without a limit, warn this often
+    connect_retry_s: float = 0.05  # sleep between connect attempts during bootstrap
+    spin_s: float = 100e-6  # shm readers poll the sequence word this long before sleeping
+    wait_poll_s: float = 0.1  # a sleeping waiter re-checks shared state (abort word, lost wake-up) this often
+    slot_bytes: int = 256 * 1024  # shm ring slot, frame header included; larger frames go to the arena
+    n_slots: int = 8
+    arena_bytes: int = 1 << 30  # shm arena for large frames (sparse: only touched pages cost memory)
+    socket_buffer_bytes: int = 4 * 1024 * 1024  # SO_SNDBUF/SO_RCVBUF request (the kernel caps it)
+    abstract: bool = False  # Linux abstract-namespace socket instead of a socket file
+    check_peer_uid: bool = True  # SO_PEERCRED: peers must run as our effective uid
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: float) -> None:
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"BroadcastConfig.{name} must be a positive finite number, got {value!r}")
+
+        for name in ("init_timeout_s", "stall_warn_s", "connect_retry_s", "wait_poll_s"):
+            positive(name, getattr(self, name))
+        if self.timeout_s is not None:
+            positive("timeout_s", self.timeout_s)
+        if not (isinstance(self.spin_s, (int, float)) and 0 <= self.spin_s <= 1.0):
+            raise ConfigError(f"BroadcastConfig.spin_s must be in [0, 1] seconds, got {self.spin_s!r}")
+        if not (isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30) and self.slot_bytes % 64 == 0):
+            raise ConfigError(
+                f"BroadcastConfig.slot_bytes must be a multiple of 64 in [4096, 2**30], got {self.slot_bytes!r}"
+            )
+        if not (isinstance(self.n_slots, int) and 2 <= self.n_slots <= 4096):
+            raise ConfigError(f"BroadcastConfig.n_slots must be in [2, 4096], got {self.n_slots!r}")
+        if not (isinstance(self.arena_bytes, int) and 0 <= self.arena_bytes <= (1 << 40) and self.arena_bytes % 64 == 0):
+            raise ConfigError(
+                f"BroadcastConfig.arena_bytes must be a multiple of 64 in [0, 2**40], got {self.arena_bytes!r}"
+            )
+        if not (isinstance(self.socket_buffer_bytes, int) and self.socket_buffer_bytes >= 0):
+            raise ConfigError(f"BroadcastConfig.socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> BroadcastConfig:
+        """Build from ``TENSORWIRE_BROADCAST_<FIELD>`` variables; keyword overrides win over the environment."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(_ENV_PREFIX + f.name.upper())
+            if raw is None or raw == "":
+                continue
+            values[f.name] = _parse(f.name, f.type, raw)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(name: str, type_name: Any, raw: str) -> Any:
+    t = str(type_name)
+    try:
+        if t == "bool":
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if t == "int":
+            return int(raw, 0)
+        if "None" in t:
+            return None if raw.lower() in ("none", "inf", "0") else float(raw)
+        return float(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{_ENV_PREFIX}{name.upper()}={raw!r} is not a valid {t}") from exc
