@@ -1,0 +1,41 @@
+"""Runnable services around ``tensorwire.mm``: an encoder worker and a proxy in front of several workers.
+
+- ``EncoderWorker(encoder, TransportConfig)``: EncoderService + gRPC health + WorkerInfo on one port
+  (``tensorwire serve-encoder``);
+- ``EncoderProxy(ProxyConfig)``: spreads Encode over workers with retry, routes ReleaseLeases to the lease's
+  owner (``tensorwire serve-proxy``); ``RouteTable`` is its pure routing logic;
+- ``MetricsServer``, ``print_ready``/``parse_ready``, ``wait_for_signal``: the process plumbing the CLI uses.
+
+grpc, torch and the encoders are imported when a name is first used, so ``import tensorwire.service`` is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "EncoderWorker": "tensorwire.service._worker",
+    "make_encode_fn": "tensorwire.service._worker",
+    "EncoderProxy": "tensorwire.service._proxy",
+    "ProxyConfig": "tensorwire.service._proxy",
+    "RouteTable": "tensorwire.service._routes",
+    "route_ttl_s": "tensorwire.service._routes",
+    "WorkerInfo": "tensorwire.service._info",
+    "check_workers": "tensorwire.service._info",
+    "MetricsServer": "tensorwire.service._runtime",
+    "print_ready": "tensorwire.service._runtime",
+    "parse_ready": "tensorwire.service._runtime",
+    "wait_for_signal": "tensorwire.service._runtime",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorwire.service' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,63 @@
+"""CLI flags built from config dataclasses, so every default lives only in the dataclass.
+
+``add_flags(parser, cls, prefix)`` adds ``--<prefix><field-name>`` for each scalar field with
+``default=argparse.SUPPRESS``: a flag the user did not give is absent from ``args``, so the environment and
+then the dataclass default apply (precedence: flag > environment > default). ``flag_values(args, cls, prefix)``
+collects the given ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Iterable, Mapping
+
+_TYPES = {int: int, float: float, str: str}
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def _dest(prefix: str, name: str) -> str:
+    return f"{prefix}{name}".replace("-", "_")
+
+
+def add_flags(parser: argparse.ArgumentParser | Any, cls: type, prefix: str = "", *, skip: Iterable[str] = (),
+              help_extra: Mapping[str, str] | None = None, choices: Mapping[str, Iterable[str]] | None = None) -> None:
+    """Adds one flag per scalar (bool, int, float, str) field of dataclass ``cls``."""
+    skip = set(skip)
+    help_extra = help_extra or {}
+    choices = choices or {}
+    for f in dataclasses.fields(cls):
+        default = _default(f)
+        if f.name in skip or not isinstance(default, (bool, int, float, str)):
+            continue
+        flag = "--" + f"{prefix}{f.name}".replace("_", "-")
+        text = (help_extra.get(f.name, "") + f" (default: {default!r})").strip()
+        kwargs: dict[str, Any] = {"dest": _dest(prefix, f.name), "default": argparse.SUPPRESS, "help": text}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = _TYPES[type(default)]
+            kwargs["metavar"] = type(default).__name__.upper()
+            if f.name in choices:
+                kwargs["choices"] = list(choices[f.name])
+        parser.add_argument(flag, **kwargs)
+
+
+def flag_values(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of ``cls`` given on the command line, by field name."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        dest = _dest(prefix, f.name)
+        if hasattr(args, dest):
+            out[f.name] = getattr(args, dest)
+    return out
+
+
+__all__ = ["add_flags", "flag_values"]
