@@ -41,6 +41,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorwire.errors import ClosedError, ExportError, PoolExhausted, Reason, TensorwireError
@@ -109,6 +110,7 @@ class Slot:
     reg: Registration
     gen_index: int = -1
     busy: bool = False
+    array: Any = field(default=None, repr=False)  # the numpy owner of host memory (numpy_backed pools)
 
     @property
     def addr(self) -> int:
@@ -130,12 +132,24 @@ class _Counters:
 class SlotPool:
     """Size-bucketed registered slots; thread-safe. See the module docstring for the shrink sequence."""
 
-    def __init__(self, provider: Provider, config: RdmaConfig, *, generations: GenerationTable | None) -> None:
+    def __init__(
+        self,
+        provider: Provider,
+        config: RdmaConfig,
+        *,
+        generations: GenerationTable | None,
+        numpy_backed: bool = False,
+        cap_bytes: int | None = None,
+    ) -> None:
         self._provider = provider
         self._cfg = config
         self._gens = generations
         self._mem_type = "VRAM" if config.is_cuda else "DRAM"
         self._device = torch.device(config.device)
+        # numpy_backed: host slots owned by a numpy array, so a torch tensor built with torch.from_numpy on a view
+        # can report (weakref.finalize on that view) when the last tensor using the memory is gone.
+        self._numpy_backed = numpy_backed and self._device.type == "cpu"
+        self._cap = config.pool_cap_bytes if cap_bytes is None else cap_bytes
         self._free: dict[int, list[Slot]] = collections.defaultdict(list)
         self._busy: set[Slot] = set()
         self._total_bytes = 0
@@ -172,7 +186,7 @@ class SlotPool:
             self.counters.exhausted += 1
             busy_bytes = sum(s.nbytes for s in self._busy)
             raise PoolExhausted(
-                f"no slot of {size} bytes after shrinking every idle slot ({busy_bytes}/{self._cfg.pool_cap_bytes} "
+                f"no slot of {size} bytes after shrinking every idle slot ({busy_bytes}/{self._cap} "
                 f"bytes leased in {len(self._busy)} slots; last error: {errors[-1] if errors else 'none'}); "
                 "raise pool_cap_bytes or check that readers release their leases"
             )
@@ -206,7 +220,7 @@ class SlotPool:
             c = self.counters
             return {
                 "pool_bytes": self._total_bytes,
-                "pool_cap_bytes": self._cfg.pool_cap_bytes,
+                "pool_cap_bytes": self._cap,
                 "busy_bytes": sum(s.nbytes for s in self._busy),
                 "idle_slots": sum(len(v) for v in self._free.values()),
                 "busy_slots": len(self._busy),
@@ -250,8 +264,8 @@ class SlotPool:
         return slot
 
     def _try_new(self, size: int, errors: list[str]) -> Slot | None:
-        if self._total_bytes + size > self._cfg.pool_cap_bytes:
-            errors.append(f"cap: {self._total_bytes} + {size} > {self._cfg.pool_cap_bytes}")
+        if self._total_bytes + size > self._cap:
+            errors.append(f"cap: {self._total_bytes} + {size} > {self._cap}")
             return None
         gen_index = -1
         if self._gens is not None:
@@ -260,8 +274,13 @@ class SlotPool:
                 errors.append(f"all {GENERATION_WORDS} generation words in use")
                 return None
             gen_index = taken
+        array = None
         try:
-            tensor = self._allocate(size)
+            if self._numpy_backed:
+                array = np.empty(size, dtype=np.uint8)
+                tensor = torch.from_numpy(array)
+            else:
+                tensor = self._allocate(size)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             self.counters.alloc_failures += 1
             errors.append(f"allocation failed: {exc}")
@@ -280,7 +299,7 @@ class SlotPool:
             raise ExportError(f"registering a {size}-byte slot failed: {exc}", reason=Reason.REGISTRATION_FAILED) from exc
         self._total_bytes += size
         self.counters.allocations += 1
-        return Slot(nbytes=size, tensor=tensor, reg=reg, gen_index=gen_index)
+        return Slot(nbytes=size, tensor=tensor, reg=reg, gen_index=gen_index, array=array)
 
     def _allocate(self, size: int) -> torch.Tensor:
         if self._device.type == "cuda":
@@ -315,3 +334,4 @@ class SlotPool:
             slot.gen_index = -1
         self._total_bytes -= slot.nbytes
         slot.tensor = torch.empty(0, dtype=torch.uint8)
+        slot.array = None

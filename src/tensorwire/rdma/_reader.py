@@ -1,8 +1,13 @@
 """``TensorReader``: validates descriptors, READs the slots, checks generations, returns owned tensors.
 
-Destinations: a payload below ``LARGE_READ_BYTES`` lands in a pooled registered buffer and is cloned out (one
-extra copy, cheap at that size, no registration on the hot path); a larger one is READ straight into freshly
-allocated result tensors registered just for that read (no second copy of hundreds of MiB).
+Destinations: a payload below ``LARGE_READ_BYTES`` (and every payload on CUDA, where a device copy is cheap) lands
+in a pooled registered buffer and is cloned out. A larger host payload is READ into a *loaned* registered buffer
+and the result tensors are views of it (``torch.from_numpy``): no second copy of hundreds of MiB, no page faults
+and no registration per read. The loan ends when the caller drops the last result tensor (``weakref.finalize``
+on the numpy view backing them), and the buffer goes back to its pool still registered. The tensors of one
+descriptor share that storage; they outlive the reader, later reads and the remote lease (at ``close`` the loaned
+buffers are deregistered but stay allocated while referenced). When loans exceed their share of the cap, large
+reads fall back to fresh result tensors registered for the one read.
 After a ``ReadTimeout`` the destinations are quarantined until the provider reports the transfer finished; a
 quarantined pooled buffer is never handed out again before that, and a fresh tensor is never returned.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -21,6 +27,7 @@ from tensorwire.errors import (
     ClosedError,
     InvalidDescriptor,
     LeaseExpired,
+    PoolExhausted,
     ReadError,
     ReadTimeout,
     Reason,
@@ -34,6 +41,9 @@ from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provide
 log = logging.getLogger(__name__)
 
 LARGE_READ_BYTES = 4 << 20
+# Loaned host buffers: at most this share of pool_cap_bytes may be out with callers at once; beyond it large
+# reads fall back to freshly allocated, registered-per-read tensors (slow: page faults + registration).
+_LOAN_SHARE = 0.5
 _GEN_CELLS = 4096
 
 
@@ -83,6 +93,7 @@ class TensorReader:
                         "stale_generations": 0, "invalid_descriptors": 0, "quarantined": 0, "quarantine_freed": 0}
         self._provider: Provider | None = None
         self._pool: SlotPool | None = None
+        self._loans: SlotPool | None = None
         self._scratch: _GenScratch | None = None
         try:
             self._device = torch.device(self._cfg.device)
@@ -92,6 +103,8 @@ class TensorReader:
                 raise ReadError(f"device {self._cfg.device} is not available", reason=Reason.PROVIDER_UNAVAILABLE)
             self._provider = create_provider(self._cfg, role=ROLE_READER)
             self._pool = SlotPool(self._provider, self._cfg, generations=None)
+            self._loans = SlotPool(self._provider, self._cfg, generations=None, numpy_backed=True,
+                                   cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes))
             self._scratch = _GenScratch(self._provider)
         except BaseException:
             self.close()
@@ -152,6 +165,10 @@ class TensorReader:
                                "quarantine_live": len(self._quarantine), "transport": self.transport()}
         if self._pool is not None:
             out.update({f"buffer_{k}": v for k, v in self._pool.stats().items()})
+        if self._loans is not None:
+            loans = self._loans.stats()
+            out.update({"loan_pool_bytes": loans["pool_bytes"], "loaned_slots": loans["busy_slots"],
+                        "loan_idle_slots": loans["idle_slots"]})
         if self._provider is not None:
             out.update(self._provider.stats())
         return out
@@ -168,6 +185,8 @@ class TensorReader:
             q.pending.abandon()
         if self._pool is not None:
             self._pool.close()
+        if self._loans is not None:
+            self._loans.close()
         if self._scratch is not None and self._provider is not None:
             try:
                 self._provider.deregister(self._scratch.reg)
@@ -210,8 +229,10 @@ class TensorReader:
 
     def _read_one(self, d: Descriptor, deadline: float) -> list[torch.Tensor]:
         assert self._provider is not None and self._pool is not None and self._scratch is not None
-        large = d.payload_bytes >= LARGE_READ_BYTES
+        assert self._loans is not None
+        host = self._device.type == "cpu"
         slot: Slot | None = None
+        loan: Any = None  # numpy view of a loaned slot; its finalizer returns the slot
         regs: list[Registration] = []
         results: list[torch.Tensor] = []
         local: list[Range] = []
@@ -220,14 +241,26 @@ class TensorReader:
         cells = self._scratch.take(1)
         finished = False
         try:
-            if large:
-                for m in d.manifest:
-                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-                    results.append(t)
-                    if m.nbytes:
-                        regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
-                        local.append((t.data_ptr(), m.nbytes, dev))
-                        remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
+            if host and d.payload_bytes >= LARGE_READ_BYTES:
+                try:
+                    loaned = self._loans.acquire(d.payload_bytes)
+                except PoolExhausted:
+                    loaned = None
+                if loaned is not None:
+                    loan = loaned.array[:d.payload_bytes]
+                    weakref.finalize(loan, self._loans.release, loaned)
+                    base = torch.from_numpy(loan)
+                    results = [_view(base, m) for m in d.manifest]
+                    local.append((loaned.addr, d.payload_bytes, dev))
+                    remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+                else:
+                    for m in d.manifest:
+                        t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                        results.append(t)
+                        if m.nbytes:
+                            regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
+                            local.append((t.data_ptr(), m.nbytes, dev))
+                            remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
             else:
                 slot = self._pool.acquire(d.payload_bytes)
                 local.append((slot.addr, d.payload_bytes, dev))
@@ -242,8 +275,7 @@ class TensorReader:
                 raise LeaseExpired(
                     f"lease {d.lease_id}: slot generation is {current}, descriptor has {d.generation}; the lease was "
                     "released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
-            if not large:
-                assert slot is not None
+            if slot is not None:
                 results = [self._clone_out(slot.tensor, m) for m in d.manifest]
             _check_results(d, results)
             self._counts["read_bytes"] += d.nbytes
@@ -253,7 +285,8 @@ class TensorReader:
             pending = getattr(exc, "pending", None)
             if pending is not None:
                 self._counts["quarantined"] += 1
-                q = _Quarantined(pending=pending, slots=[slot] if slot else [], regs=regs, keep=[list(results), list(cells)])
+                q = _Quarantined(pending=pending, slots=[slot] if slot else [], regs=regs,
+                                 keep=[list(results), list(cells), loan])
                 with self._lock:
                     self._quarantine.append(q)
                 slot, regs, cells = None, [], []
@@ -269,7 +302,7 @@ class TensorReader:
                 results.clear()
 
     def _clone_out(self, buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
-        src = buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
+        src = _view(buf, m)
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
                 return src.clone()
@@ -303,6 +336,10 @@ class TensorReader:
             if not still or time.monotonic() >= end:
                 return
             time.sleep(0.005)
+
+
+def _view(buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    return buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
 
 
 def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
