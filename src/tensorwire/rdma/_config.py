@@ -14,7 +14,6 @@ KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
-PROVIDER_CHOICES = ("auto", "nixl", "none")
 _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
 
 
@@ -22,8 +21,8 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda:(\d+))$")
 class RdmaConfig:
     """Settings shared by :class:`TensorExporter` and :class:`TensorReader`; validated on construction.
 
-    ``provider``: ``"auto"`` (nixl when importable, else none), ``"nixl"``, or ``"none"`` (never available, so
-    callers fall back). ``device``: ``"cpu"`` or ``"cuda:N"``; a bare ``"cuda"`` is refused so no process silently
+    ``provider``: ``"auto"`` (nixl when importable, else none), ``"nixl"``, ``"none"`` (never available, so
+    callers fall back), or a name added with ``register_provider``. ``device``: ``"cpu"`` or ``"cuda:N"``; a bare ``"cuda"`` is refused so no process silently
     lands on GPU 0. ``bind_ip``/``port``: the owner's metadata listener (``""`` = all interfaces, port 0 = any);
     ``advertise_host`` is the host written into descriptors (``""``: ``bind_ip`` when it is a specific address,
     else this host's resolved address). ``read_timeout_ms`` caps one ``read()`` when the call gives no timeout.
@@ -49,8 +48,11 @@ class RdmaConfig:
     progress_delay_us: int = 1000
 
     def __post_init__(self) -> None:
-        if self.provider not in PROVIDER_CHOICES:
-            raise ConfigError(f"RdmaConfig.provider={self.provider!r}: expected one of {', '.join(PROVIDER_CHOICES)}")
+        from tensorwire.rdma.providers import known_providers  # registry imports this module; resolved lazily
+
+        known = ("auto", *known_providers())
+        if self.provider not in known:
+            raise ConfigError(f"RdmaConfig.provider={self.provider!r}: unknown rdma provider; known: {', '.join(known)}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError(
                 f"RdmaConfig.device={self.device!r}: expected 'cpu' or 'cuda:N' (an explicit index; never implicit cuda:0)"
