@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds over all images (default: 8)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (default: 2)")
     parser.add_argument("--workers", type=int, default=2, help="encoder workers behind the proxy (default: 2)")
+    parser.add_argument("--device", default="cpu",
+                        help="encoder device of the workers and where RDMA reads land: cpu or cuda:N (default: cpu)")
     parser.add_argument("--images", nargs="*", default=None, help="image files (default: the shipped samples)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
@@ -155,7 +157,8 @@ def _fmt(s: dict[str, float]) -> str:
 
 # ---- the experiment
 
-def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool) -> dict[str, Any]:
+def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool,
+             device: str = "cpu") -> dict[str, Any]:
     import dataclasses
 
     import torch
@@ -164,7 +167,8 @@ def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress:
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
 
     base = TransportConfig.from_env(os.environ)
-    planes = {"rdma": dataclasses.replace(base, mode="auto"), "inline": dataclasses.replace(base, mode="grpc")}
+    planes = {"rdma": dataclasses.replace(base, mode="auto", rdma=base.rdma.replace(device=device)),
+              "inline": dataclasses.replace(base, mode="grpc")}
     data = {p.name: p.read_bytes() for p in images}
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         plane: {name: {"encoder": [], "transfer": [], "total": []} for name in data} for plane in planes}
@@ -222,7 +226,7 @@ def _table(result: dict[str, Any]) -> str:
     name = SEED_IMAGE if SEED_IMAGE in result["images"] else next(iter(result["images"]))
     mb = seed["payload_bytes"] / 1e6
     lines.append(f"End-to-end, one {name} per request ({mb:.1f} MB encoder output), "
-                 f"{result['workers']} workers behind a proxy, {result['rounds']} rounds:")
+                 f"{result['workers']} workers on {result['device']} behind a proxy, {result['rounds']} rounds:")
     lines.append("")
     rows = [("Stage", "RDMA", "gRPC inline")]
     for label, key in (("Encoder compute", "encoder"), ("Output transfer", "transfer"), ("Total", "total")):
@@ -275,7 +279,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         say(f"starting {args.workers} encoder workers and a proxy (logs in {log_dir}) ...")
         workers = [Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",
-                                          "--worker-id", f"demo-worker-{i}", "--wait-exporter-s", "20"], log_dir)
+                                          "--worker-id", f"demo-worker-{i}", "--wait-exporter-s", "20",
+                                          "--device", args.device], log_dir)
                    for i in range(args.workers)]
         children += workers
         addresses = [w.ready(args.startup_timeout_s)["grpc"] for w in workers]
@@ -286,8 +291,9 @@ def run(args: argparse.Namespace) -> int:
         startup_s = time.monotonic() - t_start
         say(f"ready after {startup_s:.1f} s: proxy {ready['grpc']} -> workers {', '.join(addresses)}")
         result = _measure(ready["grpc"], images, args.rounds, args.warmup,
-                          progress=not args.no_progress and not args.json)
-        result.update(workers=args.workers, rounds=args.rounds, warmup=args.warmup, startup_s=startup_s)
+                          progress=not args.no_progress and not args.json, device=args.device)
+        result.update(workers=args.workers, rounds=args.rounds, warmup=args.warmup, startup_s=startup_s,
+                      device=args.device)
     except KeyboardInterrupt:
         say("interrupted; stopping children")
         return 130

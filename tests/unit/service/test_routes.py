@@ -109,3 +109,12 @@ def test_poison_is_forgotten_after_ttl(clock: Clock) -> None:
 def test_invalid_ttl() -> None:
     with pytest.raises(ValueError):
         RouteTable(0)
+
+
+def test_service_public_names_resolve() -> None:
+    import tensorwire.service as svc
+
+    for name in svc.__all__:
+        assert getattr(svc, name) is not None
+    with pytest.raises(AttributeError):
+        svc.not_a_name  # noqa: B018
