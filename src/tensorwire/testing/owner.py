@@ -153,3 +153,17 @@ class OwnerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_forever(conn: Any, config: RdmaConfig, env: dict[str, str]) -> None:
+    """Child process body: say "ready", receive descriptor bytes, read them in a loop (tests kill it mid-read)."""
+    os.environ.update(env)
+    from tensorwire.rdma import TensorReader
+
+    with TensorReader(config) as rd:
+        conn.send("ready")
+        descriptor = conn.recv()
+        rd.read([descriptor])
+        conn.send("reading")
+        while True:
+            rd.read([descriptor])

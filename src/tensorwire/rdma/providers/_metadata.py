@@ -39,7 +39,7 @@ Snapshot = Callable[[], tuple[str, int, bytes]]
 
 
 class MetadataServer:
-    """Serves ``snapshot()`` on (bind_ip, port); a daemon thread that sleeps in select() when idle."""
+    """Serves ``snapshot()`` on (bind_ip, port); a daemon thread blocked in select() when idle (no polling)."""
 
     def __init__(self, bind_ip: str, port: int, snapshot: Snapshot, *, io_timeout_s: float = 2.0) -> None:
         family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET
@@ -55,6 +55,8 @@ class MetadataServer:
         self._snapshot = snapshot
         self._io_timeout_s = io_timeout_s
         self._stop = threading.Event()
+        # select() sleeps on the listener and this pair; close() writes one byte so shutdown is immediate.
+        self._wake_r, self._wake_w = socket.socketpair()
         self.served = 0
         self.rejected = 0
         self._thread = threading.Thread(target=self._loop, name="tensorwire-rdma-md", daemon=True)
@@ -63,10 +65,10 @@ class MetadataServer:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.5)
+                ready, _, _ = select.select([self._sock, self._wake_r], [], [])
             except (OSError, ValueError):
                 return
-            if not ready:
+            if self._stop.is_set() or self._sock not in ready:
                 continue
             try:
                 conn, _ = self._sock.accept()
@@ -94,13 +96,20 @@ class MetadataServer:
         self.served += 1
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         try:
-            self._sock.close()
+            self._wake_w.send(b"x")
         except OSError:
             pass
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
+        for s in (self._sock, self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
 
 
 def fetch(host: str, port: int, agent_name: str, *, timeout_s: float) -> tuple[int, bytes]:
