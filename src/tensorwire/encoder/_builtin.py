@@ -57,7 +57,7 @@ class BuiltinViT(nn.Module):
     def forward(self, pixels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         patches = self.patchify(pixels)  # [n, m*m, 3*p*p]
         x = self.patch_embed(patches).flatten(1)  # [n, m*m*hidden]
-        x = self.merge(x) + sincos_2d(position_ids, self.cfg.hidden)
+        x = self.merge(x) + sincos_2d(position_ids, self.cfg.hidden).to(x.dtype)
         x = self.blocks(x.unsqueeze(0)).squeeze(0)
         return self.proj(self.norm(x))
 

@@ -113,3 +113,10 @@ def test_close_and_config_errors() -> None:
         PreprocessConfig(min_pixels=10, max_pixels=5)
     with pytest.raises(ConfigError, match="no config.json"):
         load_encoder("/nonexistent/model/dir")
+
+
+def test_bfloat16_weights_give_bfloat16_embeddings() -> None:
+    # The CUDA default; runs on CPU too. Catches a float32 position table promoting the activations.
+    e = BuiltinEncoder(dtype=torch.bfloat16)
+    [out] = e.encode([_png(112, 56)])
+    assert out.embedding.dtype == torch.bfloat16 and torch.isfinite(out.embedding.float()).all()
