@@ -274,6 +274,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     children: list[Child] = []
     t_start = time.monotonic()
+
+    def interrupted(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children.
+    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     log_dir = Path(tempfile.mkdtemp(prefix="tensorwire-demo-"))
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
     try:
@@ -304,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         codes = {c.name: c.terminate(grace_s=10.0) for c in reversed(children)}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     result["child_exit_codes"] = codes
     result["wall_s"] = time.monotonic() - t_start
     if args.save is not None:

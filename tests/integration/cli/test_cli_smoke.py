@@ -83,7 +83,10 @@ def test_demo_json_runs_both_planes_and_leaves_nothing_behind() -> None:
             assert seed["planes"][plane][stage]["n"] == 2 and seed["planes"][plane][stage]["mean_ms"] > 0
     assert set(doc["child_exit_codes"].values()) == {0}
     # The demo's children ran in their own process groups; none may survive it.
-    leftovers = []
+    assert not _leftover_demo_children()
+
+def _leftover_demo_children() -> list[tuple[str, bytes]]:
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -91,5 +94,24 @@ def test_demo_json_runs_both_planes_and_leaves_nothing_behind() -> None:
             except OSError:
                 continue
             if b"demo-worker-" in cmd or (b"serve-proxy" in cmd and b"tensorwire" in cmd):
-                leftovers.append((entry.name, cmd[:120]))
-    assert not leftovers
+                found.append((entry.name, cmd[:120]))
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_demo_interrupted_stops_its_children() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "tensorwire.cli.main", "demo", "--rounds", "200",
+                             "--no-progress"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stderr is not None
+        for raw in proc.stderr:  # wait until the workers and the proxy are up and requests flow
+            if raw.startswith(b"ready after"):
+                break
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children sit in their own sessions
+        assert proc.wait(60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert not _leftover_demo_children()
