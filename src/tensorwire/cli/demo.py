@@ -263,6 +263,7 @@ def _table(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from tensorwire.encoder import sample_paths
+    from tensorwire.service._runtime import stdout_to_stderr
 
     if args.rounds < 1 or args.warmup < 0 or args.workers < 1:
         print("error: --rounds >= 1, --warmup >= 0, --workers >= 1", file=sys.stderr)
@@ -296,8 +297,9 @@ def run(args: argparse.Namespace) -> int:
         ready = proxy.ready(args.startup_timeout_s)
         startup_s = time.monotonic() - t_start
         say(f"ready after {startup_s:.1f} s: proxy {ready['grpc']} -> workers {', '.join(addresses)}")
-        result = _measure(ready["grpc"], images, args.rounds, args.warmup,
-                          progress=not args.no_progress and not args.json, device=args.device)
+        with stdout_to_stderr():
+            result = _measure(ready["grpc"], images, args.rounds, args.warmup,
+                              progress=not args.no_progress and not args.json, device=args.device)
         result.update(workers=args.workers, rounds=args.rounds, warmup=args.warmup, startup_s=startup_s,
                       device=args.device)
     except KeyboardInterrupt:

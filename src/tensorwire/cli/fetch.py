@@ -88,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = [os.path.basename(p) for p in args.images]
+    from tensorwire.service._runtime import stdout_to_stderr
+
     try:
-        with RemoteOutputTransport(args.endpoint, cfg) as transport:
+        with stdout_to_stderr(), RemoteOutputTransport(args.endpoint, cfg) as transport:
             if cfg.mode == "auto" and not transport.wait_ready(args.wait_reader_s):
                 print(f"warning: RDMA reader not ready after {args.wait_reader_s:.0f} s; fetching inline",
                       file=sys.stderr)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +72,28 @@ def wait_for_signal(extra_check: Callable[[], bool] | None = None) -> str:
     return got[0] if got else "stopped"
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send whatever native libraries write to fd 1 (UCX protocol tables, for one) to stderr meanwhile.
+
+    The CLI's own stdout is a result (a READY line, JSON) that scripts parse; nothing else may land there.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).fflush(None)  # C stdio buffers of native code, before fd 1 points back
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def fail(message: str, code: int = 1) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 
 
-__all__ = ["MetricsServer", "fail", "parse_ready", "print_ready", "wait_for_signal"]
+__all__ = ["MetricsServer", "fail", "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]
