@@ -173,6 +173,7 @@ def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress:
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         plane: {name: {"encoder": [], "transfer": [], "total": []} for name in data} for plane in planes}
     delivered: dict[str, dict[str, int]] = {plane: {} for plane in planes}
+    devices: dict[str, str] = {}
     fallbacks: dict[str, int] = {}
     payload: dict[str, int] = {}
     mismatches: list[str] = []
@@ -200,6 +201,7 @@ def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress:
                     if out.fallback_reason is not None:
                         fallbacks[out.fallback_reason.value] = fallbacks.get(out.fallback_reason.value, 0) + 1
                     payload[name] = out.payload_bytes
+                    devices[plane] = str(out.embeddings[0].device)
                 a, b = outs["rdma"], outs["inline"]
                 same = (len(a.embeddings) == len(b.embeddings)
                         and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.embeddings, b.embeddings))
@@ -212,7 +214,8 @@ def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress:
         bar.finish()
         for client in clients.values():
             client.close()
-    result: dict[str, Any] = {"rdma_reader_ready": rdma_ready, "delivered_by": delivered, "fallbacks": fallbacks,
+    result: dict[str, Any] = {"rdma_reader_ready": rdma_ready, "delivered_by": delivered,
+                              "delivered_to_device": devices, "fallbacks": fallbacks,
                               "outputs_match": not mismatches, "mismatched_images": mismatches, "images": {}}
     for name in data:
         result["images"][name] = {"payload_bytes": payload.get(name, 0), "planes": {
@@ -253,8 +256,9 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"  {n:<24} {img['payload_bytes'] / 1e6:6.2f} MB   rdma {_fmt(img['planes']['rdma']['total'])}"
                          f"   inline {_fmt(img['planes']['inline']['total'])}")
     lines.append("")
-    lines.append(f"Planes that delivered: rdma client {result['delivered_by']['rdma']}, "
-                 f"inline client {result['delivered_by']['inline']}"
+    dev = result.get("delivered_to_device", {})
+    lines.append(f"Planes that delivered: rdma client {result['delivered_by']['rdma']} to {dev.get('rdma', '?')}, "
+                 f"inline client {result['delivered_by']['inline']} to {dev.get('inline', '?')}"
                  + (f"; fallbacks {result['fallbacks']}" if result["fallbacks"] else ""))
     lines.append("Both planes delivered identical tensors." if result["outputs_match"]
                  else f"MISMATCH between planes for {result['mismatched_images']}")
