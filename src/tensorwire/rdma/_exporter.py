@@ -8,6 +8,7 @@ registration kept. ``close`` voids every lease.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -82,7 +83,7 @@ class TensorExporter:
                 _check_cuda_device(self._cfg.device_index)
             self._provider = create_provider(self._cfg, role=ROLE_EXPORTER)
             self._gens = GenerationTable(self._provider)
-            self._pool = SlotPool(self._provider, self._cfg, generations=self._gens)
+            self._pool = SlotPool(self._provider, self._cfg, generations=self._gens, numpy_backed=True)
             self._owner = self._provider.serve()
             self._gc_thread = threading.Thread(target=self._gc_loop, name="tensorwire-rdma-gc", daemon=True)
             self._gc_thread.start()
@@ -324,8 +325,11 @@ class TensorExporter:
                 # here is the "visible before the descriptor exists" contract.
                 torch.cuda.current_stream(self._device).synchronize()
         else:
-            for v, t in zip(views, inputs):
-                v.copy_(t)
+            # Plain memcpy (inputs are contiguous host tensors): torch's parallel copy wakes an OpenMP pool,
+            # which costs milliseconds on a small busy host.
+            for v, t, m in zip(views, inputs, lease.manifest):
+                if m.nbytes:
+                    ctypes.memmove(v.data_ptr(), t.data_ptr(), m.nbytes)
 
     def _sync_device(self) -> None:
         if self._device.type == "cuda":

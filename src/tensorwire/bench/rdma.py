@@ -1,0 +1,152 @@
+"""``python -m tensorwire.bench rdma``: export / read times and bandwidth against memcpy in the same run.
+
+An owner process (``tensorwire.testing.OwnerProcess``) exports one tensor per size; this process reads it with a
+``TensorReader``. Reported per size: export time (owner side: copy into the slot + descriptor), read time
+(reader side: ``read()`` wall time including validation, the generation check and result building), GB/s, and a
+plain ``memcpy`` of the same size in this process, both between ordinary buffers and between huge-page buffers
+(the slot pool uses huge pages, so the second ratio is the stricter one; the target uses the plain memcpy). Also: idle CPU of the owner
+and of this reader process, and the UCX transport the READs used. Writes benchmarks/results/rdma-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import time
+from typing import Any
+
+MIB = 1 << 20
+
+
+def _memcpy_gbps(nbytes: int, iters: int, huge: bool) -> float:
+    import torch
+
+    from tensorwire.rdma._pool import host_buffer
+
+    if huge:
+        src, dst = torch.from_numpy(host_buffer(nbytes)), torch.from_numpy(host_buffer(nbytes))
+    else:
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.fill_(2)  # fault every page in before timing
+    times = []
+    for _ in range(iters + 2):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
+def _self_cpu_fraction(seconds: float) -> float:
+    from tensorwire.testing import cpu_seconds
+
+    c0, t0 = cpu_seconds(os.getpid()), time.monotonic()
+    time.sleep(seconds)
+    return (cpu_seconds(os.getpid()) - c0) / (time.monotonic() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tensorwire.bench rdma", description=__doc__)
+    parser.add_argument("--sizes-mib", default="1,4,16,64,256", help="comma-separated sizes in MiB")
+    parser.add_argument("--iters", type=int, default=30, help="timed reads per size (256 MiB and up: a third)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--idle-s", type=float, default=3.0, help="idle window for the CPU measurement")
+    parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N' (GPU machines)")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rdma-<machine>.json)")
+    args = parser.parse_args(argv)
+
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # this machine's eth0 is off limits; the library never forces it
+    import torch
+
+    from tensorwire.bench._common import summarize, write_result
+    from tensorwire.rdma import Descriptor, RdmaConfig, TensorReader
+    from tensorwire.testing import OwnerProcess, make_tensor, same_bytes
+
+    cfg = RdmaConfig(provider="nixl", device=args.device, bind_ip="127.0.0.1", read_timeout_ms=30000)
+    if cfg.is_cuda:
+        torch.empty(1, device=cfg.device)  # CUDA context before the NIXL agent
+    sizes = [int(float(s) * MIB) for s in args.sizes_mib.split(",") if s]
+    rows: list[dict[str, Any]] = []
+    env = {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
+    with OwnerProcess(cfg, env=env) as owner, TensorReader(cfg) as reader:
+        transport = "unknown"
+        for nbytes in sizes:
+            iters = max(5, args.iters // 3) if nbytes >= 256 * MIB else args.iters
+            export_s = []
+            desc = None
+            for k in range(5):
+                raw, dt = owner.export([((nbytes,), "uint8", 7)])
+                export_s.append(dt)
+                if desc is not None:
+                    owner.release([desc.lease_id])
+                desc = Descriptor.from_bytes(raw)
+            assert desc is not None
+            first = reader.read([desc])[0]
+            if not same_bytes(first.cpu(), make_tensor((nbytes,), "uint8", 7)):
+                raise SystemExit(f"byte mismatch at {nbytes} bytes")
+            del first
+            for _ in range(args.warmup):
+                del _
+                reader.read([desc])
+            read_s = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                out = reader.read([desc])
+                if cfg.is_cuda:
+                    torch.cuda.synchronize(cfg.device)
+                read_s.append(time.perf_counter() - t0)
+                del out
+            owner.release([desc.lease_id])
+            transport = reader.transport(desc)
+            r = summarize(read_s)
+            memcpy = _memcpy_gbps(nbytes, min(iters, 10), huge=False)
+            memcpy_huge = _memcpy_gbps(nbytes, min(iters, 10), huge=True)
+            gbps = nbytes / (r["median_ms"] / 1e3) / 1e9
+            row = {
+                "bytes": nbytes,
+                "export": summarize(export_s),
+                "read": r,
+                "read_gbps": gbps,
+                "memcpy_gbps": memcpy,
+                "memcpy_hugepage_gbps": memcpy_huge,
+                "read_vs_memcpy": gbps / memcpy,
+                "read_vs_hugepage_memcpy": gbps / memcpy_huge,
+                "transport": transport,
+            }
+            rows.append(row)
+            print(f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  read {r['median_ms']:8.3f} ms "
+                  f"(p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
+                  f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]", flush=True)
+        owner_idle = owner.idle_cpu(args.idle_s)
+        reader_idle = _self_cpu_fraction(args.idle_s)
+        reader_stats = reader.stats()
+    print(f"idle CPU: owner {owner_idle * 100:.2f}% of a core, reader {reader_idle * 100:.2f}% of a core")
+    by_size = {row["bytes"]: row for row in rows}
+    targets: dict[str, Any] = {}
+    if 256 * MIB in by_size:
+        ratio = by_size[256 * MIB]["read_vs_memcpy"]
+        targets["read_256MiB_vs_memcpy"] = {"value": ratio, "target": ">= 0.80", "met": ratio >= 0.80}
+        huge = by_size[256 * MIB]["read_vs_hugepage_memcpy"]
+        targets["read_256MiB_vs_hugepage_memcpy"] = {"value": huge, "target": ">= 0.80 (stricter, informational)",
+                                                     "met": huge >= 0.80}
+    if MIB in by_size:
+        med = by_size[MIB]["read"]["median_ms"]
+        targets["read_1MiB_median_ms"] = {"value": med, "target": "< 1.0", "met": med < 1.0}
+    targets["idle_cpu_owner"] = {"value": owner_idle, "target": "< 0.05", "met": owner_idle < 0.05}
+    targets["idle_cpu_reader"] = {"value": reader_idle, "target": "< 0.05", "met": reader_idle < 0.05}
+    for name, t in targets.items():
+        print(f"target {name}: {t['value']:.3f} {t['target']} -> {'met' if t['met'] else 'MISSED'}")
+    path = write_result("rdma", {
+        "config": {"device": cfg.device, "progress_delay_us": cfg.progress_delay_us, "iters": args.iters,
+                   "warmup": args.warmup, "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+                   "load_avg_at_end": os.getloadavg()},
+        "transport": transport,
+        "sizes": rows,
+        "idle_cpu_fraction": {"owner": owner_idle, "reader": reader_idle},
+        "targets": targets,
+        "reader_stats": {k: v for k, v in reader_stats.items() if isinstance(v, (int, float, str))},
+    }, args.out)
+    print(f"wrote {path}")
+    return 0
