@@ -375,6 +375,8 @@ class RemoteOutputTransport:
         stages.add("decode", time.perf_counter() - t)
         self._emit("decode_inline", items=len(splits))
         self.metrics.bytes.labels("llm", "inline", "embedding").inc(len(receipt.embedding.data))
+        self.metrics.bytes.labels("llm", "inline", "pos_id").inc(len(receipt.position_ids.data))
+        self.metrics.bytes.labels("llm", "inline", "extra_input").inc(sum(len(t.data) for t in receipt.extra_inputs))
         _add_encoder_stages(stages, receipt)
         return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos, extra_inputs=extras,
                                 plane=Plane.INLINE, fallback_reason=fallback_from, worker_id=receipt.worker.worker_id,

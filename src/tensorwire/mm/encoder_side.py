@@ -264,6 +264,18 @@ class OutputTransport:
                          type(exc).__name__, exc, len(lease_ids))
             return None
 
+    def discard(self, receipt: pb.EncodeResponse) -> int:
+        """Releases the leases of a receipt that will never reach its reader (the caller went away)."""
+        ids = []
+        for slot in receipt.rdma_slots:
+            try:
+                from tensorwire.rdma import Descriptor
+
+                ids.append(Descriptor.from_bytes(slot.descriptor).lease_id)
+            except Exception:
+                continue  # not parseable here: the TTL GC reclaims it
+        return self.release(ids)
+
     def release(self, lease_ids: Sequence[str]) -> int:
         """Returns leases to the exporter (idempotent; unknown ids are ignored). Returns the count accepted."""
         ids = [i for i in lease_ids if i]

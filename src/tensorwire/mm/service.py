@@ -87,6 +87,10 @@ class EncoderService:
             log.warning("transfer failed: %r", error)
             wire.abort_with(context, error)
         receipt.encoder_stage_us["encode"] = encode_us
+        if receipt.rdma_slots and not context.is_active():
+            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
+            released = self.transport.discard(receipt)
+            log.info("caller went away after export; released %d lease(s) at once", released)
         return receipt.SerializeToString()
 
     def release_leases(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

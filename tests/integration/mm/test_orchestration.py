@@ -396,3 +396,21 @@ def test_empty_output_and_unreachable_endpoint(env: Env) -> None:
     dead = env.client("127.0.0.1:1", TransportConfig(mode="grpc"))
     with pytest.raises(PeerUnavailable):
         dead.fetch(INPUTS, timeout_ms=2000)
+
+
+def test_encoder_releases_at_once_when_the_caller_left_during_export(env: Env) -> None:
+    import threading
+
+    gate = threading.Event()
+
+    def slow(inputs):  # type: ignore[no-untyped-def]
+        gate.wait(5)
+        return encode_fn(inputs)
+
+    srv = env.server(fn=slow)
+    c = env.client(srv.address)
+    with pytest.raises(DeadlineExceeded):
+        c.fetch(INPUTS, timeout_ms=200)  # gives up while the encoder is still working
+    gate.set()
+    wait_for(lambda: len(env.fabric.exported) == 1)
+    wait_for(lambda: not env.fabric.live())  # released by the encoder itself, long before any TTL GC
