@@ -414,3 +414,24 @@ def test_encoder_releases_at_once_when_the_caller_left_during_export(env: Env) -
     gate.set()
     wait_for(lambda: len(env.fabric.exported) == 1)
     wait_for(lambda: not env.fabric.live())  # released by the encoder itself, long before any TTL GC
+
+
+def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporter(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    class GcExporter(FakeExporter):
+        def stats(self):  # type: ignore[no-untyped-def]
+            return {"gc_reclaims": 7, "live_leases": 0}
+
+    srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
+    c = env.client(srv.address)
+    with caplog.at_level(logging.INFO, logger="tensorwire.mm.client"):
+        for _ in range(3):
+            assert c.fetch(INPUTS).plane is Plane.RDMA
+    hits = [r for r in caplog.records if "[MM-RDMA-HIT]" in r.getMessage()]
+    bw = [r for r in caplog.records if "[RDMA-BW]" in r.getMessage()]
+    assert len(hits) == 1 and "1 slot(s)" in hits[0].getMessage()
+    assert len(bw) == 1 and "GB/s" in bw[0].getMessage()
+    assert env.sample("tensorwire_mm_encoder_gc_reclaimed_leases") == 7
+    assert env.sample("tensorwire_mm_encoder_exporter_ready") == 1
