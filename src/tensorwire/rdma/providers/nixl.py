@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 _CTOR_LOCK = threading.Lock()  # serializes the scoped pthrDelay patch of nixlBind.nixlAgent
 _AVAILABLE: bool | None = None
-_SPIN_S = float(os.environ.get("TW_SPIN", "0.0005"))  # busy-poll this long before sleeping between state checks (sub-ms reads stay sub-ms)
+_SPIN_S = 0.0005  # busy-poll this long before sleeping between state checks (sub-ms reads stay sub-ms)
 
 
 def _api() -> Any:
