@@ -39,6 +39,7 @@ class FakeWorker:
     release_failures: int = 0  # fail this many ReleaseLeases calls with UNAVAILABLE first
     encodes: int = 0
     releases: list[list[str]] = field(default_factory=list)
+    release_time_left: list[float] = field(default_factory=list)  # the deadline each ReleaseLeases arrived with
     owner_port: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: grpc.Server | None = None
@@ -91,6 +92,9 @@ class FakeWorker:
 
     def _release(self, request: wire.ReleaseLeasesRequest, context: grpc.ServicerContext) -> wire.ReleaseLeasesResponse:
         with self.lock:
+            left = context.time_remaining()
+            if left is not None:
+                self.release_time_left.append(float(left))
             if self.release_failures > 0:
                 self.release_failures -= 1
                 context.abort(grpc.StatusCode.UNAVAILABLE, "scripted release failure")

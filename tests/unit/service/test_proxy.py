@@ -27,11 +27,11 @@ def _dead_address() -> str:
 
 
 class Harness:
-    def __init__(self, workers: list[FakeWorker], extra: tuple[str, ...] = (), **cfg: object) -> None:
+    def __init__(self, workers: list[FakeWorker], extra: tuple[str, ...] = (), clock=None, **cfg: object) -> None:
         self.workers = [w.start() for w in workers]
         self.registry = CollectorRegistry()
         config = ProxyConfig(workers=tuple(w.address for w in self.workers) + extra, worker_wait_s=5.0, **cfg)
-        self.proxy = EncoderProxy(config, registry=self.registry)
+        self.proxy = EncoderProxy(config, registry=self.registry, **({"clock": clock} if clock else {}))
         self.proxy.start("127.0.0.1:0")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy.port}", options=wire.channel_options())
         self.encode_rpc = self.channel.unary_unary(wire.ENCODE_METHOD,
@@ -212,3 +212,22 @@ def test_unreachable_worker_fails_start() -> None:
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         ProxyConfig(**kwargs)
+
+
+def test_release_rpc_carries_the_release_timeout(make) -> None:
+    h = make([FakeWorker("w0")], release_timeout_ms=700)
+    assert h.release(_leases(h.encode())) == 1
+    [left] = h.workers[0].release_time_left
+    assert 0.3 < left <= 0.71  # gRPC rounds the deadline; 1 s (the default) would show here
+
+
+def test_expired_routes_are_not_forwarded(make) -> None:
+    now = [100.0]
+    h = make([FakeWorker("w0")], clock=lambda: now[0], check_workers=False, slot_gc_timeout_ms=1_000)
+    assert h.proxy.routes.ttl_s == 6.0
+    ids = _leases(h.encode())
+    now[0] += 6.5
+    assert h.release(ids) == 0
+    assert h.workers[0].releases == []  # the worker's GC has reclaimed it by now; nothing to forward
+    assert h.metric("tensorwire_proxy_release_ids_total", outcome="unknown") == 1
+    assert h.metric("tensorwire_proxy_routes_expired_total") == 1
