@@ -1,0 +1,152 @@
+"""VRAM path (needs CUDA; skipped elsewhere): two processes on one GPU or on two GPUs of one host.
+
+Run on a GPU machine with ``make test-gpu`` (``pytest -m gpu``). Each process creates its CUDA context before its
+NIXL agent (nixl-on-cpu.md §6); the library sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y so a same-host READ uses cuda_ipc.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+
+from tensorwire.errors import LeaseExpired, PoolExhausted, Reason
+from tensorwire.rdma import Descriptor, RdmaConfig, TensorExporter, TensorReader
+from tensorwire.testing import OwnerProcess, make_tensor, same_bytes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("require_nixl"), pytest.mark.timeout(300)]
+
+ENV = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_", "CUDA_"))}
+MIB = 1 << 20
+
+
+def _devices() -> tuple[str, str]:
+    n = torch.cuda.device_count()
+    return "cuda:0", ("cuda:1" if n > 1 else "cuda:0")
+
+
+@pytest.fixture(scope="module")
+def gpu_cfgs() -> tuple[RdmaConfig, RdmaConfig]:
+    owner_dev, reader_dev = _devices()
+    torch.empty(1, device=reader_dev)  # CUDA context before the reader's NIXL agent
+    base = RdmaConfig(provider="nixl", bind_ip="127.0.0.1", read_timeout_ms=30000)
+    return base.replace(device=owner_dev), base.replace(device=reader_dev)
+
+
+@pytest.fixture(scope="module")
+def owner(gpu_cfgs: tuple[RdmaConfig, RdmaConfig]) -> OwnerProcess:
+    with OwnerProcess(gpu_cfgs[0], env=ENV) as own:
+        yield own
+
+
+@pytest.fixture(scope="module")
+def reader(gpu_cfgs: tuple[RdmaConfig, RdmaConfig]) -> TensorReader:
+    with TensorReader(gpu_cfgs[1]) as rd:
+        yield rd
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("rows", [1, 1000, 64 * 1024])
+def test_vram_export_read_release_bytes(owner: OwnerProcess, reader: TensorReader, dtype: str, rows: int) -> None:
+    specs = [((rows, 1024), dtype, rows), ((rows,), "int64", 7)]
+    raw, _ = owner.export(specs)
+    d = Descriptor.from_bytes(raw)
+    assert d.mem_type == "VRAM"
+    out = reader.read([d])
+    for t, (shape, dt, seed) in zip(out, specs):
+        assert t.device == torch.device(reader.config.device)
+        assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
+    owner.release([d.lease_id])
+    assert owner.stats()["live_leases"] == 0
+
+
+def test_transport_is_cuda_ipc_not_tcp(owner: OwnerProcess, reader: TensorReader) -> None:
+    raw, _ = owner.export([((4 * MIB,), "uint8", 1)])
+    d = Descriptor.from_bytes(raw)
+    reader.read([d])
+    transport = reader.transport(d)
+    assert "cuda_ipc" in transport, transport
+    owner.release([d.lease_id])
+
+
+def test_vram_read_bandwidth_is_not_a_tcp_fallback(owner: OwnerProcess, reader: TensorReader) -> None:
+    # A guard against the silent TCP path (~0.1 GB/s), not a benchmark: cuda_ipc does hundreds of GB/s.
+    raw, _ = owner.export([((256 * MIB,), "uint8", 2)])
+    reader.read([raw])
+    t0 = time.perf_counter()
+    reader.read([raw])
+    torch.cuda.synchronize()
+    assert 256 * MIB / (time.perf_counter() - t0) > 5e9
+    owner.release([Descriptor.from_bytes(raw).lease_id])
+
+
+def _export_during_side_stream_matmul(conn, cfg: RdmaConfig) -> None:  # type: ignore[no-untyped-def]
+    torch.empty(1, device=cfg.device)
+    with TensorExporter(cfg) as exp:
+        dev = torch.device(cfg.device)
+        side = torch.cuda.Stream(dev)
+        a = torch.randn(8192, 8192, device=dev)
+        with torch.cuda.stream(side):
+            out = a
+            for _ in range(20):  # hundreds of ms of work still queued when export() is called
+                out = out @ a
+                out = out / out.norm()
+            result = out[:256].contiguous()
+            desc = exp.export([result])  # export on the producing stream: must wait for the matmuls
+        expected = result.cpu()  # synchronizes; what the reader must see
+        conn.send((desc.to_bytes(), expected))
+        conn.recv()
+
+
+def test_export_waits_for_the_producing_stream(gpu_cfgs: tuple[RdmaConfig, RdmaConfig], reader: TensorReader) -> None:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_export_during_side_stream_matmul, args=(child, gpu_cfgs[0]), daemon=True)
+    proc.start()
+    try:
+        assert parent.poll(120)
+        raw, expected = parent.recv()
+        (got,) = reader.read([raw])
+        assert torch.equal(got.cpu(), expected)
+        parent.send("done")
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+
+
+def test_vram_stale_generation_and_gc(gpu_cfgs: tuple[RdmaConfig, RdmaConfig], reader: TensorReader) -> None:
+    cfg = gpu_cfgs[0].replace(slot_gc_timeout_ms=500)
+    with OwnerProcess(cfg, env=ENV) as own:
+        old = Descriptor.from_bytes(own.export([((1000,), "bfloat16", 1)])[0])
+        reader.read([old])
+        own.release([old.lease_id])
+        new = Descriptor.from_bytes(own.export([((1000,), "bfloat16", 2)])[0])
+        assert new.slot_addr == old.slot_addr
+        with pytest.raises(LeaseExpired) as info:
+            reader.read([old])
+        assert info.value.reason is Reason.STALE_GENERATION
+        end = time.monotonic() + 20
+        while own.stats()["live_leases"] and time.monotonic() < end:
+            time.sleep(0.1)
+        assert own.stats()["gc_reclaims"] >= 1
+        with pytest.raises(LeaseExpired):
+            reader.read([new])
+
+
+def test_vram_pool_shrink_and_exhaustion(gpu_cfgs: tuple[RdmaConfig, RdmaConfig]) -> None:
+    cfg = gpu_cfgs[0].replace(pool_cap_bytes=64 * MIB, max_slot_bytes=64 * MIB)
+    dev = torch.device(cfg.device)
+    with TensorExporter(cfg) as exp:
+        small = [exp.export([torch.ones(4 * MIB, dtype=torch.uint8, device=dev)]) for _ in range(8)]
+        exp.release([d.lease_id for d in small])
+        big = exp.export([torch.ones(64 * MIB, dtype=torch.uint8, device=dev)])
+        st = exp.stats()
+        assert st["shrinks"] >= 1 and st["idle_slots"] == 0 and st["busy_slots"] == 1
+        with pytest.raises(PoolExhausted):
+            exp.export([torch.ones(1, dtype=torch.uint8, device=dev)])
+        exp.release([big.lease_id])
