@@ -84,3 +84,20 @@ def test_bad_directories(tmp_path: Path) -> None:
         os.remove(f)
     with pytest.raises(ConfigError, match="cannot load"):
         load_encoder(str(tmp_path / "noweights"))
+
+
+def test_qwen2_vl_full_checkpoint_uses_its_vision_weights(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 2]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=48, num_heads=4, patch_size=14))
+    full = transformers.Qwen2VLForConditionalGeneration(cfg)
+    full.save_pretrained(tmp_path / "full")
+    tower = full.model.visual if hasattr(full, "model") and hasattr(full.model, "visual") else full.visual
+    tower.save_pretrained(tmp_path / "tower")  # the same weights, saved as a stand-alone tower
+    image = [sample_paths()[0].read_bytes()]
+    a = load_encoder(str(tmp_path / "full")).encode(image)[0]
+    b = load_encoder(str(tmp_path / "tower")).encode(image)[0]
+    torch.testing.assert_close(a.embedding, b.embedding)
