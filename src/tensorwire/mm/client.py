@@ -199,7 +199,7 @@ class RemoteOutputTransport:
 
     Keyword-only test seams: ``reader_factory`` / ``descriptor_parser`` (default tensorwire.rdma),
     ``clock`` (the breaker's and the budget's), ``metrics`` (a TransportMetrics on your registry),
-    ``release_queue`` (share one across transports; default: one per transport), ``observer``.
+    ``release_queue`` (its sender must reach this endpoint; default: one queue per transport), ``observer``.
     """
 
     def __init__(self, endpoint: str, config: TransportConfig | None = None, *,

@@ -110,3 +110,23 @@ def test_large_multi_slot_embedding_bit_exact_over_nixl() -> None:
                                     {"side": "llm", "plane": "rdma", "role": "embedding"}) == 4096 * 1024 * 2
     finally:
         finish(p, q, stop)
+
+
+def test_concurrent_fetches_over_nixl() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    cfg = TransportConfig(worker_id="nixl-w3")
+    p, q, stop, port = start(cfg, seed=14)
+    events: list[str] = []
+    reg = CollectorRegistry()
+    try:
+        with client(port, cfg, events, reg) as c, ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda _: c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")]), range(12)))
+            for out in outs:
+                assert out.plane is Plane.RDMA
+                check(out, 14, [3, 5], 64)
+            wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
+                                                   {"mode": "async", "outcome": "ok"}) or 0) >= 12)
+    finally:
+        stats = finish(p, q, stop)
+    assert stats.get("live_leases") == 0
