@@ -5,7 +5,8 @@ An owner process (``tensorwire.testing.OwnerProcess``) exports one tensor per si
 (reader side: ``read()`` wall time including validation, the generation check and result building), GB/s, and a
 plain ``memcpy`` of the same size in this process, both between ordinary buffers and between huge-page buffers
 (the slot pool uses huge pages, so the second ratio is the stricter one; the target uses the plain memcpy). Also: idle CPU of the owner
-and of this reader process, and the UCX transport the READs used. Writes benchmarks/results/rdma-<machine>.json.
+and of this reader process, and the UCX transport the READs used. With ``--device cuda:N`` the memcpy is a
+device-to-device copy on that GPU. Writes benchmarks/results/rdma-<machine>.json.
 """
 
 from __future__ import annotations
@@ -20,8 +21,20 @@ from typing import Any
 MIB = 1 << 20
 
 
-def _memcpy_gbps(nbytes: int, iters: int, huge: bool) -> float:
+def _memcpy_gbps(nbytes: int, iters: int, huge: bool, device: str = "cpu") -> float:
     import torch
+
+    if device != "cpu":  # device-to-device copy: the GPU's memcpy
+        src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        times = []
+        for _ in range(iters + 2):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return nbytes / statistics.median(times[2:]) / 1e9
 
     from tensorwire.rdma._pool import host_buffer
 
@@ -101,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             owner.release([desc.lease_id])
             transport = reader.transport(desc)
             r = summarize(read_s)
-            memcpy = _memcpy_gbps(nbytes, min(iters, 10), huge=False)
-            memcpy_huge = _memcpy_gbps(nbytes, min(iters, 10), huge=True)
+            memcpy = _memcpy_gbps(nbytes, min(iters, 10), huge=False, device=cfg.device)
+            memcpy_huge = memcpy if cfg.is_cuda else _memcpy_gbps(nbytes, min(iters, 10), huge=True)
             gbps = nbytes / (r["median_ms"] / 1e3) / 1e9
             row = {
                 "bytes": nbytes,

@@ -19,7 +19,7 @@ import threading
 from typing import Iterator
 
 _LOCK = threading.Lock()
-_HEADER = re.compile(r"remote memory read by \S+ into (\w+) memory from (\w+)")
+_HEADER = re.compile(r"remote memory read by \S+ into (.+?) memory from (\S+)")
 _TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+)")
 _TABLE_LINE = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s+[|+]")
 _MEM = {"host": "DRAM", "cuda": "VRAM", "rocm": "VRAM", "cuda-managed": "VRAM"}
@@ -83,7 +83,7 @@ def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
         if m:
             if current and found:
                 out[current] = _name(found, emulated)
-            current = (_MEM.get(m.group(1), m.group(1)), _MEM.get(m.group(2), m.group(2)))
+            current = (_mem_name(m.group(1)), _mem_name(m.group(2)))
             found, emulated = [], False
             continue
         if current is None:
@@ -98,6 +98,16 @@ def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
     if current and found:
         out[current] = _name(found, emulated)
     return out
+
+
+def _mem_name(text: str) -> str:
+    """UCX memory type words ("host", "cuda", "cuda/GPU0", "rocm-managed") -> "DRAM"/"VRAM"."""
+    low = text.strip(" |").lower()
+    if low.startswith("host"):
+        return "DRAM"
+    if low.startswith(("cuda", "rocm", "ze")):
+        return "VRAM"
+    return _MEM.get(low, low)
 
 
 def _name(found: list[str], emulated: bool) -> str:

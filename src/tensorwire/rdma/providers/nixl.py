@@ -54,7 +54,7 @@ class _Remote:
         self.name = name
         self.epoch = -1
         self.lock = threading.Lock()
-        self.probed = False
+        self.probed: set[tuple[str, str]] = set()  # (local mem, remote mem) pairs whose first READ was captured
 
 
 class _NixlPending(PendingTransfer):
@@ -173,12 +173,14 @@ class NixlProvider(Provider):
         if len(local) != len(remote) or not local:
             raise ReadError(f"read needs matching non-empty range lists ({len(local)} vs {len(remote)})")
         rem = self._remote(owner, deadline)
-        if not rem.probed:
+        key = (local_mem, remote_mem)
+        if key not in rem.probed:
+            # UCX prints its READ protocol table on the first READ of each memory-type pair (per endpoint config).
             with _ucx_probe.capture_stdout() as cap:
                 try:
                     self._transfer(rem, owner, local_mem, local, remote_mem, remote, deadline)
                 finally:
-                    rem.probed = True
+                    rem.probed.add(key)
             self._learn_transport(cap.text, owner, local_mem, remote_mem)
         else:
             self._transfer(rem, owner, local_mem, local, remote_mem, remote, deadline)
@@ -277,6 +279,8 @@ class NixlProvider(Provider):
 
     def _learn_transport(self, text: str, owner: Owner, local_mem: str, remote_mem: str) -> None:
         found = _ucx_probe.parse_read_tables(text)
+        if not found and "memory read" in text:
+            log.info("could not parse the UCX READ protocol table: %r", [ln for ln in text.splitlines() if "|" in ln][:12])
         for key, transport in found.items():
             if self._transports.get(key) != transport:
                 self._transports[key] = transport

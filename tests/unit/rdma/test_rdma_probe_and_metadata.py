@@ -1,0 +1,107 @@
+"""UCX protocol-table parsing and the owner metadata endpoint (real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from tensorwire.errors import ReadError, Reason
+from tensorwire.rdma.providers import _metadata
+from tensorwire.rdma.providers._ucx_probe import capture_stdout, is_slow_for_gpu, parse_read_tables
+
+TABLES = """\
+[1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
+[1795966691.899754] [vm:5380 :0]   | B intra-node cfg#1                                               |
+[1795966691.899754] [vm:5380 :0]   | remote memory read by ucp_get*(multi) into host memory from host |
+[1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
+[1795966691.899754] [vm:5380 :0]   | Range  | Description |                  Config                   |
+[1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
+[1795966691.899754] [vm:5380 :0]   | 0..inf | zero-copy   | cma/memory                                |
+[1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
+[1.0] [vm:1 :1]   | remote memory read by ucp_get*(multi) into cuda/GPU0 memory from cuda |
+[1.0] [vm:1 :1]   |    0..8K | software emulation | tcp/lo |
+[1.0] [vm:1 :1]   |  8K..inf | zero-copy | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |
+"""
+
+
+def test_parse_read_tables() -> None:
+    found = parse_read_tables(TABLES)
+    assert found[("DRAM", "DRAM")] == "cma/memory"
+    gpu = found[("VRAM", "VRAM")]
+    assert gpu.startswith("tcp/lo+rc_mlx5/mlx5_0:1+rc_mlx5/mlx5_1:1") and "emulated" in gpu
+    assert is_slow_for_gpu(gpu) and not is_slow_for_gpu("cuda_ipc/cuda")
+    assert parse_read_tables("nothing here\n") == {}
+
+
+def test_capture_stdout_keeps_other_lines(capfd: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    with capture_stdout() as cap:
+        os.write(1, TABLES.encode())
+        os.write(1, b"an ordinary line\n")
+    assert "cma/memory" in cap.text
+    out = capfd.readouterr().out
+    assert "an ordinary line" in out and "cma/memory" not in out
+
+
+@pytest.fixture
+def server() -> _metadata.MetadataServer:
+    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("agent-a", 5, b"md-bytes"))
+    yield srv
+    srv.close()
+
+
+def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
+    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2) == (5, b"md-bytes")
+    assert server.served == 1
+
+
+def test_wrong_agent_is_refused(server: _metadata.MetadataServer) -> None:
+    with pytest.raises(ReadError) as info:
+        _metadata.fetch("127.0.0.1", server.port, "agent-b", timeout_s=2)
+    assert info.value.reason is Reason.METADATA_UNAVAILABLE
+
+
+def test_unreachable_endpoint_fails_within_the_timeout() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+    with pytest.raises(ReadError) as info:
+        _metadata.fetch("127.0.0.1", port, "x", timeout_s=0.25)
+    assert info.value.reason is Reason.METADATA_UNAVAILABLE
+
+
+def _closed_without_answer(payload: bytes, port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as c:
+        c.sendall(payload)
+        try:
+            return c.recv(100) == b""
+        except ConnectionResetError:
+            return True
+
+
+def test_garbage_request_does_not_kill_the_server(server: _metadata.MetadataServer) -> None:
+    assert _closed_without_answer(b"GET / HTTP/1.0\r\n\r\n", server.port)
+    assert _closed_without_answer(struct.pack(">4sBH", b"TWMD", 1, 60000), server.port)  # name over the cap
+    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2)[0] == 5
+
+
+def test_oversized_metadata_reply_is_refused() -> None:
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        import threading
+
+        def evil() -> None:
+            conn, _ = lst.accept()
+            with conn:
+                conn.recv(100)
+                conn.sendall(struct.pack(">4sBBQH", b"TWMD", 1, 0, 1, 1) + b"a" + struct.pack(">I", 1 << 30))
+
+        t = threading.Thread(target=evil)
+        t.start()
+        with pytest.raises(ReadError, match="over"):
+            _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=2)
+        t.join(timeout=5)
