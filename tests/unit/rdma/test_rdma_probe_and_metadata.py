@@ -20,10 +20,21 @@ TABLES = """\
 [1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
 [1795966691.899754] [vm:5380 :0]   | 0..inf | zero-copy   | cma/memory                                |
 [1795966691.899754] [vm:5380 :0]   +--------+-------------+-------------------------------------------+
-[1.0] [vm:1 :1]   | remote memory read by ucp_get*(multi) into cuda/GPU0 memory from cuda |
+[1.0] [vm:1 :1]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
 [1.0] [vm:1 :1]   |    0..8K | software emulation | tcp/lo |
 [1.0] [vm:1 :1]   |  8K..inf | zero-copy | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |
 """
+
+
+def test_parse_the_h200_table() -> None:
+    # Seen on an H200 (UCX 1.23, two processes on one GPU).
+    text = """\
+[1795967947.420108] [vm:427  :0]   | tw-reader-vm-427-943aace9 intra-node cfg#2                            |
+[1795967947.420108] [vm:427  :0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
+[1795967947.420108] [vm:427  :0]   | Range  | Description |                     Config                     |
+[1795967947.420108] [vm:427  :0]   | 0..inf | zero-copy   | cuda_ipc/cuda                                  |
+"""
+    assert parse_read_tables(text) == {("VRAM", "VRAM"): "cuda_ipc/cuda"}
 
 
 def test_parse_read_tables() -> None:

@@ -19,7 +19,8 @@ import threading
 from typing import Iterator
 
 _LOCK = threading.Lock()
-_HEADER = re.compile(r"remote memory read by \S+ into (.+?) memory from (\S+)")
+# "... into host memory from host", "... into cuda/GPU0 from cuda/dev[1]" (UCX 1.23 on an H200)
+_HEADER = re.compile(r"remote memory read by \S+ into (\S+)(?: memory)? from (\S+)")
 _TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*/[A-Za-z0-9_:.\-]+)")
 _TABLE_LINE = re.compile(r"^\[[\d.]+\]\s+\[[^\]]*\]\s+[|+]")
 _MEM = {"host": "DRAM", "cuda": "VRAM", "rocm": "VRAM", "cuda-managed": "VRAM"}
@@ -101,7 +102,7 @@ def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
 
 
 def _mem_name(text: str) -> str:
-    """UCX memory type words ("host", "cuda", "cuda/GPU0", "rocm-managed") -> "DRAM"/"VRAM"."""
+    """UCX memory type words ("host", "cuda", "cuda/GPU0", "cuda/dev[1]") -> "DRAM"/"VRAM"."""
     low = text.strip(" |").lower()
     if low.startswith("host"):
         return "DRAM"
