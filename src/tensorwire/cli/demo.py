@@ -300,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
         children.append(proxy)
         ready = proxy.ready(args.startup_timeout_s)
         startup_s = time.monotonic() - t_start
-        say(f"ready after {startup_s:.1f} s: proxy {ready['grpc']} -> workers {', '.join(addresses)}")
+        say(f"ready after {startup_s:.1f} s: proxy {ready['grpc']} -> workers {', '.join(addresses)} "
+            f"(pids {' '.join(str(c.proc.pid) for c in children)})")
         with stdout_to_stderr():
             result = _measure(ready["grpc"], images, args.rounds, args.warmup,
                               progress=not args.no_progress and not args.json, device=args.device)
@@ -319,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     result["child_exit_codes"] = codes
+    result["child_pids"] = {c.name: c.proc.pid for c in children}
     result["wall_s"] = time.monotonic() - t_start
     if args.save is not None:
         from tensorwire.bench._common import write_result

@@ -83,19 +83,20 @@ def test_demo_json_runs_both_planes_and_leaves_nothing_behind() -> None:
             assert seed["planes"][plane][stage]["n"] == 2 and seed["planes"][plane][stage]["mean_ms"] > 0
     assert set(doc["child_exit_codes"].values()) == {0}
     # The demo's children ran in their own process groups; none may survive it.
-    assert not _leftover_demo_children()
+    assert len(doc["child_pids"]) == 3
+    assert not _still_running(list(doc["child_pids"].values()))
 
-def _leftover_demo_children() -> list[tuple[str, bytes]]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"demo-worker-" in cmd or (b"serve-proxy" in cmd and b"tensorwire" in cmd):
-                found.append((entry.name, cmd[:120]))
-    return found
+def _still_running(pids: list[int]) -> list[tuple[int, bytes]]:
+    """Those of ``pids`` that are still tensorwire processes (other test runs may have demos of their own)."""
+    alive = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"tensorwire" in cmd:
+            alive.append((pid, cmd[:120]))
+    return alive
 
 
 @pytest.mark.timeout(120)
@@ -105,13 +106,16 @@ def test_demo_interrupted_stops_its_children() -> None:
                             stdin=subprocess.DEVNULL)
     try:
         assert proc.stderr is not None
+        pids: list[int] = []
         for raw in proc.stderr:  # wait until the workers and the proxy are up and requests flow
             if raw.startswith(b"ready after"):
+                pids = [int(p) for p in raw.decode().rsplit("(pids ", 1)[1].rstrip(")\n").split()]
                 break
+        assert len(pids) == 3
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends; the children sit in their own sessions
         assert proc.wait(60) == 130
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert not _leftover_demo_children()
+    assert not _still_running(pids)
