@@ -270,11 +270,10 @@ class ShmRing:
                 until = waiter.check()
                 if poller.poll(max(1, int(min(until, poll_s) * 1000))):
                     if not link.drain():
-                        err = self.abort_error()
-                        if w[_PUB] >= seq and err is None:
+                        if w[_PUB] >= seq:  # published before the hang-up: deliver it, fail on the next call
                             _fence.acquire()
                             return
-                        raise err or PeerClosed(
+                        raise self.abort_error() or PeerClosed(
                             f"rank {self.rank}: rank 0 hung up while we waited for message {seq}: it died or "
                             f"closed its broadcaster", reason=Reason.PEER_CLOSED)
         finally:
