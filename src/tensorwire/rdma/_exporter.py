@@ -81,6 +81,7 @@ class TensorExporter:
             self._device = torch.device(self._cfg.device)
             if self._device.type == "cuda":
                 _check_cuda_device(self._cfg.device_index)
+                torch.empty(1, device=self._device)  # CUDA context before the NIXL agent (nixl-on-cpu.md §6)
             self._provider = create_provider(self._cfg, role=ROLE_EXPORTER)
             self._gens = GenerationTable(self._provider)
             self._pool = SlotPool(self._provider, self._cfg, generations=self._gens, numpy_backed=True)

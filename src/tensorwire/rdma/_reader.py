@@ -102,6 +102,8 @@ class TensorReader:
             if self._device.type == "cuda" and (not torch.cuda.is_available()
                                                 or self._cfg.device_index >= torch.cuda.device_count()):
                 raise ReadError(f"device {self._cfg.device} is not available", reason=Reason.PROVIDER_UNAVAILABLE)
+            if self._device.type == "cuda":
+                torch.empty(1, device=self._device)  # CUDA context before the NIXL agent (nixl-on-cpu.md §6)
             self._provider = create_provider(self._cfg, role=ROLE_READER)
             self._pool = SlotPool(self._provider, self._cfg, generations=None)
             self._loans = SlotPool(self._provider, self._cfg, generations=None, numpy_backed=True,

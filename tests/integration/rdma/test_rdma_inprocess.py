@@ -293,3 +293,42 @@ def test_transport_is_reported(exporter: TensorExporter, reader: TensorReader) -
     assert reader.stats()["transport"] != ""
     # On this CPU machine UCX reads host memory with CMA; elsewhere it may differ, but it must be detected.
     assert reader.transport(d) != "unknown"
+
+
+def test_mutated_descriptor_bytes_never_crash_a_read(exporter: TensorExporter) -> None:
+    """Property: whatever a mutated descriptor does, read() raises InvalidDescriptor/ReadError or returns
+    tensors matching the (mutated) manifest; never another exception, never a crash."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tensorwire.errors import InvalidDescriptor
+
+    cfg = CFG.replace(connect_timeout_ms=100, read_timeout_ms=1000)
+    good = exporter.export([make_tensor((300,), "float32", 1), make_tensor((7, 3), "bfloat16", 2)]).to_bytes()
+    with TensorReader(cfg) as rd:
+        rd.read([good])
+
+        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(data=st.data())
+        def prop(data: st.DataObject) -> None:
+            raw = bytearray(good)
+            for _ in range(data.draw(st.integers(1, 4))):
+                i = data.draw(st.integers(0, len(raw) - 1))
+                op = data.draw(st.sampled_from(["flip", "set", "cut"]))
+                if op == "flip":
+                    raw[i] ^= 1 << data.draw(st.integers(0, 7))
+                elif op == "set":
+                    raw[i] = data.draw(st.integers(0, 255))
+                else:
+                    del raw[i:i + data.draw(st.integers(1, 4))]
+                if not raw:
+                    return
+            try:
+                out = rd.read([bytes(raw)])
+            except (InvalidDescriptor, ReadError):
+                return
+            d = Descriptor.from_bytes(bytes(raw))
+            assert [tuple(t.shape) for t in out] == [m.shape for m in d.manifest]
+
+        prop()
+        assert same_bytes(rd.read([good])[0], make_tensor((300,), "float32", 1))  # still healthy
