@@ -1,0 +1,51 @@
+"""The soak report as text (the dict itself is the --json output)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _kv(d: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1] if isinstance(kv[1], int) else 0)) or "none"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    cfg = r["config"]
+    mark = lambda ok: "ok" if ok else "FAIL"  # noqa: E731
+    lines = [
+        f"soak: {r['duration_s']} s, concurrency {cfg['concurrency']} over {cfg['client_processes']} client processes, "
+        f"{cfg['workers']} workers behind the proxy, seed {cfg['seed']}, faults: {', '.join(cfg['faults']) or 'none'}",
+        f"  requests              {r['requests']}",
+        f"  successes             {r['successes']}  (delivered by plane: {_kv(r['delivered_by_plane'])})",
+        f"  fallbacks by reason   {_kv(r['fallbacks_by_reason'])}",
+        f"  clean errors          {_kv(r['errors_by_reason'])}",
+        f"  killed in flight      {r['aborted_by_reader_kill']}  (requests of reader processes SIGKILLed mid-read)",
+        f"  untyped errors        {r['untyped_errors']}  [{mark(r['untyped_errors'] == 0)}]",
+        f"  wrong outputs         {r['wrong_outputs']}  [{mark(r['wrong_outputs'] == 0)}]",
+        f"  hung requests         {r['hung_requests']}  [{mark(r['hung_requests'] == 0)}]",
+        f"  leases outstanding    {r['leases_outstanding_after_gc']} after the GC window; busy slots "
+        f"{r['busy_slots_after_gc']}, busy bytes {r['pool_busy_bytes_after_gc']}  "
+        f"[{mark(r['leases_outstanding_after_gc'] == 0 and r['busy_slots_after_gc'] == 0)}]",
+        f"  pool bytes            " + ", ".join(f"worker{i} {v['start']} -> {v['end']}" for i, v in r["pool_bytes"].items()),
+        f"  GC reclaimed leases   {_kv({f'worker{i}': v for i, v in r['gc_reclaimed'].items()})}",
+        f"  fds back              [{mark(r['fds_back'])}]  threads back [{mark(r['threads_back'])}]",
+    ]
+    for name, p in r["processes"].items():
+        lines.append(f"    {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  threads {p['threads'][0]} -> {p['threads'][1]}"
+                     f" (pool threads grown {p['pool_threads_grown']}, leaked {p['threads_leaked']})  "
+                     f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB")
+    lines.append(f"  faults injected       {_kv(r['faults_injected'])}")
+    lines.append(f"  relay events          {_kv(r['relay_events'])}")
+    for plane, lat in r["latency_ms"].items():
+        if lat.get("n"):
+            lines.append(f"  latency {plane:<7}       n {lat['n']}  p50 {lat['p50']} ms  p90 {lat['p90']} ms  "
+                         f"p99 {lat['p99']} ms  max {lat['max']} ms  ({r['throughput_rps'][plane]} req/s)")
+    if r["untyped_examples"]:
+        lines.append("  untyped examples: " + "; ".join(r["untyped_examples"][:3]))
+    if r["wrong_examples"]:
+        lines.append(f"  wrong examples: {r['wrong_examples'][:3]}")
+    lines.append(f"PASSED" if r["passed"] else "FAILED")
+    return "\n".join(lines)
+
+
+__all__ = ["format_report"]

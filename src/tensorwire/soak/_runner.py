@@ -1,0 +1,485 @@
+"""The soak / load runner: services on loopback, client processes, a fault scheduler, and the accounting.
+
+Topology (all on 127.0.0.1, ports from the OS)::
+
+    client processes --> relay "front" --> EncoderProxy --> relay "w0" --> worker 0 (child process)
+      (N fetch threads each)                          \\--> relay "w1" --> worker 1 (tiny pool with "pool")
+
+The proxy and the relays run in this process; workers and clients are spawned children. Every fetched output
+is checked against a digest computed here (``_corpus``). At the end: clients stop and drain their release
+queues, faults are cleared, the runner waits out the workers' GC window, then reads every worker's exporter
+stats and every process's fds and threads. ``run()`` returns the report as a dict (``_report`` prints it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import random
+import statistics
+import threading
+import time
+from collections import Counter, defaultdict
+from typing import Any, Callable
+
+from tensorwire.soak import _client_proc
+from tensorwire.soak._config import SoakConfig
+from tensorwire.soak._corpus import Corpus, build_corpus
+from tensorwire.soak._relay import FaultRelay
+from tensorwire.soak._sample import sample, thread_names
+from tensorwire.soak._worker_proc import WorkerProcess
+
+log = logging.getLogger(__name__)
+
+# Thread-name prefixes of executors that grow on demand up to a fixed max_workers and then stay: growth of
+# these between the baseline and the end is a pool filling up, not a leak (the report lists them apart).
+POOL_PREFIXES = ("relay-", "proxy", "tensorwire-encoder", "ThreadPoolExecutor")
+
+
+class _Client:
+    def __init__(self, runner: SoakRunner, slot: int, mode: str, threads: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.slot, self.mode, self.threads = slot, mode, threads
+        self.conn, child = ctx.Pipe(duplex=False)
+        spec = {"endpoint": runner.front.address, "mode": mode, "threads": threads, "seed": runner.cfg.seed * 100 + slot,
+                "images": list(runner.corpus.images), "digests": runner.corpus.digests,
+                "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
+                "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
+                "warmup": runner.cfg.warmup}
+        self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
+                                args=(child, runner.counters, slot, spec, runner.stop_flag, runner.env))
+        self.proc.start()
+        child.close()
+        self.received = 0
+        self.ready: tuple[Any, ...] | None = None
+        self.final: dict[str, Any] | None = None
+        self.dead = False
+        self.killed_by_fault = False
+
+
+class SoakRunner:
+    def __init__(self, cfg: SoakConfig, *, say: Callable[[str], None] = lambda m: None) -> None:
+        self.cfg = cfg
+        self.say = say
+        self.rng = random.Random(cfg.seed)
+        self.env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+                    "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+                    "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        os.environ.update({k: v for k, v in self.env.items() if k not in os.environ})
+        self.corpus: Corpus
+        self.workers: list[WorkerProcess | None] = []
+        self.worker_gen: list[int] = []
+        self.worker_baseline: dict[int, dict[str, Any]] = {}
+        self.relays: list[FaultRelay] = []
+        self.front: FaultRelay
+        self.proxy: Any = None
+        max_clients = cfg.processes + 4096  # restarts take fresh slots
+        self.counters = mp.get_context("spawn").RawArray("q", max_clients * _client_proc.FIELDS)
+        self.stop_flag = mp.get_context("spawn").RawValue("b", 0)
+        self.clients: list[_Client] = []
+        self._next_slot = 0
+        self._lock = threading.Lock()
+        self.results: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.untyped: list[str] = []
+        self.wrong: list[dict[str, Any]] = []
+        self.planes: Counter[str] = Counter()
+        self.latency: dict[str, list[float]] = defaultdict(list)
+        self.hung_reports = 0
+        self.faults: Counter[str] = Counter()
+        self.aborted_by_kill = 0
+        self.timeline: list[dict[str, Any]] = []
+        self.phase = "start-up"
+        self._stop_faults = threading.Event()
+
+    # ---- set-up
+
+    def _worker_config(self, index: int) -> Any:
+        from tensorwire.mm import TransportConfig
+        from tensorwire.rdma import RdmaConfig
+
+        tiny = "pool" in self.cfg.faults and index == 1
+        rdma = RdmaConfig(slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
+                          max_slot_bytes=(1 << 20) if tiny else RdmaConfig().max_slot_bytes,
+                          pool_cap_bytes=self.cfg.tiny_pool_cap_bytes if tiny else RdmaConfig().pool_cap_bytes)
+        return TransportConfig(mode="auto", worker_id=f"soak-w{index}-g{self.worker_gen[index]}", rdma=rdma)
+
+    def _start_worker(self, index: int) -> WorkerProcess:
+        w = WorkerProcess(self._worker_config(index), self.env)
+        if not w.rdma_ready:
+            log.warning("worker %d: RDMA exporter not ready; it serves inline", index)
+        return w
+
+    def _start_client(self, mode: str, threads: int) -> _Client:
+        with self._lock:
+            slot = self._next_slot
+            self._next_slot += 1
+        c = _Client(self, slot, mode, threads)
+        with self._lock:
+            self.clients.append(c)
+        return c
+
+    def setup(self) -> None:
+        from tensorwire.service._proxy import EncoderProxy, ProxyConfig
+
+        t0 = time.monotonic()
+        self.say("building the expected outputs locally (built-in ViT) ...")
+        self.corpus = build_corpus(self.cfg.seed)
+        self.say(f"starting {self.cfg.workers} workers ...")
+        self.worker_gen = [0] * self.cfg.workers
+        self.workers = [self._start_worker(i) for i in range(self.cfg.workers)]
+        self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i)  # type: ignore[union-attr]
+                       for i, w in enumerate(self.workers)]
+        from prometheus_client import CollectorRegistry
+
+        self.proxy = EncoderProxy(ProxyConfig(workers=tuple(r.address for r in self.relays),
+                                              release_timeout_ms=self.cfg.release_timeout_ms,
+                                              worker_wait_s=30.0), registry=CollectorRegistry())
+        proxy_port = self.proxy.start("127.0.0.1:0")
+        self.front = FaultRelay("front", f"127.0.0.1:{proxy_port}", seed=self.cfg.seed + 99)
+        n = self.cfg.processes
+        per = [self.cfg.concurrency // n + (1 if i < self.cfg.concurrency % n else 0) for i in range(n)]
+        self.say(f"starting {n} client processes ({self.cfg.concurrency} fetch threads) ...")
+        for i, threads in enumerate(per):
+            self._start_client(self.cfg.planes[i % len(self.cfg.planes)], threads)
+        deadline = time.monotonic() + 180
+        for c in list(self.clients):
+            left = deadline - time.monotonic()
+            if not c.conn.poll(max(0.0, left)):
+                raise RuntimeError("a soak client did not finish its warm-up")
+            msg = c.conn.recv()
+            c.ready = msg
+            _, warm, _baseline = msg
+            bad = [r for r in warm if r["outcome"] != "ok"]
+            if bad:
+                raise RuntimeError(f"warm-up before any fault failed: {bad[:3]} (a 'wrong' here means this torch "
+                                   "build is not bit-reproducible across processes, not a transport error)")
+        self.setup_s = time.monotonic() - t0
+        for i, w in enumerate(self.workers):
+            assert w is not None
+            self.worker_baseline[i] = w.stats()
+        self.self_baseline = sample()
+        self.self_baseline_names = thread_names()
+
+    # ---- the run
+
+    def _pump(self, until: Callable[[], bool]) -> None:
+        """Receives client messages until ``until()``; notices dead clients and replaces killed ones."""
+        while not until():
+            with self._lock:
+                live = [c for c in self.clients if not c.dead and c.final is None]
+            if not live:
+                time.sleep(0.05)
+                continue
+            ready = mpc.wait([c.conn for c in live], timeout=0.1)
+            for c in live:
+                if c.conn not in ready:
+                    continue
+                try:
+                    msg = c.conn.recv()
+                except (EOFError, OSError, Exception):  # noqa: BLE001 - a child killed mid-send
+                    self._client_died(c)
+                    continue
+                self._on_message(c, msg)
+
+    def _on_message(self, c: _Client, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "ready":  # a replacement client finished its warm-up (under faults: those count too)
+            c.ready = msg
+            for r in msg[1]:
+                self._on_result(r)
+        elif kind == "result":
+            c.received += 1
+            self._on_result(msg[1])
+        elif kind == "hung":
+            self.hung_reports += 1
+        elif kind == "final":
+            c.final = msg[1]
+
+    def _on_result(self, r: dict[str, Any]) -> None:
+        self.results[r["outcome"]] += 1
+        if r["outcome"] in ("ok", "wrong"):
+            self.planes[r["plane"]] += 1
+            self.latency[r["plane"]].append(r["latency_ms"])
+            if r.get("fallback"):
+                self.fallbacks[r["fallback"]] += 1
+            if r["outcome"] == "wrong":
+                self.wrong.append(r)
+        elif r["outcome"] == "error":
+            self.errors[f"{r['kind']}:{r['reason']}"] += 1
+        else:
+            self.untyped.append(f"{r['kind']}: {r['msg']}")
+
+    def _client_died(self, c: _Client) -> None:
+        c.dead = True
+        c.proc.join(5)
+        base = c.slot * _client_proc.FIELDS
+        started, finished = self.counters[base + _client_proc.STARTED], self.counters[base + _client_proc.FINISHED]
+        warm = self.cfg.warmup
+        lost = max(0, started - warm - c.received)  # in flight when it died, or finished but not yet sent
+        if c.killed_by_fault:
+            self.aborted_by_kill += lost
+            if self.phase == "soak":
+                self._start_client(c.mode, c.threads)  # its replacement warms up and joins in
+        else:
+            self.results["client_crashed"] += 1
+            self.untyped.append(f"client {c.slot} exited with {c.proc.exitcode} (not killed by a fault); "
+                                f"{lost} request(s) lost")
+        del finished
+
+    def _faults_loop(self) -> None:
+        cfg = self.cfg
+        kinds = [k for k in cfg.faults if k in ("reader_kill", "worker_restart", "unavailable")]
+        if "release_drop" in cfg.faults or "release_delay" in cfg.faults or "corrupt" in cfg.faults:
+            for r in [*self.relays, self.front]:
+                r.release_drop_p = cfg.release_drop_p if "release_drop" in cfg.faults else 0.0
+                r.release_delay_p = cfg.release_delay_p if "release_delay" in cfg.faults else 0.0
+            for r in self.relays:
+                r.corrupt_p = cfg.corrupt_p if "corrupt" in cfg.faults else 0.0
+        last_restart = time.monotonic()
+        while kinds and not self._stop_faults.wait(self.rng.uniform(*cfg.fault_interval_s)):
+            kind = self.rng.choice(kinds)
+            try:
+                if kind == "reader_kill":
+                    with self._lock:
+                        live = [c for c in self.clients if not c.dead and c.ready is not None and c.mode == "auto"
+                                and not c.killed_by_fault]
+                    if live:
+                        c = self.rng.choice(live)
+                        c.killed_by_fault = True
+                        self.counters[c.slot * _client_proc.FIELDS + _client_proc.KILL] = 1
+                        self.faults["reader_kill"] += 1
+                elif kind == "unavailable":
+                    relay = self.rng.choice([self.front, *self.relays])
+                    relay.unavailable_for(self.rng.uniform(0.5, 3.0))
+                    self.faults[f"unavailable_{relay.name}"] += 1
+                elif kind == "worker_restart" and time.monotonic() - last_restart >= cfg.worker_restart_min_gap_s:
+                    i = self.rng.randrange(len(self.workers))
+                    old = self.workers[i]
+                    self.workers[i] = None
+                    if old is not None:
+                        old.kill()
+                    self.faults["worker_restart"] += 1
+                    time.sleep(self.rng.uniform(0.2, 1.0))
+                    self.worker_gen[i] += 1
+                    new = self._start_worker(i)
+                    self.relays[i].retarget(new.address)
+                    self.workers[i] = new
+                    last_restart = time.monotonic()
+            except Exception:  # noqa: BLE001 - a fault that could not be injected is logged, the soak goes on
+                log.exception("injecting %s failed", kind)
+                self.faults[f"{kind}_inject_failed"] += 1
+
+    def _progress(self, t_start: float) -> None:
+        elapsed = time.monotonic() - t_start
+        done = sum(self.results.values())
+        fb = sum(self.fallbacks.values())
+        err = sum(self.errors.values())
+        self.say(f"[{elapsed:6.1f}s] requests {done}  ok {self.results['ok']}  fallbacks {fb}  errors {err}  "
+                 f"wrong {self.results['wrong']}  hung {self.hung_reports}  killed-in-flight {self.aborted_by_kill}"
+                 f"  faults {sum(self.faults.values())}")
+
+    def _sample_timeline(self, t_start: float) -> None:
+        point: dict[str, Any] = {"t_s": round(time.monotonic() - t_start, 2), "self": sample(),
+                                 "requests": sum(self.results.values()), "workers": {}}
+        for i, w in enumerate(self.workers):
+            if w is None or not w.alive():
+                continue
+            try:
+                st = w.stats(timeout_s=5.0)
+            except Exception:  # noqa: BLE001 - the worker may be mid-restart
+                continue
+            point["workers"][str(i)] = {"live_leases": st["exporter"].get("live_leases"),
+                                        "busy_bytes": st["exporter"].get("busy_bytes"),
+                                        "pool_bytes": st["exporter"].get("pool_bytes"), **st["process"]}
+        with self._lock:
+            clients = [c for c in self.clients if not c.dead and c.final is None]
+        point["clients"] = {str(c.slot): sample(c.proc.pid) for c in clients if c.proc.pid}
+        self.timeline.append(point)
+
+    def run(self) -> dict[str, Any]:
+        try:
+            self.setup()
+            return self._run()
+        finally:
+            self.teardown()
+
+    def _run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.phase = "soak"
+        t_start = time.monotonic()
+        end_at = t_start + cfg.duration_s
+        faults = threading.Thread(target=self._faults_loop, name="soak-faults", daemon=True)
+        faults.start()
+        pump = threading.Thread(target=self._pump, args=(lambda: self.phase == "done",), name="soak-pump",
+                                daemon=True)
+        pump.start()
+        next_progress = t_start + cfg.progress_s
+        next_sample = t_start
+        self.say(f"soak running for {cfg.duration_s:.0f} s, faults: {', '.join(cfg.faults) or 'none'}")
+        while time.monotonic() < end_at:
+            now = time.monotonic()
+            if now >= next_sample:
+                self._sample_timeline(t_start)
+                next_sample = now + cfg.sample_s
+            if now >= next_progress:
+                self._progress(t_start)
+                next_progress = now + cfg.progress_s
+            time.sleep(0.1)
+        self.phase = "stopping"
+        self._stop_faults.set()
+        faults.join(120)
+        for r in [*self.relays, self.front]:
+            r.clear_faults()
+        self._progress(t_start)
+        self.say("stopping clients (they drain their release queues) ...")
+        self.stop_flag.value = 1
+        deadline = time.monotonic() + cfg.budget_ms / 1000.0 + cfg.hang_grace_s + 30.0
+        while time.monotonic() < deadline:
+            with self._lock:
+                waiting = [c for c in self.clients if not c.dead and c.final is None]
+            if not waiting:
+                break
+            time.sleep(0.1)
+        self.phase = "done"
+        pump.join(5)
+        soak_s = time.monotonic() - t_start
+        with self._lock:
+            stuck = [c for c in self.clients if not c.dead and c.final is None]
+        for c in stuck:  # a client that never reported: every request it had in flight is hung
+            base = c.slot * _client_proc.FIELDS
+            self.hung_reports += max(1, self.counters[base + _client_proc.STARTED] - self.counters[base + _client_proc.FINISHED])
+        self.say(f"waiting out the GC window ({cfg.slot_gc_timeout_ms} ms) and reading the workers ...")
+        return self._account(soak_s, stuck)
+
+    # ---- accounting
+
+    def _account(self, soak_s: float, stuck: list[_Client]) -> dict[str, Any]:
+        cfg = self.cfg
+        gc_deadline = time.monotonic() + 2 * cfg.slot_gc_timeout_ms / 1000.0 + 2.0
+        workers: dict[str, Any] = {}
+        while True:
+            for i, w in enumerate(self.workers):
+                if w is not None:
+                    workers[str(i)] = w.stats()
+            live = sum(int(s["exporter"].get("live_leases", 0)) for s in workers.values())
+            if live == 0 or time.monotonic() > gc_deadline:
+                break
+            time.sleep(0.25)
+        leases_out = sum(int(s["exporter"].get("live_leases", 0)) for s in workers.values())
+        busy_slots = sum(int(s["exporter"].get("busy_slots", 0)) for s in workers.values())
+        busy_bytes = sum(int(s["exporter"].get("busy_bytes", 0)) for s in workers.values())
+        time.sleep(0.5)
+        self_end = sample()
+        self_end_names = thread_names()
+        procs: dict[str, Any] = {"soak+proxy+relays": _delta(self.self_baseline, self_end, self.self_baseline_names,
+                                                              self_end_names)}
+        for i, st in workers.items():
+            gen = self.worker_gen[int(i)]
+            base = self.worker_baseline.get(int(i))
+            if gen == 0 and base is not None:
+                procs[f"worker{i}"] = _delta(base["process"], st["process"], base["thread_names"],
+                                             st["thread_names"])
+        clients_checked = 0
+        for c in self.clients:
+            if c.final is not None:
+                clients_checked += 1
+                d = _delta(c.final["baseline"], c.final["end"], c.final["baseline_thread_names"],
+                           c.final["end_thread_names"])
+                procs[f"client{c.slot}"] = d
+        hung = self.hung_reports + sum(int(c.final["hung_at_stop"]) for c in self.clients if c.final is not None)
+        fds_ok = all(p["fds_delta"] <= 0 for p in procs.values())
+        threads_ok = all(p["threads_leaked"] <= 0 for p in procs.values())
+        requests = sum(self.results.values()) + self.aborted_by_kill
+        relay_counts: Counter[str] = Counter()
+        for r in [*self.relays, self.front]:
+            relay_counts.update({f"{r.name}.{k}": v for k, v in r.counts.items()})
+        report: dict[str, Any] = {
+            "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+                       "client_processes": cfg.processes},
+            "duration_s": round(soak_s, 1), "setup_s": round(self.setup_s, 1),
+            "requests": requests,
+            "successes": self.results["ok"],
+            "delivered_by_plane": dict(self.planes),
+            "fallbacks_by_reason": dict(self.fallbacks),
+            "errors_by_reason": dict(self.errors),
+            "untyped_errors": len(self.untyped), "untyped_examples": self.untyped[:10],
+            "aborted_by_reader_kill": self.aborted_by_kill,
+            "wrong_outputs": len(self.wrong), "wrong_examples": self.wrong[:5],
+            "hung_requests": hung,
+            "leases_outstanding_after_gc": leases_out,
+            "busy_slots_after_gc": busy_slots,
+            "pool_busy_bytes_after_gc": busy_bytes,
+            "pool_bytes": {i: {"start": self.worker_baseline.get(int(i), {}).get("exporter", {}).get("pool_bytes")
+                               if self.worker_gen[int(i)] == 0 else None,
+                               "end": s["exporter"].get("pool_bytes")} for i, s in workers.items()},
+            "gc_reclaimed": {i: s["exporter"].get("gc_reclaims", 0) for i, s in workers.items()},
+            "worker_exporter_end": {i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)}
+                                    for i, s in workers.items()},
+            "processes": procs, "fds_back": fds_ok, "threads_back": threads_ok,
+            "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
+            "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
+            "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
+            "timeline": self.timeline,
+        }
+        report["passed"] = (report["wrong_outputs"] == 0 and hung == 0 and leases_out == 0 and busy_slots == 0
+                            and report["untyped_errors"] == 0 and fds_ok and threads_ok and not stuck)
+        return report
+
+    def teardown(self) -> None:
+        self.phase = "done"
+        self._stop_faults.set()
+        self.stop_flag.value = 1
+        for c in self.clients:
+            c.proc.join(0.1 if c.dead or c.final is not None else 5)
+            if c.proc.is_alive():
+                c.proc.kill()
+                c.proc.join(5)
+            c.conn.close()
+        try:
+            self.front.close()
+        except AttributeError:
+            pass
+        if self.proxy is not None:
+            self.proxy.stop(1.0)
+        for r in self.relays:
+            r.close()
+        for w in self.workers:
+            if w is not None:
+                w.stop()
+
+
+def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end_names: list[str]) -> dict[str, Any]:
+    """fds/threads/rss at the baseline and the end; threads_leaked ignores on-demand pool threads (bounded)."""
+    grown = Counter(end_names) - Counter(base_names)
+    pool_growth = sum(n for name, n in grown.items() if name.startswith(POOL_PREFIXES))
+    other = {name: n for name, n in grown.items() if not name.startswith(POOL_PREFIXES)}
+    threads_delta = int(end["threads"]) - int(base["threads"])
+    return {"fds": [base["fds"], end["fds"]], "fds_delta": int(end["fds"]) - int(base["fds"]),
+            "threads": [base["threads"], end["threads"]], "threads_delta": threads_delta,
+            "pool_threads_grown": pool_growth, "threads_leaked": max(0, threads_delta - pool_growth),
+            "new_thread_names": other, "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)]}
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"n": 0}
+    v = sorted(values)
+
+    def q(p: float) -> float:
+        return round(v[min(len(v) - 1, int(p * len(v)))], 2)
+
+    return {"n": len(v), "mean": round(statistics.fmean(v), 2), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99),
+            "p999": q(0.999), "max": round(v[-1], 2)}
+
+
+def run_soak(cfg: SoakConfig, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+    """Runs one soak (or load run: ``faults=()``) and returns the report."""
+    return SoakRunner(cfg, say=say).run()
+
+
+__all__ = ["SoakRunner", "run_soak", "POOL_PREFIXES"]
