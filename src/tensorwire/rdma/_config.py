@@ -29,7 +29,7 @@ class RdmaConfig:
     ``slot_gc_timeout_ms``: leases not released within this are reclaimed. ``max_slot_bytes`` bounds one slot on
     export and every descriptor on read; ``pool_cap_bytes`` bounds all pool-owned memory of one exporter (and,
     separately, one reader's pooled read buffers); ``slot_align`` is the manifest offset alignment (a power of 2).
-    ``qp_count`` is passed to providers that have queue pairs or worker threads (NIXL: UCX workers).
+    ``qp_count`` is the provider's transfer concurrency (NIXL: UCX workers of the agent).
     ``progress_delay_us`` is how long an idle NIXL progress thread sleeps in poll(); 0 busy-spins a core.
     """
 

@@ -344,7 +344,9 @@ def _make_agent(api: Any, name: str, config: RdmaConfig) -> Any:
             agent = api.nixl_agent(name, conf)
         finally:
             api.nixlBind.nixlAgent = original
-    agent.create_backend("UCX", {})
+    # qp_count -> UCX workers: NIXL spreads transfers of different threads over them (each with its own endpoints
+    # to every peer), so concurrent reads do not serialize on one worker. Idle cost measured: ~2% of a core at 8.
+    agent.create_backend("UCX", {"num_workers": str(config.qp_count)})
     return agent
 
 
