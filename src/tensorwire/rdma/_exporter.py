@@ -61,6 +61,7 @@ class TensorExporter:
         self._leases: dict[str, Lease] = {}
         self._counter = 0
         self._prefix = uuid.uuid4().hex
+        self._count_lock = threading.Lock()
         self._counts = {
             "exports": 0,
             "export_failures": 0,
@@ -129,7 +130,7 @@ class TensorExporter:
             self._copy_in(lease, inputs)
             return self._publish(lease)
         except BaseException:
-            self._counts["export_failures"] += 1
+            self._count("export_failures", 1)
             self._end_lease(lease.lease_id)
             raise
 
@@ -141,13 +142,17 @@ class TensorExporter:
                 done.append(self.export(group))
         except BaseException:
             if done:
-                self._counts["batch_rollbacks"] += 1
+                self._count("batch_rollbacks", 1)
                 self.release([d.lease_id for d in done])
             raise
         return done
 
     def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[Lease, list[torch.Tensor]]:
-        """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``."""
+        """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``.
+
+        The tensors are views of pooled memory: valid until the lease is released or reclaimed (after that the slot
+        may hold another export's bytes). Release it like any other lease, exported or not.
+        """
         self._check_open()
         specs = []
         for i, item in enumerate(shapes_and_dtypes):
@@ -165,7 +170,7 @@ class TensorExporter:
             raise ExportError("allocate needs at least one tensor", reason=Reason.EMPTY_EXPORT)
         manifest, payload = self._layout(specs)
         lease = self._new_lease(manifest, payload)
-        self._counts["allocations"] += 1
+        self._count("allocations", 1)
         return lease, _views(lease.slot.tensor, manifest)
 
     def export_allocated(self, lease: Lease) -> Descriptor:
@@ -189,9 +194,9 @@ class TensorExporter:
             lease_ids = [lease_ids]
         for lease_id in lease_ids:
             if self._end_lease(lease_id):
-                self._counts["releases"] += 1
+                self._count("releases", 1)
             else:
-                self._counts["unknown_releases"] += 1
+                self._count("unknown_releases", 1)
 
     def collect_garbage(self, now: float | None = None) -> int:
         """Reclaim leases older than ``slot_gc_timeout_ms``; the GC thread calls this. Returns the count."""
@@ -201,7 +206,7 @@ class TensorExporter:
             expired = [lid for lid, lease in self._leases.items() if now - lease.created_s >= ttl]
         reclaimed = sum(1 for lid in expired if self._end_lease(lid))
         if reclaimed:
-            self._counts["gc_reclaims"] += reclaimed
+            self._count("gc_reclaims", reclaimed)
             log.warning("rdma GC reclaimed %d lease(s) older than %d ms; are readers releasing?",
                         reclaimed, self._cfg.slot_gc_timeout_ms)
         return reclaimed
@@ -256,6 +261,10 @@ class TensorExporter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:  # counters are bumped from many threads
+            self._counts[name] += n
 
     # -- internals --
 
@@ -353,8 +362,8 @@ class TensorExporter:
             manifest=lease.manifest,
         )
         lease.descriptor = desc
-        self._counts["exports"] += 1
-        self._counts["exported_bytes"] += desc.nbytes
+        self._count("exports", 1)
+        self._count("exported_bytes", desc.nbytes)
         return desc
 
 

@@ -90,6 +90,7 @@ class TensorReader:
         self._closed = False
         self._lock = threading.Lock()
         self._quarantine: list[_Quarantined] = []
+        self._count_lock = threading.Lock()
         self._counts = {"reads": 0, "read_descriptors": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
                         "stale_generations": 0, "invalid_descriptors": 0, "quarantined": 0, "quarantine_freed": 0}
         self._provider: Provider | None = None
@@ -151,16 +152,16 @@ class TensorReader:
             for d in descs:
                 out.extend(self._read_one(d, deadline))
         except ReadTimeout:
-            self._counts["read_timeouts"] += 1
+            self._count("read_timeouts", 1)
             raise
         except LeaseExpired:
-            self._counts["stale_generations"] += 1
+            self._count("stale_generations", 1)
             raise
         except ReadError:
-            self._counts["read_errors"] += 1
+            self._count("read_errors", 1)
             raise
-        self._counts["reads"] += 1
-        self._counts["read_descriptors"] += len(descs)
+        self._count("reads", 1)
+        self._count("read_descriptors", len(descs))
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -208,6 +209,10 @@ class TensorReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:  # counters are bumped from many threads
+            self._counts[name] += n
+
     # -- internals --
 
     def _validate(self, descriptors: Sequence[Descriptor | bytes]) -> list[Descriptor]:
@@ -224,7 +229,7 @@ class TensorReader:
                     raise InvalidDescriptor(f"expected a Descriptor or bytes, got {type(d).__name__}")
                 out.append(d)
         except InvalidDescriptor:
-            self._counts["invalid_descriptors"] += 1
+            self._count("invalid_descriptors", 1)
             raise
         if not out:
             raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
@@ -281,13 +286,13 @@ class TensorReader:
             if slot is not None:
                 results = [self._clone_out(slot.tensor, m) for m in d.manifest]
             _check_results(d, results)
-            self._counts["read_bytes"] += d.nbytes
+            self._count("read_bytes", d.nbytes)
             finished = True
             return results
         except ReadTimeout as exc:
             pending = getattr(exc, "pending", None)
             if pending is not None:
-                self._counts["quarantined"] += 1
+                self._count("quarantined", 1)
                 q = _Quarantined(pending=pending, slots=[slot] if slot else [], regs=regs,
                                  keep=[list(results), list(cells), loan])
                 with self._lock:
@@ -327,7 +332,7 @@ class TensorReader:
             still = []
             for q in live:
                 if q.pending.poll():
-                    self._counts["quarantine_freed"] += 1
+                    self._count("quarantine_freed", 1)
                     for s in q.slots:
                         assert self._pool is not None
                         self._pool.release(s)
