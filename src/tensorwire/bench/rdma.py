@@ -21,35 +21,38 @@ from typing import Any
 MIB = 1 << 20
 
 
-def _memcpy_gbps(nbytes: int, iters: int, huge: bool, device: str = "cpu") -> float:
-    import torch
+class _Memcpy:
+    """A plain memcpy of ``nbytes`` between two pre-faulted buffers (ordinary or huge-page, host) or a device copy."""
 
-    if device != "cpu":  # device-to-device copy: the GPU's memcpy
-        src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        times = []
-        for _ in range(iters + 2):
-            torch.cuda.synchronize(device)
+    def __init__(self, nbytes: int, device: str, huge: bool) -> None:
+        import torch
+
+        from tensorwire.rdma._pool import host_buffer
+
+        self.nbytes, self.device = nbytes, device
+        if device != "cpu":
+            self.src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+            self.dst = torch.empty_like(self.src)
+        elif huge:
+            self.src, self.dst = torch.from_numpy(host_buffer(nbytes)), torch.from_numpy(host_buffer(nbytes))
+        else:
+            self.src, self.dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        self.src.fill_(1)
+        self.dst.fill_(2)  # fault every page in before timing
+        self.once()
+
+    def once(self) -> float:
+        import torch
+
+        if self.device != "cpu":
+            torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
-            dst.copy_(src)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        return nbytes / statistics.median(times[2:]) / 1e9
-
-    from tensorwire.rdma._pool import host_buffer
-
-    if huge:
-        src, dst = torch.from_numpy(host_buffer(nbytes)), torch.from_numpy(host_buffer(nbytes))
-    else:
-        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(1)
-    dst.fill_(2)  # fault every page in before timing
-    times = []
-    for _ in range(iters + 2):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[2:]) / 1e9
+            self.dst.copy_(self.src)
+            torch.cuda.synchronize(self.device)
+        else:
+            t0 = time.perf_counter()
+            ctypes.memmove(self.dst.data_ptr(), self.src.data_ptr(), self.nbytes)
+        return time.perf_counter() - t0
 
 
 def _self_cpu_fraction(seconds: float) -> float:
@@ -103,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warmup):
                 del _
                 reader.read([desc])
-            read_s = []
+            # Reads and memcpys alternate, so both see the same background load on a shared machine.
+            plain = _Memcpy(nbytes, cfg.device, huge=False)
+            huge = None if cfg.is_cuda else _Memcpy(nbytes, "cpu", huge=True)
+            read_s, plain_s, huge_s = [], [], []
             for _ in range(iters):
                 t0 = time.perf_counter()
                 out = reader.read([desc])
@@ -111,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.synchronize(cfg.device)
                 read_s.append(time.perf_counter() - t0)
                 del out
+                plain_s.append(plain.once())
+                if huge is not None:
+                    huge_s.append(huge.once())
+            del plain, huge
             owner.release([desc.lease_id])
             transport = reader.transport(desc)
             r = summarize(read_s)
-            memcpy = _memcpy_gbps(nbytes, min(iters, 10), huge=False, device=cfg.device)
-            memcpy_huge = memcpy if cfg.is_cuda else _memcpy_gbps(nbytes, min(iters, 10), huge=True)
+            memcpy = nbytes / statistics.median(plain_s) / 1e9
+            memcpy_huge = nbytes / statistics.median(huge_s) / 1e9 if huge_s else memcpy
             gbps = nbytes / (r["median_ms"] / 1e3) / 1e9
             row = {
                 "bytes": nbytes,
