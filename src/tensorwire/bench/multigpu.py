@@ -17,8 +17,9 @@ For each (encoder device, reader device) pair three spawned processes run, one a
 
 Device hygiene: neither the encoder nor the LLM process calls ``torch.cuda.set_device``, so any library code that
 silently uses the current device (cuda:0) shows up in the reverse pair (encoder or reader on cuda:1). Each process
-records ``torch.cuda.memory_allocated``/``max_memory_allocated`` per device before and after its work, and which
-devices have an active CUDA primary context (driver ``cuDevicePrimaryCtxGetState``). Torch allocations on a device
+records, after its work, ``torch.cuda.memory_allocated``/``max_memory_allocated`` per device (a fresh process starts
+at zero), and which devices have an active CUDA primary context before and after (driver
+``cuDevicePrimaryCtxGetState``, which creates none). Torch allocations on a device
 other than the process's own fail the check; a context on the other device is reported, not judged (UCX's
 cuda_ipc transport may retain the peer device's context by itself).
 
@@ -129,14 +130,14 @@ def _active_contexts(n_gpus: int) -> list[int] | None:
     return active
 
 
-def _device_report(own: str, n_gpus: int, before: dict[str, dict[str, int]]) -> dict[str, Any]:
+def _device_report(own: str, n_gpus: int, contexts_before: list[int] | None) -> dict[str, Any]:
+    contexts = _active_contexts(n_gpus)  # before the allocator queries below, so they cannot be the cause
     after = _memory_by_device(n_gpus)
     foreign = foreign_allocations(own, after)
-    contexts = _active_contexts(n_gpus)
     own_idx = int(own.split(":")[1]) if own.startswith("cuda:") else None
     return {
         "device": own,
-        "memory_before": before,
+        "contexts_before": contexts_before,
         "memory_after": after,
         "foreign_allocations": foreign,
         "no_foreign_allocations": not foreign,
@@ -167,7 +168,8 @@ def _encoder_proc(device: str, rows: int, cols: int, n_gpus: int, q: Any, stop: 
         from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
         from tensorwire.rdma import RdmaConfig
 
-        before = _memory_by_device(n_gpus)
+        # A fresh process has allocated nothing; only the contexts are read (driver API: creates none).
+        before = _active_contexts(n_gpus)
         emb = _expected(rows, cols).to(device)
         seen_devices: set[str] = set()
 
@@ -176,7 +178,7 @@ def _encoder_proc(device: str, rows: int, cols: int, n_gpus: int, q: Any, stop: 
             seen_devices.add(str(emb.device))
             return EncoderOutput(embeddings=emb[:n], split_sizes=[n])
 
-        cfg = TransportConfig(worker_id=f"multigpu-encoder-{device}", rdma=RdmaConfig(device=device))
+        cfg = TransportConfig(worker_id=f"multigpu-encoder-{device.replace(':', '')}", rdma=RdmaConfig(device=device))
         server = serve_encoder(encode_fn, cfg, "127.0.0.1:0")
         try:
             q.put(("ready", server.port, server.transport.wait_ready(60)))
@@ -260,7 +262,7 @@ def _llm_proc(endpoint: str, device: str, rows_list: list[int], cols: int, iters
         from tensorwire.mm import RemoteOutputTransport, TransportConfig
         from tensorwire.rdma import RdmaConfig
 
-        before = _memory_by_device(n_gpus)
+        before = _active_contexts(n_gpus)
         expected = _expected(max(rows_list), cols).to(device)
         cfg = TransportConfig(rdma=RdmaConfig(device=device), rpc_timeout_margin_ms=5000)
         report: dict[str, Any] = {"sizes": []}
@@ -466,6 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     results: list[dict[str, Any]] = []
     failed = False
+    tag = result_tag(n_gpus, args.dry_run)
+    out_path = args.out or RESULTS_DIR / f"multigpu-{tag}.json"
+
+    def save() -> Any:  # after every pair, so a run cut short still leaves what it measured
+        return write_result("multigpu", {
+            "config": {"pairs": [list(p) for p in pairs], "rows": rows_list, "cols": SEED_SHAPE[1],
+                       "dtype": "bfloat16", "iters": args.iters, "inline_iters": args.inline_iters,
+                       "p2p_iters": args.p2p_iters, "dry_run": args.dry_run, "n_gpus": n_gpus,
+                       "wall_s": round(time.monotonic() - t_start, 1),
+                       "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NCCL_", "CUDA_VISIBLE"))}},
+            "pairs": results,
+            "notes": "stage times are client wall clock (after a synchronize of the reader device); transfer = fetch "
+                     "total - encoder compute; inline 'delivered' adds the host-to-reader-device copy; the baseline "
+                     "is dst.copy_(src) encoder device -> reader device in a separate process, both devices "
+                     "synchronized",
+        }, out_path)
+
     for enc_dev, rd_dev in pairs:
         t0 = time.monotonic()
         try:
@@ -475,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{enc_dev} -> {rd_dev}: FAILED {exc}", file=sys.stderr)
             results.append({"encoder_device": enc_dev, "reader_device": rd_dev, "error": str(exc)})
             failed = True
+            save()
             continue
         pair["summary"] = _judge(pair)
         results.append(pair)
@@ -500,17 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  contexts: encoder {enc['active_contexts']}, llm {llm['active_contexts']}; foreign torch "
               f"allocations: encoder {enc['foreign_allocations']}, llm {llm['foreign_allocations']}", flush=True)
         failed = failed or not checks["all_ok"]
-    tag = result_tag(n_gpus, args.dry_run)
-    path = write_result("multigpu", {
-        "config": {"pairs": [list(p) for p in pairs], "rows": rows_list, "cols": SEED_SHAPE[1], "dtype": "bfloat16",
-                   "iters": args.iters, "inline_iters": args.inline_iters, "p2p_iters": args.p2p_iters,
-                   "dry_run": args.dry_run, "n_gpus": n_gpus, "wall_s": round(time.monotonic() - t_start, 1),
-                   "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NCCL_", "CUDA_VISIBLE"))}},
-        "pairs": results,
-        "notes": "stage times are client wall clock (after a synchronize of the reader device); transfer = fetch "
-                 "total - encoder compute; inline 'delivered' adds the host-to-reader-device copy; the baseline is "
-                 "dst.copy_(src) encoder device -> reader device in a separate process, both devices synchronized",
-    }, args.out or RESULTS_DIR / f"multigpu-{tag}.json")
+        save()
+    path = save()
     print(f"wrote {path}")
     return 1 if failed else 0
 

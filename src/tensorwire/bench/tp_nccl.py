@@ -342,6 +342,23 @@ def main(argv: list[str] | None = None) -> int:
     busy: list[dict[str, Any]] = []
     failed = False
     t_start = time.monotonic()
+    tag = f"cpu{os.cpu_count()}-dryrun" if args.dry_run else f"{machine_tag()}x{n_gpus}"
+    out_path = args.out or RESULTS_DIR / f"tp_nccl-{tag}.json"
+
+    def save() -> Any:  # after every TP group, so a run cut short still leaves what it measured
+        return write_result("tp_nccl", {
+            "config": {"tp": tps, "tp_dropped": dropped, "sizes": sizes, "rounds": rounds, "warmup": args.warmup,
+                       "loads": loads, "busy_dim": args.busy_dim, "busy_batch": BUSY_BATCH, "methods": methods,
+                       "dry_run": args.dry_run, "n_gpus": n_gpus, "wall_s": round(time.monotonic() - t_start, 1),
+                       "env": {k: v for k, v in os.environ.items()
+                               if k.startswith(("NCCL_", "TENSORWIRE_", "CUDA_VIS"))}},
+            "method": "rank 0 perf_counter before its call; each reader's perf_counter after its payload is on the "
+                      "host and checked, in a shared array; latency = max(reader times) - t0 (to the last rank); "
+                      "rounds back to back, rank 0 waits for every reader's round counter; no barrier on the timed "
+                      "path",
+            "results": rows, "ratios": ratio_rows(rows, methods), "busy": busy,
+        }, out_path)
+
     for tp in tps:
         t0 = time.monotonic()
         try:
@@ -350,12 +367,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"TP{tp}: FAILED {exc}", file=sys.stderr)
             rows.append({"tp": tp, "error": str(exc)})
             failed = True
+            save()
             continue
         for key, lat in res[0]["rows"].items():
             load, size, method = key.split("|")
             rows.append({"load": load, "tp": tp, "size_bytes": int(size), "method": method, **summarize(lat)})
         busy.extend({"tp": tp, "rank": r, **x["busy"]} for r, x in enumerate(res) if x.get("busy"))
         print(f"TP{tp}: done in {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+        save()
     ratios = ratio_rows(rows, methods)
     print(f"\nlatency to the last rank, median / p99 in us ({n_gpus} GPUs, {os.cpu_count()} CPUs)")
     print(f"{'load':>5s} {'size':>8s} {'TP':>3s} " + " ".join(f"{m:>19s}" for m in methods)
@@ -371,17 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in busy:
         print(f"busy workload TP{b['tp']} rank {b['rank']}: {b['tflops']:.0f} TFLOP/s bf16 over {b['busy_s']:.1f} s"
               + (f"  ERROR {b['error']}" if b.get("error") else ""))
-    tag = f"cpu{os.cpu_count()}-dryrun" if args.dry_run else f"{machine_tag()}x{n_gpus}"
-    path = write_result("tp_nccl", {
-        "config": {"tp": tps, "tp_dropped": dropped, "sizes": sizes, "rounds": rounds, "warmup": args.warmup,
-                   "loads": loads, "busy_dim": args.busy_dim, "busy_batch": BUSY_BATCH, "methods": methods,
-                   "dry_run": args.dry_run, "n_gpus": n_gpus, "wall_s": round(time.monotonic() - t_start, 1),
-                   "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TENSORWIRE_", "CUDA_VIS"))}},
-        "method": "rank 0 perf_counter before its call; each reader's perf_counter after its payload is on the host "
-                  "and checked, in a shared array; latency = max(reader times) - t0 (to the last rank); rounds "
-                  "back to back, rank 0 waits for every reader's round counter; no barrier on the timed path",
-        "results": rows, "ratios": ratios, "busy": busy,
-    }, args.out or RESULTS_DIR / f"tp_nccl-{tag}.json")
+    path = save()
     print(f"wrote {path}")
     return 1 if failed else 0
 
