@@ -8,6 +8,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -27,6 +28,7 @@ from tensorwire.errors import (
 from . import _fence
 from ._config import BroadcastConfig
 from ._frame import (
+    CODE_OF,
     HEADER,
     KIND_ABORT,
     KIND_DATA,
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "uds", "shm")
 _BYE = b"BYE!"
+_SEQ = struct.Struct("<Q")
 _TERMINAL = (PeerClosed, FrameMismatch, BroadcastTimeout)
 
 
@@ -112,6 +115,9 @@ class CpuTpBroadcaster:
         self._seq = 0
         self._failed: BroadcastError | None = None
         self._call_lock = threading.Lock()
+        self._wcache: tuple[Any, bytearray, list[int], int] | None = None
+        self._ucache: tuple[int, bytes, bytes, Layout] | None = None
+        self._vcache: tuple[tuple[int, int], memoryview] | None = None
         self._send_lock = threading.Lock()
         self._abort_lock = threading.Lock()
         if world_size == 1:
@@ -167,6 +173,12 @@ class CpuTpBroadcaster:
         self._enter()
         try:
             if self.rank == 0:
+                if isinstance(value, torch.Tensor) and value.is_cpu:
+                    if self.world_size > 1:
+                        self._send_one(value if value.is_contiguous() else value.contiguous())
+                    elif value.dtype not in CODE_OF:
+                        flatten(value, 0)
+                    return value
                 structure, keys, tensors = flatten(value, 0)
                 if self.world_size > 1:
                     self._send(structure, keys, tensors)
@@ -187,13 +199,13 @@ class CpuTpBroadcaster:
         (same dtype and shape, CPU; non-contiguous targets are filled through a contiguous copy)."""
         self._enter()
         try:
-            _, _, tensors = flatten(tensor, self.rank)
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or tensor.dtype not in CODE_OF:
+                flatten(tensor, self.rank)  # raises the precise error
                 raise BroadcastError(f"rank {self.rank}: broadcast_ takes one tensor", reason=Reason.INVALID_CONFIG)
             if self.world_size == 1:
                 return tensor
             if self.rank == 0:
-                self._send(S_TENSOR, [""], tensors)
+                self._send_one(tensor if tensor.is_contiguous() else tensor.contiguous())
                 return tensor
             if tensor.is_contiguous():
                 self._recv(tensor)
@@ -279,16 +291,35 @@ class CpuTpBroadcaster:
         return Waiter(self.rank, what, self.config.timeout_s, self.config.stall_warn_s)
 
     # rank 0 ---------------------------------------------------------------------------------------------------------
+    def _send_one(self, t: torch.Tensor) -> None:
+        """Hot path for one contiguous CPU tensor: the header and table are cached per (dtype, shape)."""
+        key = (t.dtype, t.shape)
+        c = self._wcache
+        if c is None or c[0] != key:
+            flatten(t, 0)
+            prefix, offsets, payload = encode_prefix(KIND_DATA, 0, S_TENSOR, [""], [t],
+                                                     64 if self._ring is not None else 1)
+            c = self._wcache = (key, bytearray(prefix), offsets, payload)
+        seq = self._seq + 1
+        _SEQ.pack_into(c[1], 8, seq)
+        self._send_frame(seq, c[1], [t], c[2], c[3])
+
     def _send(self, structure: int, keys: list[str], tensors: list[torch.Tensor]) -> None:
         seq = self._seq + 1
-        waiter = self._waiter(f"broadcast of message {seq}")
+        prefix, offsets, payload = encode_prefix(KIND_DATA, seq, structure, keys, tensors,
+                                                 64 if self._ring is not None else 1)
+        self._send_frame(seq, prefix, tensors, offsets, payload)
+
+    def _send_frame(self, seq: int, prefix: bytes | bytearray, tensors: list[torch.Tensor], offsets: list[int],
+                    payload: int) -> None:
+        def waiter() -> Waiter:
+            return self._waiter(f"broadcast of message {seq}")
+
         if self._ring is not None:
-            prefix, offsets, payload = encode_prefix(KIND_DATA, seq, structure, keys, tensors, 64)
             self._ring.publish(seq, prefix, tensors, offsets, payload, self._links, waiter, self.config.spin_s,
                                self._raise_if_failed)
         else:
-            prefix, _, _ = encode_prefix(KIND_DATA, seq, structure, keys, tensors, 1)
-            parts: list[memoryview | bytes] = [prefix]
+            parts: list[memoryview | bytes | bytearray] = [prefix]
             parts.extend(v for v in (byte_view(t) for t in tensors) if len(v))
             with self._send_lock:
                 self._raise_if_failed()
@@ -382,7 +413,10 @@ class CpuTpBroadcaster:
     # readers --------------------------------------------------------------------------------------------------------
     def _recv(self, target: torch.Tensor | None, check_against: torch.Tensor | None = None) -> Any:
         seq = self._seq + 1
-        waiter = self._waiter(f"broadcast (waiting for message {seq} from rank 0)")
+
+        def waiter() -> Waiter:
+            return self._waiter(f"broadcast (waiting for message {seq} from rank 0)")
+
         link = self._links[0]
         assert link is not None
         if self._ring is not None:
@@ -393,32 +427,55 @@ class CpuTpBroadcaster:
             mv = ring.mv
             for e, t in zip(layout.entries, tensors):
                 if e.nbytes:
-                    byte_view(t)[:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
+                    self._view(t)[:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
             ring.ack(seq)
         else:
             spin_until = time.monotonic() + self.config.spin_s
             while link.buffered() < HEADER.size:
                 link.fill(waiter, spin_until)
-            kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(link.peek(HEADER.size), self.rank)
-            link.consume(HEADER.size)
-            if kind == KIND_ABORT:
-                msg = link.read_exact(min(payload_bytes, 4096), waiter).decode("utf-8", "replace")
-                raise PeerClosed(f"rank {self.rank}: rank 0 aborted the group: {msg}", reason=Reason.PEER_CLOSED)
+            c = self._ucache
+            if c is not None and link.buffered() >= c[0] and bytes(link.peek(c[0])[16:]) == c[1] \
+                    and bytes(link.peek(8)) == c[2]:
+                # Same header (but the sequence number) and table as the last frame: skip decoding.
+                fseq = _SEQ.unpack_from(link.peek(16), 8)[0]
+                layout = c[3]
+                link.consume(c[0])
+            else:
+                kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(link.peek(HEADER.size),
+                                                                                     self.rank)
+                head = bytes(link.peek(HEADER.size))
+                link.consume(HEADER.size)
+                if kind == KIND_ABORT:
+                    msg = link.read_exact(min(payload_bytes, 4096), waiter).decode("utf-8", "replace")
+                    raise PeerClosed(f"rank {self.rank}: rank 0 aborted the group: {msg}",
+                                     reason=Reason.PEER_CLOSED)
+                table = link.read_exact(table_bytes, waiter)
+                entries = decode_table(table, n, payload_bytes, self.rank)
+                layout = Layout(kind, fseq, structure, entries, table_bytes, payload_bytes)
+                self._ucache = (HEADER.size + table_bytes, head[16:] + table, head[:8], layout)
             if fseq != seq:
                 raise FrameMismatch(f"rank {self.rank}: received message {fseq}, expected {seq}: the ranks are out "
                                     f"of step")
-            entries = decode_table(link.read_exact(table_bytes, waiter), n, payload_bytes, self.rank)
-            layout = Layout(kind, fseq, structure, entries, table_bytes, payload_bytes)
             tensors = self._targets(layout, target, check_against)
             pos = 0
-            for e, t in zip(entries, tensors):
+            for e, t in zip(layout.entries, tensors):
                 link.skip(e.offset - pos, waiter)
                 if e.nbytes:
-                    link.recv_into_exact(byte_view(t), waiter)
+                    link.recv_into_exact(self._view(t), waiter)
                 pos = e.offset + e.nbytes
-            link.skip(payload_bytes - pos, waiter)
+            link.skip(layout.payload_bytes - pos, waiter)
         self._seq = seq
         return assemble(layout.structure, layout.entries, tensors)
+
+    def _view(self, t: torch.Tensor) -> memoryview:
+        """byte_view with a one-entry cache keyed by address and size (the broadcast_ target of a hot loop)."""
+        key = (t.data_ptr(), t.nbytes)
+        c = self._vcache
+        if c is not None and c[0] == key:
+            return c[1]
+        v = byte_view(t)
+        self._vcache = (key, v)
+        return v
 
     def _targets(self, layout: Layout, target: torch.Tensor | None,
                  check_against: torch.Tensor | None) -> list[torch.Tensor]:

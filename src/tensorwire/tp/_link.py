@@ -13,13 +13,14 @@ import os
 import select
 import socket
 import time
-from typing import Callable
+from typing import Callable, Union
 
 from tensorwire.errors import BroadcastTimeout, PeerClosed, Reason
 
 log = logging.getLogger(__name__)
 
 _SEND_FLAGS = socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT
+WaiterLike = Union["Waiter", Callable[[], "Waiter"]]  # a factory defers the clock reads to the slow path
 _POLL_ERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
@@ -58,6 +59,10 @@ class Waiter:
         self._what = what
 
 
+def _resolve(waiter: WaiterLike) -> Waiter:
+    return waiter if isinstance(waiter, Waiter) else waiter()
+
+
 class Link:
     """A connected stream socket to ``peer`` (a rank). Not thread-safe except ``shutdown()``."""
 
@@ -77,7 +82,7 @@ class Link:
         self._rend = 0
 
     # -- sending -------------------------------------------------------------------------------------------------
-    def send_all(self, parts: list[memoryview | bytes], waiter: Waiter) -> None:
+    def send_all(self, parts: list[memoryview | bytes], waiter: WaiterLike) -> None:
         """Send every byte of ``parts`` (one sendmsg when the socket buffer has room)."""
         total = sum(len(p) for p in parts)
         try:
@@ -99,6 +104,7 @@ class Link:
                 try:
                     n = self.sock.send(mv, _SEND_FLAGS)
                 except BlockingIOError:
+                    waiter = _resolve(waiter)
                     self._wait(self._poll_out, waiter)
                     continue
                 except OSError as exc:
@@ -116,7 +122,7 @@ class Link:
     def buffered(self) -> int:
         return self._rend - self._rstart
 
-    def fill(self, waiter: Waiter | None, spin_until: float = 0.0, idle: Callable[[], None] | None = None) -> None:
+    def fill(self, waiter: WaiterLike | None, spin_until: float = 0.0, idle: Callable[[], None] | None = None) -> None:
         """Read whatever is available into the read-ahead buffer, waiting (spin, then poll) for at least a byte."""
         if self._rstart == self._rend:
             self._rstart = self._rend = 0
@@ -135,6 +141,7 @@ class Link:
                     return
                 if idle is not None:
                     idle()
+                waiter = _resolve(waiter)
                 self._wait(self._poll_in, waiter)
                 continue
             except OSError as exc:
@@ -146,7 +153,7 @@ class Link:
             self._rend += n
             return
 
-    def read_exact(self, n: int, waiter: Waiter) -> bytes:
+    def read_exact(self, n: int, waiter: WaiterLike) -> bytes:
         while self.buffered() < n:
             if n > len(self._rbuf):
                 out = bytearray(n)
@@ -163,7 +170,7 @@ class Link:
     def consume(self, n: int) -> None:
         self._rstart += n
 
-    def recv_into_exact(self, mv: memoryview, waiter: Waiter) -> None:
+    def recv_into_exact(self, mv: memoryview, waiter: WaiterLike) -> None:
         """Fill ``mv`` completely: first from the read-ahead buffer, then straight from the socket."""
         have = min(self.buffered(), len(mv))
         if have:
@@ -174,6 +181,7 @@ class Link:
             try:
                 n = self.sock.recv_into(mv, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
+                waiter = _resolve(waiter)
                 self._wait(self._poll_in, waiter)
                 continue
             except OSError as exc:
@@ -184,7 +192,7 @@ class Link:
                                  reason=Reason.PEER_CLOSED)
             mv = mv[n:]
 
-    def skip(self, n: int, waiter: Waiter) -> None:
+    def skip(self, n: int, waiter: WaiterLike) -> None:
         """Discard ``n`` bytes (alignment padding), in bounded chunks."""
         scratch = memoryview(bytearray(min(n, 1 << 16))) if n else None
         while n:
@@ -206,8 +214,8 @@ class Link:
                 return False
 
     # -- waiting -------------------------------------------------------------------------------------------------
-    def _wait(self, poller: select.poll, waiter: Waiter) -> None:
-        until = waiter.check()
+    def _wait(self, poller: select.poll, waiter: WaiterLike) -> None:
+        until = _resolve(waiter).check()
         timeout_ms = max(1, int(min(until, 3600.0) * 1000))
         events = poller.poll(timeout_ms)
         for _, ev in events:

@@ -83,6 +83,8 @@ class ShmRing:
         self.ack_idx = [_LINE_WORDS * (1 + r) for r in range(world)]  # index 0 unused (rank 0 does not ack)
         self.sleep_idx = [i + 1 for i in self.ack_idx]
         self._arena_live: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, start, end)
+        self._known_ack = 0  # a lower bound of min(ACK): acks only grow, so re-read only when it is too low
+        self._rcache: tuple[int, int, bytes, bytes, Layout, int] | None = None
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -166,25 +168,31 @@ class ShmRing:
                 best, who = a, r
         return best, who
 
-    def _wait_acks(self, need: int, waiter: Waiter, spin_s: float, check_alive: Callable[[], None]) -> None:
+    def _wait_acks(self, need: int, make_waiter: Callable[[], Waiter], spin_s: float,
+                   check_alive: Callable[[], None]) -> None:
         spin_until = time.monotonic() + spin_s
         sleep = 50e-6
+        waiter: Waiter | None = None
         while True:
             got, who = self.min_ack()
             if got >= need:
                 _fence.acquire()
+                self._known_ack = max(self._known_ack, got)
                 return
             now = time.monotonic()
             if now < spin_until:
                 os.sched_yield()
                 continue
+            if waiter is None:
+                waiter = make_waiter()
             waiter.retarget(f"broadcast (rank 0 waiting for rank {who} to consume message {need})")
             waiter.check(now)
             check_alive()
             time.sleep(sleep)
             sleep = min(sleep * 2, 1e-3)
 
-    def _arena_alloc(self, seq: int, n: int, waiter: Waiter, spin_s: float, check_alive: Callable[[], None]) -> int:
+    def _arena_alloc(self, seq: int, n: int, make_waiter: Callable[[], Waiter], spin_s: float,
+                     check_alive: Callable[[], None]) -> int:
         if n > self.arena_bytes:
             raise BroadcastError(f"rank 0: frame of {n} bytes exceeds the shared-memory arena ({self.arena_bytes} "
                                  f"bytes); raise BroadcastConfig.arena_bytes", reason=Reason.SLOT_TOO_LARGE)
@@ -205,21 +213,25 @@ class ShmRing:
             if start is not None:
                 live.append((seq, start, _align(start + n, 64)))
                 return start
-            self._wait_acks(live[0][0], waiter, spin_s, check_alive)
+            self._wait_acks(live[0][0], make_waiter, spin_s, check_alive)
 
     def publish(self, seq: int, prefix: bytes, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
-                payload_bytes: int, links: Sequence[Link | None], waiter: Waiter, spin_s: float,
+                payload_bytes: int, links: Sequence[Link | None], make_waiter: Callable[[], Waiter], spin_s: float,
                 check_alive: Callable[[], None]) -> None:
         need = seq - self.n_slots
-        if need > 0 and self.min_ack()[0] < need:
-            self._wait_acks(need, waiter, spin_s, check_alive)
+        if need > self._known_ack:
+            self._known_ack = self.min_ack()[0]
+            if self._known_ack < need:
+                self._wait_acks(need, make_waiter, spin_s, check_alive)
+            else:
+                _fence.acquire()
         pstart = _align(len(prefix), 64)
         frame_len = pstart + payload_bytes
         slot = seq % self.n_slots
         if frame_len <= self.slot_bytes - 64:
             base, where, aoff = self.slots_off + slot * self.slot_bytes + 64, 0, 0
         else:
-            aoff = self._arena_alloc(seq, frame_len, waiter, spin_s, check_alive)
+            aoff = self._arena_alloc(seq, frame_len, make_waiter, spin_s, check_alive)
             base, where = self.arena_off + aoff, 1
         mv = self.mv
         mv[base: base + len(prefix)] = prefix
@@ -241,7 +253,8 @@ class ShmRing:
                     lk.send_nowait(_WAKE)  # a full buffer already holds wake bytes; a dead peer shows elsewhere
 
     # -- reader --------------------------------------------------------------------------------------------------
-    def wait_published(self, seq: int, link: Link, waiter: Waiter, spin_s: float, poll_s: float) -> None:
+    def wait_published(self, seq: int, link: Link, make_waiter: Callable[[], Waiter], spin_s: float,
+                       poll_s: float) -> None:
         w = self.w
         if w[_PUB] >= seq:
             _fence.acquire()
@@ -254,6 +267,7 @@ class ShmRing:
             if w[_ABORT]:
                 raise self.abort_error()  # type: ignore[misc]
             os.sched_yield()
+        waiter = make_waiter()
         me = self.sleep_idx[self.rank]
         poller = select.poll()
         poller.register(link.fd, select.POLLIN)
@@ -293,6 +307,11 @@ class ShmRing:
         if frame_len > limit or frame_len < HEADER.size:
             raise FrameMismatch(f"rank {self.rank}: message {seq} claims {frame_len} bytes, room is {limit}")
         mv = self.mv
+        c = self._rcache
+        if c is not None and c[0] == frame_len and bytes(mv[base + 16: base + c[1]]) == c[2] \
+                and bytes(mv[base: base + 8]) == c[3]:
+            # Same header (but the sequence number) and table as the last message: the hot loop of broadcast_.
+            return c[4], base + c[5]
         kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(mv[base: base + HEADER.size],
                                                                              self.rank)
         if kind != KIND_DATA or fseq != seq:
@@ -303,7 +322,10 @@ class ShmRing:
             raise FrameMismatch(f"rank {self.rank}: message {seq} sizes disagree ({frame_len} vs "
                                 f"{pstart} + {payload_bytes})")
         entries = decode_table(mv[tstart: tstart + table_bytes], n, payload_bytes, self.rank)
-        return Layout(kind, seq, structure, entries, table_bytes, payload_bytes), base + pstart
+        layout = Layout(kind, seq, structure, entries, table_bytes, payload_bytes)
+        end = tstart + table_bytes
+        self._rcache = (frame_len, end - base, bytes(mv[base + 16: end]), bytes(mv[base: base + 8]), layout, pstart)
+        return layout, base + pstart
 
     def ack(self, seq: int) -> None:
         _fence.release()
