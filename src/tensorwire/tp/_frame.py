@@ -82,7 +82,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """Writable byte view of a contiguous CPU tensor's storage (the caller keeps ``t`` alive)."""
     n = t.numel() * t.element_size()
     if n == 0:
-        return memoryview(b"")
+        return memoryview(bytearray(0))
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 

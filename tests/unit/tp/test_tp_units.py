@@ -1,0 +1,184 @@
+"""Single-process tests of the broadcaster's pieces: frames, paths and directory checks, config, public names."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+
+import pytest
+import torch
+
+import tensorwire.tp as tp
+from tensorwire.errors import BootstrapError, BroadcastError, ConfigError, FrameMismatch, Reason
+from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
+from tensorwire.tp import _frame as F
+from tensorwire.tp import _paths as P
+
+
+def test_public_names():
+    assert sorted(tp.__all__) == ["BroadcastConfig", "CpuTpBroadcaster", "broadcast_cpu", "shm_available",
+                                  "shutdown_broadcast_cpu"]
+    for name in tp.__all__:
+        assert getattr(tp, name) is not None
+
+
+def _roundtrip(value, align=1):
+    structure, keys, tensors = F.flatten(value, 0)
+    prefix, offsets, payload = F.encode_prefix(F.KIND_DATA, 5, structure, keys, tensors, align)
+    buf = bytearray(prefix) + bytearray(payload)
+    for t, off in zip(tensors, offsets):
+        v = F.byte_view(t)
+        buf[len(prefix) + off: len(prefix) + off + len(v)] = v
+    mv = memoryview(bytes(buf))
+    kind, seq, n, table_bytes, pb, st = F.decode_header(mv[: F.HEADER.size], 1)
+    assert (kind, seq, pb) == (F.KIND_DATA, 5, payload)
+    entries = F.decode_table(mv[F.HEADER.size: F.HEADER.size + table_bytes], n, pb, 1)
+    layout = F.Layout(kind, seq, st, entries, table_bytes, pb)
+    out = F.allocate(layout)
+    base = F.HEADER.size + table_bytes
+    for e, t in zip(entries, out):
+        F.byte_view(t)[:] = mv[base + e.offset: base + e.offset + e.nbytes]
+    return F.assemble(st, entries, out)
+
+
+@pytest.mark.parametrize("dtype", sorted(F.CODE_OF, key=str), ids=str)
+def test_every_dtype_roundtrips(dtype):
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype)
+    out = _roundtrip(src)
+    assert out.dtype == dtype and out.shape == src.shape
+    assert out.reshape(-1).view(torch.uint8).equal(src.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("align", [1, 64])
+def test_structures_roundtrip(align):
+    value = {"a": torch.zeros(0, 3), "ß": torch.tensor(7), "c": torch.arange(5, dtype=torch.int16)[::2]}
+    out = _roundtrip(value, align)
+    assert list(out) == ["a", "ß", "c"]
+    assert out["a"].shape == (0, 3) and int(out["ß"]) == 7 and out["c"].tolist() == [0, 2, 4]
+    assert isinstance(_roundtrip((torch.ones(2),), align), tuple)
+    assert _roundtrip([], align) == []
+
+
+def test_bad_inputs_are_refused_before_any_io():
+    with pytest.raises(BroadcastError) as ei:
+        F.flatten({1: torch.zeros(1)}, 0)
+    assert "keys must be str" in str(ei.value)
+    with pytest.raises(BroadcastError):
+        F.flatten([torch.zeros(1), "x"], 0)
+    with pytest.raises(BroadcastError):
+        F.flatten(3, 0)
+
+
+def test_corrupt_frames_raise_frame_mismatch():
+    structure, keys, tensors = F.flatten(torch.arange(4), 0)
+    prefix, _, payload = F.encode_prefix(F.KIND_DATA, 1, structure, keys, tensors, 1)
+    bad = bytearray(prefix)
+    bad[0:4] = b"XXXX"
+    with pytest.raises(FrameMismatch):
+        F.decode_header(bytes(bad), 1)
+    kind, seq, n, table_bytes, pb, st = F.decode_header(prefix, 1)
+    table = bytearray(prefix[F.HEADER.size:])
+    table[0] = 250  # unknown dtype code
+    with pytest.raises(FrameMismatch):
+        F.decode_table(bytes(table), n, pb, 1)
+    with pytest.raises(FrameMismatch):  # claims more bytes than the payload holds
+        F.decode_table(prefix[F.HEADER.size:], n, pb - 1, 1)
+    with pytest.raises(FrameMismatch):  # truncated
+        F.decode_table(prefix[F.HEADER.size:-3], n, pb, 1)
+
+
+def test_session_sanitizing_and_digest():
+    assert P.sanitize_session("a/b c:d") == "a_b_c_d"
+    assert P.session_digest("a/b") != P.session_digest("a_b")
+    with pytest.raises(ConfigError):
+        P.sanitize_session("")
+
+
+def test_tmpdir_is_honoured(monkeypatch, tmp_path):
+    monkeypatch.delenv(P.ENV_DIR, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert P.default_base_dir() == os.path.join(str(tmp_path), f"tensorwire-{os.geteuid()}")
+    monkeypatch.setenv(P.ENV_DIR, "/x/y")
+    assert P.default_base_dir() == "/x/y"
+
+
+def test_private_dir_is_created_0700(tmp_path):
+    d = tmp_path / "priv"
+    P.ensure_private_dir(str(d))
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_world_writable_dir_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(BootstrapError) as ei:
+        P.ensure_private_dir(str(d))
+    assert ei.value.reason is Reason.INSECURE_PATH and "world-writable" in str(ei.value)
+
+
+def test_foreign_owned_dir_is_refused(tmp_path, monkeypatch):
+    d = tmp_path / "foreign"
+    d.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(d, 65534, 65534)  # really foreign
+    else:
+        monkeypatch.setattr(P, "effective_uid", lambda: os.geteuid() + 1)  # we pretend to be someone else
+    with pytest.raises(BootstrapError) as ei:
+        CpuTpBroadcaster(0, 2, "s", base_dir=str(d), init_timeout_s=0.1)
+    assert ei.value.reason is Reason.INSECURE_PATH and "owned by uid" in str(ei.value)
+
+
+def test_symlinked_dir_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(BootstrapError) as ei:
+        P.ensure_private_dir(str(link))
+    assert "symlink" in str(ei.value)
+
+
+def test_abstract_endpoint_has_no_file():
+    ep = P.make_endpoint("sess", None, True)
+    assert ep.is_abstract and ep.path is None and isinstance(ep.address, bytes) and ep.address[0] == 0
+
+
+def test_config_validation_and_env():
+    with pytest.raises(ConfigError):
+        BroadcastConfig(init_timeout_s=0)
+    with pytest.raises(ConfigError):
+        BroadcastConfig(slot_bytes=1000)
+    with pytest.raises(ConfigError):
+        BroadcastConfig(n_slots=1)
+    cfg = BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_TIMEOUT_S": "2.5", "TENSORWIRE_BROADCAST_ABSTRACT": "1",
+                                    "TENSORWIRE_BROADCAST_N_SLOTS": "16"})
+    assert cfg.timeout_s == 2.5 and cfg.abstract is True and cfg.n_slots == 16
+    with pytest.raises(ConfigError):
+        BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_N_SLOTS": "many"})
+
+
+def test_constructor_argument_checks():
+    with pytest.raises(ConfigError):
+        CpuTpBroadcaster(2, 2, "s")
+    with pytest.raises(ConfigError):
+        CpuTpBroadcaster(0, 0, "s")
+    with pytest.raises(ConfigError):
+        CpuTpBroadcaster(0, 2, "s", backend="nccl")
+
+
+def test_close_is_idempotent_and_closed_calls_raise():
+    b = CpuTpBroadcaster(0, 1, "solo")
+    b.close()
+    b.close()
+    from tensorwire.errors import ClosedError
+
+    with pytest.raises(ClosedError):
+        b.broadcast(torch.zeros(1))
+
+
+def test_errors_pickle_with_reason():
+    exc = BootstrapError("rank 1: bad", reason=Reason.BAD_RANK)
+    back = pickle.loads(pickle.dumps(exc))
+    assert back.reason is Reason.BAD_RANK and str(back) == "rank 1: bad"
