@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="client modes, comma list of auto, grpc (default: auto; with --load: auto,grpc)")
     parser.add_argument("--gc-timeout-ms", type=int, default=3000, help="workers' slot_gc_timeout_ms (default: 3000)")
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period (default: 5)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="keep tensorwire's warnings (every fallback, GC reclaim, relay fault) on stderr")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
                         help="also write the JSON under benchmarks/results/ (soak-<machine>.json or load-...)")
@@ -49,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    import logging
+    import os
+
+    if not args.verbose:  # under injected faults every degrade logs a warning; the report counts them instead
+        logging.getLogger("tensorwire").setLevel(logging.ERROR)
+    else:
+        os.environ["TENSORWIRE_SOAK_CHILD_LOG_LEVEL"] = "WARNING"
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         report = run_soak(cfg, say=say)

@@ -22,12 +22,19 @@ from typing import Any
 # RawArray layout, per client: [started, finished, kill_flag]
 STARTED, FINISHED, KILL = 0, 1, 2
 FIELDS = 3
+# A client that just failed waits this long before its next request (as a serving loop would), so an
+# UNAVAILABLE window is not counted as tens of thousands of instant failures.
+ERROR_BACKOFF_S = 0.05
 
 
 def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
+    os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import dataclasses
+    import logging
+
+    logging.getLogger("tensorwire").setLevel(env.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR"))
 
     from tensorwire.cli.fetch import drain_releases
     from tensorwire.errors import TensorwireError
@@ -95,12 +102,14 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             res["latency_ms"] = (time.perf_counter() - t0) * 1e3
             return res
 
-        # Warm-up: one fetch per request shape before the baseline; the parent checks them (no faults yet).
+        # Warm-up: fetches of every request shape; the parent checks them (before any fault for the first clients).
         warm_rng = random.Random(spec["seed"])
         warm = [one(warm_rng, -1) for _ in range(spec["warmup"])]
-        baseline = sample()
-        baseline_names = thread_names()
-        send(("ready", warm, baseline))
+        send(("ready", warm))
+        ready_t = time.monotonic()
+        baseline: dict[str, Any] | None = None
+        baseline_names: list[str] = []
+        baseline_t = 0.0
         stop_lock = threading.Lock()
 
         def loop(tid: int) -> None:
@@ -108,6 +117,8 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             while not stop.value:
                 res = one(rng, tid)
                 send(("result", res))
+                if res["outcome"] != "ok":
+                    time.sleep(ERROR_BACKOFF_S)
 
         threads = [threading.Thread(target=loop, args=(i,), name=f"soak-client-{i}", daemon=True)
                    for i in range(spec["threads"])]
@@ -116,6 +127,9 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
         while not stop.value:
             time.sleep(0.5)
             now = time.monotonic()
+            if baseline is None and now - ready_t >= spec["ramp_s"]:
+                # Steady state: pools, lazily opened connections and UCX endpoints exist by now (see _runner).
+                baseline, baseline_names, baseline_t = sample(), thread_names(), now
             with inflight_lock:
                 late = [tid for tid, t0 in inflight.items() if now - t0 > hang_after_s and tid not in hung_reported]
             for tid in late:
@@ -129,7 +143,7 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             drained = drain_releases(transport, 5.0)
         time.sleep(0.2)  # the last batch's RPC may still be in flight after pending reached 0
         end = sample()
-        send(("final", {"baseline": baseline, "end": end, "hung_at_stop": len(hung), "drained": drained,
+        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung), "drained": drained,
                         "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
                         "release_queue_dropped": _dropped(transport)}))
     except (EOFError, BrokenPipeError):

@@ -41,7 +41,6 @@ class FaultRelay:
         self._rng = random.Random(seed)
         self._target = ""
         self._channel: grpc.Channel | None = None
-        self._old_channels: list[grpc.Channel] = []
         self._unavailable_until = 0.0
         self.release_drop_p = 0.0
         self.release_delay_p = 0.0
@@ -66,8 +65,8 @@ class FaultRelay:
                 return
             old, self._target = self._channel, target
             self._channel = grpc.insecure_channel(target, options=wire.channel_options())
-            if old is not None:
-                self._old_channels.append(old)  # closed at close(): calls may still be on it
+        if old is not None:
+            old.close()  # its target is gone; calls still on it end CANCELLED and the caller retries
 
     def unavailable_for(self, seconds: float) -> None:
         with self._lock:
@@ -135,10 +134,9 @@ class FaultRelay:
             self._closed = True
         self._server.stop(grace_s).wait(grace_s + 5.0)
         with self._lock:
-            channels = [c for c in (self._channel, *self._old_channels) if c is not None]
-            self._channel, self._old_channels = None, []
-        for c in channels:
-            c.close()
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
 
 
 def _forwardable(context: grpc.ServicerContext) -> tuple[tuple[str, Any], ...]:

@@ -48,7 +48,7 @@ class _Client:
                 "images": list(runner.corpus.images), "digests": runner.corpus.digests,
                 "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
                 "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
-                "warmup": runner.cfg.warmup}
+                "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s}
         self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
                                 args=(child, runner.counters, slot, spec, runner.stop_flag, runner.env))
         self.proc.start()
@@ -67,12 +67,14 @@ class SoakRunner:
         self.rng = random.Random(cfg.seed)
         self.env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
                     "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-                    "UCX_WARN_UNUSED_ENV_VARS": "n"}
+                    "UCX_WARN_UNUSED_ENV_VARS": "n",
+                    "TENSORWIRE_SOAK_CHILD_LOG_LEVEL": os.environ.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR")}
         os.environ.update({k: v for k, v in self.env.items() if k not in os.environ})
         self.corpus: Corpus
         self.workers: list[WorkerProcess | None] = []
         self.worker_gen: list[int] = []
-        self.worker_baseline: dict[int, dict[str, Any]] = {}
+        self.worker_baseline: dict[int, dict[str, Any]] = {}  # index -> stats of the current incarnation
+        self.worker_started: list[float] = []
         self.relays: list[FaultRelay] = []
         self.front: FaultRelay
         self.proxy: Any = None
@@ -95,6 +97,13 @@ class SoakRunner:
         self.timeline: list[dict[str, Any]] = []
         self.phase = "start-up"
         self._stop_faults = threading.Event()
+        # Baselines are taken after a ramp at full load, not at start: thread pools, lazily opened channels and
+        # UCX endpoints (one per UCX worker and owner) grow to their bound first; growth after it is a leak.
+        self.ramp_s = max(5.0, min(30.0, 0.15 * cfg.duration_s))
+        self.restart_times: list[float] = []
+        self.t_start = 0.0
+        self.self_baseline: dict[str, Any] | None = None
+        self.self_baseline_names: list[str] = []
 
     # ---- set-up
 
@@ -131,6 +140,7 @@ class SoakRunner:
         self.corpus = build_corpus(self.cfg.seed)
         self.say(f"starting {self.cfg.workers} workers ...")
         self.worker_gen = [0] * self.cfg.workers
+        self.worker_started = [time.monotonic()] * self.cfg.workers
         self.workers = [self._start_worker(i) for i in range(self.cfg.workers)]
         self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i)  # type: ignore[union-attr]
                        for i, w in enumerate(self.workers)]
@@ -153,17 +163,12 @@ class SoakRunner:
                 raise RuntimeError("a soak client did not finish its warm-up")
             msg = c.conn.recv()
             c.ready = msg
-            _, warm, _baseline = msg
+            _, warm = msg
             bad = [r for r in warm if r["outcome"] != "ok"]
             if bad:
                 raise RuntimeError(f"warm-up before any fault failed: {bad[:3]} (a 'wrong' here means this torch "
                                    "build is not bit-reproducible across processes, not a transport error)")
         self.setup_s = time.monotonic() - t0
-        for i, w in enumerate(self.workers):
-            assert w is not None
-            self.worker_baseline[i] = w.stats()
-        self.self_baseline = sample()
-        self.self_baseline_names = thread_names()
 
     # ---- the run
 
@@ -217,6 +222,9 @@ class SoakRunner:
     def _client_died(self, c: _Client) -> None:
         c.dead = True
         c.proc.join(5)
+        c.conn.close()  # else every killed client would show up as an fd leak of this process
+        if not c.proc.is_alive():
+            c.proc.close()  # its sentinel fd
         base = c.slot * _client_proc.FIELDS
         started, finished = self.counters[base + _client_proc.STARTED], self.counters[base + _client_proc.FINISHED]
         warm = self.cfg.warmup
@@ -266,7 +274,10 @@ class SoakRunner:
                     self.faults["worker_restart"] += 1
                     time.sleep(self.rng.uniform(0.2, 1.0))
                     self.worker_gen[i] += 1
+                    self.worker_baseline.pop(i, None)
                     new = self._start_worker(i)
+                    self.worker_started[i] = time.monotonic()
+                    self.restart_times.append(self.worker_started[i])
                     self.relays[i].retarget(new.address)
                     self.workers[i] = new
                     last_restart = time.monotonic()
@@ -293,6 +304,9 @@ class SoakRunner:
                 st = w.stats(timeout_s=5.0)
             except Exception:  # noqa: BLE001 - the worker may be mid-restart
                 continue
+            if i not in self.worker_baseline and \
+                    time.monotonic() - max(self.worker_started[i], self.t_start) >= self.ramp_s:
+                self.worker_baseline[i] = st
             point["workers"][str(i)] = {"live_leases": st["exporter"].get("live_leases"),
                                         "busy_bytes": st["exporter"].get("busy_bytes"),
                                         "pool_bytes": st["exporter"].get("pool_bytes"), **st["process"]}
@@ -311,7 +325,7 @@ class SoakRunner:
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
         self.phase = "soak"
-        t_start = time.monotonic()
+        t_start = self.t_start = time.monotonic()
         end_at = t_start + cfg.duration_s
         faults = threading.Thread(target=self._faults_loop, name="soak-faults", daemon=True)
         faults.start()
@@ -323,6 +337,8 @@ class SoakRunner:
         self.say(f"soak running for {cfg.duration_s:.0f} s, faults: {', '.join(cfg.faults) or 'none'}")
         while time.monotonic() < end_at:
             now = time.monotonic()
+            if self.self_baseline is None and now - t_start >= self.ramp_s:
+                self.self_baseline, self.self_baseline_names = sample(), thread_names()
             if now >= next_sample:
                 self._sample_timeline(t_start)
                 next_sample = now + cfg.sample_s
@@ -376,24 +392,35 @@ class SoakRunner:
         time.sleep(0.5)
         self_end = sample()
         self_end_names = thread_names()
-        procs: dict[str, Any] = {"soak+proxy+relays": _delta(self.self_baseline, self_end, self.self_baseline_names,
-                                                              self_end_names)}
+        procs: dict[str, Any] = {}
+        unchecked: list[str] = []
+        if self.self_baseline is not None:
+            procs["soak+proxy+relays"] = _delta(self.self_baseline, self_end, self.self_baseline_names, self_end_names)
+        else:
+            unchecked.append("soak+proxy+relays")
         for i, st in workers.items():
             gen = self.worker_gen[int(i)]
             base = self.worker_baseline.get(int(i))
-            if gen == 0 and base is not None:
-                procs[f"worker{i}"] = _delta(base["process"], st["process"], base["thread_names"],
-                                             st["thread_names"])
+            if base is None:
+                unchecked.append(f"worker{i}")
+            else:
+                procs[f"worker{i}" + (f"(restart {gen})" if gen else "")] = _delta(
+                    base["process"], st["process"], base["thread_names"], st["thread_names"],
+                    native_per_pool_thread=int(st["exporter"].get("torch_threads", 1)) - 1)
         clients_checked = 0
         for c in self.clients:
-            if c.final is not None:
+            if c.final is not None and c.final["baseline"] is None:
+                unchecked.append(f"client{c.slot}")
+            elif c.final is not None:
                 clients_checked += 1
                 d = _delta(c.final["baseline"], c.final["end"], c.final["baseline_thread_names"],
                            c.final["end_thread_names"])
+                d["worker_restarts_after_baseline"] = sum(1 for t in self.restart_times if t > c.final["baseline_t"])
                 procs[f"client{c.slot}"] = d
         hung = self.hung_reports + sum(int(c.final["hung_at_stop"]) for c in self.clients if c.final is not None)
         fds_ok = all(p["fds_delta"] <= 0 for p in procs.values())
         threads_ok = all(p["threads_leaked"] <= 0 for p in procs.values())
+        del clients_checked
         requests = sum(self.results.values()) + self.aborted_by_kill
         relay_counts: Counter[str] = Counter()
         for r in [*self.relays, self.front]:
@@ -414,13 +441,12 @@ class SoakRunner:
             "leases_outstanding_after_gc": leases_out,
             "busy_slots_after_gc": busy_slots,
             "pool_busy_bytes_after_gc": busy_bytes,
-            "pool_bytes": {i: {"start": self.worker_baseline.get(int(i), {}).get("exporter", {}).get("pool_bytes")
-                               if self.worker_gen[int(i)] == 0 else None,
+            "pool_bytes": {i: {"start": self.worker_baseline.get(int(i), {}).get("exporter", {}).get("pool_bytes"),
                                "end": s["exporter"].get("pool_bytes")} for i, s in workers.items()},
             "gc_reclaimed": {i: s["exporter"].get("gc_reclaims", 0) for i, s in workers.items()},
             "worker_exporter_end": {i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)}
                                     for i, s in workers.items()},
-            "processes": procs, "fds_back": fds_ok, "threads_back": threads_ok,
+            "processes": procs, "processes_unchecked": unchecked, "ramp_s": self.ramp_s, "fds_back": fds_ok, "threads_back": threads_ok,
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
@@ -435,11 +461,14 @@ class SoakRunner:
         self._stop_faults.set()
         self.stop_flag.value = 1
         for c in self.clients:
-            c.proc.join(0.1 if c.dead or c.final is not None else 5)
+            if c.dead:
+                continue
+            c.proc.join(0.1 if c.final is not None else 5)
             if c.proc.is_alive():
                 c.proc.kill()
                 c.proc.join(5)
-            c.conn.close()
+            if not c.conn.closed:
+                c.conn.close()
         try:
             self.front.close()
         except AttributeError:
@@ -453,13 +482,25 @@ class SoakRunner:
                 w.stop()
 
 
-def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end_names: list[str]) -> dict[str, Any]:
-    """fds/threads/rss at the baseline and the end; threads_leaked ignores on-demand pool threads (bounded)."""
+def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end_names: list[str],
+           native_per_pool_thread: int = 0) -> dict[str, Any]:
+    """fds/threads/rss at the baseline and the end; threads_leaked ignores on-demand pool threads (bounded).
+
+    ``native_per_pool_thread``: native threads each new pool thread brings (a worker's executor thread that runs
+    torch gets its own OpenMP team of torch_threads - 1 threads: libgomp keeps one team per calling thread).
+    """
     grown = Counter(end_names) - Counter(base_names)
     pool_growth = sum(n for name, n in grown.items() if name.startswith(POOL_PREFIXES))
+    pool_growth *= 1 + max(0, native_per_pool_thread)
     other = {name: n for name, n in grown.items() if not name.startswith(POOL_PREFIXES)}
     threads_delta = int(end["threads"]) - int(base["threads"])
+    kinds = set(base.get("fd_kinds", {})) | set(end.get("fd_kinds", {}))
+    fd_growth = {k: end.get("fd_kinds", {}).get(k, 0) - base.get("fd_kinds", {}).get(k, 0) for k in sorted(kinds)}
+    nb, ne = base.get("native_threads", {}), end.get("native_threads", {})
+    native_growth = {k: ne.get(k, 0) - nb.get(k, 0) for k in sorted(set(nb) | set(ne)) if ne.get(k, 0) != nb.get(k, 0)}
     return {"fds": [base["fds"], end["fds"]], "fds_delta": int(end["fds"]) - int(base["fds"]),
+            "native_thread_growth": native_growth,
+            "fd_growth_by_kind": {k: v for k, v in fd_growth.items() if v},
             "threads": [base["threads"], end["threads"]], "threads_delta": threads_delta,
             "pool_threads_grown": pool_growth, "threads_leaked": max(0, threads_delta - pool_growth),
             "new_thread_names": other, "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)]}

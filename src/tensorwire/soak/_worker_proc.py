@@ -17,7 +17,11 @@ from tensorwire.soak._sample import sample, thread_names
 
 def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
+    os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's Ctrl-C is handled by the parent
+    import logging
+
+    logging.getLogger("tensorwire").setLevel(env.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR"))
     from tensorwire.encoder import load_encoder
     from tensorwire.service._worker import EncoderWorker
 
@@ -33,6 +37,9 @@ def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
             if cmd == "stats":
                 exporter = worker.transport._holder.get()  # the soak's view into the worker; not an API
                 stats = dict(exporter.stats()) if exporter is not None else {}
+                import torch
+
+                stats["torch_threads"] = torch.get_num_threads()
                 conn.send(("stats", stats, sample(), thread_names()))
             elif cmd == "stop":
                 break
@@ -69,16 +76,26 @@ class WorkerProcess:
         return {"exporter": stats, "process": proc, "thread_names": names}
 
     def alive(self) -> bool:
-        return self.proc.is_alive()
+        try:
+            return self.proc.is_alive()
+        except ValueError:  # closed
+            return False
 
     def kill(self) -> None:
-        if self.proc.is_alive():
+        """SIGKILL (when still running), then close the pipe and the process handle. Idempotent."""
+        if self.alive():
             self.proc.kill()
-        self.proc.join(10)
-        self._conn.close()
+            self.proc.join(10)
+        try:
+            if not self.proc.is_alive():
+                self.proc.close()  # its sentinel fd
+        except ValueError:
+            pass
+        if not self._conn.closed:
+            self._conn.close()
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.is_alive():
+        if self.alive():
             try:
                 self._conn.send("stop")
             except (OSError, ValueError):
