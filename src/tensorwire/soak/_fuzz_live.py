@@ -1,0 +1,168 @@
+"""Live fuzz targets: a real encoder server in a child process, and a real broadcaster rank 0.
+
+``LiveEncoder``: ``EncoderWorker`` (built-in ViT, RDMA on, short GC) in a spawned child. Raw request bytes go
+to ``Encode`` / ``ReleaseLeases`` over gRPC. Outcomes: ``ok`` (a receipt that parses; its leases are released
+at once), ``typed:<reason>`` (a status carrying the ``tensorwire-reason`` trailer), ``untyped:<code>`` (a status
+without one: the handler raised something it did not translate) and ``dead`` (the server process died or
+stopped answering). ``canary()`` sends a valid image and compares the output with the local digest: the server
+must keep serving correct answers whatever it was sent before.
+
+``hello_live``: rank 0 of a two-rank broadcaster bootstraps while a fuzz peer connects and sends the bytes;
+rank 0 must end with a typed ``BootstrapError`` (or time out with ``BootstrapTimeout``) and leave no socket
+file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+import time
+from typing import Any
+
+from tensorwire.errors import TensorwireError
+
+
+class LiveEncoder:
+    def __init__(self, images: list[bytes], digests: dict[tuple[int, ...], str], env: dict[str, str] | None = None,
+                 timeout_s: float = 10.0) -> None:
+        import grpc
+
+        from tensorwire.mm import TransportConfig, wire
+        from tensorwire.rdma import RdmaConfig
+        from tensorwire.soak._worker_proc import WorkerProcess
+
+        self.images, self.digests, self.timeout_s = images, digests, timeout_s
+        cfg = TransportConfig(mode="auto", worker_id="fuzz-worker", rdma=RdmaConfig(slot_gc_timeout_ms=2000))
+        self.worker = WorkerProcess(cfg, dict(env or {}))
+        self._channel = grpc.insecure_channel(self.worker.address, options=wire.channel_options())
+        ident = lambda b: b  # noqa: E731
+        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=ident,
+                                                 response_deserializer=ident)
+        self._release = self._channel.unary_unary(wire.RELEASE_METHOD, request_serializer=ident,
+                                                  response_deserializer=ident)
+        self._wire = wire
+
+    def _call(self, method: Any, data: bytes) -> tuple[str, bytes | None]:
+        import grpc
+
+        try:
+            return "ok", method(data, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            for key, value in exc.trailing_metadata() or ():
+                if key == self._wire.REASON_METADATA_KEY:
+                    return f"typed:{value}", None
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED or not self.worker.alive():
+                return "dead", None
+            return f"untyped:{code.name}", None
+
+    def encode(self, data: bytes) -> str:
+        outcome, raw = self._call(self._encode, data)
+        if outcome == "ok":
+            resp = self._wire.EncodeResponse.FromString(raw)  # a server must answer a receipt that parses
+            self._release_slots(resp)
+        return outcome
+
+    def release(self, data: bytes) -> str:
+        outcome, raw = self._call(self._release, data)
+        if outcome == "ok":
+            self._wire.ReleaseLeasesResponse.FromString(raw)
+        return outcome
+
+    def _release_slots(self, resp: Any) -> None:
+        from tensorwire.rdma import Descriptor
+
+        ids = [Descriptor.from_bytes(s.descriptor).lease_id for s in resp.rdma_slots]
+        if ids:
+            self._call(self._release, self._wire.ReleaseLeasesRequest(lease_ids=ids).SerializeToString())
+
+    def canary(self, index: int = 0) -> bool:
+        """A valid single-image request (inline): True when the answer matches the local digest."""
+        from tensorwire.mm import _codec
+        from tensorwire.soak._corpus import output_digest
+
+        req = self._wire.EncodeRequest()
+        req.inputs.add(data=self.images[index], kind="image")
+        outcome, raw = self._call(self._encode, req.SerializeToString())
+        if outcome != "ok":
+            return False
+        embs, _splits, pos, _extras, _n = _codec.decode_inline_receipt(self._wire.EncodeResponse.FromString(raw))
+        return output_digest(embs, pos) == self.digests[(index,)]
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.stats()
+
+    def close(self) -> None:
+        self._channel.close()
+        self.worker.stop()
+
+
+def seed_requests(images: list[bytes]) -> list[bytes]:
+    from tensorwire.mm import wire
+
+    seeds = []
+    for i, img in enumerate(images[:4]):
+        req = wire.EncodeRequest(support_rdma=bool(i % 2), deadline_ms=5000)
+        req.inputs.add(data=img, kind="image", timeout_ms=5000)
+        if i == 3:
+            req.inputs.add(data=images[0], kind="image", params={"k": "v"})
+        seeds.append(req.SerializeToString())
+    seeds.append(wire.ReleaseLeasesRequest(lease_ids=["abc-1", ""]).SerializeToString())
+    return seeds
+
+
+def hello_live(data: bytes, timeout_s: float = 1.0) -> str:
+    """One rank-0 bootstrap against one fuzz peer that sends ``data``."""
+    from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
+    from tensorwire.tp._paths import make_endpoint
+
+    base = tempfile.mkdtemp(prefix="twfz-")
+    session = f"fz{os.getpid()}{threading.get_ident() % 10000}"
+    result: dict[str, Any] = {}
+
+    def rank0() -> None:
+        try:
+            b = CpuTpBroadcaster(0, 2, session, backend="uds", base_dir=base, init_timeout_s=timeout_s,
+                                 config=BroadcastConfig(check_peer_uid=False))
+            b.close()
+            result["out"] = "ok"
+        except TensorwireError as exc:
+            result["out"] = f"typed:{exc.reason.value}"
+        except BaseException as exc:  # noqa: BLE001 - a crash is what we count
+            result["out"] = f"crash:{type(exc).__name__}: {exc}"
+
+    t = threading.Thread(target=rank0, daemon=True)
+    t.start()
+    path = make_endpoint(session, base, False).path
+    assert path is not None
+    deadline = time.monotonic() + timeout_s
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                sock.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.002)
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass
+        t.join(timeout_s + 5.0)
+    finally:
+        sock.close()
+    if t.is_alive():
+        return "hung"
+    leftover = [n for n in os.listdir(base) if n.endswith(".sock")]
+    try:
+        os.rmdir(base)
+    except OSError:
+        pass
+    if leftover:
+        return "leftover_socket_file"
+    return str(result.get("out", "crash:no result"))
+
+
+__all__ = ["LiveEncoder", "hello_live", "seed_requests"]
