@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from tensorwire.errors import ExportError, LeaseExpired, ReadError, Reason
 from tensorwire.rdma import SUPPORTED_DTYPES, Descriptor, RdmaConfig, TensorReader
