@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long demo proto bench clean
+.PHONY: install test test-gpu test-long demo proto bench clean fuzz soak load
 
 install: $(STAMP)
 
@@ -32,6 +32,18 @@ test-long: install
 
 demo: install
 	$(PY) -m tensorwire.cli.main demo
+
+# Reliability (docs/reliability.md): long fuzz run (hypothesis with many examples, then 1,000,000 inputs through
+# the fuzz driver), the 10-minute soak at concurrency 16 with every fault kind, and the closed-loop load run.
+fuzz: install
+	TENSORWIRE_FUZZ_EXAMPLES=5000 $(PY) -m pytest tests/fuzz -q
+	$(PY) -m tensorwire.soak.fuzz --inputs 1000000 --save
+
+soak: install
+	$(PY) -m tensorwire.cli.main soak --duration 600 --concurrency 16 --faults all --seed 11 --save
+
+load: install
+	$(PY) -m tensorwire.cli.main soak --load --duration 180 --concurrency 64 --save
 
 # Regenerates the protobuf modules from the .proto files (see scripts/gen_proto.py for why it post-processes).
 proto: install
