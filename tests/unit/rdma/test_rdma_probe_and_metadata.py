@@ -65,7 +65,12 @@ def server() -> _metadata.MetadataServer:
 
 
 def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
+    import time
+
     assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2) == (5, b"md-bytes")
+    end = time.monotonic() + 2  # counted by the handler thread just after it answered
+    while server.served != 1 and time.monotonic() < end:
+        time.sleep(0.01)
     assert server.served == 1
 
 
@@ -116,3 +121,22 @@ def test_oversized_metadata_reply_is_refused() -> None:
         with pytest.raises(ReadError, match="over"):
             _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=2)
         t.join(timeout=5)
+
+
+def test_a_silent_client_does_not_block_others(server: _metadata.MetadataServer) -> None:
+    import time
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5):  # connects, never sends
+        t0 = time.monotonic()
+        assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=1)[0] == 5
+        assert time.monotonic() - t0 < 0.5
+
+
+def test_host_names_resolve() -> None:
+    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("n", 1, b"m"))
+    try:
+        assert _metadata.fetch("localhost", srv.port, "n", timeout_s=2) == (1, b"m")
+        with pytest.raises(ReadError):
+            _metadata.fetch("no-such-host.invalid", srv.port, "n", timeout_s=0.5)
+    finally:
+        srv.close()

@@ -12,13 +12,14 @@ metadata blob to NIXL (never descriptor bytes). One short-lived connection per f
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import select
 import socket
 import struct
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from tensorwire.errors import ReadError, Reason
 
@@ -28,6 +29,7 @@ MAGIC = b"TWMD"
 VERSION = 1
 MAX_NAME = 256
 MAX_METADATA = 16 << 20
+MAX_CLIENTS = 32
 _REQ_HEAD = struct.Struct(">4sBH")
 _RESP_HEAD = struct.Struct(">4sBBQH")
 _U32 = struct.Struct(">I")
@@ -59,6 +61,7 @@ class MetadataServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self.served = 0
         self.rejected = 0
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self._thread = threading.Thread(target=self._loop, name="tensorwire-rdma-md", daemon=True)
         self._thread.start()
 
@@ -74,14 +77,24 @@ class MetadataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 continue
-            # Served inline: a request is a few hundred bytes, and the io timeout bounds a slow client.
+            # One short-lived thread per connection, at most MAX_CLIENTS at once, so a slow or silent client
+            # (bounded by the io timeout) never delays the others; beyond the cap the connection is dropped.
+            if not self._slots.acquire(blocking=False):
+                self.rejected += 1
+                conn.close()
+                continue
+            threading.Thread(target=self._handle, args=(conn,), name="tensorwire-rdma-md-conn", daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
             with conn:
-                try:
-                    conn.settimeout(self._io_timeout_s)
-                    self._serve(conn)
-                except (OSError, ValueError) as exc:
-                    self.rejected += 1
-                    log.debug("metadata request failed: %s", exc)
+                conn.settimeout(self._io_timeout_s)
+                self._serve(conn)
+        except (OSError, ValueError) as exc:
+            self.rejected += 1
+            log.debug("metadata request failed: %s", exc)
+        finally:
+            self._slots.release()
 
     def _serve(self, conn: socket.socket) -> None:
         magic, version, name_len = _REQ_HEAD.unpack(_recv_exact(conn, _REQ_HEAD.size))
@@ -116,7 +129,8 @@ def fetch(host: str, port: int, agent_name: str, *, timeout_s: float) -> tuple[i
     """(epoch, metadata) of ``agent_name`` at host:port; ``ReadError(METADATA_UNAVAILABLE)`` on any failure."""
     end = time.monotonic() + max(timeout_s, 0.001)
     try:
-        with socket.create_connection((host, port), timeout=max(timeout_s, 0.001)) as conn:
+        addr = _resolve(host, port, timeout_s)
+        with socket.create_connection(addr, timeout=max(end - time.monotonic(), 0.001)) as conn:
             raw = agent_name.encode()
             conn.sendall(_REQ_HEAD.pack(MAGIC, VERSION, len(raw)) + raw)
             conn.settimeout(max(end - time.monotonic(), 0.001))
@@ -137,6 +151,31 @@ def fetch(host: str, port: int, agent_name: str, *, timeout_s: float) -> tuple[i
         raise ReadError(f"{host}:{port} serves agent {name!r}, not {agent_name!r} (owner restarted?)",
                         reason=Reason.METADATA_UNAVAILABLE)
     return epoch, md
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> tuple[str, int]:
+    """(address, port), resolving a host name within ``timeout_s`` (getaddrinfo itself has no timeout)."""
+    try:
+        ipaddress.ip_address(host)
+        return host, port
+    except ValueError:
+        pass
+    result: list[Any] = []
+
+    def lookup() -> None:
+        try:
+            result.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][:2])
+        except OSError as exc:
+            result.append(exc)
+
+    t = threading.Thread(target=lookup, name="tensorwire-rdma-resolve", daemon=True)
+    t.start()
+    t.join(max(timeout_s, 0.001))
+    if not result:
+        raise TimeoutError(f"resolving {host!r} took over {timeout_s * 1000:.0f} ms")
+    if isinstance(result[0], OSError):
+        raise result[0]
+    return result[0][0], result[0][1]
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
