@@ -7,8 +7,8 @@ it never has a name, so nothing can be opened by others, nothing is left in /dev
     line 0      control, written once by rank 0: magic, version, world, n_slots, slot_bytes, arena_bytes,
                 slots_off, arena_off                                                    (8 x u64)
     line 1      writer:  PUB = last published sequence | ABORT code | ABORT rank
-    line 1+r    reader r (1..world-1), one 64-byte line each (no false sharing):
-                ACK = last sequence r finished copying | SLEEP = sequence r sleeps for (0 = awake)
+    line 1+r    reader r (1..world-1), one 64-byte line each (no false sharing): ACK = last sequence r finished
+    sleep flags one byte per rank (1 = asleep on its socket), packed so the writer checks all with one compare
     slots       n_slots x slot_bytes; slot i: 64-byte header (seq, frame_len, where, arena_off) + inline frame
     arena       arena_bytes; frames that do not fit a slot (where = 1); FIFO allocation, reset to 0 when empty
 
@@ -16,12 +16,12 @@ Publication protocol (sequence numbers start at 1 and only grow; message s uses 
 
     writer                                          reader r
     wait until min(ACK) >= s - n_slots (slot free)  spin: until PUB >= s (sched_yield between polls), spin_s
-    wait for arena room (frames freed by ACKs)      then sleep: SLEEP_r = s; full fence; re-check PUB;
+    wait for arena room (frames freed by ACKs)      then sleep: SLEEP_r = 1; full fence; re-check PUB;
     copy frame; write slot header                           poll(socket) -> woken by a byte from rank 0
     release fence                                   acquire fence
     PUB = s                                         check slot.seq == s; copy payload out
     full fence                                      release fence
-    for r with SLEEP_r != 0: send 1 byte to r       ACK_r = s
+    for r with SLEEP_r == 1: send 1 byte to r       ACK_r = s
 
 The release/acquire pair orders the payload before PUB (writer) and PUB before the payload loads (reader); the
 reader's release before ACK keeps its loads of the slot before the writer may overwrite it. The full fences make
@@ -39,12 +39,10 @@ import select
 import time
 from typing import Callable, Sequence
 
-import torch
-
 from tensorwire.errors import BootstrapError, FrameMismatch, PeerClosed, Reason, BroadcastError
 
 from . import _fence
-from ._frame import HEADER, KIND_DATA, Layout, byte_view, decode_header, decode_table
+from ._frame import HEADER, KIND_DATA, Layout, decode_header, decode_table
 from ._link import Link, Waiter
 
 _MAGIC = int.from_bytes(b"TWSHRING", "little")
@@ -59,8 +57,12 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def sleep_flags_off(world: int) -> int:
+    return 64 * (1 + world)
+
+
 def layout_sizes(world: int, n_slots: int, slot_bytes: int, arena_bytes: int) -> tuple[int, int, int]:
-    slots_off = _align(64 * (2 + world), 4096)
+    slots_off = _align(sleep_flags_off(world) + _align(world, 64), 4096)
     arena_off = _align(slots_off + n_slots * slot_bytes, 4096)
     return slots_off, arena_off, arena_off + arena_bytes
 
@@ -81,10 +83,12 @@ class ShmRing:
         self.hdr = [self.mv[self.slots_off + i * slot_bytes: self.slots_off + i * slot_bytes + 64].cast("Q")
                     for i in range(n_slots)]
         self.ack_idx = [_LINE_WORDS * (1 + r) for r in range(world)]  # index 0 unused (rank 0 does not ack)
-        self.sleep_idx = [i + 1 for i in self.ack_idx]
+        self.sleep_off = sleep_flags_off(world)  # one byte per rank; the writer tests them all with one compare
+        self._awake = bytes(world)
         self._arena_live: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, start, end)
         self._known_ack = 0  # a lower bound of min(ACK): acks only grow, so re-read only when it is too low
         self._rcache: tuple[int, int, bytes, bytes, Layout, int] | None = None
+        self.hit = False  # did the last frame() reuse the cached layout?
 
     # -- construction ------------------------------------------------------------------------------------------
     @classmethod
@@ -215,7 +219,7 @@ class ShmRing:
                 return start
             self._wait_acks(live[0][0], make_waiter, spin_s, check_alive)
 
-    def publish(self, seq: int, prefix: bytes, tensors: Sequence[torch.Tensor], offsets: Sequence[int],
+    def publish(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
                 payload_bytes: int, links: Sequence[Link | None], make_waiter: Callable[[], Waiter], spin_s: float,
                 check_alive: Callable[[], None]) -> None:
         need = seq - self.n_slots
@@ -236,20 +240,21 @@ class ShmRing:
         mv = self.mv
         mv[base: base + len(prefix)] = prefix
         pbase = base + pstart
-        for t, off in zip(tensors, offsets):
-            src = byte_view(t)
-            if len(src):
-                mv[pbase + off: pbase + off + len(src)] = src
+        for src, off in zip(views, offsets):
+            n = len(src)
+            if n:
+                mv[pbase + off: pbase + off + n] = src
         h = self.hdr[slot]
         h[0], h[1], h[2], h[3] = seq, frame_len, where, aoff
         _fence.release()
         w = self.w
         w[_PUB] = seq
         _fence.full()
-        for r in range(1, self.world):
-            if w[self.sleep_idx[r]]:
+        flags = mv[self.sleep_off: self.sleep_off + self.world]
+        if flags != self._awake:
+            for r, f in enumerate(bytes(flags)):
                 lk = links[r]
-                if lk is not None:
+                if f and lk is not None:
                     lk.send_nowait(_WAKE)  # a full buffer already holds wake bytes; a dead peer shows elsewhere
 
     # -- reader --------------------------------------------------------------------------------------------------
@@ -268,12 +273,13 @@ class ShmRing:
                 raise self.abort_error()  # type: ignore[misc]
             os.sched_yield()
         waiter = make_waiter()
-        me = self.sleep_idx[self.rank]
+        me = self.sleep_off + self.rank
+        mv = self.mv
         poller = select.poll()
         poller.register(link.fd, select.POLLIN)
         try:
             while True:
-                w[me] = seq
+                mv[me] = 1
                 _fence.full()
                 if w[_PUB] >= seq:
                     _fence.acquire()
@@ -291,7 +297,7 @@ class ShmRing:
                             f"rank {self.rank}: rank 0 hung up while we waited for message {seq}: it died or "
                             f"closed its broadcaster", reason=Reason.PEER_CLOSED)
         finally:
-            w[me] = 0
+            mv[me] = 0
 
     def frame(self, seq: int) -> tuple[Layout, int]:
         """Decode message ``seq`` in place; returns its layout and the absolute offset of its payload."""
@@ -311,7 +317,9 @@ class ShmRing:
         if c is not None and c[0] == frame_len and bytes(mv[base + 16: base + c[1]]) == c[2] \
                 and bytes(mv[base: base + 8]) == c[3]:
             # Same header (but the sequence number) and table as the last message: the hot loop of broadcast_.
+            self.hit = True
             return c[4], base + c[5]
+        self.hit = False
         kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(mv[base: base + HEADER.size],
                                                                              self.rank)
         if kind != KIND_DATA or fseq != seq:
