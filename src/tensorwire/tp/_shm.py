@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 from tensorwire.errors import BootstrapError, FrameMismatch, PeerClosed, Reason, BroadcastError
 
 from . import _fence
-from ._frame import HEADER, KIND_DATA, Layout, decode_header, decode_table
+from ._frame import HEADER, KIND_DATA, S_TENSOR, Layout, decode_header, decode_table
 from ._link import Link, Waiter
 
 _MAGIC = int.from_bytes(b"TWSHRING", "little")
@@ -87,7 +87,7 @@ class ShmRing:
         self._awake = bytes(world)
         self._arena_live: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, start, end)
         self._known_ack = 0  # a lower bound of min(ACK): acks only grow, so re-read only when it is too low
-        self._rcache: tuple[int, int, bytes, bytes, Layout, int] | None = None
+        self._rcache: tuple[int, int, bytes, bytes, Layout, int, int] | None = None
         self.hit = False  # did the last frame() reuse the cached layout?
 
     # -- construction ------------------------------------------------------------------------------------------
@@ -246,11 +246,35 @@ class ShmRing:
                 mv[pbase + off: pbase + off + n] = src
         h = self.hdr[slot]
         h[0], h[1], h[2], h[3] = seq, frame_len, where, aoff
+        self._publish_tail(seq, links)
+
+    def publish_small(self, seq: int, prefix: bytes | bytearray, view: memoryview,
+                      links: Sequence[Link | None]) -> bool:
+        """Fast path of ``publish`` for one tensor that fits a slot whose readers are known to be done.
+        Returns False (nothing written) when the general path is needed."""
+        if seq - self.n_slots > self._known_ack:
+            return False
+        plen = len(prefix)
+        pstart = (plen + 63) & ~63
+        n = len(view)
+        if pstart + n > self.slot_bytes - 64:
+            return False
+        slot = seq % self.n_slots
+        base = self.slots_off + slot * self.slot_bytes + 64
+        mv = self.mv
+        mv[base: base + plen] = prefix
+        if n:
+            mv[base + pstart: base + pstart + n] = view
+        h = self.hdr[slot]
+        h[0], h[1], h[2], h[3] = seq, pstart + n, 0, 0
+        self._publish_tail(seq, links)
+        return True
+
+    def _publish_tail(self, seq: int, links: Sequence[Link | None]) -> None:
         _fence.release()
-        w = self.w
-        w[_PUB] = seq
+        self.w[_PUB] = seq
         _fence.full()
-        flags = mv[self.sleep_off: self.sleep_off + self.world]
+        flags = self.mv[self.sleep_off: self.sleep_off + self.world]
         if flags != self._awake:
             for r, f in enumerate(bytes(flags)):
                 lk = links[r]
@@ -332,8 +356,30 @@ class ShmRing:
         entries = decode_table(mv[tstart: tstart + table_bytes], n, payload_bytes, self.rank)
         layout = Layout(kind, seq, structure, entries, table_bytes, payload_bytes)
         end = tstart + table_bytes
-        self._rcache = (frame_len, end - base, bytes(mv[base + 16: end]), bytes(mv[base: base + 8]), layout, pstart)
+        single = structure == S_TENSOR and len(entries) == 1 and entries[0].offset == 0 and where == 0
+        self._rcache = (frame_len, end - base, bytes(mv[base + 16: end]), bytes(mv[base: base + 8]), layout, pstart,
+                        payload_bytes if single else -1)
         return layout, base + pstart
+
+    def read_cached(self, seq: int, dst: memoryview) -> bool:
+        """Fast path of broadcast_: message ``seq`` (already published) has the cached single-tensor layout of
+        ``len(dst)`` bytes in a slot; copy it into ``dst`` and ack. False (nothing read) otherwise."""
+        c = self._rcache
+        if c is None or c[6] != len(dst):
+            return False
+        slot = seq % self.n_slots
+        h = self.hdr[slot]
+        if h[0] != seq or h[1] != c[0] or h[2] != 0:
+            return False
+        base = self.slots_off + slot * self.slot_bytes + 64
+        mv = self.mv
+        if bytes(mv[base + 16: base + c[1]]) != c[2] or bytes(mv[base: base + 8]) != c[3]:
+            return False
+        p = base + c[5]
+        dst[:] = mv[p: p + len(dst)]
+        _fence.release()
+        self.w[self.ack_idx[self.rank]] = seq
+        return True
 
     def ack(self, seq: int) -> None:
         _fence.release()
