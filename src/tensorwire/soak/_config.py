@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from tensorwire.errors import ConfigError
 
 FAULT_KINDS: tuple[str, ...] = (
-    "reader_kill",      # a client process SIGKILLed while one of its RDMA reads is in flight
-    "worker_restart",   # an encoder worker SIGKILLed, a new one started, its relay pointed at it
+    "reader_kill",      # a client process SIGKILLed while one of its RDMA reads is in flight (never client 0)
+    "worker_restart",   # an encoder worker SIGKILLed, a new one started, its relay pointed at it (never worker 0)
     "release_drop",     # ReleaseLeases answered "released" by a relay without reaching the worker
     "release_delay",    # ReleaseLeases held back by a relay for up to 1.5 s
     "unavailable",      # a relay answers UNAVAILABLE to every call for 0.5-3 s (front or one worker)

@@ -31,10 +31,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"  fds back              [{mark(r['fds_back'])}]  threads back [{mark(r['threads_back'])}]",
     ]
     for name, p in r["processes"].items():
-        lines.append(f"    {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  threads {p['threads'][0]} -> {p['threads'][1]}"
+        lines.append(f"  {'*' if p.get('judged') else ' '} {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  threads {p['threads'][0]} -> {p['threads'][1]}"
                      f" (pool threads grown {p['pool_threads_grown']}, leaked {p['threads_leaked']})  "
                      f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB"
                      + (f"  fd growth {p['fd_growth_by_kind']}" if p.get('fd_growth_by_kind') else ""))
+    lines.append("    (* judged: this process and the sentinels worker0 / client0, which live through every fault)")
     lines.append(f"  faults injected       {_kv(r['faults_injected'])}")
     lines.append(f"  relay events          {_kv(r['relay_events'])}")
     for plane, lat in r["latency_ms"].items():
