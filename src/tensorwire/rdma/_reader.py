@@ -51,7 +51,7 @@ _GEN_CELLS = 4096
 @dataclass(eq=False)
 class _Quarantined:
     pending: PendingTransfer
-    slots: list[Slot] = field(default_factory=list)
+    slots: list[tuple[SlotPool, Slot]] = field(default_factory=list)
     regs: list[Registration] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)
 
@@ -96,6 +96,7 @@ class TensorReader:
         self._provider: Provider | None = None
         self._pool: SlotPool | None = None
         self._loans: SlotPool | None = None
+        self._staging: SlotPool | None = None
         self._scratch: _GenScratch | None = None
         try:
             self._device = torch.device(self._cfg.device)
@@ -109,6 +110,10 @@ class TensorReader:
             self._pool = SlotPool(self._provider, self._cfg, generations=None)
             self._loans = SlotPool(self._provider, self._cfg, generations=None, numpy_backed=True,
                                    cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes))
+            # A CUDA reader stages host-memory descriptors through registered host buffers (see _read_one).
+            self._staging = self._loans if self._device.type == "cpu" else SlotPool(
+                self._provider, self._cfg.replace(device="cpu"), generations=None, numpy_backed=True,
+                cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes))
             self._scratch = _GenScratch(self._provider)
         except BaseException:
             self.close()
@@ -191,6 +196,8 @@ class TensorReader:
             self._pool.close()
         if self._loans is not None:
             self._loans.close()
+        if self._staging is not None and self._staging is not self._loans:
+            self._staging.close()
         if self._scratch is not None and self._provider is not None:
             try:
                 self._provider.deregister(self._scratch.reg)
@@ -239,6 +246,12 @@ class TensorReader:
         assert self._provider is not None and self._pool is not None and self._scratch is not None
         assert self._loans is not None
         host = self._device.type == "cpu"
+        # Host-memory owner, GPU reader: UCX cannot READ host memory of another process straight into GPU memory
+        # over CMA, so the bytes land in a registered host buffer and are copied to the device afterwards.
+        staged = not host and d.mem_type == "DRAM"
+        local_mem = "DRAM" if staged else self._mem_type
+        pool = self._staging if staged else self._pool
+        assert pool is not None
         slot: Slot | None = None
         loan: Any = None  # numpy view of a loaned slot; its finalizer returns the slot
         regs: list[Registration] = []
@@ -270,11 +283,11 @@ class TensorReader:
                             local.append((t.data_ptr(), m.nbytes, dev))
                             remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
             else:
-                slot = self._pool.acquire(d.payload_bytes)
-                local.append((slot.addr, d.payload_bytes, dev))
+                slot = pool.acquire(d.payload_bytes)
+                local.append((slot.addr, d.payload_bytes, 0 if staged else dev))
                 remote.append((d.slot_addr, d.payload_bytes, d.device_id))
             if local:
-                self._provider.read(d.owner, self._mem_type, local, d.mem_type, remote, deadline=deadline)
+                self._provider.read(d.owner, local_mem, local, d.mem_type, remote, deadline=deadline)
             # Only after the payload READ completed: the generation READ (see _pool's module docstring).
             self._provider.read(d.owner, "DRAM", [(self._scratch.addr(cells[0]), 8, 0)],
                                 "DRAM", [(d.generation_addr, 8, 0)], deadline=deadline)
@@ -284,7 +297,7 @@ class TensorReader:
                     f"lease {d.lease_id}: slot generation is {current}, descriptor has {d.generation}; the lease was "
                     "released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
             if slot is not None:
-                results = [self._clone_out(slot.tensor, m) for m in d.manifest]
+                results = [self._clone_out(slot.tensor, m, staged) for m in d.manifest]
             _check_results(d, results)
             self._count("read_bytes", d.nbytes)
             finished = True
@@ -293,7 +306,7 @@ class TensorReader:
             pending = getattr(exc, "pending", None)
             if pending is not None:
                 self._count("quarantined", 1)
-                q = _Quarantined(pending=pending, slots=[slot] if slot else [], regs=regs,
+                q = _Quarantined(pending=pending, slots=[(pool, slot)] if slot else [], regs=regs,
                                  keep=[list(results), list(cells), loan])
                 with self._lock:
                     self._quarantine.append(q)
@@ -301,7 +314,7 @@ class TensorReader:
             raise
         finally:
             if slot is not None:
-                self._pool.release(slot)
+                pool.release(slot)
             for r in regs:
                 self._provider.deregister(r)
             if cells:
@@ -309,8 +322,11 @@ class TensorReader:
             if not finished:
                 results.clear()
 
-    def _clone_out(self, buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    def _clone_out(self, buf: torch.Tensor, m: TensorMeta, staged: bool = False) -> torch.Tensor:
         src = _view(buf, m)
+        if staged:  # host staging buffer -> the reader's GPU; synchronous, so the buffer can be reused at once
+            with torch.cuda.device(self._device):
+                return src.to(self._device)
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
                 return src.clone()
@@ -333,9 +349,8 @@ class TensorReader:
             for q in live:
                 if q.pending.poll():
                     self._count("quarantine_freed", 1)
-                    for s in q.slots:
-                        assert self._pool is not None
-                        self._pool.release(s)
+                    for owner_pool, s in q.slots:
+                        owner_pool.release(s)
                     for r in q.regs:
                         assert self._provider is not None
                         self._provider.deregister(r)

@@ -150,3 +150,26 @@ def test_vram_pool_shrink_and_exhaustion(gpu_cfgs: tuple[RdmaConfig, RdmaConfig]
         with pytest.raises(PoolExhausted):
             exp.export([torch.ones(1, dtype=torch.uint8, device=dev)])
         exp.release([big.lease_id])
+
+
+def test_host_owner_gpu_reader(reader: TensorReader) -> None:
+    """A CPU exporter and a GPU reader: the bytes are staged through registered host memory."""
+    host_cfg = RdmaConfig(provider="nixl", bind_ip="127.0.0.1")
+    with OwnerProcess(host_cfg, env=ENV) as own:
+        specs = [((1000, 33), "bfloat16", 3), ((5 * MIB,), "uint8", 4)]
+        out = reader.read([own.export(specs)[0]])
+        for t, (shape, dt, seed) in zip(out, specs):
+            assert t.device == torch.device(reader.config.device)
+            assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
+
+
+def test_gpu_owner_host_reader(owner: OwnerProcess) -> None:
+    """A GPU exporter and a CPU reader: host memory READs device memory of the owner."""
+    with TensorReader(RdmaConfig(provider="nixl", bind_ip="127.0.0.1")) as rd:
+        specs = [((1000, 33), "float16", 5), ((5 * MIB,), "uint8", 6)]
+        raw, _ = owner.export(specs)
+        out = rd.read([raw])
+        for t, (shape, dt, seed) in zip(out, specs):
+            assert t.device.type == "cpu"
+            assert same_bytes(t, make_tensor(shape, dt, seed))
+        owner.release([Descriptor.from_bytes(raw).lease_id])

@@ -9,10 +9,20 @@ restrict UCX to loopback themselves).
 from __future__ import annotations
 
 import os
+import sys
 
 #: Glob UCX_PROTO_INFO accepts: print only the "remote memory read" protocol tables (once per endpoint config),
 #: which the provider captures to report the transport a READ used. Small enough to be harmless if it leaks.
 PROTO_INFO_GLOB = "*memory read*"
+
+
+def _cuda_initialized() -> bool:
+    """A CPU-side agent in a process that already uses CUDA keeps UCX memory events (its GPU agents need them)."""
+    torch = sys.modules.get("torch")
+    try:
+        return bool(torch is not None and torch.cuda.is_initialized())
+    except Exception:  # noqa: BLE001 - a broken CUDA install counts as "not in use"
+        return False
 
 
 def quiet_nixl() -> None:
@@ -28,7 +38,7 @@ def apply_defaults(*, cuda: bool, probe_transport: bool = True) -> dict[str, str
         # hosts) a same-host VRAM READ silently goes over TCP, ~10^4 x slower (nixl-on-h200.md). CUDA only:
         # without the cuda module loaded UCX warns about an unused variable.
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-    else:
+    elif not _cuda_initialized():
         # UCM's mmap hooks cost ~400 ms per agent start on CPU hosts. On GPU keep them: UCX needs memory
         # events to keep its registration / memory-type caches right when CUDA memory is freed.
         os.environ.setdefault("UCX_MEM_EVENTS", "no")
