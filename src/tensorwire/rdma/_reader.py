@@ -135,7 +135,9 @@ class TensorReader:
         """The UCX transport the last READ (from ``descriptor``'s owner, when given) went over, or "unknown"."""
         if self._provider is None:
             return "unknown"
-        return self._provider.transport(self._mem_type, descriptor.mem_type if descriptor is not None else None)
+        remote = descriptor.mem_type if descriptor is not None else None
+        local = "DRAM" if remote == "DRAM" else self._mem_type  # host descriptors are staged in host memory
+        return self._provider.transport(local, remote)
 
     def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None) -> list[torch.Tensor]:
         """Fetch every descriptor's tensors: flattened in descriptor order x manifest order.
