@@ -214,7 +214,8 @@ class NixlProvider(Provider):
             self._forget(loaded_name)
             raise ReadError(f"metadata from {owner.endpoint} names agent {loaded_name!r}, not {owner.agent_name!r}",
                             reason=Reason.METADATA_UNAVAILABLE)
-        rem.epoch = max(epoch, owner.registration_epoch) if epoch >= owner.registration_epoch else epoch
+        # An epoch below the descriptor's (a forged or racing descriptor) is kept as is: the next such read refetches.
+        rem.epoch = epoch
 
     def _transfer(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
                   remote: Sequence[Range], deadline: float) -> None:
@@ -250,6 +251,9 @@ class NixlProvider(Provider):
                     sleep_s = min(sleep_s * 2, 0.001)
                 state = agent.check_xfer_state(xfer)
             if state != "DONE":
+                # Reconnect from fresh metadata next time: an errored endpoint may stay unusable in UCX.
+                self._forget(rem.name)
+                self._counts["nixl_read_errors"] += 1
                 raise ReadError(f"READ from {owner.agent_name} failed (state {state})", reason=Reason.RDMA_READ_ERROR)
         except (ReadError, ClosedError):
             raise
