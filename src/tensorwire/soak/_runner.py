@@ -455,6 +455,8 @@ class SoakRunner:
             "worker_exporter_end": {i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)}
                                     for i, s in workers.items()},
             "processes": procs, "processes_unchecked": unchecked, "ramp_s": self.ramp_s, "fds_back": fds_ok, "threads_back": threads_ok,
+            "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
+                                                if c.final is not None),
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
