@@ -344,15 +344,21 @@ class CpuTpBroadcaster:
         else:
             parts: list[memoryview | bytes | bytearray] = [prefix]
             parts.extend(v for v in views if len(v))
+            dead: Link | None = None
+            error: PeerClosed | None = None
             with self._send_lock:
                 self._raise_if_failed()
                 for lk in self._links[1:]:
                     assert lk is not None
                     try:
                         lk.send_all(parts, waiter)
-                    except PeerClosed:
-                        self._abort_group(lk.peer, "connection lost during a send")
-                        raise
+                    except PeerClosed as exc:
+                        dead, error = lk, exc
+                        break
+            if dead is not None and error is not None:
+                # Outside the send lock: every other stream is at a frame boundary, so abort frames are safe.
+                self._abort_group(dead.peer, "connection lost during a send")
+                raise error
         self._seq = seq
 
     def _start_watchdog(self) -> None:
@@ -417,9 +423,11 @@ class CpuTpBroadcaster:
             if first:
                 who = f"rank {dead}" if dead > 0 else "a rank"
                 self._failed = PeerClosed(f"rank 0: {who} {cause}; the group is aborted", reason=Reason.PEER_CLOSED)
-            if self._ring is not None:
+            if not first:
+                pass  # the group was already aborted with the first cause; keep that one for the readers
+            elif self._ring is not None:
                 self._ring.abort(ABORT_PEER_DIED if dead > 0 else ABORT_ROOT_FAILED, max(dead, 0))
-            elif first:
+            else:
                 note = encode_abort(self._seq + 1, f"rank {dead} {cause}" if dead > 0 else cause)
                 got = self._send_lock.acquire(timeout=0.2)  # never interleave with a half-sent frame
                 try:

@@ -63,7 +63,7 @@ def same(a: Any, b: Any) -> bool:
 
 def happy(rank: int, world: int, base: str, backend: str, rounds: int, seed: int, session: str = "happy") -> dict:
     cfg = BroadcastConfig(slot_bytes=64 * 1024, n_slots=4, arena_bytes=16 << 20)
-    with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=30,
+    with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=60,
                           config=cfg) as b:
         for i in range(rounds):
             want = message(seed, i)
@@ -95,7 +95,7 @@ def happy(rank: int, world: int, base: str, backend: str, rounds: int, seed: int
 def reinit(rank: int, world: int, base: str, backend: str) -> list[int]:
     seen = []
     for gen in range(3):
-        with CpuTpBroadcaster(rank, world, "again", backend=backend, base_dir=base, init_timeout_s=30) as b:
+        with CpuTpBroadcaster(rank, world, "again", backend=backend, base_dir=base, init_timeout_s=60) as b:
             t = torch.tensor([gen * 10 + 1]) if rank == 0 else None
             seen.append(int(b.broadcast(t)[0]))
     return seen
@@ -106,7 +106,7 @@ def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world
     """Speaks the handshake by hand: HELLO with the given claims, then (optionally) a probe echo."""
     del rank
     ep = make_endpoint(session, base, False)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while True:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -117,7 +117,7 @@ def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
-    s.settimeout(20)
+    s.settimeout(60)
     ref = CpuTpBroadcaster.__new__(CpuTpBroadcaster)  # only to compute the params digest the same way
     ref.backend, ref.config = backend, BroadcastConfig()
     s.sendall(_star.HELLO.pack(_star.HELLO_MAGIC, _star.PROTO_VERSION, _star.BACKEND_CODES[backend], 0,
@@ -150,9 +150,9 @@ def fake_root_bad_ready(rank: int, world: int, base: str) -> str:
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(ep.address)
     srv.listen(1)
-    srv.settimeout(20)
+    srv.settimeout(60)
     conn, _ = srv.accept()
-    conn.settimeout(20)
+    conn.settimeout(60)
     hello = b""
     while len(hello) < _star.HELLO.size:
         hello += conn.recv(_star.HELLO.size - len(hello))
@@ -168,7 +168,7 @@ def fake_root_bad_ready(rank: int, world: int, base: str) -> str:
     return echo.decode()
 
 
-def real(rank: int, world: int, base: str, session: str = "s", backend: str = "uds", init_timeout_s: float = 20,
+def real(rank: int, world: int, base: str, session: str = "s", backend: str = "uds", init_timeout_s: float = 60,
          patch_uid: int | None = None) -> str:
     if patch_uid is not None:
         _star.effective_uid = lambda: patch_uid  # type: ignore[assignment]
@@ -180,7 +180,7 @@ def real(rank: int, world: int, base: str, session: str = "s", backend: str = "u
 def kill_mid_broadcast(rank: int, world: int, base: str, backend: str, victim: int, stamp: str) -> dict:
     """Everyone broadcasts in a loop; ``victim`` SIGKILLs itself after 20 rounds (rank 0 waits a little first,
     so the readers are inside a broadcast when it dies)."""
-    with CpuTpBroadcaster(rank, world, "kill", backend=backend, base_dir=base, init_timeout_s=30) as b:
+    with CpuTpBroadcaster(rank, world, "kill", backend=backend, base_dir=base, init_timeout_s=60) as b:
         t = torch.zeros(256, dtype=torch.float32)
         i = 0
         try:
@@ -206,7 +206,7 @@ def kill_mid_broadcast(rank: int, world: int, base: str, backend: str, victim: i
 
 
 def stall(rank: int, world: int, base: str, backend: str) -> dict:
-    with CpuTpBroadcaster(rank, world, "stall", backend=backend, base_dir=base, init_timeout_s=30,
+    with CpuTpBroadcaster(rank, world, "stall", backend=backend, base_dir=base, init_timeout_s=60,
                           timeout_s=0.3 if rank else None) as b:
         t = torch.zeros(4)
         b.broadcast_(t)

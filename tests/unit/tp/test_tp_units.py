@@ -182,3 +182,15 @@ def test_errors_pickle_with_reason():
     exc = BootstrapError("rank 1: bad", reason=Reason.BAD_RANK)
     back = pickle.loads(pickle.dumps(exc))
     assert back.reason is Reason.BAD_RANK and str(back) == "rank 1: bad"
+
+
+def test_concurrent_call_is_refused():
+    b = CpuTpBroadcaster(0, 1, "solo")
+    b._call_lock.acquire()  # as if another thread were inside broadcast()
+    try:
+        with pytest.raises(BroadcastError) as ei:
+            b.broadcast(torch.zeros(1))
+        assert "concurrent or re-entrant" in str(ei.value)
+    finally:
+        b._call_lock.release()
+        b.close()
