@@ -140,3 +140,46 @@ def test_host_names_resolve() -> None:
             _metadata.fetch("no-such-host.invalid", srv.port, "n", timeout_s=0.5)
     finally:
         srv.close()
+
+
+def _slow_answer(lst: socket.socket, delay_s: float) -> None:
+    import time
+
+    conn, _ = lst.accept()
+    with conn:
+        conn.recv(100)
+        time.sleep(delay_s)
+        name = b"a"
+        conn.sendall(struct.pack(">4sBBQH", b"TWMD", 1, 0, 3, len(name)) + name + struct.pack(">I", 2) + b"md")
+
+
+def test_connect_timeout_bounds_the_connect_not_a_slow_answer() -> None:
+    # A live owner whose serving thread answers late (a loaded host) is not "unreachable": only the connect is held
+    # to connect_timeout_s; the answer may use the rest of the read budget.
+    import threading
+
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        t = threading.Thread(target=_slow_answer, args=(lst, 0.4))
+        t.start()
+        got = _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=3, connect_timeout_s=0.1)
+        t.join(timeout=5)
+    assert got == (3, b"md")
+
+
+def test_an_answer_later_than_the_whole_budget_fails() -> None:
+    import threading
+    import time
+
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        t = threading.Thread(target=_slow_answer, args=(lst, 1.0))
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises(ReadError) as info:
+            _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=0.3, connect_timeout_s=0.1)
+        assert time.monotonic() - t0 < 0.9
+        t.join(timeout=5)
+    assert info.value.reason is Reason.METADATA_UNAVAILABLE

@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
 from tensorwire.rdma._config import RdmaConfig
@@ -48,21 +48,24 @@ def _api() -> Any:
 
 
 class _Remote:
-    __slots__ = ("name", "epoch", "lock", "probed")
+    __slots__ = ("name", "epoch", "lock", "probed", "busy", "last_used")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.epoch = -1
         self.lock = threading.Lock()
         self.probed: set[tuple[str, str]] = set()  # (local mem, remote mem) pairs whose first READ was captured
+        self.busy = 0  # READs in progress or pending past their deadline (guarded by the provider's remotes lock)
+        self.last_used = time.monotonic()
 
 
 class _NixlPending(PendingTransfer):
-    def __init__(self, agent: Any, xfer: Any, handles: list[Any]) -> None:
+    def __init__(self, agent: Any, xfer: Any, handles: list[Any], on_done: Callable[[], None]) -> None:
         self._agent = agent
         self._xfer = xfer
         self._handles = handles
         self._done = False
+        self._on_done = on_done
 
     def poll(self) -> bool:
         if self._done:
@@ -75,11 +78,14 @@ class _NixlPending(PendingTransfer):
             return False
         self._done = True
         _release_quietly(self._xfer, *self._handles)
+        self._on_done()
         return True
 
     def abandon(self) -> None:
         if not self._done:
+            self._done = True
             _release_quietly(self._xfer, *self._handles)  # NIXL tries to cancel an active transfer on release
+            self._on_done()
 
 
 class NixlProvider(Provider):
@@ -101,8 +107,13 @@ class NixlProvider(Provider):
         self._remotes: dict[str, _Remote] = {}
         self._remotes_lock = threading.Lock()
         self._transports: dict[tuple[str, str], str] = {}
+        # Owners unused for twice the lease TTL hold no valid lease any more: their metadata and UCX endpoints
+        # (sockets, up to qp_count per owner) are dropped, so restarted or retired owners do not leak in a
+        # long-lived reader. A forgotten owner that is still alive only costs a metadata fetch on its next read.
+        self._idle_forget_s = 2 * config.slot_gc_timeout_ms / 1000.0
+        self._next_sweep = time.monotonic() + min(self._idle_forget_s, 10.0)
         self._closed = False
-        self._counts = {"metadata_fetches": 0, "peer_disconnects": 0, "nixl_read_errors": 0}
+        self._counts = {"metadata_fetches": 0, "peer_disconnects": 0, "nixl_read_errors": 0, "idle_owners_forgotten": 0}
         log.info("NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
                  self._agent_name, role, config.device, config.progress_delay_us, env)
 
@@ -172,7 +183,19 @@ class NixlProvider(Provider):
         self._check_open()
         if len(local) != len(remote) or not local:
             raise ReadError(f"read needs matching non-empty range lists ({len(local)} vs {len(remote)})")
+        self._sweep_idle(owner.agent_name)
         rem = self._remote(owner, deadline)
+        with self._remotes_lock:
+            rem.busy += 1
+        try:
+            self._read_from(rem, owner, local_mem, local, remote_mem, remote, deadline)
+        finally:
+            with self._remotes_lock:
+                rem.busy -= 1
+                rem.last_used = time.monotonic()
+
+    def _read_from(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
+                   remote: Sequence[Range], deadline: float) -> None:
         key = (local_mem, remote_mem)
         if key not in rem.probed:
             # UCX prints its READ protocol table on the first READ of each memory-type pair (per endpoint config).
@@ -184,6 +207,20 @@ class NixlProvider(Provider):
             self._learn_transport(cap.text, owner, local_mem, remote_mem)
         else:
             self._transfer(rem, owner, local_mem, local, remote_mem, remote, deadline)
+
+    def _sweep_idle(self, keep: str) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        with self._remotes_lock:
+            self._next_sweep = now + min(self._idle_forget_s, 10.0)
+            idle = [r.name for r in self._remotes.values()
+                    if r.name != keep and r.busy == 0 and now - r.last_used > self._idle_forget_s]
+        for name in idle:
+            self._forget(name)
+            self._counts["idle_owners_forgotten"] += 1
+        if idle:
+            log.info("forgot %d owner(s) idle for over %.0f s", len(idle), self._idle_forget_s)
 
     def _remote(self, owner: Owner, deadline: float) -> _Remote:
         with self._remotes_lock:
@@ -201,8 +238,8 @@ class NixlProvider(Provider):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ReadTimeout(f"no time left to fetch metadata of {owner.agent_name}", reason=Reason.READ_TIMEOUT)
-        timeout_s = min(self.config.connect_timeout_ms / 1000.0, remaining)
-        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, timeout_s=timeout_s)
+        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, timeout_s=remaining,
+                                    connect_timeout_s=self.config.connect_timeout_ms / 1000.0)
         self._counts["metadata_fetches"] += 1
         try:
             loaded = self._agent.add_remote_agent(md)
@@ -240,7 +277,9 @@ class NixlProvider(Provider):
             while state == "PROC":
                 now = time.monotonic()
                 if now >= deadline:
-                    pending = _NixlPending(agent, xfer, handles)
+                    with self._remotes_lock:
+                        rem.busy += 1  # until NIXL is done with it: the owner must not be swept meanwhile
+                    pending = _NixlPending(agent, xfer, handles, lambda: self._unbusy(rem))
                     xfer, handles = None, []
                     err = ReadTimeout(f"READ from {owner.agent_name} ({sum(r[1] for r in remote)} bytes) missed its "
                                       "deadline; destination quarantined until NIXL finishes", reason=Reason.READ_TIMEOUT)
@@ -262,6 +301,11 @@ class NixlProvider(Provider):
         finally:
             if xfer is not None or handles:
                 _release_quietly(xfer, *handles)
+
+    def _unbusy(self, rem: _Remote) -> None:
+        with self._remotes_lock:
+            rem.busy -= 1
+            rem.last_used = time.monotonic()
 
     def _translate(self, exc: Exception, rem: _Remote, owner: Owner) -> ReadError:
         if _is(exc, "RemoteDisconnect"):
