@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     idle: list[dict[str, Any]] = []
     t_start = time.monotonic()
+    load_start = os.getloadavg()  # other jobs on the machine skew latency; record them next to the numbers
     for tp in tps:
         for backend in backends:
             # 1 MiB rounds are slower on the allocating transports; cap them to keep the run short.
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result("broadcast", {
         "config": {"tp": tps, "sizes": sizes, "backends": backends, "rounds": base_rounds, "warmup": warmup,
                    "idle_s": idle_s, "quick": args.quick, "api": "CpuTpBroadcaster.broadcast_ (in place)",
-                   "wall_s": round(time.monotonic() - t_start, 1)},
+                   "wall_s": round(time.monotonic() - t_start, 1), "loadavg_start": load_start,
+                   "loadavg_end": os.getloadavg()},
         "results": rows, "ratios": ratios, "idle_cpu": idle, "targets": targets,
     }, args.out)
     print(f"\nwrote {path}")
