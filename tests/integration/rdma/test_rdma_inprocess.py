@@ -332,3 +332,20 @@ def test_mutated_descriptor_bytes_never_crash_a_read(exporter: TensorExporter) -
 
         prop()
         assert same_bytes(rd.read([good])[0], make_tensor((300,), "float32", 1))  # still healthy
+
+
+def test_idle_owners_are_forgotten(exporter: TensorExporter) -> None:
+    """A long-lived reader drops owners unused for 2 x slot_gc_timeout_ms (restarted encoders must not leak
+    UCX endpoints), and reads from a forgotten owner that is still alive just fetch its metadata again."""
+    with TensorExporter(CFG) as other, TensorReader(CFG.replace(slot_gc_timeout_ms=150)) as rd:
+        da, db = exporter.export([torch.ones(4)]), other.export([torch.full((4,), 2.0)])
+        rd.read([da])
+        rd.read([db])
+        assert rd.stats()["known_owners"] == 2
+        time.sleep(0.8)  # both idle past 2 x 150 ms; the next read sweeps (every <= 0.3 s)
+        rd.read([db])
+        st = rd.stats()
+        assert st["known_owners"] == 1 and st["idle_owners_forgotten"] == 1
+        fetches = st["metadata_fetches"]
+        assert torch.equal(rd.read([da])[0], torch.ones(4))
+        assert rd.stats()["metadata_fetches"] == fetches + 1
