@@ -59,13 +59,15 @@ def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
         raise InvalidPayload(f"{what}: {len(shape)} dims exceed the limit of {MAX_NDIM}",
                              reason=Reason.SIZE_OVERFLOW)
     numel = 1
+    extent = 1  # product of the non-zero dims: a zero dim makes numel 0 but torch still computes the strides
     itemsize = torch.empty((), dtype=dtype).element_size()
     for d in shape:
         if d < 0:
             raise InvalidPayload(f"{what}: negative dim in shape {shape}", reason=Reason.NEGATIVE_DIM)
         numel *= d
+        extent *= max(d, 1)
         # Python ints do not overflow, but a C consumer would; stop as soon as the size cannot be real.
-        if numel * itemsize > MAX_TENSOR_BYTES:
+        if extent * itemsize > MAX_TENSOR_BYTES:
             raise InvalidPayload(f"{what}: shape {shape} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes",
                                  reason=Reason.SIZE_OVERFLOW)
     nbytes = numel * itemsize
