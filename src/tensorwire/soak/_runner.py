@@ -225,10 +225,8 @@ class SoakRunner:
         c.conn.close()  # else every killed client would show up as an fd leak of this process
         if not c.proc.is_alive():
             c.proc.close()  # its sentinel fd
-        base = c.slot * _client_proc.FIELDS
-        started, finished = self.counters[base + _client_proc.STARTED], self.counters[base + _client_proc.FINISHED]
-        warm = self.cfg.warmup
-        lost = max(0, started - warm - c.received)  # in flight when it died, or finished but not yet sent
+        started = self.counters[c.slot * _client_proc.FIELDS + _client_proc.STARTED]
+        lost = max(0, started - self.cfg.warmup - c.received)  # in flight when it died, or finished but not sent
         if c.killed_by_fault:
             self.aborted_by_kill += lost
             if self.phase == "soak":
@@ -237,7 +235,6 @@ class SoakRunner:
             self.results["client_crashed"] += 1
             self.untyped.append(f"client {c.slot} exited with {c.proc.exitcode} (not killed by a fault); "
                                 f"{lost} request(s) lost")
-        del finished
 
     def _faults_loop(self) -> None:
         cfg = self.cfg
@@ -409,12 +406,10 @@ class SoakRunner:
                 procs[f"worker{i}" + (f"(restart {gen})" if gen else "")] = _delta(
                     base["process"], st["process"], base["thread_names"], st["thread_names"],
                     native_per_pool_thread=int(st["exporter"].get("torch_threads", 1)) - 1)
-        clients_checked = 0
         for c in self.clients:
             if c.final is not None and c.final["baseline"] is None:
                 unchecked.append(f"client{c.slot}")
             elif c.final is not None:
-                clients_checked += 1
                 d = _delta(c.final["baseline"], c.final["end"], c.final["baseline_thread_names"],
                            c.final["end_thread_names"])
                 d["worker_restarts_after_baseline"] = sum(1 for t in self.restart_times if t > c.final["baseline_t"])
@@ -428,7 +423,6 @@ class SoakRunner:
             v["judged"] = k in judged
         fds_ok = bool(judged) and all(p["fds_delta"] <= 0 for p in judged.values())
         threads_ok = bool(judged) and all(p["threads_leaked"] <= 0 for p in judged.values())
-        del clients_checked
         requests = sum(self.results.values()) + self.aborted_by_kill
         relay_counts: Counter[str] = Counter()
         for r in [*self.relays, self.front]:

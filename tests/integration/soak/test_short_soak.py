@@ -2,9 +2,10 @@
 
 It asserts what the issue makes a target: 0 wrong outputs, 0 hung requests, 0 untyped errors, 0 leases or busy
 slots after the GC window, threads back everywhere, fds back for the soak process and worker 0. Client 0's fds
-may grow by sockets only, and only after an encoder worker restart: the NIXL reader keeps a dead owner's UCX
-endpoints (a known rdma bug, docs/reliability.md "Findings"); anything else that grows fails the test. Judged
-are the processes that live through every fault: the soak process, worker 0 and client 0 (the sentinels).
+may grow by sockets only, at most qp_count per worker restart after its baseline: if the baseline was taken while
+worker 1 was down, reconnecting to the new worker opens its UCX endpoints afterwards (docs/reliability.md
+"Findings" 1); anything else that grows fails the test. Judged are the processes that live through every fault:
+the soak process, worker 0 and client 0 (the sentinels).
 The long soak is ``make soak`` (10 minutes, concurrency 16).
 """
 
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-QP_COUNT = 8  # RdmaConfig().qp_count: at most one endpoint per UCX worker to a dead owner
+QP_COUNT = 8  # RdmaConfig().qp_count: at most one UCX endpoint per UCX worker and owner
 
 
 @pytest.fixture(scope="module")
