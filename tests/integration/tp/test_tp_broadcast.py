@@ -233,3 +233,10 @@ def test_abstract_namespace_socket_leaves_no_file(base, monkeypatch):
     res = H.ok(H.run_ranks(W.real, 3, base, "abs", timeout_s=120))
     assert res == {0: "42", 1: "42", 2: "42"}
     assert os.listdir(base) == []
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_signals_during_large_transfers(base, backend):
+    res = H.ok(H.run_ranks(W.eintr, 2, base, backend, timeout_s=120))
+    assert all(hits > 10 for hits in res.values()), res  # the handler really ran during the transfers

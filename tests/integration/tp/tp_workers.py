@@ -249,3 +249,27 @@ def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: i
         dist.destroy_process_group()
 
 
+
+
+def eintr(rank: int, world: int, base: str, backend: str) -> int:
+    """Signals every 0.5 ms interrupt the blocking calls of large transfers; data must still arrive intact."""
+    hits = [0]
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        hits[0] += 1
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0005)
+    try:
+        with CpuTpBroadcaster(rank, world, "eintr", backend=backend, base_dir=base, init_timeout_s=60) as b:
+            for i in range(10):
+                t = torch.arange(3 << 20, dtype=torch.int32) + i if rank == 0 else torch.empty(3 << 20,
+                                                                                                dtype=torch.int32)
+                b.broadcast_(t)
+                if not t.equal(torch.arange(3 << 20, dtype=torch.int32) + i):
+                    raise AssertionError(f"rank {rank}: round {i} corrupted")
+                if rank == 0:
+                    time.sleep(0.02)  # readers block (and get interrupted) while waiting
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+    return hits[0]

@@ -194,3 +194,24 @@ def test_concurrent_call_is_refused():
     finally:
         b._call_lock.release()
         b.close()
+
+
+def test_stall_warnings_are_rate_limited(caplog):
+    import logging
+    import time
+
+    from tensorwire.errors import BroadcastTimeout
+    from tensorwire.tp._link import Waiter
+
+    w = Waiter(3, "broadcast (waiting for message 7 from rank 0)", timeout_s=None, stall_warn_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="tensorwire.tp._link"):
+        w.check()
+        time.sleep(0.06)
+        w.check()
+        w.check()  # within the interval: no second warning
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "rank 3" in msgs[0] and "message 7" in msgs[0]
+    t = Waiter(1, "x", timeout_s=0.01, stall_warn_s=30)
+    time.sleep(0.02)
+    with pytest.raises(BroadcastTimeout):
+        t.check()
