@@ -43,6 +43,7 @@ from ._frame import (
     encode_abort,
     encode_prefix,
     flatten,
+    plain,
 )
 from ._link import Link, Waiter
 from ._paths import Endpoint, make_endpoint, session_digest
@@ -176,7 +177,7 @@ class CpuTpBroadcaster:
             if self.rank == 0:
                 if isinstance(value, torch.Tensor) and value.is_cpu:
                     if self.world_size > 1:
-                        self._send_one(value if value.is_contiguous() else value.contiguous())
+                        self._send_one(plain(value))
                     elif value.dtype not in CODE_OF:
                         flatten(value, 0)
                     return value
@@ -208,10 +209,11 @@ class CpuTpBroadcaster:
             if self.world_size == 1:
                 return tensor
             if self.rank == 0:
-                self._send_one(tensor if tensor.is_contiguous() else tensor.contiguous())
+                self._send_one(plain(tensor))
                 return tensor
             ring = self._ring
-            if ring is not None and tensor.is_contiguous() and self._tcache == (tensor.dtype, tensor.shape):
+            direct = tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+            if ring is not None and direct and self._tcache == (tensor.dtype, tensor.shape):
                 # Hot loop: same target as last time. Any surprise falls through to the checked path below.
                 seq = self._seq + 1
                 if ring.w[_PUB] < seq:
@@ -225,9 +227,9 @@ class CpuTpBroadcaster:
                 if ring.read_cached(seq, self._view(tensor)):
                     self._seq = seq
                     return tensor
-            if tensor.is_contiguous():
+            if direct:
                 self._recv(tensor)
-            else:
+            else:  # non-contiguous or a lazy conj/neg view: its storage bytes are not its values
                 tmp = torch.empty(tensor.shape, dtype=tensor.dtype)
                 self._recv(tmp, check_against=tensor)
                 tensor.copy_(tmp)

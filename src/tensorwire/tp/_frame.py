@@ -123,8 +123,15 @@ def flatten(value: Any, rank: int) -> tuple[int, list[str], list[torch.Tensor]]:
         if t.dtype not in CODE_OF:
             raise BroadcastError(f"rank {rank}: unsupported dtype {t.dtype} (item {keys[i] or i})",
                                  reason=Reason.UNSUPPORTED_DTYPE)
-        out.append(t if t.is_contiguous() else t.contiguous())
+        out.append(plain(t))
     return structure, keys, out
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if its storage bytes are its values (contiguous, no lazy conjugate/negative bit), else such a copy."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t
+    return t.resolve_conj().resolve_neg().contiguous()
 
 
 def encode_prefix(kind: int, seq: int, structure: int, keys: Sequence[str], tensors: Sequence[torch.Tensor],

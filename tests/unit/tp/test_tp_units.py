@@ -215,3 +215,10 @@ def test_stall_warnings_are_rate_limited(caplog):
     time.sleep(0.02)
     with pytest.raises(BroadcastTimeout):
         t.check()
+
+
+def test_lazy_conjugate_views_are_sent_by_value():
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    assert z.is_conj()
+    out = _roundtrip(z)
+    assert out.equal(torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
