@@ -82,9 +82,10 @@ class Link:
         self._rend = 0
 
     # -- sending -------------------------------------------------------------------------------------------------
-    def send_all(self, parts: list[memoryview | bytes], waiter: WaiterLike) -> None:
+    def send_all(self, parts: list[memoryview | bytes], waiter: WaiterLike, total: int = -1) -> None:
         """Send every byte of ``parts`` (one sendmsg when the socket buffer has room)."""
-        total = sum(len(p) for p in parts)
+        if total < 0:
+            total = sum(len(p) for p in parts)
         try:
             sent = self.sock.sendmsg(parts, (), _SEND_FLAGS)
         except BlockingIOError:
