@@ -25,10 +25,11 @@ WORLD = 3
 
 
 def _shm_entries() -> set[str]:
-    """Named shared memory in /dev/shm, minus multiprocessing's own semaphores (other processes' ``sem.mp-*``).
-    The shm ring uses a memfd (no name); this catches a regression to named segments or UCX/NIXL leftovers."""
+    """Named shared memory in /dev/shm, minus what other processes on the machine create and remove on their own
+    schedule (multiprocessing semaphores ``sem.*``, UCX segments ``ucx_*`` of NIXL processes). The shm ring uses a
+    memfd (no name); this catches a regression to named segments."""
     try:
-        return {n for n in os.listdir("/dev/shm") if not n.startswith("sem.")}
+        return {n for n in os.listdir("/dev/shm") if not n.startswith(("sem.", "ucx_"))}
     except OSError:
         return set()
 
