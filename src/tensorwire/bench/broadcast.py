@@ -12,26 +12,17 @@ Our broadcaster runs ``broadcast_`` (the in-place hot-loop form). Needs only tor
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
+from tensorwire.bench._ranks import run_ranks
 from tensorwire.bench._common import summarize, write_result
 
 BACKENDS = ("shm", "uds", "gloo", "gloo_obj")
 SIZES = (1024, 64 * 1024, 1024 * 1024)
 TPS = (2, 4, 8)
-
-
-def _worker(rank: int, world: int, backend: str, sizes: list[int], rounds: list[int], warmup: int, idle_s: float,
-            store: str, times: Any, done: Any, q: Any) -> None:
-    try:
-        q.put((rank, _run(rank, world, backend, sizes, rounds, warmup, idle_s, store, times, done)))
-    except BaseException as exc:  # report, do not hang the parent
-        q.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
 
 
 def _run(rank: int, world: int, backend: str, sizes: list[int], rounds: list[int], warmup: int, idle_s: float,
@@ -118,44 +109,8 @@ def _wait_done(done: Any, world: int, counter: int, yield_only: bool, limit_s: f
 
 def run_group(world: int, backend: str, sizes: list[int], rounds: list[int], warmup: int, idle_s: float,
               timeout_s: float) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    times = ctx.Array("d", world, lock=False)
-    done = ctx.Array("q", world, lock=False)
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="twb.") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, backend, sizes, rounds, warmup, idle_s, store, times,
-                                                   done, q), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(results) < world:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"{backend} TP{world}: no result after {timeout_s:.0f} s")
-                try:
-                    r, res = q.get(timeout=min(remaining, 5.0))
-                except Exception:
-                    if any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"{backend} TP{world}: a worker died: "
-                                           f"{[p.exitcode for p in procs]}") from None
-                    continue
-                results[r] = res
-                if "error" in res:
-                    break  # the others will not finish; kill them below
-            for p in procs:
-                p.join(timeout=10)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if "error" in res]
-    if errors:
-        raise RuntimeError(f"{backend} TP{world}: " + "; ".join(errors))
-    return [results[r] for r in range(world)]
+    return run_ranks(world, _run, (backend, sizes, rounds, warmup, idle_s), label=f"{backend} TP{world}",
+                     timeout_s=timeout_s, join_s=10.0, tmp_prefix="twb.")
 
 
 def main(argv: list[str] | None = None) -> int:

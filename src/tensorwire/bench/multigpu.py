@@ -41,6 +41,7 @@ import time
 from typing import Any, Sequence
 
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
+from tensorwire.bench.transfer import stage_row
 
 SEED_SHAPE = (13760, 4096)  # bf16: 112,721,920 bytes, the seed's 112.7 MB (same as tensorwire.bench.transfer)
 DATA_SEED = 8
@@ -194,21 +195,10 @@ def _encoder_proc(device: str, rows: int, cols: int, n_gpus: int, q: Any, stop: 
 
 
 def _stage_row(s: dict[str, float], synced_total_ms: float, to_device_ms: float) -> dict[str, float]:
-    total = max(s.get("total", 0.0), synced_total_ms)
-    compute = s.get("encoder.encode", 0.0)
-    return {
-        "total": total,
-        "control": s.get("request", 0.0),
-        "read": s.get("read", 0.0),
-        "release": s.get("release", 0.0),
-        "export": s.get("encoder.export", 0.0),
-        "serialize": s.get("encoder.serialize", 0.0),
-        "decode": s.get("decode", 0.0),
-        "encode_compute": compute,
-        "transfer": total - compute,
-        "to_device": to_device_ms,
-        "delivered": total - compute + to_device_ms,
-    }
+    row = stage_row(s, synced_total_ms)
+    row["to_device"] = to_device_ms
+    row["delivered"] = row["transfer"] + to_device_ms
+    return row
 
 
 def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str,

@@ -32,15 +32,13 @@ them. Writes ``benchmarks/results/tp_nccl-<machine>x<gpus>.json``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Sequence
 
+from tensorwire.bench._ranks import run_ranks
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
 
 SIZES = (1024, 64 * 1024, 1024 * 1024)
@@ -248,51 +246,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any], store: str, times: Any, don
     return out
 
 
-def _worker(rank: int, world: int, cfg: dict[str, Any], store: str, times: Any, done: Any, q: Any) -> None:
-    try:
-        q.put((rank, _run(rank, world, cfg, store, times, done)))
-    except BaseException as exc:  # report, never leave the parent waiting
-        q.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
-
-
 def run_group(world: int, cfg: dict[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-    ctx = mp.get_context("spawn")
-    times = ctx.Array("d", world, lock=False)
-    done = ctx.Array("q", world, lock=False)
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="twnccl.") as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, cfg, store, times, done, q), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(results) < world:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"TP{world}: no result after {timeout_s:.0f} s")
-                try:
-                    r, res = q.get(timeout=min(remaining, 2.0))
-                except queue_mod.Empty:
-                    if any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"TP{world}: a rank died: exit codes {[p.exitcode for p in procs]}") from None
-                    continue
-                results[r] = res
-                if "error" in res:
-                    break  # the other ranks will not finish; they are killed below
-            for p in procs:
-                p.join(timeout=15)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=5)
-    errors = [f"rank {r}: {res['error']}" for r, res in sorted(results.items()) if "error" in res]
-    if errors:
-        raise RuntimeError(f"TP{world}: " + "; ".join(errors))
-    return [results[r] for r in range(world)]
+    return run_ranks(world, _run, (cfg,), label=f"TP{world}", timeout_s=timeout_s, join_s=15.0, tmp_prefix="twnccl.")
 
 
 def main(argv: list[str] | None = None) -> int:

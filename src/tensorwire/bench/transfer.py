@@ -77,6 +77,26 @@ def _memcpy_ms(nbytes: int, device: str, iters: int, threads: int | None = None)
     return _median(samples[2:]) * 1e3
 
 
+def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
+    """One fetch's stages in the seed's terms (ms) from ``MultimodalOutput.stage_ms`` and the synced wall time."""
+    total = max(s.get("total", 0.0), synced_total_ms)
+    compute = s.get("encoder.encode", 0.0)
+    read = s.get("read", 0.0)
+    return {
+        "total": total,
+        "control": s.get("request", 0.0),
+        "read": read,
+        "release": s.get("release", 0.0),
+        "export": s.get("encoder.export", 0.0),
+        "serialize": s.get("encoder.serialize", 0.0),
+        "decode": s.get("decode", 0.0),
+        "encode_compute": compute,
+        "transfer": total - compute,
+        "control_overhead": total - read,
+        "control_overhead_excl_export": total - read - s.get("encoder.export", 0.0) - compute,
+    }
+
+
 def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str) -> dict[str, Any]:
     import torch
 
@@ -89,27 +109,12 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
         t0 = time.perf_counter()
         out = transport.fetch(inputs)
         if device.startswith("cuda"):
-            torch.cuda.synchronize()  # device work queued by the read (clones) counts too
+            torch.cuda.synchronize(device)  # device work queued by the read (clones) counts too
         synced_ms = (time.perf_counter() - t0) * 1e3
         planes.add(out.plane.value)
         if i < warmup:
             continue
-        s = out.stage_ms
-        total = max(s.get("total", 0.0), synced_ms)
-        compute = s.get("encoder.encode", 0.0)
-        row = {
-            "total": total,
-            "control": s.get("request", 0.0),
-            "read": s.get("read", 0.0),
-            "release": s.get("release", 0.0),
-            "export": s.get("encoder.export", 0.0),
-            "serialize": s.get("encoder.serialize", 0.0),
-            "decode": s.get("decode", 0.0),
-            "encode_compute": compute,
-            "transfer": total - compute,
-            "control_overhead": total - s.get("read", 0.0),
-            "control_overhead_excl_export": total - s.get("read", 0.0) - s.get("encoder.export", 0.0) - compute,
-        }
+        row = stage_row(out.stage_ms, synced_ms)
         for k, v in row.items():
             stages.setdefault(k, []).append(v)
         del out
