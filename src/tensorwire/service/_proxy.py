@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import grpc

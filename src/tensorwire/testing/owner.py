@@ -41,7 +41,6 @@ def _child(conn: Any, config: RdmaConfig, env: dict[str, str]) -> None:
         conn.send(("err", exc))
         return
     conn.send(("ok", {"pid": os.getpid(), "owner": exp.owner}))
-    allocated: dict[str, Any] = {}
     with exp:
         while True:
             try:
