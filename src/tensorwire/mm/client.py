@@ -59,6 +59,7 @@ from tensorwire.mm.metrics import TransportMetrics, metrics_for
 from tensorwire.mm.release import ReleaseQueue
 from tensorwire.mm.service import inputs_to_pb
 from tensorwire.mm.types import MultimodalInput, MultimodalOutput, Plane
+from tensorwire.rdma import is_staged_gpu_transport
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +438,7 @@ class RemoteOutputTransport:
         if output.worker_id:
             self.worker_breakers.record_success(output.worker_id)
         self._log_hit(len(descs), output.payload_bytes, read_s)
+        self._note_transport(reader)
         _add_encoder_stages(stages, receipt)
         return output
 
@@ -548,6 +550,15 @@ class RemoteOutputTransport:
         for w in self.worker_breakers.keys_not_closed():
             if w != worker and self.worker_breakers.state(w) is BreakerState.HALF_OPEN:
                 self.worker_breakers.record_neutral(w)
+
+    def _note_transport(self, reader: Reader) -> None:
+        # Never silently slow: a GPU read UCX staged through TCP/host memory is counted (the rdma layer also logs
+        # a WARNING once per peer). transport() is a cached lookup, not a probe.
+        if not self.config.rdma.device.startswith("cuda"):
+            return
+        transport = getattr(reader, "transport", None)
+        if callable(transport) and is_staged_gpu_transport(str(transport())):
+            self.metrics.staged_gpu_reads.inc()
 
     def _log_hit(self, slots: int, nbytes: int, read_s: float) -> None:
         # First hit at INFO (smoke tests grep it), then at most once per interval: never per request.

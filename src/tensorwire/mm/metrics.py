@@ -58,6 +58,9 @@ class TransportMetrics:
         self.breaker_transitions = Counter("tensorwire_mm_breaker_transitions_total",
                                            "Circuit breaker transitions, by scope and new state",
                                            ["scope", "state"], registry=reg)
+        self.staged_gpu_reads = Counter("tensorwire_mm_rdma_staged_gpu_reads_total",
+                                        "GPU RDMA reads that UCX staged through host memory or TCP instead of "
+                                        "cuda_ipc / an RDMA NIC (expect ~1000x lower bandwidth)", registry=reg)
         self._gc_source: Callable[[], float] | None = None
 
     def watch_gc(self, source: Callable[[], float]) -> None:

@@ -38,6 +38,7 @@ from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
 from tensorwire.rdma._exporter import Lease, TensorExporter
 from tensorwire.rdma._reader import TensorReader
 from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
+from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu as is_staged_gpu_transport
 
 __all__ = [
     "RdmaConfig",
@@ -52,6 +53,7 @@ __all__ = [
     "has_rdma",
     "known_providers",
     "register_provider",
+    "is_staged_gpu_transport",
     "Reason",
     "TensorwireError",
     "ConfigError",

@@ -131,6 +131,26 @@ def test_rdma_success_path_reads_then_releases_async(env: Env) -> None:
     assert {"request", "read", "total", "encoder.export", "encoder.encode"} <= set(out.stage_ms)
 
 
+@pytest.mark.parametrize("transport, device, staged", [
+    ("tcp/lo", "cuda:0", 1), ("cuda_ipc/cuda", "cuda:0", 0), ("tcp/lo", "cpu", 0)])
+def test_gpu_reads_staged_over_tcp_are_counted(env: Env, transport: str, device: str, staged: int) -> None:
+    # Issue 6: a GPU read that UCX staged through TCP must never be silent. The fake reader stands in for the
+    # data plane; what is claimed is the client's accounting of the transport the reader reports.
+    class Reporting(FakeReader):
+        def transport(self) -> str:
+            return transport
+
+    srv = env.server()
+    cfg = TransportConfig(rdma=RdmaConfig(device=device))
+    c = RemoteOutputTransport(srv.address, cfg, reader_factory=lambda rc: Reporting(env.fabric, RdmaConfig()),
+                              metrics=env.metrics)
+    env.clients.append(c)
+    assert c.wait_ready(5)
+    for _ in range(2):
+        assert c.fetch(INPUTS).plane is Plane.RDMA
+    assert env.sample("tensorwire_mm_rdma_staged_gpu_reads_total") == 2 * staged
+
+
 def test_read_failure_path_in_exact_order(env: Env) -> None:
     srv = env.server()
     c = env.client(srv.address)
