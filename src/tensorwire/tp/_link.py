@@ -58,6 +58,11 @@ class Waiter:
     def retarget(self, what: str) -> None:
         self._what = what
 
+    def blame(self, cause: str) -> None:
+        """Name the likely cause in the timeout and stall messages (once; later calls keep the first)."""
+        if "(" not in self._what:
+            self._what = f"{self._what} ({cause})"
+
 
 def _resolve(waiter: WaiterLike) -> Waiter:
     return waiter if isinstance(waiter, Waiter) else waiter()
@@ -106,6 +111,8 @@ class Link:
                     n = self.sock.send(mv, _SEND_FLAGS)
                 except BlockingIOError:
                     waiter = _resolve(waiter)
+                    # The socket buffer toward this peer is full: if the wait times out, this peer is the cause.
+                    waiter.blame(f"rank {self.my_rank} blocked sending to rank {self.peer}, which is not reading")
                     self._wait(self._poll_out, waiter)
                     continue
                 except OSError as exc:

@@ -98,8 +98,8 @@ class Group:
 
 KNOWN_UDS_CAUSE = ("known gap (docs/reliability.md, .notes-bugs.md): on the uds backend a peer that rank 0 aborts "
                    "in the middle of a frame sees only rank 0's EOF, not which rank died")
-KNOWN_TIMEOUT_CAUSE = ("known gap (docs/reliability.md, .notes-bugs.md): a broadcast timeout names the message, "
-                       "not the slow rank")
+KNOWN_TIMEOUT_CAUSE = ("known gap (docs/reliability.md): rank 0's timeout names the slow reader, but another "
+                       "reader's own timeout can abort the group first")
 
 
 def _xfail_unless(named: list[str], reason: str) -> None:
