@@ -4,8 +4,8 @@
     def add_arguments(parser) -> None            its flags
     def run(args) -> int                         the exit code
 
-Subcommands are listed in ``COMMANDS`` (command name -> module name) and imported only when chosen, so
-``tensorwire --help`` stays fast and a missing optional dependency only breaks the command that needs it.
+Subcommands are listed in ``COMMANDS`` (command name -> module name); each module keeps its heavy imports
+(torch, grpc, nixl) inside ``run`` where it can, so building the parser for ``--help`` stays cheap.
 """
 
 from __future__ import annotations
