@@ -21,7 +21,7 @@ from __future__ import annotations
 from tensorwire.mm.breaker import BreakerBoard, BreakerState
 from tensorwire.mm.client import RemoteOutputTransport, resolve_rpc_timeout_ms
 from tensorwire.mm.config import MODES, TransportConfig
-from tensorwire.mm.encoder_side import OutputTransport
+from tensorwire.mm.encoder_side import OutputBuffers, OutputTransport
 from tensorwire.mm.metrics import TransportMetrics, metrics_for
 from tensorwire.mm.release import ReleaseQueue
 from tensorwire.mm.service import EncoderServer, EncoderService, serve_encoder
@@ -35,6 +35,7 @@ __all__ = [
     "TransportConfig",
     "MODES",
     "OutputTransport",
+    "OutputBuffers",
     "EncoderService",
     "EncoderServer",
     "serve_encoder",

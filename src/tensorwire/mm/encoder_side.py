@@ -11,7 +11,15 @@ The exporter is built at ``start()``, on a background thread, off the request pa
 exponential backoff (``init_backoff_ms`` doubling to ``init_backoff_max_ms``) until it succeeds or
 ``close()``. Leases a reader never releases are reclaimed by the exporter's TTL GC.
 
-Thread-safety: ``transfer`` and ``release`` may run on many gRPC threads at once.
+Zero-copy outputs: ``allocate_output`` hands the encoder an embedding (and position-id) tensor that already
+lives in a registered slot. When the EncoderOutput returned to ``transfer`` carries exactly those tensors, the
+slot is published as is (``TensorExporter.export_allocated``): no export copy. On every other path (inline
+answer, mismatch, failure) the bytes are taken from the buffers first and the lease is released after, so an
+allocation never outlives its request: ``transfer`` also ends every other allocation its thread made, and
+``EncoderService`` calls ``release_pending`` when the encoder raises. An allocation made on one thread and
+never handed to ``transfer`` elsewhere is left to ``release_output`` or, at worst, the TTL GC (counted).
+
+Thread-safety: ``transfer``, ``allocate_output`` and ``release`` may run on many gRPC threads at once.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -47,6 +57,34 @@ class Exporter(Protocol):
 
 
 ExporterFactory = Callable[[Any], Exporter]
+
+
+@dataclass(eq=False)
+class OutputBuffers:
+    """Output tensors inside one RDMA slot (``OutputTransport.allocate_output``): write them in place, return them
+    as ``EncoderOutput(embeddings=buffers.embedding, split_sizes=..., position_ids=buffers.position_ids)``.
+
+    They are valid until ``transfer`` returns (or ``release_output``): after that the slot belongs to the reader
+    or to the next request.
+    """
+
+    embedding: torch.Tensor
+    position_ids: torch.Tensor | None
+    lease: Any
+    thread: int = 0  # the allocating thread: its next transfer() ends this allocation if it is not the output
+
+    def matches(self, emb: torch.Tensor, pos: torch.Tensor | None, extras: Sequence[torch.Tensor]) -> bool:
+        """True when the output is exactly these buffers (same storage, shape and dtype), nothing else."""
+        if extras or not _same_tensor(emb, self.embedding):
+            return False
+        if pos is None or self.position_ids is None:
+            return pos is None and self.position_ids is None
+        return _same_tensor(pos, self.position_ids)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and a.is_contiguous())
 
 
 def _default_exporter_factory(rdma_config: Any) -> Exporter:
@@ -78,6 +116,13 @@ def _gc_reader(exporter: Any) -> Callable[[], float]:
         return 0.0
 
     return reclaimed
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _align_up(n: int, align: int) -> int:
@@ -161,6 +206,8 @@ class OutputTransport:
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
         self._rl = RateLimitedLog(log)
         self._closed = False
+        self._buffers: dict[int, OutputBuffers] = {}  # embedding data_ptr -> allocation awaiting transfer()
+        self._buffers_lock = threading.Lock()
 
     @property
     def exporter_state(self) -> ExporterState:
@@ -174,8 +221,76 @@ class OutputTransport:
     def wait_ready(self, timeout_s: float) -> bool:
         return self._holder.wait_ready(timeout_s)
 
+    def allocate_output(self, rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, *,
+                        position_cols: int = 0, position_dtype: torch.dtype = torch.int64) -> OutputBuffers | None:
+        """Tensors for the encoder to write its output into, inside one registered slot (no export copy later).
+
+        ``None`` when that cannot help (mode grpc, exporter not built, closed, the output needs more than one slot,
+        an exporter without ``allocate``, or the allocation failed): then produce the output as usual.
+        """
+        if self.config.mode != MODE_AUTO or self._closed:
+            return None
+        exporter = self._holder.get()
+        if exporter is None or not hasattr(exporter, "allocate"):
+            return None
+        specs: list[tuple[tuple[int, ...], torch.dtype]] = [((int(rows), int(hidden)), dtype)]
+        if position_cols:
+            specs.append(((int(rows), int(position_cols)), position_dtype))
+        align = int(self.config.rdma.slot_align)
+        footprint = sum(_align_up(_numel(shape) * torch.empty(0, dtype=dt).element_size(), align) for shape, dt in specs)
+        if rows <= 0 or footprint > int(self.config.rdma.max_slot_bytes):
+            return None
+        try:
+            lease, tensors = exporter.allocate(specs)
+        except TensorwireError as exc:
+            self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
+            return None
+        buffers = OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease, threading.get_ident())
+        with self._buffers_lock:
+            self._buffers[buffers.embedding.data_ptr()] = buffers
+        return buffers
+
+    def release_output(self, buffers: OutputBuffers) -> None:
+        """Gives back an allocation that will not reach ``transfer`` (the encoder failed); idempotent."""
+        with self._buffers_lock:
+            if self._buffers.get(buffers.embedding.data_ptr()) is buffers:
+                del self._buffers[buffers.embedding.data_ptr()]
+        self.release([buffers.lease.lease_id])
+
+    def _claim_buffers(self, emb: torch.Tensor | None) -> tuple[OutputBuffers | None, list[OutputBuffers]]:
+        """(the allocation holding ``emb``, every other allocation this thread made): this request's."""
+        if not self._buffers:
+            return None, []
+        me = threading.get_ident()
+        with self._buffers_lock:
+            own = self._buffers.pop(emb.data_ptr(), None) if emb is not None else None
+            rest = [k for k, b in self._buffers.items() if b.thread == me]
+            return own, [self._buffers.pop(k) for k in rest]
+
+    def release_pending(self) -> int:
+        """Ends the allocations the calling thread made and did not pass to ``transfer`` (the encoder failed)."""
+        _, stale = self._claim_buffers(None)
+        return self.release([b.lease.lease_id for b in stale])
+
     def transfer(self, request: pb.EncodeRequest, output: EncoderOutput) -> pb.EncodeResponse:
-        emb, splits, pos, extras = output.flatten()
+        buffers: OutputBuffers | None = None
+        stale: list[OutputBuffers] = []
+        try:
+            emb, splits, pos, extras = output.flatten()
+            buffers, stale = self._claim_buffers(emb)
+            return self._transfer(request, emb, splits, pos, extras, buffers)
+        finally:
+            # Exported in place: the lease now belongs to the reader. Otherwise the bytes were copied or
+            # serialized out of the buffers above (or the output was something else), so the allocation ends here.
+            ended = [b.lease.lease_id for b in stale]
+            if buffers is not None and not buffers.lease.exported:
+                ended.append(buffers.lease.lease_id)
+            if ended:
+                self.release(ended)
+
+    def _transfer(self, request: pb.EncodeRequest, emb: torch.Tensor | None, splits: list[int],
+                  pos: torch.Tensor | None, extras: list[torch.Tensor],
+                  buffers: OutputBuffers | None) -> pb.EncodeResponse:
         receipt = pb.EncodeResponse()
         receipt.worker.worker_id = self.worker_id
         receipt.worker.address = self.worker_address
@@ -186,7 +301,10 @@ class OutputTransport:
         exporter, why_not = self._rdma_choice(request, emb, pos, extras)
         if exporter is not None:
             t0 = time.perf_counter()
-            slots = self._try_export(exporter, emb, pos, extras)
+            if buffers is not None and buffers.matches(emb, pos, extras):
+                slots = self._try_publish(exporter, buffers, emb, pos)
+            else:
+                slots = self._try_export(exporter, emb, pos, extras)
             if slots is not None:
                 receipt.rdma_slots.extend(slots)
                 receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
@@ -225,6 +343,30 @@ class OutputTransport:
                 return None, Reason.EMPTY_EXPORT.value
         return exporter, None
 
+    def _try_publish(self, exporter: Any, buffers: OutputBuffers, emb: torch.Tensor,
+                     pos: torch.Tensor | None) -> list[pb.RdmaSlot] | None:
+        """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
+        try:
+            desc = exporter.export_allocated(buffers.lease)
+            slot = pb.RdmaSlot(descriptor=desc.to_bytes())
+            slot.roles.append(pb.EMBEDDING)
+            if pos is not None:
+                slot.roles.append(pb.POS_ID)
+        except Exception as exc:
+            self._count_degrade(exc, 0)
+            return None
+        self.metrics.bytes.labels("encoder", "rdma", "embedding").inc(emb.numel() * emb.element_size())
+        if pos is not None:
+            self.metrics.bytes.labels("encoder", "rdma", "pos_id").inc(pos.numel() * pos.element_size())
+        return [slot]
+
+    def _count_degrade(self, exc: BaseException, rolled_back: int) -> None:
+        reason = exc.reason.value if isinstance(exc, TensorwireError) else Reason.EXPORT_FAILED.value
+        self.metrics.fallbacks.labels("encoder", reason).inc()
+        self._rl.log(logging.WARNING, "export-" + reason,
+                     "RDMA export failed (%s: %s); rolled back %d lease(s), answering inline",
+                     type(exc).__name__, exc, rolled_back)
+
     def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
                     extras: list[torch.Tensor]) -> list[pb.RdmaSlot] | None:
         descs: list[Any] = []
@@ -250,7 +392,6 @@ class OutputTransport:
                     self.metrics.bytes.labels("encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
-            reason = exc.reason.value if isinstance(exc, TensorwireError) else Reason.EXPORT_FAILED.value
             lease_ids = [d.lease_id for d in descs if getattr(d, "lease_id", "")]
             if lease_ids:
                 try:
@@ -258,10 +399,7 @@ class OutputTransport:
                 except Exception as rexc:
                     self.metrics.errors.labels("encoder", "rdma_release_error").inc()
                     log.warning("rollback of %d lease(s) failed: %r; the TTL GC reclaims them", len(lease_ids), rexc)
-            self.metrics.fallbacks.labels("encoder", reason).inc()
-            self._rl.log(logging.WARNING, "export-" + reason,
-                         "RDMA export failed (%s: %s); rolled back %d lease(s), answering inline",
-                         type(exc).__name__, exc, len(lease_ids))
+            self._count_degrade(exc, len(lease_ids))
             return None
 
     def discard(self, receipt: pb.EncodeResponse) -> int:
@@ -309,4 +447,4 @@ class OutputTransport:
         self.close()
 
 
-__all__ = ["OutputTransport", "ExporterState", "plan_slots"]
+__all__ = ["OutputTransport", "OutputBuffers", "ExporterState", "plan_slots"]

@@ -73,6 +73,7 @@ class EncoderService:
             output = self._encode_fn(inputs)
         except Exception as exc:
             error = exc
+            self.transport.release_pending()  # output buffers the encoder allocated before failing
         if error is not None:
             self.transport.metrics.errors.labels("encoder", wire.status_for(error)[1].value).inc()
             log.warning("encode_fn failed on %d input(s): %r", len(inputs), error)

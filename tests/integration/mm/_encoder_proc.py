@@ -33,14 +33,26 @@ class ReleasingTransport(OutputTransport):
         return receipt
 
 
-def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: bool, q: Any, stop: Any) -> None:
+def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: bool, q: Any, stop: Any,
+        zero_copy: bool = False) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     output = make_output(seed, rows, cols)
+    transport = (ReleasingTransport if releasing else OutputTransport)(cfg)
 
     def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
-        return output
+        if not zero_copy:
+            return output
+        # The producer writes its result straight into slot memory (no extra inputs: they take the copy path).
+        emb, pos = output.embeddings, output.position_ids
+        assert isinstance(emb, torch.Tensor) and isinstance(pos, torch.Tensor)
+        bufs = transport.allocate_output(emb.shape[0], emb.shape[1], emb.dtype, position_cols=pos.shape[1])
+        if bufs is None:
+            return EncoderOutput(embeddings=emb, split_sizes=rows, position_ids=pos)
+        bufs.embedding.copy_(emb)
+        assert bufs.position_ids is not None
+        bufs.position_ids.copy_(pos)
+        return EncoderOutput(embeddings=bufs.embedding, split_sizes=rows, position_ids=bufs.position_ids)
 
-    transport = (ReleasingTransport if releasing else OutputTransport)(cfg)
     server = serve_encoder(encode_fn, cfg, "127.0.0.1:0", transport=transport)
     try:
         ready = transport.wait_ready(30)
@@ -53,10 +65,10 @@ def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: 
 
 
 def start(cfg: TransportConfig, *, seed: int = 0, rows: list[int] | None = None, cols: int = 64,
-          releasing: bool = False) -> tuple[Any, Any, Any, int]:
+          releasing: bool = False, zero_copy: bool = False) -> tuple[Any, Any, Any, int]:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop), daemon=True)
+    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop, zero_copy), daemon=True)
     p.start()
     kind, port, ready = q.get(timeout=90)
     assert kind == "port" and ready, "encoder exporter did not become ready"

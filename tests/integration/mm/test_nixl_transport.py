@@ -76,6 +76,35 @@ def test_rdma_success_path_over_nixl() -> None:
     assert stats.get("live_leases") == 0 and stats.get("releases", 0) >= 3 and stats.get("gc_reclaims", 0) == 0
 
 
+def test_zero_copy_output_over_nixl() -> None:
+    # The encoder writes into allocate_output() buffers; transfer() publishes that slot without an export copy.
+    cfg = TransportConfig(worker_id="nixl-zc")
+    p, q, stop, port = start(cfg, seed=5, zero_copy=True)
+    events: list[str] = []
+    reg = CollectorRegistry()
+    ref = make_output(5, [3, 5], 64)
+    try:
+        with client(port, cfg, events, reg) as c:
+            for _ in range(3):
+                out = c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])
+                assert out.plane is Plane.RDMA and out.fallback_reason is None
+                assert out.split_sizes == [3, 5] and out.extra_inputs == []
+                assert same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
+                assert same_bits(torch.cat(out.position_ids), ref.position_ids)  # type: ignore[arg-type]
+            wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
+                                                   {"mode": "async", "outcome": "ok"}) or 0) >= 3)
+        with RemoteOutputTransport(f"127.0.0.1:{port}", TransportConfig(mode="grpc"),
+                                   metrics=TransportMetrics(CollectorRegistry())) as g:
+            out = g.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])  # allocated, then answered inline
+            assert out.plane is Plane.INLINE and same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
+    finally:
+        stats = finish(p, q, stop)
+    # 4 allocations: 3 published in place (the only exports: no copy path ran) and 1 released after the inline
+    # answer; none left for the GC.
+    assert stats.get("allocations") == 4 and stats.get("exports") == 3, stats
+    assert stats.get("live_leases") == 0 and stats.get("gc_reclaims", 0) == 0, stats
+
+
 def test_failure_path_over_nixl_in_exact_order() -> None:
     cfg = TransportConfig(worker_id="nixl-w1")
     p, q, stop, port = start(cfg, seed=12, releasing=True)  # leases die before the read: a real stale read
