@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long demo proto bench clean fuzz soak load
+.PHONY: install test test-gpu test-long demo proto clean fuzz soak load
 
 install: $(STAMP)
 
