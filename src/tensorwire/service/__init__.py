@@ -11,8 +11,7 @@ grpc, torch and the encoders are imported when a name is first used, so ``import
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tensorwire._lazy import lazy_exports
 
 _LAZY = {
     "EncoderWorker": "tensorwire.service._worker",
@@ -32,10 +31,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensorwire.service' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports('tensorwire.service', _LAZY, globals())

@@ -10,8 +10,7 @@ Heavy imports (torch, grpc, the encoder) happen when a name is first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from tensorwire._lazy import lazy_exports
 
 _LAZY = {
     "SoakConfig": "tensorwire.soak._config",
@@ -26,10 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensorwire.soak' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports('tensorwire.soak', _LAZY, globals())
