@@ -118,13 +118,6 @@ def _gc_reader(exporter: Any) -> Callable[[], float]:
     return reclaimed
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
 def _align_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
@@ -236,14 +229,13 @@ class OutputTransport:
         specs: list[tuple[tuple[int, ...], torch.dtype]] = [((int(rows), int(hidden)), dtype)]
         if position_cols:
             specs.append(((int(rows), int(position_cols)), position_dtype))
-        align = int(self.config.rdma.slot_align)
-        footprint = sum(_align_up(_numel(shape) * torch.empty(0, dtype=dt).element_size(), align) for shape, dt in specs)
-        if rows <= 0 or footprint > int(self.config.rdma.max_slot_bytes):
+        if rows <= 0:
             return None
         try:
             lease, tensors = exporter.allocate(specs)
         except TensorwireError as exc:
-            self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
+            if exc.reason is not Reason.SLOT_TOO_LARGE:  # too large for one slot: not a degrade, the copy path splits
+                self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
             return None
         buffers = OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease, threading.get_ident())
         with self._buffers_lock:
