@@ -269,6 +269,10 @@ class OutputTransport:
         stale: list[OutputBuffers] = []
         try:
             emb, splits, pos, extras = output.flatten()
+        except Exception:
+            self.release_pending()  # an inconsistent output still ends this request's allocations
+            raise
+        try:
             buffers, stale = self._claim_buffers(emb)
             return self._transfer(request, emb, splits, pos, extras, buffers)
         finally:

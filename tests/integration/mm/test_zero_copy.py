@@ -12,6 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from tensorwire.errors import InvalidPayload
 from tensorwire.mm import EncoderOutput, OutputBuffers, OutputTransport, TransportConfig, TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.rdma import Descriptor, has_rdma
@@ -70,6 +71,12 @@ def test_other_paths_release_the_allocation(transport: OutputTransport) -> None:
     assert not r.rdma_slots and r.embedding.data == expected.numpy().tobytes()
     # The encoder failed after allocating.
     transport.release_output(transport.allocate_output(2, 8, torch.float32))  # type: ignore[arg-type]
+    assert live(transport) == 0
+    # The encoder returned an inconsistent output (split sizes do not sum to the rows).
+    b = transport.allocate_output(4, 8, torch.float32)
+    assert b is not None
+    with pytest.raises(InvalidPayload):
+        transport.transfer(pb.EncodeRequest(support_rdma=True), EncoderOutput(embeddings=b.embedding, split_sizes=[3]))
     assert live(transport) == 0
 
 
