@@ -179,3 +179,25 @@ def test_reader_killed_mid_read_leaks_nothing_on_the_owner() -> None:
 def test_idle_owner_uses_little_cpu(owner: OwnerProcess) -> None:
     # A correctness guard for the progress-thread fix (a spinning agent uses ~100% of a core), not a benchmark.
     assert owner.idle_cpu(1.0) < 0.5
+
+
+def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reader: TensorReader) -> None:
+    """Completed READ requests are posted again for recurring (slot, slot) pairs: each read must still fetch the
+    slot's current bytes, and a stale descriptor must still fail its generation check."""
+    before = reader.stats()
+    seen_slots = set()
+    stale = None
+    for seed in range(6):
+        raw, _ = owner.export([((64 * KIB,), "uint8", 300 + seed)])
+        d = Descriptor.from_bytes(raw)
+        seen_slots.add(d.slot_addr)
+        (out,) = reader.read([d])
+        assert same_bytes(out, make_tensor((64 * KIB,), "uint8", 300 + seed)), seed
+        owner.release([d.lease_id])
+        stale = d
+    assert len(seen_slots) < 6  # the owner's pool reused a slot, so some requests recurred
+    after = reader.stats()
+    assert after["xfer_reposts"] > before["xfer_reposts"]
+    assert stale is not None
+    with pytest.raises(LeaseExpired):
+        reader.read([stale])

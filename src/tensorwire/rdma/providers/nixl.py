@@ -15,6 +15,9 @@
   still in progress then is returned as a ``PendingTransfer`` on the ``ReadTimeout`` (destination quarantined by
   the reader until NIXL reports it done or failed).
 - Transport: the first READ to each owner runs under ``_ucx_probe.capture_stdout`` to learn the UCX transport.
+- Reposting: a completed READ request is kept (``_xfer_cache``) and posted again when the same (local ranges,
+  owner, remote ranges) recur, which pooled slots make the common case. Entries are dropped before the local
+  memory they name is deregistered and when an owner is forgotten or reloaded.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError,
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
 from tensorwire.rdma.providers import _metadata, _ucx_env, _ucx_probe
+from tensorwire.rdma.providers._xfer_cache import XferCache, XferEntry
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
 
 log = logging.getLogger(__name__)
@@ -114,6 +118,7 @@ class NixlProvider(Provider):
         self._next_sweep = time.monotonic() + min(self._idle_forget_s, 10.0)
         self._closed = False
         self._counts = {"metadata_fetches": 0, "peer_disconnects": 0, "nixl_read_errors": 0, "idle_owners_forgotten": 0}
+        self._xfers = XferCache()
         log.info("NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
                  self._agent_name, role, config.device, config.progress_delay_us, env)
 
@@ -157,6 +162,9 @@ class NixlProvider(Provider):
     def deregister(self, reg: Registration) -> None:
         if self._closed:
             return
+        # Requests naming this memory (as local side) must go before the registration does.
+        lo, hi = reg.addr, reg.addr + reg.nbytes
+        self._xfers.invalidate(lambda key: any(lo < a + n and a < hi for a, n, _dev in key[3]))
         with self._reg_lock:
             self._agent.deregister_memory(reg.handle)
 
@@ -253,24 +261,29 @@ class NixlProvider(Provider):
                             reason=Reason.METADATA_UNAVAILABLE)
         # An epoch below the descriptor's (a forged or racing descriptor) is kept as is: the next such read refetches.
         rem.epoch = epoch
+        self._xfers.invalidate(lambda key: key[0] == rem.name and key[1] != epoch)
 
     def _transfer(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
                   remote: Sequence[Range], deadline: float) -> None:
         agent = self._agent
-        handles: list[Any] = []
-        xfer = None
+        key = (rem.name, rem.epoch, local_mem, tuple(map(tuple, local)), remote_mem, tuple(map(tuple, remote)))
+        token = self._xfers.token()
+        cached = self._xfers.take(key)
+        handles: list[Any] = cached.handles if cached is not None else []
+        xfer = cached.xfer if cached is not None else None
         try:
-            try:
-                handles.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", list(local), local_mem))
-                handles.append(agent.prep_xfer_dlist(rem.name, list(remote), remote_mem))
-            except Exception as exc:
-                if _is(exc, "NotFound"):
-                    raise LeaseExpired(
-                        f"{owner.agent_name} has no registered memory at the descriptor's range (slot released and "
-                        "freed, or a bad address)", reason=Reason.LEASE_EXPIRED) from exc
-                raise self._translate(exc, rem, owner) from exc
-            idx = list(range(len(local)))
-            xfer = agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx)
+            if xfer is None:
+                try:
+                    handles.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", list(local), local_mem))
+                    handles.append(agent.prep_xfer_dlist(rem.name, list(remote), remote_mem))
+                except Exception as exc:
+                    if _is(exc, "NotFound"):
+                        raise LeaseExpired(
+                            f"{owner.agent_name} has no registered memory at the descriptor's range (slot released "
+                            "and freed, or a bad address)", reason=Reason.LEASE_EXPIRED) from exc
+                    raise self._translate(exc, rem, owner) from exc
+                idx = list(range(len(local)))
+                xfer = agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx)
             state = agent.transfer(xfer)
             spin_until = time.monotonic() + _SPIN_S
             sleep_s = 0.00005
@@ -294,6 +307,8 @@ class NixlProvider(Provider):
                 self._forget(rem.name)
                 self._counts["nixl_read_errors"] += 1
                 raise ReadError(f"READ from {owner.agent_name} failed (state {state})", reason=Reason.RDMA_READ_ERROR)
+            self._xfers.put(key, XferEntry(xfer, handles), token)  # completed: may be posted again
+            xfer, handles = None, []
         except (ReadError, ClosedError):
             raise
         except Exception as exc:
@@ -318,6 +333,7 @@ class NixlProvider(Provider):
                          reason=Reason.RDMA_READ_ERROR)
 
     def _forget(self, name: str) -> None:
+        self._xfers.invalidate(lambda key: key[0] == name)
         with self._remotes_lock:
             self._remotes.pop(name, None)
         try:
@@ -348,6 +364,8 @@ class NixlProvider(Provider):
         out: dict[str, Any] = dict(self._counts)
         out["transport"] = self.transport()
         out["known_owners"] = len(self._remotes)
+        out["xfer_reposts"] = self._xfers.hits
+        out["xfer_preps"] = self._xfers.misses
         if self._server is not None:
             out["metadata_served"] = self._server.served
         return out
@@ -358,6 +376,7 @@ class NixlProvider(Provider):
         self._closed = True
         if self._server is not None:
             self._server.close()
+        self._xfers.clear()
         for name in list(self._remotes):
             try:
                 self._agent.remove_remote_agent(name)
