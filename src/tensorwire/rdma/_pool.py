@@ -128,6 +128,9 @@ class Slot:
     gen_index: int = -1
     busy: bool = False
     array: Any = field(default=None, repr=False)  # the numpy owner of host memory (numpy_backed pools)
+    # A CUDA event recorded when a loaned device slot came back (the reader's device loans): the caller's last
+    # kernels on it may still be queued, so the next READ into the slot waits for it first.
+    ready: Any = field(default=None, repr=False)
 
     @property
     def addr(self) -> int:

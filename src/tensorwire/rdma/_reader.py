@@ -1,13 +1,18 @@
 """``TensorReader``: validates descriptors, READs the slots, checks generations, returns owned tensors.
 
-Destinations: a payload below ``LARGE_READ_BYTES`` (and every payload on CUDA, where a device copy is cheap) lands
-in a pooled registered buffer and is cloned out. A larger host payload is READ into a *loaned* registered buffer
-and the result tensors are views of it (``torch.from_numpy``): no second copy of hundreds of MiB, no page faults
-and no registration per read. The loan ends when the caller drops the last result tensor (``weakref.finalize``
-on the numpy view backing them), and the buffer goes back to its pool still registered. The tensors of one
-descriptor share that storage; they outlive the reader, later reads and the remote lease (at ``close`` the loaned
-buffers are deregistered but stay allocated while referenced). When loans exceed their share of the cap, large
-reads fall back to fresh result tensors registered for the one read.
+Destinations: a payload below ``LARGE_READ_BYTES`` lands in a pooled registered buffer and is cloned out. A
+larger payload is READ into a *loaned* registered buffer and the result tensors are views of it: no second copy
+of hundreds of MiB (on the H200 the clone of 112.7 MB cost as much as the READ itself), no page faults and no
+registration per read. Host loans are numpy views (``torch.from_numpy``); device loans are small objects exposing
+``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the tensor's storage). The loan ends
+when the caller drops the last result tensor (``weakref.finalize`` on that object), and the buffer goes back to
+its pool still registered. A device loan records a CUDA event on the dropping thread's current stream when it
+comes back, and the next READ into that buffer waits for the event: like the caching allocator, work the caller
+queued on that stream before dropping the tensor is safe; work on other streams needs ``record_stream``-style
+care (keep the tensor until it is done). The tensors of one descriptor share that storage; they outlive the
+reader, later reads and the remote lease (at ``close`` the loaned buffers are deregistered but stay allocated
+while referenced). When loans exceed their share of the cap, large host reads fall back to fresh result tensors
+registered for the one read, large device reads to the pooled buffer and a clone.
 After a ``ReadTimeout`` the destinations are quarantined until the provider reports the transfer finished; a
 quarantined pooled buffer is never handed out again before that, and a fresh tensor is never returned.
 """
@@ -69,7 +74,9 @@ class _GenScratch:
         with self._lock:
             if len(self._free) < n:
                 raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR)
-            cells, self._free = self._free[:n], self._free[n:]
+            # LIFO: the same few cells recur, so the provider can repost its prepared generation READs.
+            cells = self._free[len(self._free) - n:]
+            del self._free[len(self._free) - n:]
         for c in cells:
             self.words[c] = 0
         return cells
@@ -98,6 +105,7 @@ class TensorReader:
         self._loans: SlotPool | None = None
         self._staging: SlotPool | None = None
         self._scratch: _GenScratch | None = None
+        self._device_loans = True
         try:
             self._device = torch.device(self._cfg.device)
             self._mem_type = "VRAM" if self._device.type == "cuda" else "DRAM"
@@ -255,7 +263,7 @@ class TensorReader:
         pool = self._staging if staged else self._pool
         assert pool is not None
         slot: Slot | None = None
-        loan: Any = None  # numpy view of a loaned slot; its finalizer returns the slot
+        loan: Any = None  # the object whose finalizer returns a loaned slot (see _loan_tensor)
         regs: list[Registration] = []
         results: list[torch.Tensor] = []
         local: list[Range] = []
@@ -264,26 +272,21 @@ class TensorReader:
         cells = self._scratch.take(1)
         finished = False
         try:
-            if host and d.payload_bytes >= LARGE_READ_BYTES:
-                try:
-                    loaned = self._loans.acquire(d.payload_bytes)
-                except PoolExhausted:
-                    loaned = None
-                if loaned is not None:
-                    loan = loaned.array[:d.payload_bytes]
-                    weakref.finalize(loan, self._loans.release, loaned)
-                    base = torch.from_numpy(loan)
-                    results = [_view(base, m) for m in d.manifest]
-                    local.append((loaned.addr, d.payload_bytes, dev))
-                    remote.append((d.slot_addr, d.payload_bytes, d.device_id))
-                else:
-                    for m in d.manifest:
-                        t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-                        results.append(t)
-                        if m.nbytes:
-                            regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
-                            local.append((t.data_ptr(), m.nbytes, dev))
-                            remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
+            loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
+            base = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
+            if base is not None:
+                base, loan = base
+                results = [_view(base, m) for m in d.manifest]
+                local.append((loaned.addr, d.payload_bytes, dev))
+                remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+            elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
+                for m in d.manifest:
+                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                    results.append(t)
+                    if m.nbytes:
+                        regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
+                        local.append((t.data_ptr(), m.nbytes, dev))
+                        remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
             else:
                 slot = pool.acquire(d.payload_bytes)
                 local.append((slot.addr, d.payload_bytes, 0 if staged else dev))
@@ -323,6 +326,55 @@ class TensorReader:
                 self._scratch.give_back(cells)
             if not finished:
                 results.clear()
+
+    def _loan(self, nbytes: int) -> Slot | None:
+        """A loaned buffer for a large READ, or None when loans are at their share of the cap."""
+        assert self._loans is not None
+        if not self._device_loans:
+            return None
+        try:
+            slot = self._loans.acquire(nbytes)
+        except PoolExhausted:
+            return None
+        if slot.ready is not None:  # the previous borrower's queued kernels may still read it
+            slot.ready.synchronize()
+            slot.ready = None
+        return slot
+
+    def _loan_tensor(self, slot: Slot, nbytes: int) -> tuple[torch.Tensor, Any] | None:
+        """(a uint8 tensor over the loaned bytes, the object whose finalizer gives the slot back); None (slot given
+        back, device loans switched off) when torch cannot wrap device memory this way."""
+        assert self._loans is not None
+        if self._device.type == "cpu":
+            loan = slot.array[:nbytes]
+            weakref.finalize(loan, self._loans.release, slot)
+            return torch.from_numpy(loan), loan
+        try:
+            loan = _DeviceLoan(slot.addr, nbytes)
+            base = torch.as_tensor(loan, device=self._device)
+            if base.data_ptr() != slot.addr or base.numel() != nbytes:
+                raise RuntimeError(f"torch wrapped {base.numel()} bytes at {base.data_ptr():#x}, not the loan")
+        except Exception as exc:
+            self._loans.release(slot)
+            self._device_loans = False
+            log.warning("device loans off (reads clone out of pooled buffers instead): %r", exc)
+            return None
+        weakref.finalize(loan, self._end_device_loan, slot)
+        return base, loan
+
+    def _end_device_loan(self, slot: Slot) -> None:
+        assert self._loans is not None
+        try:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+            slot.ready = event
+        except Exception:  # no event, no ordering: wait for the device instead of risking an overwrite
+            slot.ready = None
+            try:
+                torch.cuda.synchronize(self._device)
+            except Exception:
+                log.debug("device sync at loan return failed", exc_info=True)
+        self._loans.release(slot)
 
     def _clone_out(self, buf: torch.Tensor, m: TensorMeta, staged: bool = False) -> torch.Tensor:
         src = _view(buf, m)
@@ -366,6 +418,16 @@ class TensorReader:
             if not still or time.monotonic() >= end:
                 return
             time.sleep(0.005)
+
+
+class _DeviceLoan:
+    """``nbytes`` of device memory at ``ptr`` as a CUDA array interface; the tensor built on it keeps it alive."""
+
+    __slots__ = ("__cuda_array_interface__", "__weakref__")
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 2}
 
 
 def _view(buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:

@@ -173,3 +173,44 @@ def test_gpu_owner_host_reader(owner: OwnerProcess) -> None:
             assert t.device.type == "cpu"
             assert same_bytes(t, make_tensor(shape, dt, seed))
         owner.release([Descriptor.from_bytes(raw).lease_id])
+
+
+def test_large_vram_reads_are_loaned_and_come_back(owner: OwnerProcess, reader: TensorReader) -> None:
+    """A large read returns views of a registered device buffer (no clone); dropping them gives the buffer back,
+    and the next read into it sees its own bytes."""
+    import gc
+
+    specs = [((8 * MIB,), "uint8", 11)]
+    raw, _ = owner.export(specs)
+    d = Descriptor.from_bytes(raw)
+    before = reader.stats()["loaned_slots"]
+    (t,) = reader.read([d])
+    assert reader.stats()["loaned_slots"] == before + 1
+    assert t.device == torch.device(reader.config.device)
+    assert same_bytes(t.cpu(), make_tensor((8 * MIB,), "uint8", 11))
+    owner.release([d.lease_id])
+    del t
+    gc.collect()
+    assert reader.stats()["loaned_slots"] == before
+    raw2, _ = owner.export([((8 * MIB,), "uint8", 12)])
+    (t2,) = reader.read([raw2])
+    assert same_bytes(t2.cpu(), make_tensor((8 * MIB,), "uint8", 12))
+    owner.release([Descriptor.from_bytes(raw2).lease_id])
+
+
+def test_loan_returned_with_queued_kernels_is_not_overwritten(owner: OwnerProcess, reader: TensorReader) -> None:
+    """The caller queues work that reads a loaned tensor, then drops the tensor at once: the next READ into that
+    buffer must wait for the queued work (event recorded at return), so the work sees the old bytes."""
+    dev = torch.device(reader.config.device)
+    raw_a, _ = owner.export([((64 * MIB,), "uint8", 21)])
+    raw_b, _ = owner.export([((64 * MIB,), "uint8", 22)])
+    (t,) = reader.read([raw_a])
+    with torch.cuda.device(dev):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued on the current stream before the copy
+        copy = t.clone()
+    del t  # the loan comes back while the clone is still queued
+    (t2,) = reader.read([raw_b])
+    torch.cuda.synchronize(dev)
+    assert same_bytes(copy.cpu(), make_tensor((64 * MIB,), "uint8", 21))
+    assert same_bytes(t2.cpu(), make_tensor((64 * MIB,), "uint8", 22))
+    owner.release([Descriptor.from_bytes(raw_a).lease_id, Descriptor.from_bytes(raw_b).lease_id])
