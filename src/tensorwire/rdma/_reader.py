@@ -39,7 +39,7 @@ from tensorwire.errors import (
     Reason,
 )
 from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma._descriptor import Descriptor, TensorMeta
+from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
 from tensorwire.rdma._pool import Slot, SlotPool
 from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provider, Range, Registration
@@ -162,10 +162,8 @@ class TensorReader:
         if timeout <= 0:
             raise ReadTimeout(f"read budget {timeout} ms is already exhausted", reason=Reason.READ_TIMEOUT)
         self._drain_quarantine()
-        out: list[torch.Tensor] = []
         try:
-            for d in descs:
-                out.extend(self._read_one(d, deadline))
+            out = self._read_batch(descs, deadline)
         except ReadTimeout:
             self._count("read_timeouts", 1)
             raise
@@ -252,80 +250,99 @@ class TensorReader:
             raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
         return out
 
-    def _read_one(self, d: Descriptor, deadline: float) -> list[torch.Tensor]:
-        assert self._provider is not None and self._pool is not None and self._scratch is not None
-        assert self._loans is not None
+    def _read_batch(self, descs: list[Descriptor], deadline: float) -> list[torch.Tensor]:
+        """All descriptors in as few transfers as possible: one payload READ per (owner, memory pair), then, once
+        every payload READ completed, one generation READ per owner (see _pool's module docstring)."""
+        assert self._provider is not None and self._scratch is not None
+        cells = self._scratch.take(len(descs))
+        dests: list[_Dest] = []
+        out: list[torch.Tensor] = []
+        finished = False
+        try:
+            for d, cell in zip(descs, cells):
+                dests.append(self._destination(d, cell))
+            for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
+                local = [r for x in group for r in x.local]
+                if local:
+                    self._provider.read(owner, local_mem, local, remote_mem, [r for x in group for r in x.remote],
+                                        deadline=deadline)
+            for owner, _, _, group in _groups(dests, by_memory=False):
+                self._provider.read(owner, "DRAM", [(self._scratch.addr(x.cell), 8, 0) for x in group],
+                                    "DRAM", [(x.d.generation_addr, 8, 0) for x in group], deadline=deadline)
+            for x in dests:
+                current = int(self._scratch.words[x.cell])
+                if current != x.d.generation:
+                    raise LeaseExpired(
+                        f"lease {x.d.lease_id}: slot generation is {current}, descriptor has {x.d.generation}; the "
+                        "lease was released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
+            for x in dests:
+                if x.slot is not None:
+                    x.results = [self._clone_out(x.slot.tensor, m, x.staged) for m in x.d.manifest]
+                _check_results(x.d, x.results)
+                out.extend(x.results)
+                self._count("read_bytes", x.d.nbytes)
+            finished = True
+            return out
+        except ReadTimeout as exc:
+            pending = getattr(exc, "pending", None)
+            if pending is not None:
+                # Which transfer is still writing is not worth tracking: every destination of the batch waits.
+                self._count("quarantined", 1)
+                q = _Quarantined(pending=pending,
+                                 slots=[(x.pool, x.slot) for x in dests if x.slot is not None and x.pool is not None],
+                                 regs=[r for x in dests for r in x.regs],
+                                 keep=[[t for x in dests for t in x.results], list(cells), [x.loan for x in dests]])
+                with self._lock:
+                    self._quarantine.append(q)
+                for x in dests:
+                    x.slot, x.regs = None, []
+                cells = []
+            raise
+        finally:
+            for x in dests:
+                if x.slot is not None and x.pool is not None:
+                    x.pool.release(x.slot)
+                for r in x.regs:
+                    self._provider.deregister(r)
+            if cells:
+                self._scratch.give_back(cells)
+            if not finished:  # the traceback keeps this frame alive: drop what would keep loans out
+                out = []
+                for x in dests:
+                    x.results.clear()
+                    x.loan = None
+
+    def _destination(self, d: Descriptor, cell: int) -> _Dest:
+        """Where ``d``'s payload lands: a loaned buffer, fresh registered tensors, or a pooled buffer to clone from."""
+        assert self._provider is not None and self._pool is not None
         host = self._device.type == "cpu"
         # Host-memory owner, GPU reader: UCX cannot READ host memory of another process straight into GPU memory
         # over CMA, so the bytes land in a registered host buffer and are copied to the device afterwards.
         staged = not host and d.mem_type == "DRAM"
-        local_mem = "DRAM" if staged else self._mem_type
-        pool = self._staging if staged else self._pool
-        assert pool is not None
-        slot: Slot | None = None
-        loan: Any = None  # the object whose finalizer returns a loaned slot (see _loan_tensor)
-        regs: list[Registration] = []
-        results: list[torch.Tensor] = []
-        local: list[Range] = []
-        remote: list[Range] = []
+        x = _Dest(d=d, cell=cell, staged=staged, local_mem="DRAM" if staged else self._mem_type)
         dev = self._cfg.device_index
-        cells = self._scratch.take(1)
-        finished = False
-        try:
-            loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
-            base = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
-            if base is not None:
-                base, loan = base
-                results = [_view(base, m) for m in d.manifest]
-                local.append((loaned.addr, d.payload_bytes, dev))
-                remote.append((d.slot_addr, d.payload_bytes, d.device_id))
-            elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
-                for m in d.manifest:
-                    t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
-                    results.append(t)
-                    if m.nbytes:
-                        regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
-                        local.append((t.data_ptr(), m.nbytes, dev))
-                        remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
-            else:
-                slot = pool.acquire(d.payload_bytes)
-                local.append((slot.addr, d.payload_bytes, 0 if staged else dev))
-                remote.append((d.slot_addr, d.payload_bytes, d.device_id))
-            if local:
-                self._provider.read(d.owner, local_mem, local, d.mem_type, remote, deadline=deadline)
-            # Only after the payload READ completed: the generation READ (see _pool's module docstring).
-            self._provider.read(d.owner, "DRAM", [(self._scratch.addr(cells[0]), 8, 0)],
-                                "DRAM", [(d.generation_addr, 8, 0)], deadline=deadline)
-            current = int(self._scratch.words[cells[0]])
-            if current != d.generation:
-                raise LeaseExpired(
-                    f"lease {d.lease_id}: slot generation is {current}, descriptor has {d.generation}; the lease was "
-                    "released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
-            if slot is not None:
-                results = [self._clone_out(slot.tensor, m, staged) for m in d.manifest]
-            _check_results(d, results)
-            self._count("read_bytes", d.nbytes)
-            finished = True
-            return results
-        except ReadTimeout as exc:
-            pending = getattr(exc, "pending", None)
-            if pending is not None:
-                self._count("quarantined", 1)
-                q = _Quarantined(pending=pending, slots=[(pool, slot)] if slot else [], regs=regs,
-                                 keep=[list(results), list(cells), loan])
-                with self._lock:
-                    self._quarantine.append(q)
-                slot, regs, cells = None, [], []
-            raise
-        finally:
-            if slot is not None:
-                pool.release(slot)
-            for r in regs:
-                self._provider.deregister(r)
-            if cells:
-                self._scratch.give_back(cells)
-            if not finished:
-                results.clear()
+        loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
+        wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
+        if wrapped is not None:
+            base, x.loan = wrapped
+            x.results = [_view(base, m) for m in d.manifest]
+            x.local.append((loaned.addr, d.payload_bytes, dev))  # type: ignore[union-attr]
+            x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+        elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
+            for m in d.manifest:
+                t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
+                x.results.append(t)
+                if m.nbytes:
+                    x.regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
+                    x.local.append((t.data_ptr(), m.nbytes, dev))
+                    x.remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
+        else:
+            x.pool = self._staging if staged else self._pool
+            assert x.pool is not None
+            x.slot = x.pool.acquire(d.payload_bytes)
+            x.local.append((x.slot.addr, d.payload_bytes, 0 if staged else dev))
+            x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+        return x
 
     def _loan(self, nbytes: int) -> Slot | None:
         """A loaned buffer for a large READ, or None when loans are at their share of the cap."""
@@ -418,6 +435,34 @@ class TensorReader:
             if not still or time.monotonic() >= end:
                 return
             time.sleep(0.005)
+
+
+@dataclass(eq=False)
+class _Dest:
+    """One descriptor's destination within a batched read."""
+
+    d: Descriptor
+    cell: int  # generation scratch cell
+    staged: bool
+    local_mem: str
+    pool: SlotPool | None = None  # with slot: a pooled buffer the results are cloned out of
+    slot: Slot | None = None
+    loan: Any = None  # the object whose finalizer returns a loaned slot (see _loan_tensor)
+    regs: list[Registration] = field(default_factory=list)
+    results: list[torch.Tensor] = field(default_factory=list)
+    local: list[Range] = field(default_factory=list)
+    remote: list[Range] = field(default_factory=list)
+
+
+def _groups(dests: list[_Dest], *, by_memory: bool) -> list[tuple[Owner, str, str, list[_Dest]]]:
+    """Destinations grouped per owner agent (and memory pair), in first-seen order; each group's Owner is the one
+    with the newest registration epoch, so the provider refreshes stale metadata once for the whole group."""
+    groups: dict[tuple[str, str, str], list[_Dest]] = {}
+    for x in dests:
+        key = (x.d.owner.agent_name, x.local_mem, x.d.mem_type) if by_memory else (x.d.owner.agent_name, "", "")
+        groups.setdefault(key, []).append(x)
+    return [(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k[1], k[2], g)
+            for k, g in groups.items()]
 
 
 class _DeviceLoan:

@@ -201,3 +201,26 @@ def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reade
     assert stale is not None
     with pytest.raises(LeaseExpired):
         reader.read([stale])
+
+
+def test_batched_read_uses_one_payload_and_one_generation_transfer(owner: OwnerProcess, reader: TensorReader) -> None:
+    specs = [[((4096 * (i + 1),), "float32", 400 + i)] for i in range(4)] + [[((5 * MIB,), "uint8", 409)]]
+    raws = owner.export_batch(specs)
+
+    def transfers() -> int:
+        s = reader.stats()
+        return int(s["xfer_reposts"]) + int(s["xfer_preps"])
+
+    before = transfers()
+    out = reader.read(raws)
+    assert transfers() - before == 2  # five descriptors, one owner: one payload READ, then one generation READ
+    for t, [(shape, dt, seed)] in zip(out, specs):
+        assert same_bytes(t, make_tensor(shape, dt, seed))
+    # One stale descriptor fails the whole batch, and nothing of the batch stays borrowed.
+    owner.release([Descriptor.from_bytes(raws[2]).lease_id])
+    del out, t  # the loop variable holds the loaned 5 MiB tensor too
+    with pytest.raises(LeaseExpired):
+        reader.read(raws)
+    stats = reader.stats()
+    assert stats["buffer_busy_slots"] == 0 and stats["loaned_slots"] == 0
+    owner.release([Descriptor.from_bytes(r).lease_id for r in raws])
