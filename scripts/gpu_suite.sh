@@ -53,7 +53,7 @@ case "$GPUNAME" in *h200*) TAG="h200x$NGPU" ;; *) TAG="gpu${NGPU}" ;; esac
 RES=benchmarks/results
 
 # Seconds each step may take at most, and the minimum kept for it while earlier steps run.
-declare -A TMAX=([profile]=60 [versions]=45 [pytest]=180 [transfer]=120 [rdma]=90 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
+declare -A TMAX=([profile]=60 [versions]=45 [pytest]=180 [transfer]=180 [rdma]=120 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
 declare -A TMIN=([profile]=20 [versions]=10 [pytest]=60 [transfer]=60 [rdma]=30 [broadcast]=60 [demo]=40 [multigpu]=80 [tp_nccl]=80)
 SUMMARY=$WORK/summary.txt
 : > "$SUMMARY"

@@ -55,6 +55,50 @@ class _Memcpy:
         return time.perf_counter() - t0
 
 
+def _batched(owner: Any, reader: Any, cfg: Any, nbytes: int, n: int, iters: int) -> dict[str, Any]:
+    """``n`` descriptors of ``nbytes`` read by one ``read()`` call, against ``n`` back-to-back copies + one sync."""
+    import torch
+
+    from tensorwire.bench._common import summarize
+    from tensorwire.rdma import Descriptor
+    from tensorwire.testing import make_tensor, same_bytes
+
+    raws = owner.export_batch([[((nbytes,), "uint8", 40 + i)] for i in range(n)])
+    descs = [Descriptor.from_bytes(r) for r in raws]
+    first = reader.read(descs)
+    if not all(same_bytes(t.cpu(), make_tensor((nbytes,), "uint8", 40 + i)) for i, t in enumerate(first)):
+        raise SystemExit(f"byte mismatch in a batched read of {n} x {nbytes} bytes")
+    del first
+    copies = [_Memcpy(nbytes, cfg.device, huge=False) for _ in range(n)]
+    read_s, copy_s = [], []
+    for _ in range(iters):
+        if cfg.is_cuda:
+            torch.cuda.synchronize(cfg.device)
+        t0 = time.perf_counter()
+        out = reader.read(descs)
+        if cfg.is_cuda:
+            torch.cuda.synchronize(cfg.device)
+        read_s.append(time.perf_counter() - t0)
+        del out
+        if cfg.is_cuda:
+            torch.cuda.synchronize(cfg.device)
+        t0 = time.perf_counter()
+        for c in copies:
+            if cfg.is_cuda:
+                c.dst.copy_(c.src)
+            else:
+                ctypes.memmove(c.dst.data_ptr(), c.src.data_ptr(), nbytes)
+        if cfg.is_cuda:
+            torch.cuda.synchronize(cfg.device)
+        copy_s.append(time.perf_counter() - t0)
+    owner.release([d.lease_id for d in descs])
+    r = summarize(read_s)
+    read_gbps = n * nbytes / (r["median_ms"] / 1e3) / 1e9
+    copy_gbps = n * nbytes / statistics.median(copy_s) / 1e9
+    return {"descriptors": n, "read": r, "copy": summarize(copy_s), "read_gbps": read_gbps, "copy_gbps": copy_gbps,
+            "read_vs_copy": read_gbps / copy_gbps}
+
+
 def _self_cpu_fraction(seconds: float) -> float:
     from tensorwire.testing import cpu_seconds
 
@@ -70,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--idle-s", type=float, default=3.0, help="idle window for the CPU measurement")
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N' (GPU machines)")
+    parser.add_argument("--batch", type=int, default=4,
+                        help="for sizes >= 64 MiB also read this many descriptors per read() call (throughput), "
+                             "against as many back-to-back copies; 1 turns it off")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rdma-<machine>.json)")
     args = parser.parse_args(argv)
 
@@ -122,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                     huge_s.append(huge.once())
             del plain, huge
             owner.release([desc.lease_id])
+            batch = _batched(owner, reader, cfg, nbytes, args.batch, max(3, iters // 3)) \
+                if args.batch > 1 and nbytes >= 64 * MIB else None
             transport = reader.transport(desc)
             r = summarize(read_s)
             memcpy = nbytes / statistics.median(plain_s) / 1e9
@@ -138,10 +187,16 @@ def main(argv: list[str] | None = None) -> int:
                 "read_vs_hugepage_memcpy": gbps / memcpy_huge,
                 "transport": transport,
             }
+            if batch is not None:
+                row["batched"] = batch
             rows.append(row)
             print(f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  read {r['median_ms']:8.3f} ms "
                   f"(p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
                   f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]", flush=True)
+            if batch is not None:
+                print(f"{'':12}batched x{batch['descriptors']}: read {batch['read']['median_ms']:8.3f} ms "
+                      f"{batch['read_gbps']:7.2f} GB/s vs {batch['descriptors']} back-to-back copies "
+                      f"{batch['copy_gbps']:7.2f} GB/s  ratio {batch['read_vs_copy']:5.2f}", flush=True)
         owner_idle = owner.idle_cpu(args.idle_s)
         reader_idle = _self_cpu_fraction(args.idle_s)
         reader_stats = reader.stats()
@@ -160,9 +215,17 @@ def main(argv: list[str] | None = None) -> int:
         targets["read_1MiB_median_ms"] = {"value": med, "target": "< 1.0", "met": med < 1.0}
     targets["idle_cpu_owner"] = {"value": owner_idle, "target": "< 0.05", "met": owner_idle < 0.05}
     targets["idle_cpu_reader"] = {"value": reader_idle, "target": "< 0.05", "met": reader_idle < 0.05}
-    if 256 * MIB in by_size and cfg.is_cuda:
-        targets["read_256MiB_vs_d2d_copy"] = {"value": by_size[256 * MIB]["read_vs_memcpy"],
-                                              "target": "none (host-memory target only)", "met": None}
+    if cfg.is_cuda:
+        # Issue 6: read bandwidth >= 50% of the same run's device-to-device copy for payloads >= 64 MiB. Judged on
+        # throughput (a batch of descriptors per read() against as many back-to-back copies); the single-read
+        # ratio, which a fixed per-call cost dominates at these sizes on a GPU, is reported beside it.
+        for row in rows:
+            if row["bytes"] >= 64 * MIB and "batched" in row:
+                size = f"{row['bytes'] // MIB}MiB"
+                ratio = row["batched"]["read_vs_copy"]
+                targets[f"read_{size}_vs_d2d_copy_batched"] = {"value": ratio, "target": ">= 0.50", "met": ratio >= 0.5}
+                targets[f"read_{size}_vs_d2d_copy_single"] = {"value": row["read_vs_memcpy"],
+                                                              "target": "(informational)", "met": None}
     for name, t in targets.items():
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
         print(f"target {name}: {t['value']:.3f} {t['target']} -> {verdict}")
