@@ -166,7 +166,13 @@ class Descriptor:
     def validate(
         self, *, max_slot_bytes: int = RdmaConfig.max_slot_bytes, slot_align: int = RdmaConfig.slot_align
     ) -> None:
-        """Check every rule of the module docstring; raises ``InvalidDescriptor`` with a reason."""
+        """Check every rule of the module docstring; raises ``InvalidDescriptor`` with a reason.
+
+        The instance is immutable, so a pass is remembered per (max_slot_bytes, slot_align): a descriptor parsed by
+        the transport and then read is checked once (this costs ~50 us of Python on a slow host)."""
+        limits = (max_slot_bytes, slot_align)
+        if self.__dict__.get("_valid_for") == limits:
+            return
         try:
             _validate(self, max_slot_bytes, slot_align)
         except InvalidDescriptor:
@@ -174,6 +180,7 @@ class Descriptor:
         except (TypeError, ValueError, AttributeError, OverflowError) as exc:
             # Hand-built descriptors with wrong field types end up here rather than as a crash later.
             raise InvalidDescriptor(f"descriptor fields have wrong types: {exc}") from exc
+        object.__setattr__(self, "_valid_for", limits)
 
 
 def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
