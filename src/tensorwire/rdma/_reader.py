@@ -66,7 +66,9 @@ class _GenScratch:
 
     def __init__(self, provider: Provider) -> None:
         self.words = torch.zeros(_GEN_CELLS, dtype=torch.int64)
-        self.reg = provider.register(self.words.data_ptr(), _GEN_CELLS * 8, "DRAM", 0)
+        self.values = self.words.numpy()  # element access through numpy: ~20x cheaper than torch indexing
+        self._base = self.words.data_ptr()
+        self.reg = provider.register(self._base, _GEN_CELLS * 8, "DRAM", 0)
         self._free = list(range(_GEN_CELLS))
         self._lock = threading.Lock()
 
@@ -78,7 +80,7 @@ class _GenScratch:
             cells = self._free[len(self._free) - n:]
             del self._free[len(self._free) - n:]
         for c in cells:
-            self.words[c] = 0
+            self.values[c] = 0
         return cells
 
     def give_back(self, cells: list[int]) -> None:
@@ -86,7 +88,7 @@ class _GenScratch:
             self._free.extend(cells)
 
     def addr(self, cell: int) -> int:
-        return self.words.data_ptr() + cell * 8
+        return self._base + cell * 8
 
 
 class TensorReader:
@@ -270,7 +272,7 @@ class TensorReader:
                 self._provider.read(owner, "DRAM", [(self._scratch.addr(x.cell), 8, 0) for x in group],
                                     "DRAM", [(x.d.generation_addr, 8, 0) for x in group], deadline=deadline)
             for x in dests:
-                current = int(self._scratch.words[x.cell])
+                current = int(self._scratch.values[x.cell])
                 if current != x.d.generation:
                     raise LeaseExpired(
                         f"lease {x.d.lease_id}: slot generation is {current}, descriptor has {x.d.generation}; the "
