@@ -5,7 +5,10 @@ mapping is written once. gRPC methods are registered through generic handlers wi
 generated ``*_pb2_grpc.py``), which keeps tensorwire free of grpcio version checks.
 
 Errors cross the wire as a gRPC status code plus a ``tensorwire-reason`` trailing-metadata entry carrying the
-:class:`~tensorwire.errors.Reason` value, so the client rebuilds the exact exception the server raised.
+:class:`~tensorwire.errors.Reason` value, so the client rebuilds the exact exception the server raised. On the
+EncodeStream a failed Encode is a ``StreamError`` message carrying the same code and reason (the stream stays
+open); :func:`stream_error_for` and :func:`error_from_stream` are the two ends of it, and both go through the
+same table as the unary path, so one failure raises the same class with the same reason on either path.
 ``grpc.RpcError`` never leaves ``tensorwire.mm``.
 """
 
@@ -32,7 +35,11 @@ PACKAGE = "tensorwire.mm.v1"
 SERVICE_NAME = f"{PACKAGE}.EncoderService"
 ENCODE_METHOD = f"/{SERVICE_NAME}/Encode"
 RELEASE_METHOD = f"/{SERVICE_NAME}/ReleaseLeases"
+ENCODE_STREAM_METHOD = f"/{SERVICE_NAME}/EncodeStream"
 REASON_METADATA_KEY = "tensorwire-reason"
+# Set (with RESOURCE_EXHAUSTED) when an encoder refuses a new EncodeStream because it has its cap of open
+# streams. The refusal happens before any message is read, so the caller may send that Encode over unary.
+STREAM_REFUSED_METADATA = ("tensorwire-stream", "refused")
 
 # Inline receipts carry whole embeddings (the seed's output is 112.7 MB); gRPC's 4 MiB default would refuse
 # them. 2 GiB - 1 is protobuf's hard limit for one message.
@@ -42,6 +49,38 @@ EncodeRequest = encoder_pb2.EncodeRequest
 EncodeResponse = encoder_pb2.EncodeResponse
 ReleaseLeasesRequest = encoder_pb2.ReleaseLeasesRequest
 ReleaseLeasesResponse = encoder_pb2.ReleaseLeasesResponse
+StreamRequest = encoder_pb2.StreamRequest
+StreamResponse = encoder_pb2.StreamResponse
+StreamError = encoder_pb2.StreamError
+
+_STATUS_BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
+
+
+# StreamRequest/StreamResponse field numbers of their bodies (encoder.proto).
+STREAM_ENCODE_FIELD = 2   # StreamRequest.encode
+STREAM_RELEASE_FIELD = 3  # StreamRequest.release
+STREAM_RECEIPT_FIELD = 2  # StreamResponse.receipt
+STREAM_ERROR_FIELD = 3    # StreamResponse.error
+
+
+def stream_frame(message_id: int, field_number: int, body: bytes) -> bytes:
+    """The serialized StreamRequest/StreamResponse ``{id: message_id, <field_number>: body}``.
+
+    ``body`` is an already serialized message (an EncodeRequest, a receipt, ...). Writing the wrapper's two
+    fields by hand (protobuf wire format: a varint, then a length-delimited field) costs one join instead of
+    copying the message into a wrapper and serializing it again, which matters for inline receipts of 100+ MB.
+    Parses to exactly what protobuf would have built.
+    """
+    return b"".join((b"\x08", _varint(message_id), _varint(field_number << 3 | 2), _varint(len(body)), body))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -119,20 +158,43 @@ def abort_with(context: grpc.ServicerContext, exc: BaseException) -> None:
     """Ends the RPC with the status for ``exc`` (raises, as ``context.abort`` does)."""
     code, reason = status_for(exc)
     context.set_trailing_metadata(((REASON_METADATA_KEY, reason.value),))
-    context.abort(code, f"{type(exc).__name__}: {exc}")
+    context.abort(code, _details_for(exc))
 
 
-def error_from_rpc(exc: grpc.RpcError, what: str) -> TensorwireError:
-    """Translates a failed call into the tensorwire exception the server meant (keep ``from exc`` at the caller)."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    reason: Reason | None = None
+def stream_error_for(exc: BaseException) -> encoder_pb2.StreamError:
+    """The StreamError a server answers on the EncodeStream for ``exc`` (the unary path's status, as a message)."""
+    code, reason = status_for(exc)
+    return StreamError(code=code.value[0], reason=reason.value, message=_details_for(exc))
+
+
+def _details_for(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def reason_from_rpc(exc: grpc.RpcError) -> Reason | None:
+    """The ``tensorwire-reason`` the server attached to a failed call, if any (and if it is a known value)."""
     try:
         for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
             if key == REASON_METADATA_KEY:
-                reason = Reason(value)
+                return Reason(value)
     except (AttributeError, ValueError):
-        reason = None
+        return None
+    return None
+
+
+def is_stream_refusal(exc: grpc.RpcError) -> bool:
+    """True when the encoder refused to open an EncodeStream (over its cap): no message on it was handled."""
+    try:
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+            return False
+        return any((k, v) == STREAM_REFUSED_METADATA for k, v in exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def error_from_status(code: grpc.StatusCode | None, details: str, reason: Reason | None,
+                      what: str) -> TensorwireError:
+    """The tensorwire exception for a status code, its details and the server's reason (None: not sent)."""
     cls = _STATUS_TO_CLASS.get(code, ProtocolError if code == grpc.StatusCode.INTERNAL else ControlPlaneError)
     if reason is None:
         reason = _STATUS_DEFAULT_REASON.get(code, Reason.PROTOCOL_ERROR if cls is ProtocolError else Reason.UNKNOWN)
@@ -140,19 +202,51 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> TensorwireError:
     return cls(f"{what} failed with {name}: {details}", reason=reason)
 
 
+def error_from_rpc(exc: grpc.RpcError, what: str) -> TensorwireError:
+    """Translates a failed call into the tensorwire exception the server meant (keep ``from exc`` at the caller)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return error_from_status(code, details, reason_from_rpc(exc), what)
+
+
+def error_from_stream(error: encoder_pb2.StreamError, what: str) -> TensorwireError:
+    """Translates a StreamError into the exception :func:`error_from_rpc` builds for the same status and reason."""
+    code = _STATUS_BY_VALUE.get(int(error.code), grpc.StatusCode.UNKNOWN)
+    try:
+        reason: Reason | None = Reason(error.reason) if error.reason else None
+    except ValueError:
+        reason = None
+    return error_from_status(code, error.message, reason, what)
+
+
 __all__ = [
     "PACKAGE",
     "SERVICE_NAME",
     "ENCODE_METHOD",
     "RELEASE_METHOD",
+    "ENCODE_STREAM_METHOD",
     "REASON_METADATA_KEY",
+    "STREAM_REFUSED_METADATA",
     "MAX_MESSAGE_BYTES",
     "EncodeRequest",
     "EncodeResponse",
     "ReleaseLeasesRequest",
     "ReleaseLeasesResponse",
+    "StreamRequest",
+    "StreamResponse",
+    "StreamError",
+    "STREAM_ENCODE_FIELD",
+    "STREAM_RELEASE_FIELD",
+    "STREAM_RECEIPT_FIELD",
+    "STREAM_ERROR_FIELD",
+    "stream_frame",
     "channel_options",
     "status_for",
     "abort_with",
+    "stream_error_for",
+    "reason_from_rpc",
+    "is_stream_refusal",
+    "error_from_status",
     "error_from_rpc",
+    "error_from_stream",
 ]

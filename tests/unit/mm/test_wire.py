@@ -10,8 +10,8 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import tensorwire.mm as mm
-from tensorwire.errors import (ControlPlaneError, DeadlineExceeded, InvalidPayload, PeerUnavailable, ProtocolError,
-                               Reason)
+from tensorwire.errors import (ConfigError, ControlPlaneError, DeadlineExceeded, InvalidPayload, LeaseExpired,
+                               PeerUnavailable, PoolExhausted, ProtocolError, Reason)
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 
@@ -23,6 +23,7 @@ def test_public_names() -> None:
         assert hasattr(mm, name), name
     assert wire.ENCODE_METHOD == "/tensorwire.mm.v1.EncoderService/Encode"
     assert wire.RELEASE_METHOD == "/tensorwire.mm.v1.EncoderService/ReleaseLeases"
+    assert wire.ENCODE_STREAM_METHOD == "/tensorwire.mm.v1.EncoderService/EncodeStream"
 
 
 @pytest.mark.parametrize("exc,code", [
@@ -66,6 +67,74 @@ def test_error_from_rpc(code, reason, cls, expect_reason) -> None:  # type: igno
     assert type(err) is cls and err.reason is expect_reason
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is cls and back.reason is expect_reason
+
+
+class ServerRpcError(grpc.RpcError):
+    """What a client sees when the server ended a call with ``wire.abort_with(context, exc)``."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self._code, reason = wire.status_for(exc)
+        self._details = f"{type(exc).__name__}: {exc}"
+        self._md = ((wire.REASON_METADATA_KEY, reason.value),)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self):  # type: ignore[no-untyped-def]
+        return self._md
+
+
+@pytest.mark.parametrize("exc", [
+    InvalidPayload("bad", reason=Reason.NBYTES_MISMATCH), ValueError("bad"), NotImplementedError("video"),
+    DeadlineExceeded("slow"), TimeoutError("slow"), PeerUnavailable("gone"), PoolExhausted("full"),
+    ConfigError("cfg"), LeaseExpired("old"), RuntimeError("boom"), ProtocolError("garbled"),
+], ids=lambda e: type(e).__name__)
+def test_a_stream_error_raises_what_the_unary_status_raises(exc: BaseException) -> None:
+    unary = wire.error_from_rpc(ServerRpcError(exc), "Encode on w")
+    streamed = wire.error_from_stream(pb.StreamError.FromString(wire.stream_error_for(exc).SerializeToString()),
+                                      "Encode on w")
+    assert type(streamed) is type(unary) and streamed.reason is unary.reason and str(streamed) == str(unary)
+
+
+def test_a_stream_error_with_unknown_code_or_reason_still_maps() -> None:
+    err = wire.error_from_stream(pb.StreamError(code=999, reason="from-the-future", message="m"), "Encode")
+    assert type(err) is ControlPlaneError and err.reason is Reason.UNKNOWN
+    err = wire.error_from_stream(pb.StreamError(code=grpc.StatusCode.INTERNAL.value[0], reason="nope"), "Encode")
+    assert type(err) is ProtocolError and err.reason is Reason.PROTOCOL_ERROR
+
+
+@pytest.mark.parametrize("message_id", [1, 127, 128, 300, 2**35, 2**64 - 1])
+def test_stream_frame_is_what_protobuf_writes(message_id: int) -> None:
+    request = pb.EncodeRequest(support_rdma=True, deadline_ms=5, inputs=[pb.MultimodalInput(data=b"x" * 200)])
+    release = pb.ReleaseLeasesRequest(lease_ids=["a", "b"])
+    receipt = pb.EncodeResponse(split_sizes=[1, 2])
+    error = pb.StreamError(code=3, reason="invalid_request", message="m")
+    for field, body, want in [
+        (wire.STREAM_ENCODE_FIELD, request, pb.StreamRequest(id=message_id, encode=request)),
+        (wire.STREAM_RELEASE_FIELD, release, pb.StreamRequest(id=message_id, release=release)),
+        (wire.STREAM_RECEIPT_FIELD, receipt, pb.StreamResponse(id=message_id, receipt=receipt)),
+        (wire.STREAM_ERROR_FIELD, error, pb.StreamResponse(id=message_id, error=error)),
+    ]:
+        framed = wire.stream_frame(message_id, field, body.SerializeToString())
+        assert framed == want.SerializeToString()
+        assert type(want).FromString(framed) == want
+    empty = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD, b"")  # id 0 written explicitly still parses as 0
+    assert pb.StreamRequest.FromString(empty) == pb.StreamRequest(release=pb.ReleaseLeasesRequest())
+
+
+def test_only_the_marked_resource_exhausted_is_a_stream_refusal() -> None:
+    class Refused(FakeRpcError):
+        def trailing_metadata(self):  # type: ignore[no-untyped-def]
+            return ((wire.REASON_METADATA_KEY, "pool_exhausted"), wire.STREAM_REFUSED_METADATA)
+
+    assert wire.is_stream_refusal(Refused(grpc.StatusCode.RESOURCE_EXHAUSTED))
+    assert not wire.is_stream_refusal(Refused(grpc.StatusCode.UNAVAILABLE))
+    # gRPC's own RESOURCE_EXHAUSTED (a message over the size limit) may come after the request ran
+    assert not wire.is_stream_refusal(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool_exhausted"))
+    assert not wire.is_stream_refusal(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED))
 
 
 def _legacy_classes():  # type: ignore[no-untyped-def]

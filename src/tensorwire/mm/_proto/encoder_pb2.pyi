@@ -136,3 +136,33 @@ class ReleaseLeasesResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class StreamRequest(_message.Message):
+    __slots__ = ("id", "encode", "release")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    encode: EncodeRequest
+    release: ReleaseLeasesRequest
+    def __init__(self, id: _Optional[int] = ..., encode: _Optional[_Union[EncodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseLeasesRequest, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "reason", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    reason: str
+    message: str
+    def __init__(self, code: _Optional[int] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamResponse(_message.Message):
+    __slots__ = ("id", "receipt", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    receipt: EncodeResponse
+    error: StreamError
+    def __init__(self, id: _Optional[int] = ..., receipt: _Optional[_Union[EncodeResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
