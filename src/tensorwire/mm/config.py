@@ -50,10 +50,20 @@ class TransportConfig:
     # Circuit breaker per endpoint and per worker (client side).
     failures_to_open: int = 3
     open_seconds: float = 30.0
+    # Control plane (client side): Encode (and the success-path release) over a pool of open EncodeStream calls
+    # instead of one unary RPC each; at most control_stream_pool streams per transport, unary beyond that.
+    # False: unary Encode and ReleaseLeases RPCs only. An encoder without EncodeStream is detected and
+    # remembered; one that refuses a stream (over its cap) is not asked again for open_seconds.
+    control_stream: bool = True
+    control_stream_pool: int = 8
     # Encoder side: exporter start-up retries back off from init_backoff_ms, doubling up to init_backoff_max_ms.
     init_backoff_ms: int = 200
     init_backoff_max_ms: int = 30_000
     server_threads: int = 8
+    # Encoder side: EncodeStream calls open at once. Each holds a server thread for its whole life, so the cap
+    # stays below server_threads (unary Encode, ReleaseLeases and health keep threads); a stream over it is
+    # refused with RESOURCE_EXHAUSTED and its client uses unary. 0: server_threads // 2 (none with 1 thread).
+    server_stream_cap: int = 0
     worker_id: str = ""  # empty: "<hostname>-<pid>"
 
     def __post_init__(self) -> None:
@@ -62,18 +72,25 @@ class TransportConfig:
         if not isinstance(self.rdma, RdmaConfig):
             raise ConfigError(f"rdma must be an RdmaConfig, got {type(self.rdma).__name__}")
         positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
-                    "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms")
+                    "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms",
+                    "control_stream_pool")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms"):
+        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "server_stream_cap"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
         if not isinstance(self.open_seconds, (int, float)) or isinstance(self.open_seconds, bool) \
                 or self.open_seconds <= 0:
             raise ConfigError(f"open_seconds={self.open_seconds!r} must be a positive number")
+        if not isinstance(self.control_stream, bool):
+            raise ConfigError(f"control_stream={self.control_stream!r} must be a bool")
+        if self.server_stream_cap >= self.server_threads:
+            raise ConfigError(f"server_stream_cap={self.server_stream_cap} must be < server_threads="
+                              f"{self.server_threads}: every open stream holds a server thread, and unary Encode, "
+                              "ReleaseLeases and health need at least one")
         if self.init_backoff_max_ms < self.init_backoff_ms:
             raise ConfigError(f"init_backoff_max_ms={self.init_backoff_max_ms} must be >= "
                               f"init_backoff_ms={self.init_backoff_ms}")
@@ -82,6 +99,11 @@ class TransportConfig:
     def default_rpc_timeout_ms(self) -> int:
         """The client deadline when no item names its own budget (120 s + 5 s by default)."""
         return self.worker_timeout_ms + self.rpc_timeout_margin_ms
+
+    @property
+    def effective_server_stream_cap(self) -> int:
+        """How many EncodeStream calls an encoder keeps open at once (server_stream_cap, or server_threads // 2)."""
+        return self.server_stream_cap or self.server_threads // 2
 
     def with_mode(self, mode: str) -> TransportConfig:
         return dataclasses.replace(self, mode=mode)  # type: ignore[arg-type]

@@ -2,7 +2,8 @@
 
 Labels: ``side`` (encoder/llm), ``plane`` (rdma/inline), ``role`` (embedding/pos_id/extra_input), ``reason``
 (a :class:`~tensorwire.errors.Reason` value or one of the fixed strings below), ``mode`` (sync/async),
-``scope`` (endpoint/worker), ``state``. Never endpoints, lease ids, shapes or free text.
+``scope`` (endpoint/worker), ``state``, ``path`` (stream/unary: how an Encode reached the encoder) and ``event``
+(a control-stream lifecycle event, see ``control_streams``). Never endpoints, lease ids, shapes or free text.
 
 ``TransportMetrics(registry)`` registers the family in ``registry``; ``metrics_for(None)`` returns the shared
 instance registered in prometheus_client's default registry. Tests pass their own ``CollectorRegistry``.
@@ -61,6 +62,16 @@ class TransportMetrics:
         self.staged_gpu_reads = Counter("tensorwire_mm_rdma_staged_gpu_reads_total",
                                         "GPU RDMA reads that UCX staged through host memory or TCP instead of "
                                         "cuda_ipc / an RDMA NIC (expect ~1000x lower bandwidth)", registry=reg)
+        self.control_rpcs = Counter("tensorwire_mm_control_rpcs_total",
+                                    "Encode requests the client sent, by control path (stream: a message on a pooled "
+                                    "EncodeStream; unary: one Encode RPC)", ["path"], registry=reg)
+        self.control_streams = Counter("tensorwire_mm_control_streams_total",
+                                       "EncodeStream lifecycle events by side: llm opened/closed/broken/deadline/"
+                                       "refused/unimplemented/protocol_error; encoder opened/ended/refused",
+                                       ["side", "event"], registry=reg)
+        self.encoder_streams_open = Gauge("tensorwire_mm_encoder_control_streams",
+                                          "EncodeStream calls open on the encoder (each holds a server thread)",
+                                          registry=reg)
         self._gc_source: Callable[[], float] | None = None
 
     def watch_gc(self, source: Callable[[], float]) -> None:

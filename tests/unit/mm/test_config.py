@@ -19,6 +19,8 @@ def test_defaults_live_in_one_place() -> None:
     assert cfg.default_rpc_timeout_ms == cfg.worker_timeout_ms + cfg.rpc_timeout_margin_ms == 125_000
     assert (cfg.release_timeout_ms, cfg.release_queue_max) == (1000, 1024)
     assert (cfg.failures_to_open, cfg.open_seconds) == (3, 30.0)
+    assert (cfg.control_stream, cfg.control_stream_pool, cfg.server_stream_cap) == (True, 8, 0)
+    assert cfg.effective_server_stream_cap == cfg.server_threads // 2 == 4
     assert MODES == ("auto", "grpc")
     # The CLI builds its flags from the dataclass, so its defaults cannot drift.
     cli = {name: default for name, default, _ in fields_for_cli()}
@@ -60,7 +62,22 @@ def test_fields_and_rdma_fields_from_env() -> None:
         TransportConfig.from_env({"TENSORWIRE_MM_RDMA_PORT": "65536"})
 
 
+def test_control_stream_fields_from_env_and_their_bounds() -> None:
+    cfg = TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "off", "TENSORWIRE_MM_CONTROL_STREAM_POOL": "2",
+                                    "TENSORWIRE_MM_SERVER_STREAM_CAP": "3"})
+    assert (cfg.control_stream, cfg.control_stream_pool, cfg.effective_server_stream_cap) == (False, 2, 3)
+    assert TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "1"}).control_stream is True
+    with pytest.raises(ConfigError, match="TENSORWIRE_MM_CONTROL_STREAM"):
+        TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "sometimes"})
+    # Every open stream holds a server thread: the cap leaves at least one for unary calls and health.
+    with pytest.raises(ConfigError, match="server_stream_cap"):
+        TransportConfig(server_threads=4, server_stream_cap=4)
+    assert TransportConfig(server_threads=4, server_stream_cap=3).effective_server_stream_cap == 3
+    assert TransportConfig(server_threads=1).effective_server_stream_cap == 0  # one thread: no streams at all
+
+
 @pytest.mark.parametrize("field,value", [
+    ("control_stream_pool", 0), ("server_stream_cap", -1), ("control_stream", "yes"), ("control_stream", 1),
     ("worker_timeout_ms", 0), ("release_timeout_ms", -1), ("release_queue_max", 0), ("failures_to_open", 0),
     ("open_seconds", 0), ("fallback_reserve_ms", -1), ("rpc_timeout_margin_ms", -5), ("server_threads", 0),
     ("release_queue_max", True), ("init_backoff_max_ms", 1),
