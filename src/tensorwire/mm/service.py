@@ -3,14 +3,20 @@
 The servicer parses requests itself (raw bytes in, raw bytes out) so that a malformed message becomes
 INVALID_ARGUMENT with a reason, and the server keeps serving. Errors map to status codes through
 :mod:`tensorwire.mm.wire`.
+
+Two control paths reach the same ``run_encode``: the unary ``Encode`` RPC and the persistent ``EncodeStream``
+(a bidi stream a client keeps open and sends its Encodes and success-path releases on; see encoder.proto for
+the message contract). A failure ends a unary call with a status and is a ``StreamError`` on the stream, built
+from the same table, so a caller sees the same exception on either path.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent import futures
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -19,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm.config import TransportConfig
 from tensorwire.mm.encoder_side import ExporterFactory, OutputTransport
 from tensorwire.mm.metrics import TransportMetrics
@@ -47,17 +54,85 @@ def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | 
     return req
 
 
+class _OpenStream:
+    """One EncodeStream on the server. ``busy`` while an Encode runs; ``unsent`` is the receipt being sent.
+
+    A receipt with leases is ``unsent`` from the moment it is handed to gRPC until the generator resumes (gRPC
+    resumes it only after the send completed). If the call ends in between, whoever takes it first (the
+    generator's ``finally`` or the call's termination callback) discards its leases; ``take_unsent`` makes
+    that happen once.
+    """
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+        self.lock = threading.Lock()
+        self.busy = False
+        self.unsent: pb.EncodeResponse | None = None
+
+    def take_unsent(self) -> pb.EncodeResponse | None:
+        with self.lock:
+            receipt, self.unsent = self.unsent, None
+            return receipt
+
+
 class EncoderService:
-    """Answers Encode (run ``encode_fn``, then ``transport.transfer``) and ReleaseLeases.
+    """Answers Encode (run ``encode_fn``, then ``transport.transfer``), ReleaseLeases and EncodeStream.
 
     ``encode_fn(inputs) -> EncoderOutput`` runs on a gRPC worker thread; it may raise a TensorwireError (its
     reason picks the status code), NotImplementedError (UNIMPLEMENTED) or ValueError (INVALID_ARGUMENT).
     The service does not own the transport; ``serve_encoder`` closes it on stop.
+
+    Streams: every open EncodeStream holds a server worker thread for its whole life, so at most
+    ``max_streams`` (default ``config.effective_server_stream_cap``) are open at once; one more is refused with
+    RESOURCE_EXHAUSTED before any of its messages is read (its client then uses the unary Encode). A server
+    that stops calls ``close_streams()`` after ``grpc.Server.stop`` so that idle streams end at once instead of
+    holding the stop for its whole grace period; a stream in the middle of an Encode answers it first.
     """
 
-    def __init__(self, encode_fn: EncodeFn, transport: OutputTransport) -> None:
+    def __init__(self, encode_fn: EncodeFn, transport: OutputTransport, *, max_streams: int | None = None) -> None:
         self._encode_fn = encode_fn
         self.transport = transport
+        self.max_streams = transport.config.effective_server_stream_cap if max_streams is None else max_streams
+        self._streams: set[_OpenStream] = set()
+        self._streams_lock = threading.Lock()
+        self._stopping = False
+        self._rl = RateLimitedLog(log)
+
+    @property
+    def open_streams(self) -> int:
+        with self._streams_lock:
+            return len(self._streams)
+
+    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> pb.EncodeResponse:
+        """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
+
+        Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
+        the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
+        """
+        inputs = inputs_from_pb(request)
+        t0 = time.perf_counter()
+        try:
+            output = self._encode_fn(inputs)
+        except Exception as exc:
+            self.transport.release_pending()  # output buffers the encoder allocated before failing
+            self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
+            raise
+        encode_us = int((time.perf_counter() - t0) * 1e6)
+        try:
+            receipt = self.transport.transfer(request, output)
+        except Exception as exc:
+            self._count_failure(exc, "transfer failed: %r", exc)
+            raise
+        receipt.encoder_stage_us["encode"] = encode_us
+        if receipt.rdma_slots and not is_active():
+            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
+            released = self.transport.discard(receipt)
+            log.info("caller went away after export; released %d lease(s) at once", released)
+        return receipt
+
+    def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
+        self.transport.metrics.errors.labels("encoder", wire.status_for(exc)[1].value).inc()
+        log.warning(msg, *args)
 
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -66,32 +141,11 @@ class EncoderService:
             wire.abort_with(context, InvalidPayload(f"EncodeRequest does not parse: {exc}",
                                                     reason=Reason.INVALID_REQUEST))
             raise  # unreachable: abort raises
-        inputs = inputs_from_pb(request)
-        t0 = time.perf_counter()
-        error: BaseException | None = None
         try:
-            output = self._encode_fn(inputs)
+            receipt = self.run_encode(request, context.is_active)
         except Exception as exc:
-            error = exc
-            self.transport.release_pending()  # output buffers the encoder allocated before failing
-        if error is not None:
-            self.transport.metrics.errors.labels("encoder", wire.status_for(error)[1].value).inc()
-            log.warning("encode_fn failed on %d input(s): %r", len(inputs), error)
-            wire.abort_with(context, error)
-        encode_us = int((time.perf_counter() - t0) * 1e6)
-        try:
-            receipt = self.transport.transfer(request, output)
-        except Exception as exc:
-            error = exc
-        if error is not None:
-            self.transport.metrics.errors.labels("encoder", wire.status_for(error)[1].value).inc()
-            log.warning("transfer failed: %r", error)
-            wire.abort_with(context, error)
-        receipt.encoder_stage_us["encode"] = encode_us
-        if receipt.rdma_slots and not context.is_active():
-            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
-            released = self.transport.discard(receipt)
-            log.info("caller went away after export; released %d lease(s) at once", released)
+            wire.abort_with(context, exc)
+            raise  # unreachable: abort raises
         return receipt.SerializeToString()
 
     def release_leases(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -107,18 +161,119 @@ class EncoderService:
         released = self.transport.release(list(request.lease_ids))
         return pb.ReleaseLeasesResponse(released=released).SerializeToString()
 
+    # -- EncodeStream -------------------------------------------------------------------------------------
+
+    def encode_stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The EncodeStream handler: a generator on one server worker thread, one message at a time, in order."""
+        stream = _OpenStream(context)
+        with self._streams_lock:
+            stopping, full = self._stopping, len(self._streams) >= self.max_streams
+            if not (stopping or full):
+                self._streams.add(stream)
+        metrics = self.transport.metrics
+        if stopping:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is stopping")
+        if full:
+            metrics.control_streams.labels("encoder", "refused").inc()
+            self._rl.log(logging.INFO, "stream-refused", "refused an EncodeStream: %d open (server_stream_cap); "
+                         "the client uses the unary Encode", self.max_streams)
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.POOL_EXHAUSTED.value),
+                                           wire.STREAM_REFUSED_METADATA))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.max_streams} EncodeStream call(s) already open (server_stream_cap); use Encode")
+        metrics.control_streams.labels("encoder", "opened").inc()
+        metrics.encoder_streams_open.inc()
+        context.add_callback(lambda: self._discard_unsent(stream))
+        try:
+            yield from self._serve_stream(stream, requests, context)
+        finally:
+            self._discard_unsent(stream)
+            with self._streams_lock:
+                self._streams.discard(stream)
+            metrics.encoder_streams_open.dec()
+            metrics.control_streams.labels("encoder", "ended").inc()
+
+    def _serve_stream(self, stream: _OpenStream, requests: Iterator[bytes],
+                      context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            for raw in requests:
+                try:
+                    msg = pb.StreamRequest.FromString(raw)
+                except DecodeError as exc:
+                    # Its id is unknown, so no answer could name the request that failed: end the stream.
+                    wire.abort_with(context, InvalidPayload(f"StreamRequest does not parse: {exc}",
+                                                            reason=Reason.INVALID_REQUEST))
+                    return
+                kind = msg.WhichOneof("body")
+                if kind == "release":
+                    self._release_from_stream(msg.release)
+                    continue
+                if kind != "encode":
+                    unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
+                    yield pb.StreamResponse(id=msg.id, error=wire.stream_error_for(unknown)).SerializeToString()
+                    continue
+                with stream.lock:
+                    stream.busy = True
+                try:
+                    receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
+                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, receipt.SerializeToString())
+                except Exception as exc:
+                    receipt = None
+                    data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
+                                             wire.stream_error_for(exc).SerializeToString())
+                if not context.is_active():
+                    return  # the caller went away; run_encode already released what it exported
+                if receipt is not None and receipt.rdma_slots:
+                    with stream.lock:
+                        stream.unsent = receipt
+                yield data
+                with stream.lock:  # resumed: gRPC sent it, the leases belong to the caller now
+                    stream.unsent = None
+                    stream.busy = False
+                if self._stopping:
+                    return
+        except grpc.RpcError:
+            return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
+
+    def _release_from_stream(self, request: pb.ReleaseLeasesRequest) -> None:
+        # Never answered (fire and forget): a release that cannot be applied is counted and logged here, and the
+        # TTL GC reclaims its leases.
+        if len(request.lease_ids) > MAX_RELEASE_IDS:
+            self.transport.metrics.errors.labels("encoder", Reason.INVALID_REQUEST.value).inc()
+            self._rl.log(logging.WARNING, "stream-release-too-large", "ignored a stream release of %d lease ids "
+                         "(over %d); the TTL GC reclaims them", len(request.lease_ids), MAX_RELEASE_IDS)
+            return
+        self.transport.release(list(request.lease_ids))
+
+    def _discard_unsent(self, stream: _OpenStream) -> None:
+        receipt = stream.take_unsent()
+        if receipt is not None:
+            released = self.transport.discard(receipt)
+            log.info("EncodeStream ended while its receipt was being sent; released %d lease(s) at once", released)
+
+    def close_streams(self) -> None:
+        """Ends idle EncodeStreams now and busy ones after their current answer; refuses new ones. Idempotent."""
+        with self._streams_lock:
+            self._stopping = True
+            streams = list(self._streams)
+        for stream in streams:
+            with stream.lock:
+                if not stream.busy:
+                    stream.context.cancel()  # wakes the handler blocked on the next request
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
             "Encode": grpc.unary_unary_rpc_method_handler(self.encode),
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(self.release_leases),
+            "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream),
         })
 
 
 class EncoderServer:
     """A running encoder: ``port``, ``address``, ``stop(grace)``, ``wait(timeout)``; a context manager.
 
-    ``stop`` stops accepting, lets in-flight calls finish within ``grace`` seconds, then closes the transport
-    (even when the server stop raises). Idempotent.
+    ``stop`` stops accepting, ends idle EncodeStreams, lets in-flight calls finish within ``grace`` seconds, then
+    closes the transport (even when the server stop raises). Idempotent.
     """
 
     def __init__(self, server: grpc.Server, port: int, host: str, service: EncoderService,
@@ -141,7 +296,9 @@ class EncoderServer:
         self._stopped = True
         try:
             self._health.enter_graceful_shutdown()
-            self._server.stop(grace).wait(None if grace is None else grace + 5.0)
+            stopped = self._server.stop(grace)  # no new calls from here on
+            self.service.close_streams()  # idle streams would otherwise hold the stop for all of ``grace``
+            stopped.wait(None if grace is None else grace + 5.0)
         finally:
             self.transport.close()
 
