@@ -9,12 +9,20 @@ One fetch, one budget (never reset), shared by every step::
         validate every descriptor and role list; read all slots in ONE batch with
         read_ms = min(remaining - fallback_reserve_ms, read_timeout_ms); check every tensor against its
         manifest; reassemble by role and split sizes
-        ok   -> queue an async release (never blocks), breaker success, return (plane rdma)
+        ok   -> release async (a message on the fetch's stream, else the queue; never blocks), breaker success,
+                return (plane rdma)
         fail -> sync release within min(release_timeout_ms, remaining); breaker failure unless the cause was the
                 budget; the request is withdrawn to an _InlineAttempt and sent ONCE more if at least
                 min_fallback_ms remain, else the original error is raised
     receipt has slots, RDMA not advertised -> sync release, ProtocolError(UNREQUESTED_RDMA), no fallback
     receipt inline -> decode (validated), return (plane inline)
+
+Control path: a fetch checks out one of the transport's open EncodeStreams (or opens one, up to
+``control_stream_pool``) and sends its Encode(s) there, then its success-path release as a fire-and-forget
+message on the same stream before giving it back; with no stream to use (pool full, ``control_stream`` off, an
+encoder that refused a stream or has no EncodeStream) it uses the unary Encode RPC and the async release queue.
+Both paths raise the same exceptions; a request is sent over unary after a stream attempt only when the encoder
+cannot have run it. Failure-path releases are synchronous unary ReleaseLeases RPCs on either path.
 
 "At most one fallback" is a property of the types: the retry is an ``_InlineAttempt``, which has no RDMA
 capability to advertise, and the terminal decoder it goes to returns an output or raises; nothing in it can
@@ -24,14 +32,19 @@ Errors: the caller sees tensorwire exceptions only (PeerUnavailable, DeadlineExc
 ProtocolError, ReadError, ...). ``DeadlineExceeded`` with reason BUDGET_EXHAUSTED means the caller's own
 budget ran out; it is never counted against an endpoint's breaker.
 
-Thread-safety: ``fetch`` may be called from many threads at once; ``close`` is idempotent.
+Thread-safety: ``fetch`` may be called from many threads at once (each uses its own checked-out stream);
+``close`` is idempotent, flushes and ends the streams, and leaves no thread behind.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import math
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -77,7 +90,8 @@ class Reader(Protocol):
 ReaderFactory = Callable[[Any], Reader]
 DescriptorParser = Callable[[bytes], Any]
 Observer = Callable[[str, dict[str, Any]], None]
-"""observer(event, details): "request", "read", "release_sync", "release_async", "decode_inline"; for tests."""
+"""observer(event, details): "request" (details include ``path``: stream/unary), "read", "release_sync",
+"release_stream", "release_async", "decode_inline"; for tests."""
 
 
 def _default_reader_factory(rdma_config: Any) -> Reader:
@@ -161,9 +175,13 @@ class _Stages:
 
 
 class _Control:
-    """The gRPC client of one endpoint; translates RpcError once, here."""
+    """The gRPC client of one endpoint: unary Encode/ReleaseLeases, and the pool of EncodeStreams on the same
+    channel (``streams``; closing the control closes it). RpcError is translated once, here and in
+    :class:`_StreamCall`.
+    """
 
-    def __init__(self, endpoint: str, options: list[tuple[str, Any]]) -> None:
+    def __init__(self, endpoint: str, options: list[tuple[str, Any]], config: TransportConfig,
+                 metrics: TransportMetrics, requeue: Callable[[list[str]], None]) -> None:
         self.endpoint = endpoint
         self._channel = grpc.insecure_channel(endpoint, options=options)
         self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString,
@@ -171,6 +189,7 @@ class _Control:
         self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
                                                   request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
                                                   response_deserializer=pb.ReleaseLeasesResponse.FromString)
+        self.streams = _StreamPool(self._channel, endpoint, config, metrics, requeue)
 
     def encode(self, request: pb.EncodeRequest, timeout_s: float) -> pb.EncodeResponse:
         if timeout_s <= 0:
@@ -192,7 +211,414 @@ class _Control:
         return int(resp.released)
 
     def close(self) -> None:
-        self._channel.close()
+        try:
+            self.streams.close(0.0)
+        finally:
+            self._channel.close()
+
+
+class _Session:
+    """One fetch's control path: the stream it checked out (or None: unary), given back by ``close``.
+
+    ``encode`` sends over the stream when there is one. When the encoder refused the stream or has no
+    EncodeStream, nothing was executed, so the same request goes over unary within the same budget; when the
+    stream broke after the request may have been sent, the error is raised as the unary path would raise it
+    (never sent twice). After a broken stream the rest of the fetch (its inline fallback) uses unary.
+    ``release_after_read`` puts the success-path release on the stream (False: no stream; use the queue).
+    """
+
+    def __init__(self, control: _Control, pool: _StreamPool, metrics: TransportMetrics) -> None:
+        self._control = control
+        self._pool = pool
+        self._metrics = metrics
+        self._stream = pool.checkout()
+
+    @property
+    def path(self) -> str:
+        return "stream" if self._stream is not None else "unary"
+
+    def encode(self, request: pb.EncodeRequest, budget: Budget) -> pb.EncodeResponse:
+        stream = self._stream
+        if stream is not None:
+            timeout_s = budget.remaining_ms() / 1000.0
+            if timeout_s <= 0:
+                raise DeadlineExceeded("fetch budget exhausted before the Encode call", reason=Reason.BUDGET_EXHAUSTED)
+            try:
+                return stream.encode(request, timeout_s)
+            except _NotExecuted as exc:
+                self._pool.not_usable(exc.kind)
+                self._give_back()
+            finally:
+                if stream.broken:
+                    self._give_back()
+        timeout_s = budget.remaining_ms() / 1000.0
+        if timeout_s > 0:
+            self._metrics.control_rpcs.labels("unary").inc()
+        return self._control.encode(request, timeout_s)
+
+    def release_after_read(self, lease_ids: list[str]) -> bool:
+        return self._stream is not None and self._stream.send_release(lease_ids)
+
+    def _give_back(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self._pool.checkin(stream)
+
+    def close(self) -> None:
+        self._give_back()
+
+
+class _NotExecuted(Exception):
+    """The stream ended before the encoder handled this request (refused, no such method, or never sent)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind  # "refused", "unimplemented" or "not_sent"
+
+
+_STREAM_THREAD = "tensorwire-mm-control"
+
+
+class _StreamPool:
+    """The open EncodeStreams of one transport: at most ``control_stream_pool``; one fetch uses one at a time.
+
+    ``checkout`` returns an idle stream, opens one below the cap, or returns None (use unary): beyond the cap,
+    after the encoder answered UNIMPLEMENTED (remembered for the transport's life), for ``open_seconds`` after
+    it refused a stream, with ``control_stream`` off, and after ``close``. ``checkin`` keeps a healthy stream
+    and ends a broken one (a broken stream is never reused). One watchdog thread enforces every waiting
+    request's deadline.
+    """
+
+    def __init__(self, channel: grpc.Channel, endpoint: str, config: TransportConfig, metrics: TransportMetrics,
+                 requeue: Callable[[list[str]], None]) -> None:
+        self._method = channel.stream_stream(wire.ENCODE_STREAM_METHOD, request_serializer=None,
+                                             response_deserializer=None)
+        self.endpoint = endpoint
+        self.metrics = metrics
+        self.requeue = requeue
+        self._cap = config.control_stream_pool
+        self._enabled = config.control_stream
+        self._refusal_s = float(config.open_seconds)
+        self._lock = threading.Lock()
+        self._idle: list[_StreamCall] = []
+        self._open = 0
+        self._unimplemented = False
+        self._refused_until = 0.0
+        self._closed = False
+        self.watchdog = _Watchdog()
+        self._rl = RateLimitedLog(log)
+
+    @property
+    def open_streams(self) -> int:
+        with self._lock:
+            return self._open
+
+    def checkout(self) -> _StreamCall | None:
+        if not self._enabled:
+            return None
+        stale: list[_StreamCall] = []
+        try:
+            with self._lock:
+                if self._closed or self._unimplemented:
+                    return None
+                while self._idle:
+                    stream = self._idle.pop()  # LIFO: the most recently used stream is the warmest
+                    if stream.usable():
+                        return stream
+                    stale.append(stream)
+                    self._open -= 1
+                if self._open >= self._cap or time.monotonic() < self._refused_until:
+                    return None
+                self._open += 1
+        finally:
+            for stream in stale:
+                stream.end()
+        try:
+            stream = _StreamCall(self._method, self)
+        except Exception:
+            with self._lock:
+                self._open -= 1
+            raise
+        self.metrics.control_streams.labels("llm", "opened").inc()
+        return stream
+
+    def checkin(self, stream: _StreamCall) -> None:
+        with self._lock:
+            keep = not self._closed and stream.usable()
+            if keep:
+                self._idle.append(stream)
+            else:
+                self._open -= 1
+        if not keep:
+            stream.end()
+
+    def not_usable(self, kind: str) -> None:
+        self.metrics.control_streams.labels("llm", kind).inc()
+        with self._lock:
+            if kind == "unimplemented":
+                self._unimplemented = True
+            elif kind == "refused":
+                self._refused_until = time.monotonic() + self._refusal_s
+        if kind == "unimplemented":
+            self._rl.log(logging.INFO, "unimplemented", "%s has no EncodeStream (an older encoder or a proxy); "
+                         "using the unary Encode for this transport", self.endpoint)
+        elif kind == "refused":
+            self._rl.log(logging.INFO, "refused", "%s refused another EncodeStream (its server_stream_cap); using "
+                         "the unary Encode beyond the streams already open for %.0f s", self.endpoint,
+                         self._refusal_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Half-closes the idle streams (queued releases still go out) and waits up to ``timeout_s`` for them to
+        end, then cancels what is left. Streams still checked out end at their checkin. Idempotent."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for stream in idle:
+            stream.half_close()
+        deadline = time.monotonic() + timeout_s
+        for stream in idle:
+            stream.end(max(0.0, deadline - time.monotonic()))
+        self.watchdog.close()
+
+
+class _StreamCall:
+    """One open EncodeStream. Used by one fetch at a time; answers are read on that fetch's thread.
+
+    Requests wait in ``_outbox`` until gRPC's sender thread takes them through ``_requests()``; that thread
+    blocks there while the stream is idle and leaves when the stream is half-closed or the call ends (the done
+    callback wakes it). Releases still in the outbox when the call ends were never sent: they go to the
+    transport's unary release queue. ``broken`` (the call ended, was cancelled or misbehaved) is final.
+    """
+
+    def __init__(self, method: Any, pool: _StreamPool) -> None:
+        self._pool = pool
+        self._cv = threading.Condition()
+        self._outbox: deque[tuple[bytes, int, list[str] | None]] = deque()  # (message, encode id or 0, release ids)
+        self._half_closed = False
+        self._done = False
+        self.broken = False
+        self._next_id = 0
+        self._waiting_id = 0  # the request whose answer is awaited (0: none); the watchdog reads it
+        self._sent_id = 0     # the last Encode handed to gRPC
+        self._deadline_hit = False
+        self._ended = threading.Event()
+        self._call = method(self._requests())
+        self._call.add_done_callback(self._on_done)
+
+    def usable(self) -> bool:
+        return not self.broken and not self._done and not self._call.done()
+
+    def encode(self, request: pb.EncodeRequest, timeout_s: float) -> pb.EncodeResponse:
+        endpoint = self._pool.endpoint
+        self._next_id += 1
+        rid = self._next_id
+        data = wire.stream_frame(rid, wire.STREAM_ENCODE_FIELD, request.SerializeToString())
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            if self._done or self._call.done():
+                self.broken = True
+                raise _NotExecuted(self._why_ended(self._call))
+            self._outbox.append((data, rid, None))
+            self._waiting_id = rid
+            self._cv.notify()
+        self._pool.watchdog.watch(deadline, self, rid)
+        raw: bytes | None = None
+        failure: grpc.RpcError | None = None
+        try:
+            raw = next(self._call)
+        except StopIteration:
+            pass
+        except grpc.RpcError as exc:
+            failure = exc
+        with self._cv:
+            self._waiting_id = 0
+            deadline_hit = self._deadline_hit
+            sent = self._sent_id >= rid
+            if raw is None and not sent:
+                self._outbox = deque(item for item in self._outbox if item[1] != rid)
+        metrics = self._pool.metrics
+        if raw is None:
+            self.broken = True
+            if deadline_hit:
+                if sent:
+                    metrics.control_rpcs.labels("stream").inc()
+                raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the "
+                                       f"EncodeStream within {timeout_s:.3f} s", reason=Reason.DEADLINE_EXCEEDED)
+            why = self._why_ended(failure)
+            if why != "not_sent" or not sent or failure is None:
+                # failure None: the encoder ended the stream cleanly without answering, and it answers every
+                # Encode it takes before it ends a stream (it does so when it stops): this one never ran.
+                raise _NotExecuted(why)
+            # It may have run on the encoder: raised as the unary path would raise it, never sent again.
+            metrics.control_rpcs.labels("stream").inc()
+            metrics.control_streams.labels("llm", "broken").inc()
+            raise wire.error_from_rpc(failure, f"Encode on {endpoint}") from failure
+        metrics.control_rpcs.labels("stream").inc()
+        if deadline_hit:
+            self.broken = True  # answered, but the watchdog cancelled the call as the answer came in
+        try:
+            response = pb.StreamResponse.FromString(raw)
+        except Exception as exc:
+            self._fail(f"an EncodeStream answer from {endpoint} does not parse: {exc}")
+            raise ProtocolError(f"receipt from {endpoint} does not parse: {exc}") from exc
+        if response.id != rid:
+            self._fail(f"answer {response.id} on the EncodeStream of {endpoint} for request {rid}")
+            raise ProtocolError(f"{endpoint} answered request {response.id} on an EncodeStream awaiting {rid}")
+        body = response.WhichOneof("body")
+        if body == "receipt":
+            return response.receipt
+        if body == "error":
+            raise wire.error_from_stream(response.error, f"Encode on {endpoint}")
+        self._fail(f"an EncodeStream answer from {endpoint} has no body")
+        raise ProtocolError(f"{endpoint} answered request {rid} with neither a receipt nor an error")
+
+    @staticmethod
+    def _why_ended(failure: Any) -> str:
+        """How an ended call (an RpcError, or the done call itself) ended, when that means nothing ran."""
+        if failure is None:
+            return "not_sent"
+        if failure.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return "unimplemented"  # no such method: the encoder never looked at a message
+        if wire.is_stream_refusal(failure):
+            return "refused"  # refused before any message was read
+        return "not_sent"
+
+    def send_release(self, lease_ids: list[str]) -> bool:
+        """Queues a Release (never answered). False when the stream cannot take it (the caller uses unary)."""
+        if not lease_ids:
+            return True
+        data = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD,
+                                 pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString())
+        with self._cv:
+            if self.broken or self._done or self._half_closed:
+                return False
+            self._outbox.append((data, 0, lease_ids))
+            self._cv.notify()
+        return True
+
+    def expire(self, rid: int) -> None:
+        """The watchdog's cancel: only if ``rid`` is still awaited (an answered request is left alone)."""
+        with self._cv:
+            if self._waiting_id != rid:
+                return
+            self._deadline_hit = True
+            self.broken = True
+            self._pool.metrics.control_streams.labels("llm", "deadline").inc()
+            self._call.cancel()
+
+    def waiting_for(self, rid: int) -> bool:
+        return self._waiting_id == rid
+
+    def half_close(self) -> None:
+        with self._cv:
+            self._half_closed = True
+            self._cv.notify_all()
+
+    def end(self, timeout_s: float = 0.0) -> None:
+        """Half-closes, waits up to ``timeout_s`` for the call to end, then cancels it (its threads then leave)."""
+        self.half_close()
+        if timeout_s > 0:
+            self._ended.wait(timeout_s)
+        if not self._ended.is_set():
+            self._call.cancel()
+
+    def _fail(self, why: str) -> None:
+        self.broken = True
+        self._pool.metrics.control_streams.labels("llm", "protocol_error").inc()
+        log.warning("%s; dropping the stream", why)
+        self._call.cancel()
+
+    def _requests(self) -> Any:
+        metrics = self._pool.metrics
+        while True:
+            with self._cv:
+                while not self._outbox and not self._half_closed and not self._done:
+                    self._cv.wait()
+                if self._done or not self._outbox:
+                    return
+                data, rid, release_ids = self._outbox.popleft()
+                if rid:
+                    self._sent_id = rid
+            if release_ids is not None:
+                metrics.releases.labels("stream", "sent").inc(len(release_ids))
+            yield data
+
+    def _on_done(self, call: Any) -> None:
+        with self._cv:
+            self._done = True
+            self.broken = True
+            orphans = [ids for _, _, ids in self._outbox if ids is not None]
+            self._outbox.clear()
+            self._cv.notify_all()
+        metrics = self._pool.metrics
+        metrics.control_streams.labels("llm", "closed").inc()
+        for ids in orphans:
+            # Never handed to gRPC, so never seen by the encoder: the unary queue sends them instead.
+            metrics.releases.labels("stream", "requeued").inc(len(ids))
+            self._pool.requeue(ids)
+        self._ended.set()
+
+
+class _Watchdog:
+    """Cancels a stream whose awaited answer passed its deadline (``next()`` on a stream has no timeout).
+
+    One thread per transport, started on first use, holding a heap of (deadline, seq, stream, request id). It
+    sleeps until the earliest deadline and is woken only when a new earliest deadline arrives or on close, so
+    a steady state of multi-second budgets costs no wake-ups. Answered entries are dropped lazily (from the
+    top, on ``watch`` and when the thread wakes); ``_StreamCall.expire`` re-checks under the stream's lock.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, _StreamCall, int]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._sleep_until = math.inf  # the deadline the thread sleeps toward
+        self.wakeups = 0  # times the thread woke up (tests check the steady state costs none)
+
+    def watch(self, deadline: float, stream: _StreamCall, rid: int) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            while self._heap and not self._heap[0][2].waiting_for(self._heap[0][3]):
+                heapq.heappop(self._heap)
+            heapq.heappush(self._heap, (deadline, next(self._seq), stream, rid))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=_STREAM_THREAD + "-watchdog", daemon=True)
+                self._thread.start()
+            elif deadline < self._sleep_until:
+                self._cv.notify()  # a new earliest deadline; otherwise the thread sleeps on
+
+    def _loop(self) -> None:
+        while True:
+            expired: list[tuple[_StreamCall, int]] = []
+            with self._cv:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                while self._heap and (self._heap[0][0] <= now or not self._heap[0][2].waiting_for(self._heap[0][3])):
+                    _, _, stream, rid = heapq.heappop(self._heap)
+                    if stream.waiting_for(rid):
+                        expired.append((stream, rid))
+                if not expired:
+                    self._sleep_until = self._heap[0][0] if self._heap else math.inf
+                    self._cv.wait(self._sleep_until - now if self._heap else None)
+                    self._sleep_until = -math.inf  # awake: watch() need not notify
+                    self.wakeups += 1
+                    continue
+            for stream, rid in expired:
+                stream.expire(rid)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._heap.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5.0)
 
 
 class RemoteOutputTransport:
@@ -214,7 +640,9 @@ class RemoteOutputTransport:
         self.metrics = metrics if metrics is not None else metrics_for(None)
         self._clock = clock
         self._observer = observer
-        self._control = _Control(endpoint, wire.channel_options())
+        self._control = _Control(endpoint, wire.channel_options(), self.config, self.metrics,
+                                 requeue=lambda ids: self._queue.submit(self.endpoint, ids))
+        self._streams = self._control.streams
         self._owns_queue = release_queue is None
         self._queue = release_queue if release_queue is not None else ReleaseQueue(
             self._send_release, max_pending=self.config.release_queue_max,
@@ -260,15 +688,18 @@ class RemoteOutputTransport:
         budget = Budget(total_ms, self._clock)
         stages = _Stages()
         t0 = time.perf_counter()
+        session = _Session(self._control, self._streams, self.metrics)
         try:
             excluded = self._advertise()
             if excluded is not None:
-                out = self._fetch_rdma(_RdmaAttempt(items, excluded), budget, stages)
+                out = self._fetch_rdma(_RdmaAttempt(items, excluded), budget, stages, session)
             else:
-                out = self._fetch_inline(_InlineAttempt(items), budget, stages, fallback_from=None)
+                out = self._fetch_inline(_InlineAttempt(items), budget, stages, session, fallback_from=None)
         except TensorwireError as exc:
             self.metrics.errors.labels("llm", exc.reason.value).inc()
             raise
+        finally:
+            session.close()
         elapsed = time.perf_counter() - t0
         stages.add("total", elapsed)
         out.stage_ms = stages.ms
@@ -281,11 +712,16 @@ class RemoteOutputTransport:
             return
         self._closed = True
         try:
+            # Streams first: their queued releases still reach the encoder (and any they could not send go to
+            # the queue, which is closed next).
+            self._streams.close(self.config.release_shutdown_ms / 1000.0)
             if self._owns_queue:
                 self._queue.close()
         finally:
-            self._reader.close()
-            self._control.close()
+            try:
+                self._reader.close()
+            finally:
+                self._control.close()
 
     def __enter__(self) -> RemoteOutputTransport:
         return self
@@ -307,19 +743,21 @@ class RemoteOutputTransport:
         if self._observer is not None:
             self._observer(event, details)
 
-    def _request(self, attempt: _RdmaAttempt | _InlineAttempt, budget: Budget, stages: _Stages,
+    def _request(self, attempt: _RdmaAttempt | _InlineAttempt, budget: Budget, stages: _Stages, session: _Session,
                  stage: str) -> pb.EncodeResponse:
         req = attempt.to_pb(budget)
-        self._emit("request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers))
+        self._emit("request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers),
+                   path=session.path)
         t = time.perf_counter()
         try:
-            return self._control.encode(req, budget.remaining_ms() / 1000.0)
+            return session.encode(req, budget)
         finally:
             stages.add(stage, time.perf_counter() - t)
 
-    def _fetch_rdma(self, attempt: _RdmaAttempt, budget: Budget, stages: _Stages) -> MultimodalOutput:
+    def _fetch_rdma(self, attempt: _RdmaAttempt, budget: Budget, stages: _Stages,
+                    session: _Session) -> MultimodalOutput:
         try:
-            receipt = self._request(attempt, budget, stages, "request")
+            receipt = self._request(attempt, budget, stages, session, "request")
         except TensorwireError:
             self._neutral(None)
             raise
@@ -329,7 +767,7 @@ class RemoteOutputTransport:
             # The encoder chose inline (exporter not ready, this worker excluded, ...): nothing learned about RDMA.
             self._neutral(worker)
             return self._decode_terminal(receipt, budget, stages, fallback_from=None)
-        result = self._consume_rdma(receipt, budget, stages)
+        result = self._consume_rdma(receipt, budget, stages, session)
         if isinstance(result, MultimodalOutput):
             return result
         if result.endpoint_fault:
@@ -350,12 +788,12 @@ class RemoteOutputTransport:
                                    reason=Reason.BUDGET_EXHAUSTED) from result.error
         self._rl.log(logging.WARNING, "fallback-" + reason.value,
                      "RDMA consume from %s failed (%s); falling back to inline once", self.endpoint, result.error)
-        return self._fetch_inline(attempt.withdraw(), budget, stages, fallback_from=reason)
+        return self._fetch_inline(attempt.withdraw(), budget, stages, session, fallback_from=reason)
 
-    def _fetch_inline(self, attempt: _InlineAttempt, budget: Budget, stages: _Stages,
+    def _fetch_inline(self, attempt: _InlineAttempt, budget: Budget, stages: _Stages, session: _Session,
                       fallback_from: Reason | None) -> MultimodalOutput:
         stage = "request" if fallback_from is None else "fallback_request"
-        receipt = self._request(attempt, budget, stages, stage)
+        receipt = self._request(attempt, budget, stages, session, stage)
         return self._decode_terminal(receipt, budget, stages, fallback_from)
 
     def _decode_terminal(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
@@ -380,8 +818,8 @@ class RemoteOutputTransport:
                                 plane=Plane.INLINE, fallback_reason=fallback_from, worker_id=receipt.worker.worker_id,
                                 payload_bytes=nbytes)
 
-    def _consume_rdma(self, receipt: pb.EncodeResponse, budget: Budget,
-                      stages: _Stages) -> MultimodalOutput | _Retry:
+    def _consume_rdma(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
+                      session: _Session) -> MultimodalOutput | _Retry:
         ids = self._lease_ids_best_effort(receipt)
         try:
             descs, roles = self._validate_slots(receipt)
@@ -431,9 +869,13 @@ class RemoteOutputTransport:
             self._release_sync(ids, budget, stages)
             return _Retry(exc, endpoint_fault=True)
         t = time.perf_counter()
-        self._queue.submit(self.endpoint, ids)
+        if session.release_after_read(ids):
+            released_by = "release_stream"
+        else:
+            self._queue.submit(self.endpoint, ids)
+            released_by = "release_async"
         stages.add("release", time.perf_counter() - t)
-        self._emit("release_async", lease_ids=list(ids))
+        self._emit(released_by, lease_ids=list(ids))
         self.endpoint_breakers.record_success(self.endpoint)
         if output.worker_id:
             self.worker_breakers.record_success(output.worker_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ class ReleasingTransport(OutputTransport):
 
 
 def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: bool, q: Any, stop: Any,
-        zero_copy: bool = False) -> None:
+        zero_copy: bool = False, ask: Any = None) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     output = make_output(seed, rows, cols)
     transport = (ReleasingTransport if releasing else OutputTransport)(cfg)
@@ -57,9 +58,17 @@ def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: 
     try:
         ready = transport.wait_ready(30)
         q.put(("port", server.port, ready))
-        stop.wait(120)
-        exporter = transport._holder.get()
-        q.put(("stats", dict(exporter.stats()) if exporter is not None else {}))
+
+        def stats() -> dict[str, Any]:
+            exporter = transport._holder.get()
+            return dict(exporter.stats()) if exporter is not None else {}
+
+        deadline = time.monotonic() + 120
+        while not stop.wait(0.01) and time.monotonic() < deadline:
+            if ask is not None and ask.is_set():
+                ask.clear()
+                q.put(("live", stats()))
+        q.put(("stats", stats()))
     finally:
         server.stop(0)
 
@@ -67,12 +76,22 @@ def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: 
 def start(cfg: TransportConfig, *, seed: int = 0, rows: list[int] | None = None, cols: int = 64,
           releasing: bool = False, zero_copy: bool = False) -> tuple[Any, Any, Any, int]:
     ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
-    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop, zero_copy), daemon=True)
+    q, stop, ask = ctx.Queue(), ctx.Event(), ctx.Event()
+    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop, zero_copy, ask),
+                    daemon=True)
+    p._tw_ask = ask  # type: ignore[attr-defined]  # for live_stats
     p.start()
     kind, port, ready = q.get(timeout=90)
     assert kind == "port" and ready, "encoder exporter did not become ready"
     return p, q, stop, port
+
+
+def live_stats(p: Any, q: Any) -> dict[str, Any]:
+    """The running encoder's exporter stats (live_leases, releases, gc_reclaims, ...), asked for now."""
+    p._tw_ask.set()
+    kind, stats = q.get(timeout=10)
+    assert kind == "live", kind
+    return stats  # type: ignore[no-any-return]
 
 
 def finish(p: Any, q: Any, stop: Any) -> dict[str, Any]:

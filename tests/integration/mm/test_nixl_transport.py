@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _encoder_proc import finish, make_output, start
+from _encoder_proc import finish, live_stats, make_output, start
 from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import Reason
@@ -56,21 +56,27 @@ def client(port: int, cfg: TransportConfig, events: list[str], reg: CollectorReg
     return c
 
 
-def test_rdma_success_path_over_nixl() -> None:
-    cfg = TransportConfig(worker_id="nixl-w0")
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_rdma_success_path_over_nixl(stream: bool) -> None:
+    # Both control paths give the reference bits; the release (over the EncodeStream, or the unary
+    # ReleaseLeases RPC of the async queue) really frees every lease on the encoder while the client is open.
+    cfg = TransportConfig(worker_id="nixl-w0", control_stream=stream)
     p, q, stop, port = start(cfg, seed=11)
     events: list[str] = []
     reg = CollectorRegistry()
+    release, path = ("release_stream", "stream") if stream else ("release_async", "unary")
     try:
         with client(port, cfg, events, reg) as c:
             for i in range(3):
                 events.clear()
                 out = c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])
                 assert out.plane is Plane.RDMA and out.worker_id == "nixl-w0"
-                assert events == ["request", "read", "release_async"]
+                assert events == ["request", "read", release]
                 check(out, 11, [3, 5], 64)
-            wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
-                                                   {"mode": "async", "outcome": "ok"}) or 0) >= 3)
+            assert reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": path}) == 3
+            wait_for(lambda: live_stats(p, q).get("live_leases") == 0)
+            live = live_stats(p, q)
+            assert live.get("releases", 0) >= 3 and live.get("gc_reclaims", 0) == 0, live
     finally:
         stats = finish(p, q, stop)
     assert stats.get("live_leases") == 0 and stats.get("releases", 0) >= 3 and stats.get("gc_reclaims", 0) == 0
@@ -92,7 +98,7 @@ def test_zero_copy_output_over_nixl() -> None:
                 assert same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
                 assert same_bits(torch.cat(out.position_ids), ref.position_ids)  # type: ignore[arg-type]
             wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
-                                                   {"mode": "async", "outcome": "ok"}) or 0) >= 3)
+                                                   {"mode": "stream", "outcome": "sent"}) or 0) >= 3)
         with RemoteOutputTransport(f"127.0.0.1:{port}", TransportConfig(mode="grpc"),
                                    metrics=TransportMetrics(CollectorRegistry())) as g:
             out = g.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])  # allocated, then answered inline
@@ -132,7 +138,7 @@ def test_large_multi_slot_embedding_bit_exact_over_nixl() -> None:
     try:
         with client(port, cfg, events, reg, details) as c:
             out = c.fetch([MultimodalInput(b"x")] * 3)
-        assert out.plane is Plane.RDMA and events == ["request", "read", "release_async"]
+        assert out.plane is Plane.RDMA and events == ["request", "read", "release_stream"]
         assert details[1]["slots"] >= 8  # one batched read over every slot
         check(out, 13, rows, cols)
         assert reg.get_sample_value("tensorwire_mm_bytes_total",
@@ -154,8 +160,10 @@ def test_concurrent_fetches_over_nixl() -> None:
             for out in outs:
                 assert out.plane is Plane.RDMA
                 check(out, 14, [3, 5], 64)
+            assert (reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "stream"}) or 0) >= 12
             wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
-                                                   {"mode": "async", "outcome": "ok"}) or 0) >= 12)
+                                                   {"mode": "stream", "outcome": "sent"}) or 0) >= 12)
+            wait_for(lambda: live_stats(p, q).get("live_leases") == 0)
     finally:
         stats = finish(p, q, stop)
-    assert stats.get("live_leases") == 0
+    assert stats.get("live_leases") == 0 and stats.get("gc_reclaims", 0) == 0

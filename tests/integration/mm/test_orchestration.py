@@ -8,34 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterator
 
 import grpc
 import pytest
 import torch
-from fakes import FakeExporter, FakeFabric, FakeReader, make_read_error
+from _env import INPUTS, Env, check_output, encode_fn, wait_for
+from fakes import FakeExporter, FakeReader, make_read_error
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import (DeadlineExceeded, ExportError, InvalidPayload, PeerUnavailable, ProtocolError,
                                ReadError, ReadTimeout, Reason)
 from tensorwire.mm import (BreakerState, EncoderOutput, MultimodalInput, OutputTransport, Plane,
-                           RemoteOutputTransport, TransportConfig, TransportMetrics, serve_encoder, wire)
+                           RemoteOutputTransport, TransportConfig, serve_encoder, wire)
 from tensorwire.mm._init import InitState
 from tensorwire.rdma import RdmaConfig
 
 pytestmark = pytest.mark.timeout(60)
-
-G = torch.Generator().manual_seed(1234)
-EMB = torch.randn(9, 16, generator=G).to(torch.bfloat16)
-POS = torch.arange(27, dtype=torch.int64).reshape(9, 3)
-EXTRAS = [torch.randn(2, 2, generator=G), torch.randn(5, generator=G)]
-INPUTS = [MultimodalInput(b"img-a"), MultimodalInput(b"img-b", params={"max_pixels": "1024"})]
-
-
-def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
-    assert len(inputs) == 2
-    return EncoderOutput(embeddings=[EMB[:4], EMB[4:]], position_ids=POS, extra_inputs=EXTRAS)
 
 
 class Clock:
@@ -46,87 +34,23 @@ class Clock:
         return self.t + time.monotonic()  # real time passes too: budgets stay meaningful
 
 
-class RogueTransport(OutputTransport):
-    """An encoder that exports RDMA whether or not it was asked to (a protocol violation)."""
-
-    def _rdma_choice(self, request, emb, pos, extras):  # type: ignore[no-untyped-def]
-        return self._holder.get(), None
-
-
-class Env:
-    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry) -> None:
-        self.fabric = fabric
-        self.registry = registry
-        self.metrics = TransportMetrics(registry)
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.servers: list[Any] = []
-        self.clients: list[RemoteOutputTransport] = []
-
-    def server(self, cfg: TransportConfig | None = None, rogue: bool = False, fn=encode_fn, factory=None):  # type: ignore[no-untyped-def]
-        cfg = cfg or TransportConfig(worker_id="worker-1")
-        factory = factory or (lambda c: FakeExporter(self.fabric, c))
-        transport = (RogueTransport if rogue else OutputTransport)(cfg, exporter_factory=factory, metrics=self.metrics)
-        srv = serve_encoder(fn, cfg, "127.0.0.1:0", transport=transport)
-        self.servers.append(srv)
-        if cfg.mode == "auto":
-            srv.transport.wait_ready(5)
-        return srv
-
-    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, **kw):  # type: ignore[no-untyped-def]
-        cfg = cfg or TransportConfig()
-        c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
-                                  metrics=self.metrics, clock=clock,
-                                  observer=lambda e, d: self.events.append((e, d)), **kw)
-        self.clients.append(c)
-        if cfg.mode == "auto":
-            assert c.wait_ready(5)
-        return c
-
-    def names(self) -> list[str]:
-        return [e for e, _ in self.events]
-
-    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
-
-
-@pytest.fixture
-def env() -> Iterator[Env]:
-    e = Env(FakeFabric(), CollectorRegistry())
-    try:
-        yield e
-    finally:
-        for c in e.clients:
-            c.close()
-        for s in e.servers:
-            s.stop(0)
-
-
-def wait_for(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
-def check_output(out) -> None:  # type: ignore[no-untyped-def]
-    assert out.split_sizes == [4, 5]
-    assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
-    assert torch.equal(torch.cat(out.position_ids), POS)
-    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS)) and len(out.extra_inputs) == 2
-
-
-def test_rdma_success_path_reads_then_releases_async(env: Env) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+def test_rdma_success_path_reads_then_releases_async(env: Env, stream: bool) -> None:
+    # Both control paths: the release rides the EncodeStream, or the async queue's ReleaseLeases RPC.
     srv = env.server()
-    c = env.client(srv.address)
+    c = env.client(srv.address, TransportConfig(control_stream=stream))
     out = c.fetch(INPUTS)
     check_output(out)
     assert out.plane is Plane.RDMA and out.fallback_reason is None and out.worker_id == "worker-1"
-    assert env.names() == ["request", "read", "release_async"]
-    assert env.events[0][1]["support_rdma"] is True
+    path, release, mode, outcome = (("stream", "release_stream", "stream", "sent") if stream else
+                                    ("unary", "release_async", "async", "ok"))
+    assert env.names() == ["request", "read", release]
+    assert env.events[0][1]["support_rdma"] is True and env.events[0][1]["path"] == path
     assert len(env.fabric.reads) == 1  # one batched read for every slot
     wait_for(lambda: not env.fabric.live())  # the background release reached the encoder
     assert env.sample("tensorwire_mm_requests_total", {"side": "llm", "plane": "rdma"}) == 1
-    wait_for(lambda: env.sample("tensorwire_mm_releases_total", {"mode": "async", "outcome": "ok"}) == 1)
+    assert env.sample("tensorwire_mm_control_rpcs_total", {"path": path}) == 1
+    wait_for(lambda: env.sample("tensorwire_mm_releases_total", {"mode": mode, "outcome": outcome}) == 1)
     assert env.sample("tensorwire_mm_releases_total", {"mode": "sync", "outcome": "ok"}) == 0
     assert {"request", "read", "total", "encoder.export", "encoder.encode"} <= set(out.stage_ms)
 
@@ -220,7 +144,7 @@ def test_breaker_opens_half_opens_and_closes(env: Env) -> None:
     env.fabric.read_error = None
     env.events.clear()
     out = c.fetch(INPUTS)  # the half-open probe
-    assert out.plane is Plane.RDMA and env.names() == ["request", "read", "release_async"]
+    assert out.plane is Plane.RDMA and env.names() == ["request", "read", "release_stream"]
     assert c.endpoint_breakers.state(srv.address) is BreakerState.CLOSED
     assert c.worker_breakers.state("worker-1") is BreakerState.CLOSED
 

@@ -1,0 +1,92 @@
+"""The shared set-up of the fake-data-plane integration tests: a real gRPC encoder server on 127.0.0.1:0, clients
+with the in-memory reader, one metrics registry, and the observer's event list (tests/unit/mm/fakes.py holds the
+fakes; the ``env`` fixture lives in conftest.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from fakes import FakeExporter, FakeFabric, FakeReader
+from prometheus_client import CollectorRegistry
+
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    OutputTransport,
+    RemoteOutputTransport,
+    TransportConfig,
+    TransportMetrics,
+    serve_encoder,
+)
+
+G = torch.Generator().manual_seed(1234)
+EMB = torch.randn(9, 16, generator=G).to(torch.bfloat16)
+POS = torch.arange(27, dtype=torch.int64).reshape(9, 3)
+EXTRAS = [torch.randn(2, 2, generator=G), torch.randn(5, generator=G)]
+INPUTS = [MultimodalInput(b"img-a"), MultimodalInput(b"img-b", params={"max_pixels": "1024"})]
+
+
+def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
+    assert len(inputs) == 2
+    return EncoderOutput(embeddings=[EMB[:4], EMB[4:]], position_ids=POS, extra_inputs=EXTRAS)
+
+
+class RogueTransport(OutputTransport):
+    """An encoder that exports RDMA whether or not it was asked to (a protocol violation)."""
+
+    def _rdma_choice(self, request, emb, pos, extras):  # type: ignore[no-untyped-def]
+        return self._holder.get(), None
+
+
+class Env:
+    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry) -> None:
+        self.fabric = fabric
+        self.registry = registry
+        self.metrics = TransportMetrics(registry)
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.servers: list[Any] = []
+        self.clients: list[RemoteOutputTransport] = []
+
+    def server(self, cfg: TransportConfig | None = None, rogue: bool = False, fn=encode_fn, factory=None,  # type: ignore[no-untyped-def]
+               address: str = "127.0.0.1:0"):
+        cfg = cfg or TransportConfig(worker_id="worker-1")
+        factory = factory or (lambda c: FakeExporter(self.fabric, c))
+        transport = (RogueTransport if rogue else OutputTransport)(cfg, exporter_factory=factory, metrics=self.metrics)
+        srv = serve_encoder(fn, cfg, address, transport=transport)
+        self.servers.append(srv)
+        if cfg.mode == "auto":
+            srv.transport.wait_ready(5)
+        return srv
+
+    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, **kw):  # type: ignore[no-untyped-def]
+        cfg = cfg or TransportConfig()
+        c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
+                                  metrics=self.metrics, clock=clock,
+                                  observer=lambda e, d: self.events.append((e, d)), **kw)
+        self.clients.append(c)
+        if cfg.mode == "auto":
+            assert c.wait_ready(5)
+        return c
+
+    def names(self) -> list[str]:
+        return [e for e, _ in self.events]
+
+    def sample(self, name: str, labels: dict[str, str] | None = None) -> float:
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+def wait_for(pred, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def check_output(out) -> None:  # type: ignore[no-untyped-def]
+    assert out.split_sizes == [4, 5]
+    assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
+    assert torch.equal(torch.cat(out.position_ids), POS)
+    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS)) and len(out.extra_inputs) == 2

@@ -1,0 +1,386 @@
+"""The EncodeStream control plane against real gRPC servers on 127.0.0.1 (the data plane is the in-memory fake).
+
+Claims: the stream carries Encode and the success-path release, gives what unary gives (outputs and errors),
+holds the fetch's deadline, releases what a timed-out request exported, falls back to unary where the encoder
+cannot or will not stream (without running a request twice), survives server stops and restarts, serves many
+threads at once, and leaves no thread behind. test_nixl_transport.py runs both paths over real NIXL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from _env import INPUTS, Env, check_output, encode_fn, wait_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tensorwire.errors import (
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+    TensorwireError,
+)
+from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig, wire
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.service._proxy import EncoderProxy, ProxyConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+UNARY = TransportConfig(control_stream=False)
+
+
+def rpcs(env: Env, path: str) -> float:
+    return env.sample("tensorwire_mm_control_rpcs_total", {"path": path})
+
+
+def stream_events(env: Env, event: str, side: str = "llm") -> float:
+    return env.sample("tensorwire_mm_control_streams_total", {"side": side, "event": event})
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    assert a.split_sizes == b.split_sizes and len(a.extra_inputs) == len(b.extra_inputs)
+    pairs = [*zip(a.embeddings, b.embeddings), *zip(a.position_ids or [], b.position_ids or []),
+             *zip(a.extra_inputs, b.extra_inputs)]
+    return all(x.dtype == y.dtype and x.shape == y.shape and
+               torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in pairs)
+
+
+def control_threads() -> list[str]:
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith("tensorwire-mm-control") or "consume_request_iterator" in t.name]
+
+
+@pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
+def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str) -> None:
+    srv = env.server()
+    on = env.client(srv.address, TransportConfig(mode=mode))  # type: ignore[arg-type]
+    off = env.client(srv.address, TransportConfig(mode=mode, control_stream=False))  # type: ignore[arg-type]
+    plane = Plane.RDMA if mode == "auto" else Plane.INLINE
+    for _ in range(3):
+        a, b = on.fetch(INPUTS), off.fetch(INPUTS)
+        assert a.plane is plane and b.plane is plane
+        check_output(a)
+        assert same_bits(a, b)
+    assert rpcs(env, "stream") == 3 and rpcs(env, "unary") == 3
+    assert [d["path"] for e, d in env.events if e == "request"] == ["stream", "unary"] * 3
+    assert stream_events(env, "opened") == 1  # one stream, reused
+    assert on._streams.open_streams == 1 and srv.service.open_streams == 1
+    assert env.sample("tensorwire_mm_encoder_control_streams") == 1
+
+
+class Fails:
+    """encode_fn raising ``exc`` for inputs whose data is b"bad"."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        if inputs[0].data == b"bad":
+            raise self.exc
+        return encode_fn(inputs)
+
+
+@pytest.mark.parametrize("exc,cls,reason", [
+    (ValueError("no such image"), InvalidPayload, Reason.INVALID_REQUEST),
+    (NotImplementedError("video"), ControlPlaneError, Reason.UNIMPLEMENTED),
+    (InvalidPayload("bad dims", reason=Reason.NEGATIVE_DIM), InvalidPayload, Reason.NEGATIVE_DIM),
+    (PoolExhausted("no slot"), PeerUnavailable, Reason.POOL_EXHAUSTED),
+    (TimeoutError("model stuck"), DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
+    (RuntimeError("CUDA error"), ProtocolError, Reason.UNKNOWN),
+], ids=["value", "notimplemented", "invalid", "pool", "timeout", "runtime"])
+def test_errors_on_the_stream_are_the_unary_errors_and_the_stream_stays_open(
+        env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason) -> None:
+    srv = env.server(fn=Fails(exc))
+    on, off = env.client(srv.address), env.client(srv.address, UNARY)
+    bad = [MultimodalInput(b"bad"), MultimodalInput(b"x")]
+    with pytest.raises(TensorwireError) as over_unary:
+        off.fetch(bad)
+    with pytest.raises(TensorwireError) as over_stream:
+        on.fetch(bad)
+    assert type(over_unary.value) is cls and over_unary.value.reason is reason
+    assert type(over_stream.value) is cls and over_stream.value.reason is reason
+    assert str(over_stream.value) == str(over_unary.value)  # same status name and details, too
+    assert rpcs(env, "stream") == 1
+    check_output(on.fetch(INPUTS))  # the same stream answers the next request
+    assert rpcs(env, "stream") == 2 and stream_events(env, "opened") == 1 and stream_events(env, "closed") == 0
+
+
+def test_invalid_output_is_invalid_payload_on_both_paths(env: Env) -> None:
+    srv = env.server(fn=lambda inputs: encode_fn(inputs) if inputs[0].data != b"bad" else
+                     EncoderOutput(embeddings=[torch.zeros(1, 2, dtype=torch.complex64)]))
+    for cfg in (TransportConfig(mode="grpc"), TransportConfig(mode="grpc", control_stream=False)):
+        c = env.client(srv.address, cfg)
+        with pytest.raises(InvalidPayload) as ei:
+            c.fetch([MultimodalInput(b"bad"), MultimodalInput(b"x")])
+        assert ei.value.reason is Reason.UNSUPPORTED_DTYPE
+        check_output(c.fetch(INPUTS))
+    assert rpcs(env, "stream") == 2 and rpcs(env, "unary") == 2
+
+
+def test_slow_encoder_hits_the_budget_on_the_stream_and_releases_what_it_exported(env: Env) -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def slow(inputs: list[MultimodalInput]) -> EncoderOutput:
+        if inputs[0].data == b"slow":
+            entered.set()
+            gate.wait(10)
+        return encode_fn(inputs)
+
+    srv = env.server(fn=slow)
+    c = env.client(srv.address)
+    check_output(c.fetch(INPUTS))  # the stream is open and warm
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as ei:
+        c.fetch([MultimodalInput(b"slow"), MultimodalInput(b"x")], timeout_ms=300)
+    elapsed = time.monotonic() - t0
+    assert ei.value.reason is Reason.DEADLINE_EXCEEDED  # what the unary path raises for its deadline
+    assert 0.29 <= elapsed < 0.3 + 0.25, elapsed  # the watchdog ended the wait on time: no hung caller
+    assert entered.is_set() and stream_events(env, "deadline") == 1
+    wait_for(lambda: stream_events(env, "closed") == 1)  # the cancelled stream is dropped, never reused
+    exported = len(env.fabric.exported)
+    gate.set()  # the encoder finishes and exports for a caller that is gone
+    wait_for(lambda: len(env.fabric.exported) == exported + 1)
+    wait_for(lambda: not env.fabric.live())  # ... and releases it at once, long before any TTL GC
+    wait_for(lambda: srv.service.open_streams == 0)
+    check_output(c.fetch(INPUTS))  # a new stream
+    assert stream_events(env, "opened") == 2 and rpcs(env, "stream") == 3 and rpcs(env, "unary") == 0
+
+
+def test_server_over_its_stream_cap_serves_the_rest_over_unary(env: Env) -> None:
+    srv = env.server(TransportConfig(worker_id="worker-1", server_threads=4, server_stream_cap=1))
+    a, b = env.client(srv.address), env.client(srv.address)
+    check_output(a.fetch(INPUTS))  # a holds the only stream
+    check_output(b.fetch(INPUTS))  # b's stream is refused; the same fetch goes over unary
+    check_output(b.fetch(INPUTS))  # and b does not ask again for open_seconds
+    check_output(a.fetch(INPUTS))
+    assert stream_events(env, "refused") == 1 and stream_events(env, "refused", side="encoder") == 1
+    assert rpcs(env, "stream") == 2 and rpcs(env, "unary") == 2
+    assert srv.service.open_streams == 1 and b._streams.open_streams == 0
+    wait_for(lambda: not env.fabric.live())  # both release paths released everything
+
+
+def unary_only_server(env: Env) -> tuple[grpc.Server, str]:
+    """An encoder that predates EncodeStream: the same servicer, only its unary methods registered."""
+    srv = env.server()  # for its transport; it is not what the client talks to
+    service = srv.service
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=wire.channel_options())
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
+        "Encode": grpc.unary_unary_rpc_method_handler(service.encode),
+        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(service.release_leases),
+    }),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_encoder_without_encode_stream_is_served_over_unary_and_not_asked_again(env: Env) -> None:
+    server, address = unary_only_server(env)
+    try:
+        c = env.client(address)
+        for _ in range(3):
+            out = c.fetch(INPUTS)
+            assert out.plane is Plane.RDMA
+            check_output(out)
+        assert stream_events(env, "unimplemented") == 1 and stream_events(env, "opened") == 1
+        assert rpcs(env, "unary") == 3 and rpcs(env, "stream") == 0
+        assert [d["path"] for e, d in env.events if e == "request"] == ["stream", "unary", "unary"]
+        assert env.names().count("release_async") == 3  # no stream: the queue's ReleaseLeases RPC
+        wait_for(lambda: not env.fabric.live())
+    finally:
+        server.stop(0)
+
+
+def test_proxy_without_encode_stream_is_served_over_unary(env: Env) -> None:
+    srv = env.server()
+    proxy = EncoderProxy(ProxyConfig(workers=(srv.address,), check_workers=False, worker_wait_s=5))
+    proxy.start("127.0.0.1:0")
+    try:
+        c = env.client(f"127.0.0.1:{proxy.port}")
+        for _ in range(3):
+            out = c.fetch(INPUTS)
+            assert out.plane is Plane.RDMA and out.worker_id == "worker-1"
+            check_output(out)
+        assert stream_events(env, "unimplemented") == 1 and rpcs(env, "unary") == 3 and rpcs(env, "stream") == 0
+        wait_for(lambda: not env.fabric.live())  # released through the proxy
+    finally:
+        proxy.stop(0)
+
+
+def test_server_stop_with_open_streams_is_prompt_and_a_restart_on_the_port_recovers(env: Env) -> None:
+    srv = env.server()
+    c = env.client(srv.address)
+    other = env.client(srv.address)
+    check_output(c.fetch(INPUTS))
+    check_output(other.fetch(INPUTS))
+    assert srv.service.open_streams == 2
+    t0 = time.monotonic()
+    srv.stop(grace=5.0)  # idle streams must not hold the stop for the whole grace
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(PeerUnavailable):
+        c.fetch(INPUTS, timeout_ms=2000)
+    restarted = env.server(TransportConfig(worker_id="worker-2"), address=srv.address)
+
+    def fetched() -> bool:
+        try:
+            return c.fetch(INPUTS, timeout_ms=2000).worker_id == "worker-2"
+        except PeerUnavailable:
+            return False  # the channel's reconnect backoff
+
+    wait_for(fetched, timeout_s=20)
+    before = rpcs(env, "stream")
+    check_output(c.fetch(INPUTS))
+    assert rpcs(env, "stream") == before + 1 and restarted.service.open_streams == 1
+
+
+def test_stop_lets_the_encode_in_flight_on_a_stream_answer(env: Env) -> None:
+    gate, entered = threading.Event(), threading.Event()
+
+    def slow(inputs: list[MultimodalInput]) -> EncoderOutput:
+        entered.set()
+        gate.wait(10)
+        return encode_fn(inputs)
+
+    srv = env.server(fn=slow)
+    c = env.client(srv.address, TransportConfig(mode="grpc"))
+    with futures.ThreadPoolExecutor(2) as pool:
+        fetch = pool.submit(c.fetch, INPUTS)
+        assert entered.wait(5)
+        stop = pool.submit(srv.stop, 5.0)
+        wait_for(lambda: srv.service._stopping)
+        gate.set()
+        check_output(fetch.result(5))  # answered within the grace
+        t0 = time.monotonic()
+        stop.result(5)
+        assert time.monotonic() - t0 < 1.0
+    wait_for(lambda: srv.service.open_streams == 0)
+
+
+def test_a_stream_that_broke_after_sending_is_not_resent(env: Env) -> None:
+    calls: list[int] = []
+    gate, entered = threading.Event(), threading.Event()
+
+    def counted(inputs: list[MultimodalInput]) -> EncoderOutput:
+        calls.append(1)
+        if inputs[0].data == b"hold":
+            entered.set()
+            gate.wait(10)
+        return encode_fn(inputs)
+
+    srv = env.server(fn=counted)
+    c = env.client(srv.address)
+    check_output(c.fetch(INPUTS))
+    with futures.ThreadPoolExecutor(1) as pool:
+        fetch = pool.submit(c.fetch, [MultimodalInput(b"hold"), MultimodalInput(b"x")], 5000)
+        assert entered.wait(5)
+        srv.stop(grace=0)  # the server goes away while the request is being handled
+        with pytest.raises(PeerUnavailable):
+            fetch.result(5)
+    gate.set()
+    assert len(calls) == 2  # the warm-up and the one attempt: not sent again over unary
+    assert rpcs(env, "unary") == 0 and stream_events(env, "broken") == 1
+
+
+def test_sixteen_threads_fetch_at_once_each_getting_its_own_answer(env: Env) -> None:
+    def tagged(inputs: list[MultimodalInput]) -> EncoderOutput:
+        tag = float(inputs[0].data.decode())
+        return EncoderOutput(embeddings=[torch.full((3, 8), tag)], position_ids=torch.full((3, 2), int(tag)))
+
+    srv = env.server(TransportConfig(worker_id="worker-1", server_threads=24, server_stream_cap=16), fn=tagged)
+    c = env.client(srv.address, TransportConfig(control_stream_pool=8))
+    barrier = threading.Barrier(16)
+
+    def run(thread: int) -> int:
+        barrier.wait(10)
+        for i in range(20):
+            tag = thread * 100 + i
+            out = c.fetch([MultimodalInput(str(tag).encode())])
+            assert out.plane is Plane.RDMA
+            assert torch.equal(out.embeddings[0], torch.full((3, 8), float(tag)))
+            assert torch.equal(out.position_ids[0], torch.full((3, 2), tag))
+        return thread
+
+    with futures.ThreadPoolExecutor(16) as pool:
+        assert sorted(pool.map(run, range(16))) == list(range(16))
+    assert rpcs(env, "stream") + rpcs(env, "unary") == 320
+    assert rpcs(env, "stream") >= 20 and c._streams.open_streams <= 8
+    assert stream_events(env, "opened") <= 8 and stream_events(env, "closed") == 0
+    wait_for(lambda: not env.fabric.live())
+
+
+def test_releases_ride_the_stream_and_free_every_lease(env: Env) -> None:
+    srv = env.server()
+    c = env.client(srv.address)
+    for _ in range(5):
+        check_output(c.fetch(INPUTS))
+    assert env.names().count("release_stream") == 5 and "release_async" not in env.names()
+    wait_for(lambda: not env.fabric.live())  # while the client is still open: not at close, not by a GC
+    assert len(env.fabric.released) == len(env.fabric.exported) == 5
+    assert env.sample("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) == 5
+    assert env.sample("tensorwire_mm_encoder_released_total", {"outcome": "ok"}) == 5
+    assert env.sample("tensorwire_mm_releases_total", {"mode": "async", "outcome": "ok"}) == 0
+    assert c.release_queue.sent == 0
+
+
+def test_malformed_stream_messages_get_typed_errors_and_the_server_keeps_serving(env: Env) -> None:
+    srv = env.server()
+    with grpc.insecure_channel(srv.address) as ch:
+        method = ch.stream_stream(wire.ENCODE_STREAM_METHOD)
+        # Bytes that are no StreamRequest end that stream with INVALID_ARGUMENT and reason invalid_request.
+        call = method(iter([b"\xff\xff\xff\xff"]), timeout=5)
+        with pytest.raises(grpc.RpcError) as ei:
+            next(call)
+        err = wire.error_from_rpc(ei.value, "EncodeStream")
+        assert type(err) is InvalidPayload and err.reason is Reason.INVALID_REQUEST
+        # A body this encoder does not know is answered under its id; the stream goes on.
+        request = pb.StreamRequest(id=8, encode=pb.EncodeRequest(inputs=[pb.MultimodalInput(data=b"a", kind="image"),
+                                                                          pb.MultimodalInput(data=b"b")]))
+        too_many = pb.StreamRequest(release=pb.ReleaseLeasesRequest(lease_ids=["x"] * 65_537))
+        call = method(iter([pb.StreamRequest(id=7).SerializeToString(), too_many.SerializeToString(),
+                            request.SerializeToString()]), timeout=5)
+        first = pb.StreamResponse.FromString(next(call))
+        assert first.id == 7 and first.WhichOneof("body") == "error"
+        err = wire.error_from_stream(first.error, "Encode")
+        assert type(err) is ControlPlaneError and err.reason is Reason.UNIMPLEMENTED
+        second = pb.StreamResponse.FromString(next(call))  # the oversized release was dropped, unanswered
+        assert second.id == 8 and second.WhichOneof("body") == "receipt" and list(second.receipt.split_sizes) == [4, 5]
+        with pytest.raises(StopIteration):
+            next(call)  # the client half-closed: the stream ends cleanly
+        assert env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "invalid_request"}) == 1
+        health = health_pb2_grpc.HealthStub(ch)
+        resp = health.Check(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=5)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    check_output(env.client(srv.address).fetch(INPUTS))
+
+
+def test_close_flushes_and_ends_the_streams_and_leaves_no_thread(env: Env) -> None:
+    srv = env.server()
+    c = env.client(srv.address)
+    with futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: check_output(c.fetch(INPUTS)), range(16)))
+    assert c._streams.open_streams >= 1 and control_threads()
+    c.close()
+    c.close()  # idempotent
+    assert not env.fabric.live()  # nothing left leased: every release reached the encoder
+    wait_for(lambda: srv.service.open_streams == 0)
+    wait_for(lambda: not control_threads())
+    assert stream_events(env, "closed") == stream_events(env, "opened")
+
+
+def test_the_deadline_watchdog_sleeps_through_a_steady_state(env: Env) -> None:
+    srv = env.server()
+    c = env.client(srv.address)
+    for _ in range(100):
+        c.fetch(INPUTS, timeout_ms=60_000)
+    watchdog = c._streams.watchdog
+    assert watchdog.wakeups == 0  # multi-second budgets: the thread slept through 100 requests
+    assert len(watchdog._heap) <= 2  # answered entries do not pile up
