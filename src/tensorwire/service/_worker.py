@@ -114,7 +114,9 @@ class EncoderWorker:
             if self._health is not None:
                 self._health.enter_graceful_shutdown()
             if self._server is not None:
-                self._server.stop(grace_s).wait(grace_s + 5.0)
+                stopped = self._server.stop(grace_s)
+                self.service.close_streams()  # idle EncodeStreams would hold the stop for all of grace_s
+                stopped.wait(grace_s + 5.0)
         finally:
             try:
                 self.transport.close()

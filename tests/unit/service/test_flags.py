@@ -27,6 +27,8 @@ def test_every_rdma_field_has_a_flag() -> None:
         assert f"rdma_{f.name}" in flags
     assert "mode" in flags and "worker_timeout_ms" in flags
     assert "release_queue_max" not in flags  # client-only knobs are not offered to the encoder
+    assert "control_stream" not in flags and "control_stream_pool" not in flags
+    assert "server_stream_cap" in flags
 
 
 def test_defaults_come_from_the_dataclasses(monkeypatch: pytest.MonkeyPatch) -> None:

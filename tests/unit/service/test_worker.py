@@ -141,3 +141,23 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
     with _client(w) as client, pytest.raises(Exception):
         client.fetch([MultimodalInput(_png(56, 56))], timeout_ms=2000)
     w.stop()  # idempotent
+
+
+def test_stop_does_not_wait_out_the_grace_for_idle_control_streams() -> None:
+    # A long-lived LLM client keeps an EncodeStream open between requests; stop ends it instead of waiting.
+    w = EncoderWorker(BuiltinEncoder(preprocess=SMALL), INLINE, metrics=metrics_for(CollectorRegistry()))
+    w.start("127.0.0.1:0")
+    client = _client(w)
+    try:
+        client.fetch([MultimodalInput(_png(56, 56))])
+        assert w.service.open_streams == 1
+        t0 = time.monotonic()
+        w.stop(grace_s=5.0)
+        assert time.monotonic() - t0 < 1.0
+        deadline = time.monotonic() + 5
+        while w.service.open_streams and time.monotonic() < deadline:  # the handler thread unwinds after
+            time.sleep(0.01)
+        assert w.service.open_streams == 0
+    finally:
+        client.close()
+        w.stop()
