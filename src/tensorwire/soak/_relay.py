@@ -1,5 +1,7 @@
 """A fault-injecting gRPC relay: forwards every unary call byte for byte to a target, unless told otherwise.
 
+EncodeStream (the one streaming method) is answered UNIMPLEMENTED, so clients fall back to the unary Encode.
+
 Sits on the control plane between two peers of the soak (clients -> relay -> proxy, proxy -> relay -> worker).
 Faults, each switched on by the soak's scheduler (``FaultRelay.set_*``) or by a per-call probability:
 
@@ -150,6 +152,10 @@ class _Handler(grpc.GenericRpcHandler):
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method = details.method
+        if method == wire.ENCODE_STREAM_METHOD:
+            # A unary relay cannot carry a stream: UNIMPLEMENTED, as from an encoder or proxy that predates it,
+            # so clients use the unary Encode (the proxy behind the relay has no EncodeStream either).
+            return None
 
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             return self._relay.forward(method, request, context)
