@@ -384,3 +384,41 @@ def test_the_deadline_watchdog_sleeps_through_a_steady_state(env: Env) -> None:
     watchdog = c._streams.watchdog
     assert watchdog.wakeups == 0  # multi-second budgets: the thread slept through 100 requests
     assert len(watchdog._heap) <= 2  # answered entries do not pile up
+
+
+class EndingContext:
+    """The part of grpc.ServicerContext the stream handler uses, for driving its generator by hand."""
+
+    def __init__(self) -> None:
+        self.active = True
+        self.callbacks: list[Any] = []
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def add_callback(self, callback: Any) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+
+@pytest.mark.parametrize("ended_by", ["generator_closed", "call_terminated"])
+def test_a_receipt_whose_send_failed_has_its_leases_released(env: Env, ended_by: str) -> None:
+    # gRPC resumes the handler only after a send completed; if the call ends while the receipt is out, gRPC closes
+    # the generator (GeneratorExit at the yield) and runs the termination callbacks. Either one releases the
+    # receipt's leases, once.
+    srv = env.server()
+    context = EndingContext()
+    request = pb.StreamRequest(id=1, encode=pb.EncodeRequest(support_rdma=True, inputs=[
+        pb.MultimodalInput(data=b"a", kind="image"), pb.MultimodalInput(data=b"b", kind="image")]))
+    handler = srv.service.encode_stream(iter([request.SerializeToString()]), context)  # type: ignore[arg-type]
+    answer = pb.StreamResponse.FromString(next(handler))  # handed to gRPC; the send is "in flight"
+    assert answer.id == 1 and len(answer.receipt.rdma_slots) == 1 and len(env.fabric.live()) == 1
+    context.active = False
+    if ended_by == "call_terminated":
+        for callback in context.callbacks:
+            callback()
+        assert not env.fabric.live()
+    handler.close()
+    assert not env.fabric.live() and len(env.fabric.released) == 1
+    assert env.sample("tensorwire_mm_encoder_released_total", {"outcome": "ok"}) == 1  # released once
+    assert srv.service.open_streams == 0
