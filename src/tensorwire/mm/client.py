@@ -820,9 +820,10 @@ class RemoteOutputTransport:
 
     def _consume_rdma(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
                       session: _Session) -> MultimodalOutput | _Retry:
-        ids = self._lease_ids_best_effort(receipt)
+        parsed = self._parse_slots(receipt)
+        ids = _lease_ids(parsed)
         try:
-            descs, roles = self._validate_slots(receipt)
+            descs, roles = self._validate_slots(receipt, parsed)
         except TensorwireError as exc:
             self._release_sync(ids, budget, stages)
             return _Retry(exc, endpoint_fault=True)
@@ -891,26 +892,31 @@ class RemoteOutputTransport:
             self._parse = _default_parser(self.config)
         return self._parse
 
-    def _lease_ids_best_effort(self, receipt: pb.EncodeResponse) -> list[str]:
-        """Every lease id that can be read out of the receipt (unparsable slots are left to the owner's GC)."""
-        ids = []
+    def _parse_slots(self, receipt: pb.EncodeResponse) -> list[Any]:
+        """Each slot's descriptor, or the exception parsing it raised; parsed once per receipt (on a slow host a
+        parse with its validation costs tens of microseconds)."""
+        parse = self._parser()
+        out: list[Any] = []
         for slot in receipt.rdma_slots[:MAX_SLOTS_PER_RECEIPT]:
             try:
-                lease = self._parser()(slot.descriptor).lease_id
-            except Exception:
-                continue
-            if lease:
-                ids.append(lease)
-        return ids
+                out.append(parse(slot.descriptor))
+            except Exception as exc:  # kept for _validate_slots, which raises it
+                out.append(exc)
+        return out
 
-    def _validate_slots(self, receipt: pb.EncodeResponse) -> tuple[list[Any], list[int]]:
+    def _lease_ids_best_effort(self, receipt: pb.EncodeResponse) -> list[str]:
+        """Every lease id that can be read out of the receipt (unparsable slots are left to the owner's GC)."""
+        return _lease_ids(self._parse_slots(receipt))
+
+    def _validate_slots(self, receipt: pb.EncodeResponse, parsed: list[Any]) -> tuple[list[Any], list[int]]:
         if len(receipt.rdma_slots) > MAX_SLOTS_PER_RECEIPT:
             raise ProtocolError(f"receipt has {len(receipt.rdma_slots)} slots, over {MAX_SLOTS_PER_RECEIPT}")
         if receipt.HasField("embedding") or receipt.HasField("position_ids") or len(receipt.extra_inputs):
             raise ProtocolError("RDMA receipt also carries inline tensors")
         descs, roles = [], []
-        for i, slot in enumerate(receipt.rdma_slots):
-            desc = self._parser()(slot.descriptor)  # raises InvalidDescriptor with a reason
+        for i, (slot, desc) in enumerate(zip(receipt.rdma_slots, parsed)):
+            if isinstance(desc, BaseException):
+                raise desc  # InvalidDescriptor with a reason
             if len(slot.roles) != len(desc.manifest):
                 raise InvalidPayload(f"slot {i}: {len(slot.roles)} roles for {len(desc.manifest)} tensors",
                                      reason=Reason.ASSEMBLY_MISMATCH)
@@ -1007,6 +1013,10 @@ class RemoteOutputTransport:
         self._rl.log(logging.INFO, "hit", "[MM-RDMA-HIT] multimodal embedding read over rdma, %d slot(s)", slots)
         gbps = nbytes / read_s / 1e9 if read_s > 0 else float("inf")
         self._rl.log(logging.INFO, "bw", "[RDMA-BW] read %d bytes in %.3f ms: %.2f GB/s", nbytes, read_s * 1e3, gbps)
+
+
+def _lease_ids(parsed: list[Any]) -> list[str]:
+    return [d.lease_id for d in parsed if not isinstance(d, BaseException) and d.lease_id]
 
 
 def _add_encoder_stages(stages: _Stages, receipt: pb.EncodeResponse) -> None:
