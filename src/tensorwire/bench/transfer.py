@@ -7,8 +7,9 @@ The encoder runs in a spawned process (real gRPC server, real exporter); this pr
 seed's 112.7 MB ViT output (Qwen3-VL, one 2048x1365 image): modelled as a bf16 embedding of shape
 [13760, 4096] = 112,721,920 bytes. A size sweep (64 KiB .. 112.7 MB, same row width) follows.
 
-Each size runs the RDMA plane twice: with a copying export, and with a zero-copy output (the encoder writes
-into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot).
+Each size runs the RDMA plane three times: with a copying export, with a zero-copy output (the encoder writes
+into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot), and the zero-copy
+output again with the control messages on unary RPCs instead of the EncodeStream (``control_stream=False``).
 
 Stages per fetch (client wall clock, medians): ``export`` (encoder copies into registered slots),
 ``control`` (Encode round trip, which contains the export), ``read`` (one batched RDMA read), ``release``
@@ -22,6 +23,7 @@ On CUDA the fetch's total includes a ``torch.cuda.synchronize()`` so queued devi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import statistics
@@ -174,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         endpoint = f"127.0.0.1:{port}"
         rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
         with RemoteOutputTransport(endpoint, rdma_cfg) as rdma_t, \
+                RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
                 RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t:
-            if not rdma_t.wait_ready(60):
+            if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60):
                 print("RDMA reader did not become ready", file=sys.stderr)
                 return 1
             release_rtt = []
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 nbytes = rows * cols * 2
                 r = _run_plane(rdma_t, rows, iters, 2, "rdma", args.device)
                 z = _run_plane(rdma_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
+                zu = _run_plane(unary_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
                 slow = nbytes >= SLOW_INLINE_BYTES
                 i = _run_plane(inline_t, rows, 1 if slow else inline_iters, 0 if slow else 1, "inline", args.device)
                 mc = _memcpy_ms(nbytes, args.device, 10)
@@ -196,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                     "memcpy_1thread_ms": mc1,
                     "ratio_rdma_transfer_over_memcpy_1thread": r["transfer"]["median_ms"] / mc1,
                     "ratio_rdma_read_over_memcpy_1thread": r["read"]["median_ms"] / mc1,
-                    "rdma": r, "rdma_zero_copy": z, "inline": i,
+                    "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
                     "ratio_rdma_zero_copy_transfer_over_memcpy": z["transfer"]["median_ms"] / mc,
                     "ratio_rdma_zero_copy_transfer_over_memcpy_1thread": z["transfer"]["median_ms"] / mc1,
                     "ratio_inline_over_rdma_transfer": i["transfer"]["median_ms"] / r["transfer"]["median_ms"],
@@ -218,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"(export {z['export']['median_ms']:6.2f}, read {z['read']['median_ms']:6.2f}) | rdma/memcpy "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy']:4.2f}x (1-thread "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy_1thread']:4.2f}x) | ctrl overhead "
-                      f"{z['control_overhead']['median_ms']:6.2f} ms", flush=True)
+                      f"{z['control_overhead']['median_ms']:6.2f} ms | same over unary Encode RPCs: transfer "
+                      f"{zu['transfer']['median_ms']:6.2f} ms (control {zu['control']['median_ms']:5.2f} vs stream "
+                      f"{z['control']['median_ms']:5.2f})", flush=True)
     finally:
         stop.set()
         proc.join(30)
