@@ -54,6 +54,16 @@ def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | 
     return req
 
 
+def _parse_or_abort(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
+    """``message.FromString(raw)``, or the call ends with INVALID_ARGUMENT / INVALID_REQUEST (abort raises)."""
+    try:
+        return message.FromString(raw)
+    except DecodeError as exc:
+        wire.abort_with(context, InvalidPayload(f"{message.__name__} does not parse: {exc}",
+                                                reason=Reason.INVALID_REQUEST))
+        raise  # unreachable: abort raises
+
+
 class _OpenStream:
     """One EncodeStream on the server. ``busy`` while an Encode runs; ``unsent`` is the receipt being sent.
 
@@ -135,12 +145,7 @@ class EncoderService:
         log.warning(msg, *args)
 
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        try:
-            request = pb.EncodeRequest.FromString(raw)
-        except DecodeError as exc:
-            wire.abort_with(context, InvalidPayload(f"EncodeRequest does not parse: {exc}",
-                                                    reason=Reason.INVALID_REQUEST))
-            raise  # unreachable: abort raises
+        request = _parse_or_abort(pb.EncodeRequest, raw, context)
         try:
             receipt = self.run_encode(request, context.is_active)
         except Exception as exc:
@@ -149,12 +154,7 @@ class EncoderService:
         return receipt.SerializeToString()
 
     def release_leases(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        try:
-            request = pb.ReleaseLeasesRequest.FromString(raw)
-        except DecodeError as exc:
-            wire.abort_with(context, InvalidPayload(f"ReleaseLeasesRequest does not parse: {exc}",
-                                                    reason=Reason.INVALID_REQUEST))
-            raise
+        request = _parse_or_abort(pb.ReleaseLeasesRequest, raw, context)
         if len(request.lease_ids) > MAX_RELEASE_IDS:
             wire.abort_with(context, InvalidPayload(f"{len(request.lease_ids)} lease ids in one call exceed "
                                                     f"{MAX_RELEASE_IDS}", reason=Reason.INVALID_REQUEST))
@@ -197,13 +197,8 @@ class EncoderService:
                       context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             for raw in requests:
-                try:
-                    msg = pb.StreamRequest.FromString(raw)
-                except DecodeError as exc:
-                    # Its id is unknown, so no answer could name the request that failed: end the stream.
-                    wire.abort_with(context, InvalidPayload(f"StreamRequest does not parse: {exc}",
-                                                            reason=Reason.INVALID_REQUEST))
-                    return
+                # A message that does not parse has no id an answer could name: it ends the stream.
+                msg = _parse_or_abort(pb.StreamRequest, raw, context)
                 kind = msg.WhichOneof("body")
                 if kind == "release":
                     self._release_from_stream(msg.release)
