@@ -12,7 +12,8 @@ into ``OutputTransport.allocate_output`` buffers, so the export only publishes t
 output again with the control messages on unary RPCs instead of the EncodeStream (``control_stream=False``).
 
 Stages per fetch (client wall clock, medians): ``export`` (encoder copies into registered slots),
-``control`` (Encode round trip, which contains the export), ``read`` (one batched RDMA read), ``release``
+``control`` (Encode round trip, which contains the export), ``allocate`` (zero-copy only: the encoder's
+``allocate_output`` call, counted as transfer, not compute), ``read`` (one batched RDMA read), ``release``
 (enqueueing the async release; the ReleaseLeases RPC itself is timed separately), ``transfer`` (fetch total
 minus the encoder's compute, i.e. everything the transport adds). ``control overhead`` is fetch total minus
 read. ``memcpy`` is one device-local copy of the payload into a preallocated buffer, the floor for any plane
@@ -98,7 +99,8 @@ def _memcpy_ms(nbytes: int, device: str, iters: int, threads: int | None = None)
 def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
     """One fetch's stages in the seed's terms (ms) from ``MultimodalOutput.stage_ms`` and the synced wall time."""
     total = max(s.get("total", 0.0), synced_total_ms)
-    compute = s.get("encoder.encode", 0.0)
+    # allocate_output runs inside encode_fn but is transport work (a model would allocate its output anyway).
+    compute = s.get("encoder.encode", 0.0) - s.get("encoder.allocate", 0.0)
     read = s.get("read", 0.0)
     return {
         "total": total,
@@ -106,12 +108,14 @@ def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
         "read": read,
         "release": s.get("release", 0.0),
         "export": s.get("encoder.export", 0.0),
+        "allocate": s.get("encoder.allocate", 0.0),
         "serialize": s.get("encoder.serialize", 0.0),
         "decode": s.get("decode", 0.0),
         "encode_compute": compute,
         "transfer": total - compute,
         "control_overhead": total - read,
-        "control_overhead_excl_export": total - read - s.get("encoder.export", 0.0) - compute,
+        "control_overhead_excl_export": total - read - s.get("encoder.export", 0.0) - s.get("encoder.allocate", 0.0)
+        - compute,
     }
 
 

@@ -72,6 +72,7 @@ class OutputBuffers:
     position_ids: torch.Tensor | None
     lease: Any
     thread: int = 0  # the allocating thread: its next transfer() ends this allocation if it is not the output
+    allocate_us: int = 0  # what allocate_output took: transport work inside the encoder's compute time
 
     def matches(self, emb: torch.Tensor, pos: torch.Tensor | None, extras: Sequence[torch.Tensor]) -> bool:
         """True when the output is exactly these buffers (same storage, shape and dtype), nothing else."""
@@ -221,6 +222,7 @@ class OutputTransport:
         ``None`` when that cannot help (mode grpc, exporter not built, closed, the output needs more than one slot,
         an exporter without ``allocate``, or the allocation failed): then produce the output as usual.
         """
+        t0 = time.perf_counter()
         if self.config.mode != MODE_AUTO or self._closed:
             return None
         exporter = self._holder.get()
@@ -237,7 +239,8 @@ class OutputTransport:
             if exc.reason is not Reason.SLOT_TOO_LARGE:  # too large for one slot: not a degrade, the copy path splits
                 self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
             return None
-        buffers = OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease, threading.get_ident())
+        buffers = OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease, threading.get_ident(),
+                                int((time.perf_counter() - t0) * 1e6))
         with self._buffers_lock:
             self._buffers[buffers.embedding.data_ptr()] = buffers
         return buffers
@@ -299,6 +302,8 @@ class OutputTransport:
             t0 = time.perf_counter()
             if buffers is not None and buffers.matches(emb, pos, extras):
                 slots = self._try_publish(exporter, buffers, emb, pos)
+                if slots is not None:
+                    receipt.encoder_stage_us["allocate"] = buffers.allocate_us
             else:
                 slots = self._try_export(exporter, emb, pos, extras)
             if slots is not None:
