@@ -12,6 +12,7 @@
 #   profile    python -m tensorwire.bench read_profile --device cuda:0 (where a read's fixed cost goes)
 #   rdma       python -m tensorwire.bench rdma --device cuda:0, 1 MiB .. 1 GiB (the transfer sweep stops at 112.7 MB)
 #   broadcast  python -m tensorwire.bench broadcast --quick (CPU broadcaster on this machine's cores)
+#   control    python -m tensorwire.bench control (gRPC round trip: unary vs stream, hot and after idling)
 #   demo       tensorwire demo --device cuda:0 --json --save
 #   multigpu   python -m tensorwire.bench multigpu (cuda:0 -> cuda:1 and back; skipped below 2 GPUs)
 #   tp_nccl    python -m tensorwire.bench tp_nccl (one process per GPU; skipped below 2 GPUs)
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 SUITE_BUDGET_S=${SUITE_BUDGET_S:-480}
-SUITE_STEPS=${SUITE_STEPS:-"versions pytest transfer profile rdma broadcast demo multigpu tp_nccl"}
+SUITE_STEPS=${SUITE_STEPS:-"versions pytest transfer profile rdma control broadcast demo multigpu tp_nccl"}
 T_START=$(date +%s)
 DEADLINE=$((T_START + SUITE_BUDGET_S))
 mkdir -p "$OUT"
@@ -53,8 +54,8 @@ case "$GPUNAME" in *h200*) TAG="h200x$NGPU" ;; *) TAG="gpu${NGPU}" ;; esac
 RES=benchmarks/results
 
 # Seconds each step may take at most, and the minimum kept for it while earlier steps run.
-declare -A TMAX=([profile]=60 [versions]=45 [pytest]=180 [transfer]=180 [rdma]=120 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
-declare -A TMIN=([profile]=20 [versions]=10 [pytest]=60 [transfer]=60 [rdma]=30 [broadcast]=60 [demo]=40 [multigpu]=80 [tp_nccl]=80)
+declare -A TMAX=([control]=60 [profile]=60 [versions]=45 [pytest]=180 [transfer]=180 [rdma]=120 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
+declare -A TMIN=([control]=20 [profile]=20 [versions]=10 [pytest]=60 [transfer]=60 [rdma]=30 [broadcast]=60 [demo]=40 [multigpu]=80 [tp_nccl]=80)
 SUMMARY=$WORK/summary.txt
 : > "$SUMMARY"
 
@@ -154,6 +155,7 @@ step_pytest() {
 step_transfer() { $PY -m tensorwire.bench transfer --device cuda:0 --out "$RES/transfer-$TAG.json"; }
 step_profile() { $PY -m tensorwire.bench read_profile --device cuda:0 --out "$RES/read_profile-$TAG.json"; }
 step_rdma() { $PY -m tensorwire.bench rdma --device cuda:0 --sizes-mib 1,4,16,64,256,1024 --idle-s 2 --out "$RES/rdma-$TAG.json"; }
+step_control() { $PY -m tensorwire.bench control --out "$RES/control-$TAG.json"; }
 step_broadcast() { $PY -m tensorwire.bench broadcast --quick --out "$RES/broadcast-$TAG.json"; }
 step_demo() { $PY -m tensorwire.cli.main demo --device cuda:0 --json --no-progress --save "$RES/demo-$TAG.json"; }
 step_multigpu() {
@@ -167,7 +169,7 @@ step_tp_nccl() {
 
 for s in $SUITE_STEPS; do
   if ! declare -F "step_$s" >/dev/null; then
-    echo "STEP $s: UNKNOWN (known: versions pytest transfer profile rdma broadcast demo multigpu tp_nccl)" | tee -a "$SUMMARY"
+    echo "STEP $s: UNKNOWN (known: versions pytest transfer profile rdma control broadcast demo multigpu tp_nccl)" | tee -a "$SUMMARY"
     continue
   fi
   # Exported functions run under `timeout` through a child bash.

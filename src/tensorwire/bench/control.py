@@ -1,0 +1,180 @@
+"""Benchmark: the control plane's round trip, unary RPCs against an open bidirectional stream, hot and after idling.
+
+    python -m tensorwire.bench control [--n 300] [--gaps-ms 0,1.5] [--out PATH]
+
+Two measurements, each across two processes on loopback, in one run so their ratios share the machine's state:
+
+1. ``echo``: a 200-byte message through a unary method and through a stream-stream method of a plain sync
+   ``grpc.server``: the floor any Python control plane pays per request;
+2. ``fetch``: ``RemoteOutputTransport.fetch`` of a small inline output (mode ``grpc``: no data plane) with the
+   EncodeStream (``control_stream=True``) and with unary Encode RPCs (``control_stream=False``): the same floor
+   plus tensorwire's client, service and codec.
+
+Each runs back to back (gap 0) and with a sleep between calls: on virtual machines a thread that slept wakes up
+slowly and runs cold for a while, which a hot loop never shows. Writes benchmarks/results/control-<machine>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+from concurrent import futures
+from typing import Any, Callable
+
+_ECHO_SERVICE = "tensorwire.bench.Echo"
+
+
+def _echo_server(q: Any) -> None:
+    import grpc
+
+    def unary(req: bytes, ctx: Any) -> bytes:
+        return req
+
+    def bidi(requests: Any, ctx: Any) -> Any:
+        yield from requests
+
+    handler = grpc.method_handlers_generic_handler(_ECHO_SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Stream": grpc.stream_stream_rpc_method_handler(bidi),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((handler,))
+    q.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def _encoder(q: Any) -> None:
+    import torch
+
+    from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
+
+    out = EncoderOutput(embeddings=torch.ones(8, 64, dtype=torch.bfloat16), split_sizes=[8])
+    server = serve_encoder(lambda inputs: out, TransportConfig(mode="grpc", worker_id="bench-control"),
+                           "127.0.0.1:0")
+    q.put(server.port)
+    server.wait()
+
+
+def _timed(fn: Callable[[], Any], n: int, gap_s: float, warmup: int = 30) -> dict[str, float]:
+    from tensorwire.bench._common import summarize
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(n):
+        if gap_s:
+            time.sleep(gap_s)
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
+
+
+def _spawn(target: Callable[[Any], None]) -> tuple[Any, int]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(q,), daemon=True)
+    proc.start()
+    return proc, int(q.get(timeout=120))
+
+
+def _echo(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
+    import grpc
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    unary = channel.unary_unary(f"/{_ECHO_SERVICE}/Unary")
+    outbox: queue.Queue[bytes | None] = queue.Queue()
+
+    def requests() -> Any:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    call = channel.stream_stream(f"/{_ECHO_SERVICE}/Stream")(requests())
+    msg = b"x" * 200
+
+    def on_stream() -> None:
+        outbox.put(msg)
+        next(call)
+
+    out: dict[str, Any] = {"unary": {}, "stream": {}}
+    for gap in gaps:  # the two paths alternate per gap so both see the same background
+        out["unary"][f"{gap * 1e3:g}ms"] = _timed(lambda: unary(msg), n, gap)
+        out["stream"][f"{gap * 1e3:g}ms"] = _timed(on_stream, n, gap)
+    outbox.put(None)
+    channel.close()
+    return out
+
+
+def _fetch(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
+    import dataclasses
+
+    from tensorwire.mm import MultimodalInput, Plane, RemoteOutputTransport, TransportConfig
+
+    cfg = TransportConfig(mode="grpc")
+    inputs = [MultimodalInput(b"image")]
+    out: dict[str, Any] = {"unary": {}, "stream": {}}
+    with RemoteOutputTransport(f"127.0.0.1:{port}", dataclasses.replace(cfg, control_stream=False)) as unary, \
+            RemoteOutputTransport(f"127.0.0.1:{port}", cfg) as stream:
+        for t in (unary, stream):
+            if t.fetch(inputs).plane is not Plane.INLINE:
+                raise SystemExit("expected the inline plane")
+        for gap in gaps:
+            out["unary"][f"{gap * 1e3:g}ms"] = _timed(lambda: unary.fetch(inputs), n, gap)
+            out["stream"][f"{gap * 1e3:g}ms"] = _timed(lambda: stream.fetch(inputs), n, gap)
+        paths = _counter_values(stream.metrics.control_rpcs)
+    out["control_rpcs_of_both_transports"] = paths  # one registry: the unary and the stream transport share it
+    return out
+
+
+def _counter_values(counter: Any) -> dict[str, float]:
+    values: dict[str, float] = {}
+    for metric in counter.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                values[",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))] = sample.value
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench control", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=300, help="timed calls per path and gap")
+    ap.add_argument("--gaps-ms", default="0,1.5", help="sleeps between calls, comma-separated")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/control-<machine>.json)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    from tensorwire.bench._common import write_result
+
+    gaps = [float(g) / 1e3 for g in args.gaps_ms.split(",") if g]
+    procs = []
+    try:
+        echo_proc, echo_port = _spawn(_echo_server)
+        procs.append(echo_proc)
+        enc_proc, enc_port = _spawn(_encoder)
+        procs.append(enc_proc)
+        echo = _echo(echo_port, args.n, gaps)
+        fetch = _fetch(enc_port, args.n, gaps)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(10)
+    print(f"{'ms, median / p99':28}" + "".join(f"{'gap ' + k:>20}" for k in echo["unary"]))
+    for name, table in (("echo", echo), ("fetch (inline, tiny)", fetch)):
+        for path in ("unary", "stream"):
+            cells = "".join(f"{v['median_ms']:>11.3f} / {v['p99_ms']:6.3f}" for v in table[path].values())
+            print(f"{name + ' ' + path:28}{cells}")
+    ratios = {f"{name}_unary_over_stream_gap_{k}": table["unary"][k]["median_ms"] / table["stream"][k]["median_ms"]
+              for name, table in (("echo", echo), ("fetch", fetch)) for k in table["unary"]}
+    print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
+    path = write_result("control", {"n": args.n, "gaps_ms": [g * 1e3 for g in gaps], "echo": echo, "fetch": fetch,
+                                    "ratios": ratios}, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
