@@ -128,8 +128,8 @@ class Slot:
     gen_index: int = -1
     busy: bool = False
     array: Any = field(default=None, repr=False)  # the numpy owner of host memory (numpy_backed pools)
-    # A CUDA event recorded when a loaned device slot came back (the reader's device loans): the caller's last
-    # kernels on it may still be queued, so the next READ into the slot waits for it first.
+    # A CUDA event recorded when a reader's device slot came back (a loan dropped, or the clones out of a pooled
+    # buffer queued): kernels reading it may still be queued, so the next READ into the slot waits for it first.
     ready: Any = field(default=None, repr=False)
 
     @property

@@ -280,6 +280,8 @@ class TensorReader:
             for x in dests:
                 if x.slot is not None:
                     x.results = [self._clone_out(x.slot.tensor, m, x.staged) for m in x.d.manifest]
+                    if not x.staged and self._device.type == "cuda":
+                        self._mark_ready(x.slot)  # the clones are queued, not done, when the slot goes back
                 _check_results(x.d, x.results)
                 out.extend(x.results)
                 self._count("read_bytes", x.d.nbytes)
@@ -342,6 +344,7 @@ class TensorReader:
             x.pool = self._staging if staged else self._pool
             assert x.pool is not None
             x.slot = x.pool.acquire(d.payload_bytes)
+            _wait_ready(x.slot)
             x.local.append((x.slot.addr, d.payload_bytes, 0 if staged else dev))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         return x
@@ -355,9 +358,7 @@ class TensorReader:
             slot = self._loans.acquire(nbytes)
         except PoolExhausted:
             return None
-        if slot.ready is not None:  # the previous borrower's queued kernels may still read it
-            slot.ready.synchronize()
-            slot.ready = None
+        _wait_ready(slot)  # the previous borrower's queued kernels may still read it
         return slot
 
     def _loan_tensor(self, slot: Slot, nbytes: int) -> tuple[torch.Tensor, Any] | None:
@@ -383,6 +384,11 @@ class TensorReader:
 
     def _end_device_loan(self, slot: Slot) -> None:
         assert self._loans is not None
+        self._mark_ready(slot)
+        self._loans.release(slot)
+
+    def _mark_ready(self, slot: Slot) -> None:
+        """Work queued on the current stream still reads ``slot``: the next READ into it waits (``_wait_ready``)."""
         try:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
@@ -392,8 +398,7 @@ class TensorReader:
             try:
                 torch.cuda.synchronize(self._device)
             except Exception:
-                log.debug("device sync at loan return failed", exc_info=True)
-        self._loans.release(slot)
+                log.debug("device sync before reusing a buffer failed", exc_info=True)
 
     def _clone_out(self, buf: torch.Tensor, m: TensorMeta, staged: bool = False) -> torch.Tensor:
         src = _view(buf, m)
@@ -475,6 +480,13 @@ class _DeviceLoan:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "strides": None, "version": 2}
+
+
+def _wait_ready(slot: Slot) -> None:
+    """Waits for the work that still read ``slot`` when it was given back (see ``TensorReader._mark_ready``)."""
+    if slot.ready is not None:
+        slot.ready.synchronize()
+        slot.ready = None
 
 
 def _view(buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:

@@ -214,3 +214,20 @@ def test_loan_returned_with_queued_kernels_is_not_overwritten(owner: OwnerProces
     assert same_bytes(copy.cpu(), make_tensor((64 * MIB,), "uint8", 21))
     assert same_bytes(t2.cpu(), make_tensor((64 * MIB,), "uint8", 22))
     owner.release([Descriptor.from_bytes(raw_a).lease_id, Descriptor.from_bytes(raw_b).lease_id])
+
+
+def test_pooled_buffer_is_not_reused_before_the_queued_clone_ran(owner: OwnerProcess, reader: TensorReader) -> None:
+    """A small read clones out of a pooled device buffer on the caller's stream; when that stream is busy the clone
+    is still queued as the buffer goes back, and the next READ into it must wait for the clone."""
+    dev = torch.device(reader.config.device)
+    raw_a, _ = owner.export([((1 * MIB,), "uint8", 31)])
+    raw_b, _ = owner.export([((1 * MIB,), "uint8", 32)])
+    reader.read([raw_a])  # the pool has a buffer of this size from here on
+    with torch.cuda.device(dev):
+        torch.cuda._sleep(200_000_000)  # ~100 ms of GPU time queued before the clone
+        (a,) = reader.read([raw_a])
+    (b,) = reader.read([raw_b])  # same pooled buffer
+    torch.cuda.synchronize(dev)
+    assert same_bytes(a.cpu(), make_tensor((1 * MIB,), "uint8", 31))
+    assert same_bytes(b.cpu(), make_tensor((1 * MIB,), "uint8", 32))
+    owner.release([Descriptor.from_bytes(raw_a).lease_id, Descriptor.from_bytes(raw_b).lease_id])
