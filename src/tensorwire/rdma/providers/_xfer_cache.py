@@ -20,10 +20,24 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
+
+log = logging.getLogger(__name__)
+
+
+def release_quietly(*handles: Any) -> None:
+    """Releases NIXL handles (transfer requests, prepared lists); None entries and failures are skipped."""
+    for h in handles:
+        if h is None:
+            continue
+        try:
+            h.release()
+        except Exception:  # already released or the agent is gone
+            log.debug("releasing a NIXL handle failed", exc_info=True)
 
 
 @dataclass(eq=False)
@@ -32,11 +46,7 @@ class XferEntry:
     handles: list[Any]
 
     def release(self) -> None:
-        for h in (self.xfer, *self.handles):
-            try:
-                h.release()
-            except Exception:  # already released or the agent is gone
-                pass
+        release_quietly(self.xfer, *self.handles)
 
 
 class XferCache:

@@ -34,7 +34,7 @@ from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError,
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
 from tensorwire.rdma.providers import _metadata, _ucx_env, _ucx_probe
-from tensorwire.rdma.providers._xfer_cache import XferCache, XferEntry
+from tensorwire.rdma.providers._xfer_cache import XferCache, XferEntry, release_quietly
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
 
 log = logging.getLogger(__name__)
@@ -81,14 +81,14 @@ class _NixlPending(PendingTransfer):
         if state == "PROC":
             return False
         self._done = True
-        _release_quietly(self._xfer, *self._handles)
+        release_quietly(self._xfer, *self._handles)
         self._on_done()
         return True
 
     def abandon(self) -> None:
         if not self._done:
             self._done = True
-            _release_quietly(self._xfer, *self._handles)  # NIXL tries to cancel an active transfer on release
+            release_quietly(self._xfer, *self._handles)  # NIXL tries to cancel an active transfer on release
             self._on_done()
 
 
@@ -315,7 +315,7 @@ class NixlProvider(Provider):
             raise self._translate(exc, rem, owner) from exc
         finally:
             if xfer is not None or handles:
-                _release_quietly(xfer, *handles)
+                release_quietly(xfer, *handles)
 
     def _unbusy(self, rem: _Remote) -> None:
         with self._remotes_lock:
@@ -430,13 +430,3 @@ def _advertise_host(config: RdmaConfig) -> str:
 
 def _is(exc: BaseException, fragment: str) -> bool:
     return fragment in type(exc).__name__ or f"NIXL_ERR_{fragment.upper()}" in str(exc)
-
-
-def _release_quietly(*handles: Any) -> None:
-    for h in handles:
-        if h is None:
-            continue
-        try:
-            h.release()
-        except Exception:
-            log.debug("releasing a NIXL handle failed", exc_info=True)
