@@ -7,7 +7,8 @@ registration per read. Host loans are numpy views (``torch.from_numpy``); device
 ``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the tensor's storage). The loan ends
 when the caller drops the last result tensor (``weakref.finalize`` on that object), and the buffer goes back to
 its pool still registered. A device loan records a CUDA event on the dropping thread's current stream when it
-comes back, and the next READ into that buffer waits for the event: like the caching allocator, work the caller
+comes back (as does a pooled device buffer once the clones out of it are queued), and the next READ into that
+buffer waits for the event: like the caching allocator, work the caller
 queued on that stream before dropping the tensor is safe; work on other streams needs ``record_stream``-style
 care (keep the tensor until it is done). The tensors of one descriptor share that storage; they outlive the
 reader, later reads and the remote lease (at ``close`` the loaned buffers are deregistered but stay allocated
@@ -343,8 +344,7 @@ class TensorReader:
         else:
             x.pool = self._staging if staged else self._pool
             assert x.pool is not None
-            x.slot = x.pool.acquire(d.payload_bytes)
-            _wait_ready(x.slot)
+            x.slot = _ready(x.pool, x.pool.acquire(d.payload_bytes))
             x.local.append((x.slot.addr, d.payload_bytes, 0 if staged else dev))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         return x
@@ -358,8 +358,7 @@ class TensorReader:
             slot = self._loans.acquire(nbytes)
         except PoolExhausted:
             return None
-        _wait_ready(slot)  # the previous borrower's queued kernels may still read it
-        return slot
+        return _ready(self._loans, slot)  # the previous borrower's queued kernels may still read it
 
     def _loan_tensor(self, slot: Slot, nbytes: int) -> tuple[torch.Tensor, Any] | None:
         """(a uint8 tensor over the loaned bytes, the object whose finalizer gives the slot back); None (slot given
@@ -388,7 +387,7 @@ class TensorReader:
         self._loans.release(slot)
 
     def _mark_ready(self, slot: Slot) -> None:
-        """Work queued on the current stream still reads ``slot``: the next READ into it waits (``_wait_ready``)."""
+        """Work queued on the current stream still reads ``slot``: the next READ into it waits (``_ready``)."""
         try:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
@@ -482,11 +481,18 @@ class _DeviceLoan:
                                          "strides": None, "version": 2}
 
 
-def _wait_ready(slot: Slot) -> None:
-    """Waits for the work that still read ``slot`` when it was given back (see ``TensorReader._mark_ready``)."""
+def _ready(pool: SlotPool, slot: Slot) -> Slot:
+    """``slot`` once the work that still read it when it was given back has run (``TensorReader._mark_ready``).
+    If waiting fails (a CUDA error), the slot goes back to ``pool`` and the read fails with ReadError."""
     if slot.ready is not None:
-        slot.ready.synchronize()
+        try:
+            slot.ready.synchronize()
+        except Exception as exc:
+            pool.release(slot)
+            raise ReadError(f"waiting for work queued on a receive buffer failed: {exc}",
+                            reason=Reason.RDMA_READ_ERROR) from exc
         slot.ready = None
+    return slot
 
 
 def _view(buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
