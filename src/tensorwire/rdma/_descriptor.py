@@ -264,6 +264,38 @@ def _u64(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _UINT64
 
 
+def views(buf: torch.Tensor, manifest: Sequence[TensorMeta],
+          typed: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The manifest's tensors as views of ``buf`` (a contiguous 1-D uint8 tensor over a slot's payload).
+
+    One ``as_strided`` per tensor on ``buf`` reinterpreted as its dtype, instead of a slice and two views: these
+    run once per export and per read, where every torch call costs several microseconds on a slow host.
+    ``typed`` caches the reinterpretations for a buffer that lives on (a pooled slot). Offsets that are not a
+    multiple of the item size (never produced by ``layout``) take the slice path.
+    """
+    out = []
+    for m in manifest:
+        size = m.dtype.itemsize
+        base = typed.get(m.dtype) if typed is not None else None
+        if base is None and not (buf.numel() % size or buf.storage_offset() % size or m.offset % size):
+            base = buf.view(m.dtype)
+            if typed is not None:
+                typed[m.dtype] = base
+        if base is None or m.offset % size:
+            out.append(buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape))
+        else:
+            out.append(base.as_strided(m.shape, _strides(m.shape), base.storage_offset() + m.offset // size))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
 def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]], slot_align: int) -> tuple[list[TensorMeta], int]:
     """Manifest entries packed at ``slot_align`` offsets, in order, and the payload size (>= 1 byte)."""
     entries: list[TensorMeta] = []

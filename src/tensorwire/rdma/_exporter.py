@@ -21,7 +21,7 @@ import torch
 from tensorwire.errors import ClosedError, ExportError, Reason
 from tensorwire.rdma import _dtypes
 from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, layout
+from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, layout, views
 from tensorwire.rdma._pool import GenerationTable, Slot, SlotPool
 from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider
@@ -78,6 +78,7 @@ class TensorExporter:
         self._pool: SlotPool | None = None
         self._gens: GenerationTable | None = None
         self._owner: Owner | None = None
+        self._published_owner: Owner | None = None
         try:
             self._device = torch.device(self._cfg.device)
             if self._device.type == "cuda":
@@ -171,7 +172,7 @@ class TensorExporter:
         manifest, payload = self._layout(specs)
         lease = self._new_lease(manifest, payload)
         self._count("allocations", 1)
-        return lease, _views(lease.slot.tensor, manifest)
+        return lease, views(lease.slot.tensor, manifest, lease.slot.typed)
 
     def export_allocated(self, lease: Lease) -> Descriptor:
         """Publish an ``allocate``d lease (syncing the current CUDA stream first). Exporting twice raises."""
@@ -326,10 +327,10 @@ class TensorExporter:
         return True
 
     def _copy_in(self, lease: Lease, inputs: list[torch.Tensor]) -> None:
-        views = _views(lease.slot.tensor, lease.manifest)
+        dests = views(lease.slot.tensor, lease.manifest, lease.slot.typed)
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
-                for v, t in zip(views, inputs):
+                for v, t in zip(dests, inputs):
                     v.copy_(t)
                 # The copies run on the caller's current stream after the producer's work; waiting for them
                 # here is the "visible before the descriptor exists" contract.
@@ -337,7 +338,7 @@ class TensorExporter:
         else:
             # Plain memcpy (inputs are contiguous host tensors): torch's parallel copy wakes an OpenMP pool,
             # which costs milliseconds on a small busy host.
-            for v, t, m in zip(views, inputs, lease.manifest):
+            for v, t, m in zip(dests, inputs, lease.manifest):
                 if m.nbytes:
                     ctypes.memmove(v.data_ptr(), t.data_ptr(), m.nbytes)
 
@@ -348,7 +349,10 @@ class TensorExporter:
 
     def _publish(self, lease: Lease) -> Descriptor:
         assert self._owner is not None and self._provider is not None and self._gens is not None
-        owner = Owner(self._owner.agent_name, self._owner.host, self._owner.port, self._provider.registration_epoch)
+        epoch = self._provider.registration_epoch
+        owner = self._published_owner
+        if owner is None or owner.registration_epoch != epoch:  # Owner is immutable: one per registration epoch
+            owner = self._published_owner = Owner(self._owner.agent_name, self._owner.host, self._owner.port, epoch)
         slot = lease.slot
         desc = Descriptor(
             owner=owner,
@@ -362,13 +366,10 @@ class TensorExporter:
             manifest=lease.manifest,
         )
         lease.descriptor = desc
-        self._count("exports", 1)
-        self._count("exported_bytes", desc.nbytes)
+        with self._count_lock:
+            self._counts["exports"] += 1
+            self._counts["exported_bytes"] += desc.nbytes
         return desc
-
-
-def _views(buf: torch.Tensor, manifest: Sequence[TensorMeta]) -> list[torch.Tensor]:
-    return [buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape) for m in manifest]
 
 
 def _same_device(a: torch.device, b: torch.device) -> bool:

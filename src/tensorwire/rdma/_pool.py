@@ -131,6 +131,8 @@ class Slot:
     # A CUDA event recorded when a reader's device slot came back (a loan dropped, or the clones out of a pooled
     # buffer queued): kernels reading it may still be queued, so the next READ into the slot waits for it first.
     ready: Any = field(default=None, repr=False)
+    event: Any = field(default=None, repr=False)  # the CUDA event ``ready`` reuses (one per device slot)
+    typed: dict = field(default_factory=dict, repr=False)  # ``tensor`` reinterpreted per dtype (_descriptor.views)
 
     @property
     def addr(self) -> int:

@@ -40,7 +40,7 @@ from tensorwire.errors import (
     Reason,
 )
 from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
+from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, views
 from tensorwire.rdma._pool import Slot, SlotPool
 from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provider, Range, Registration
@@ -280,7 +280,8 @@ class TensorReader:
                         "lease was released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
             for x in dests:
                 if x.slot is not None:
-                    x.results = [self._clone_out(x.slot.tensor, m, x.staged) for m in x.d.manifest]
+                    srcs = views(x.slot.tensor, x.d.manifest, x.slot.typed)
+                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest)]
                     if not x.staged and self._device.type == "cuda":
                         self._mark_ready(x.slot)  # the clones are queued, not done, when the slot goes back
                 _check_results(x.d, x.results)
@@ -330,7 +331,7 @@ class TensorReader:
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
         if wrapped is not None:
             base, x.loan = wrapped
-            x.results = [_view(base, m) for m in d.manifest]
+            x.results = views(base, d.manifest)
             x.local.append((loaned.addr, d.payload_bytes, dev))  # type: ignore[union-attr]
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
@@ -389,7 +390,11 @@ class TensorReader:
     def _mark_ready(self, slot: Slot) -> None:
         """Work queued on the current stream still reads ``slot``: the next READ into it waits (``_ready``)."""
         try:
-            event = torch.cuda.Event()
+            # One event per buffer, recorded again at each return: creating and destroying a CUDA event per read
+            # cost two more driver calls. Uses never overlap: the next READ into the slot waited for it (_ready).
+            event = slot.event
+            if event is None:
+                event = slot.event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
             slot.ready = event
         except Exception:  # no event, no ordering: wait for the device instead of risking an overwrite
@@ -399,8 +404,7 @@ class TensorReader:
             except Exception:
                 log.debug("device sync before reusing a buffer failed", exc_info=True)
 
-    def _clone_out(self, buf: torch.Tensor, m: TensorMeta, staged: bool = False) -> torch.Tensor:
-        src = _view(buf, m)
+    def _clone_out(self, src: torch.Tensor, m: TensorMeta, staged: bool = False) -> torch.Tensor:
         if staged:  # host staging buffer -> the reader's GPU; synchronous, so the buffer can be reused at once
             with torch.cuda.device(self._device):
                 return src.to(self._device)
@@ -493,10 +497,6 @@ def _ready(pool: SlotPool, slot: Slot) -> Slot:
                             reason=Reason.RDMA_READ_ERROR) from exc
         slot.ready = None
     return slot
-
-
-def _view(buf: torch.Tensor, m: TensorMeta) -> torch.Tensor:
-    return buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
 
 
 def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:

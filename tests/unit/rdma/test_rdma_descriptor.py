@@ -191,3 +191,33 @@ def test_mutated_bytes_only_raise_invalid_descriptor(data: st.DataObject) -> Non
         return
     d.validate()  # whatever parses is fully valid
     assert Descriptor.from_bytes(d.to_bytes()) == d
+
+
+@pytest.mark.parametrize("typed", [None, {}])
+def test_views_match_slicing_for_every_dtype_and_offset(typed):
+    from tensorwire.rdma._descriptor import layout, views
+
+    specs = [((3, 5), torch.bfloat16), ((7,), torch.int8), ((2, 0, 4), torch.float32), ((), torch.int64),
+             ((4, 3), torch.float64), ((9,), torch.uint8)]
+    manifest, payload = layout(specs, 8)  # small alignment: offsets not multiples of every item size
+    buf = torch.arange(payload + 64, dtype=torch.int64).to(torch.uint8)[:payload]
+    for _ in range(2):  # the second pass goes through the cached reinterpretations
+        got = views(buf, manifest, typed)
+        for t, m in zip(got, manifest):
+            want = buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
+            assert t.shape == want.shape and t.dtype == want.dtype and t.data_ptr() == want.data_ptr()
+            assert t.is_contiguous()
+            assert torch.equal(t.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    got[0].fill_(1.5)  # views, not copies
+    assert torch.equal(buf[manifest[0].offset:manifest[0].offset + 2], torch.tensor([192, 63], dtype=torch.uint8))
+
+
+def test_views_of_a_buffer_not_a_whole_number_of_items_fall_back_to_slices():
+    from tensorwire.rdma._descriptor import layout, views
+
+    manifest, payload = layout([((4,), torch.float32)], 8)
+    buf = torch.arange(payload + 3, dtype=torch.uint8)  # cannot be reinterpreted as float32 as a whole
+    typed: dict = {}
+    (t,) = views(buf, manifest, typed)
+    assert not typed and t.data_ptr() == buf.data_ptr() and t.shape == (4,) and t.dtype == torch.float32
+    assert torch.equal(t.view(torch.uint8), buf[:16])
