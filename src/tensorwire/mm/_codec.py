@@ -107,11 +107,13 @@ def assemble(
         if rows != total:
             raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        pos_parts = list(position_ids.split(splits))
+        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split(splits))
     if extra_inputs and len(extra_inputs) != len(splits):
         raise InvalidPayload(f"extra_input count {len(extra_inputs)} != {len(splits)} items",
                              reason=Reason.ASSEMBLY_MISMATCH)
-    return list(embedding.split(splits)), pos_parts, list(extra_inputs)
+    # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
+    embs = [embedding] if len(splits) == 1 else list(embedding.split(splits))
+    return embs, pos_parts, list(extra_inputs)
 
 
 def decode_inline_receipt(

@@ -442,7 +442,7 @@ class _StreamCall:
             self.broken = True
             if deadline_hit:
                 if sent:
-                    metrics.control_rpcs.labels("stream").inc()
+                    metrics.child(metrics.control_rpcs, "stream").inc()
                 raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the "
                                        f"EncodeStream within {timeout_s:.3f} s", reason=Reason.DEADLINE_EXCEEDED)
             why = self._why_ended(failure)
@@ -451,10 +451,10 @@ class _StreamCall:
                 # Encode it takes before it ends a stream (it does so when it stops): this one never ran.
                 raise _NotExecuted(why)
             # It may have run on the encoder: raised as the unary path would raise it, never sent again.
-            metrics.control_rpcs.labels("stream").inc()
+            metrics.child(metrics.control_rpcs, "stream").inc()
             metrics.control_streams.labels("llm", "broken").inc()
             raise wire.error_from_rpc(failure, f"Encode on {endpoint}") from failure
-        metrics.control_rpcs.labels("stream").inc()
+        metrics.child(metrics.control_rpcs, "stream").inc()
         if deadline_hit:
             self.broken = True  # answered, but the watchdog cancelled the call as the answer came in
         try:
@@ -541,7 +541,7 @@ class _StreamCall:
                 if rid:
                     self._sent_id = rid
             if release_ids is not None:
-                metrics.releases.labels("stream", "sent").inc(len(release_ids))
+                metrics.child(metrics.releases, "stream", "sent").inc(len(release_ids))
             yield data
 
     def _on_done(self, call: Any) -> None:
@@ -703,8 +703,8 @@ class RemoteOutputTransport:
         elapsed = time.perf_counter() - t0
         stages.add("total", elapsed)
         out.stage_ms = stages.ms
-        self.metrics.fetch_seconds.labels(out.plane.value).observe(elapsed)
-        self.metrics.requests.labels("llm", out.plane.value).inc()
+        self.metrics.child(self.metrics.fetch_seconds, out.plane.value).observe(elapsed)
+        self.metrics.child(self.metrics.requests, "llm", out.plane.value).inc()
         return out
 
     def close(self) -> None:
@@ -943,7 +943,7 @@ class RemoteOutputTransport:
         nbytes = 0
         for t, role in zip(tensors, roles):
             nbytes += t.numel() * t.element_size()
-            self.metrics.bytes.labels("llm", "rdma", _ROLE_NAMES[role]).inc(t.numel() * t.element_size())
+            self.metrics.child(self.metrics.bytes, "llm", "rdma", _ROLE_NAMES[role]).inc(t.numel() * t.element_size())
             if role == pb.EMBEDDING:
                 chunks.append(t)
             elif role == pb.POS_ID:

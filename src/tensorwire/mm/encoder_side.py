@@ -309,7 +309,7 @@ class OutputTransport:
             if slots is not None:
                 receipt.rdma_slots.extend(slots)
                 receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
-                self.metrics.requests.labels("encoder", "rdma").inc()
+                self.metrics.child(self.metrics.requests, "encoder", "rdma").inc()
                 return receipt
         elif why_not is not None:
             self.metrics.fallbacks.labels("encoder", why_not).inc()
@@ -356,9 +356,9 @@ class OutputTransport:
         except Exception as exc:
             self._count_degrade(exc, 0)
             return None
-        self.metrics.bytes.labels("encoder", "rdma", "embedding").inc(emb.numel() * emb.element_size())
+        self.metrics.child(self.metrics.bytes, "encoder", "rdma", "embedding").inc(emb.numel() * emb.element_size())
         if pos is not None:
-            self.metrics.bytes.labels("encoder", "rdma", "pos_id").inc(pos.numel() * pos.element_size())
+            self.metrics.child(self.metrics.bytes, "encoder", "rdma", "pos_id").inc(pos.numel() * pos.element_size())
         return [slot]
 
     def _count_degrade(self, exc: BaseException, rolled_back: int) -> None:
@@ -390,7 +390,7 @@ class OutputTransport:
                 slot.roles.extend(roles)
                 slots.append(slot)
                 for t, role in zip(tensors, roles):
-                    self.metrics.bytes.labels("encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
+                    self.metrics.child(self.metrics.bytes, "encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
             lease_ids = [d.lease_id for d in descs if getattr(d, "lease_id", "")]
@@ -433,7 +433,7 @@ class OutputTransport:
             self._rl.log(logging.WARNING, "release", "releasing %d lease(s) failed: %r; the TTL GC reclaims them",
                          len(ids), exc)
             return 0
-        self.metrics.exported_leases_released.labels("ok").inc(len(ids))
+        self.metrics.child(self.metrics.exported_leases_released, "ok").inc(len(ids))
         return len(ids)
 
     def close(self) -> None:
