@@ -26,7 +26,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"  leases outstanding    {r['leases_outstanding_after_gc']} after the GC window; busy slots "
         f"{r['busy_slots_after_gc']}, busy bytes {r['pool_busy_bytes_after_gc']}  "
         f"[{mark(r['leases_outstanding_after_gc'] == 0 and r['busy_slots_after_gc'] == 0)}]",
-        f"  pool bytes            " + ", ".join(f"worker{i} {v['start']} -> {v['end']}" for i, v in r["pool_bytes"].items()),
+        "  pool bytes            " + ", ".join(f"worker{i} {v['start']} -> {v['end']}" for i, v in r["pool_bytes"].items()),
         f"  GC reclaimed leases   {_kv({f'worker{i}': v for i, v in r['gc_reclaimed'].items()})}",
         f"  fds back              [{mark(r['fds_back'])}]  threads back [{mark(r['threads_back'])}]",
     ]
@@ -46,7 +46,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append("  untyped examples: " + "; ".join(r["untyped_examples"][:3]))
     if r["wrong_examples"]:
         lines.append(f"  wrong examples: {r['wrong_examples'][:3]}")
-    lines.append(f"PASSED" if r["passed"] else "FAILED")
+    lines.append("PASSED" if r["passed"] else "FAILED")
     return "\n".join(lines)
 
 
