@@ -10,6 +10,7 @@
 #   pytest     pytest -m gpu -x -q on the test files that carry the gpu mark
 #   transfer   python -m tensorwire.bench transfer --device cuda:0 (seed 112.7 MB + sweep, both planes)
 #   profile    python -m tensorwire.bench read_profile --device cuda:0 (where a read's fixed cost goes)
+#   probe      scripts/probe_timeline.py --device cuda:0 (where one fetch's time goes, both processes, per function)
 #   rdma       python -m tensorwire.bench rdma --device cuda:0, 1 MiB .. 1 GiB (the transfer sweep stops at 112.7 MB)
 #   broadcast  python -m tensorwire.bench broadcast --quick (CPU broadcaster on this machine's cores)
 #   control    python -m tensorwire.bench control (gRPC round trip: unary vs stream, hot and after idling)
@@ -18,11 +19,17 @@
 #   tp_nccl    python -m tensorwire.bench tp_nccl (one process per GPU; skipped below 2 GPUs)
 #
 # Knobs (environment): SUITE_STEPS="multigpu tp_nccl" runs a subset (in the order given); SUITE_BUDGET_S (default
-# 480) is the wall-clock limit of the whole suite (up to ~570 fits the device tool's 600 s); PY (default python3).
+# 480) is the wall-clock limit of the whole suite (up to ~570 fits the device tool's 600 s); PY (default python3);
+# SUITE_TRANSFER_ARGS (e.g. "--iters 60 --inline-iters 3") goes to the transfer step.
 # Output: $OUT (default /tmp/gpu_suite_out) gets summary.txt, results.tar.gz (every JSON written, under
 # benchmarks/results/), logs.tar.gz (one log per step) and copies of the multigpu, tp_nccl and transfer JSONs: at
 # most 6 files, no folders. Result files are named <bench>-h200x<N>.json so the one-GPU results stay as they are.
 # NVLink multicast settings (NCCL_NVLS_ENABLE and friends) are left exactly as the machine sets them.
+#
+# SUITE_MPS=1 runs every step under CUDA MPS: the suite starts an MPS control daemon of its own (pipe and log
+# directories in a temporary folder; the GPU's compute mode and other settings are left as they are), tags the
+# result files <bench>-h200x<N>-mps.json, and quits the daemon at the end. Two processes on one GPU then share
+# one context instead of being time-sliced by the driver (docs/gpu.md#mps).
 
 set -x
 export PYTHONUNBUFFERED=1
@@ -30,7 +37,8 @@ cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/gpu_suite_out}
 PY=${PY:-python3}
 SUITE_BUDGET_S=${SUITE_BUDGET_S:-480}
-SUITE_STEPS=${SUITE_STEPS:-"versions pytest transfer profile rdma control broadcast demo multigpu tp_nccl"}
+SUITE_TRANSFER_ARGS=${SUITE_TRANSFER_ARGS:-}
+SUITE_STEPS=${SUITE_STEPS:-"versions pytest transfer profile probe rdma control broadcast demo multigpu tp_nccl"}
 T_START=$(date +%s)
 DEADLINE=$((T_START + SUITE_BUDGET_S))
 mkdir -p "$OUT"
@@ -51,11 +59,22 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
 GPUNAME=$($PY -c 'import torch; print(torch.cuda.get_device_name(0).lower())' 2>/dev/null || echo unknown)
 case "$GPUNAME" in *h200*) TAG="h200x$NGPU" ;; *) TAG="gpu${NGPU}" ;; esac
+MPS_ON=0
+stop_mps() { if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; fi; }
+if [ "${SUITE_MPS:-0}" = 1 ]; then
+  if command -v nvidia-cuda-mps-control >/dev/null 2>&1; then
+    export CUDA_MPS_PIPE_DIRECTORY=$WORK/mps-pipe CUDA_MPS_LOG_DIRECTORY=$WORK/mps-log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && TAG="$TAG-mps" && MPS_ON=1 && trap stop_mps EXIT
+  else
+    echo "SUITE_MPS=1 but nvidia-cuda-mps-control is not installed: running without MPS"
+  fi
+fi
 RES=benchmarks/results
 
 # Seconds each step may take at most, and the minimum kept for it while earlier steps run.
-declare -A TMAX=([control]=60 [profile]=60 [versions]=45 [pytest]=180 [transfer]=180 [rdma]=120 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
-declare -A TMIN=([control]=20 [profile]=20 [versions]=10 [pytest]=60 [transfer]=60 [rdma]=30 [broadcast]=60 [demo]=40 [multigpu]=80 [tp_nccl]=80)
+declare -A TMAX=([probe]=60 [control]=60 [profile]=60 [versions]=45 [pytest]=180 [transfer]=180 [rdma]=120 [broadcast]=120 [demo]=75 [multigpu]=150 [tp_nccl]=150)
+declare -A TMIN=([probe]=20 [control]=20 [profile]=20 [versions]=10 [pytest]=60 [transfer]=60 [rdma]=30 [broadcast]=60 [demo]=40 [multigpu]=80 [tp_nccl]=80)
 SUMMARY=$WORK/summary.txt
 : > "$SUMMARY"
 
@@ -152,9 +171,10 @@ step_pytest() {
   $PY -m pytest -m gpu -x -q -rA -p no:cacheprovider "${args[@]}" $files
 }
 
-step_transfer() { $PY -m tensorwire.bench transfer --device cuda:0 --out "$RES/transfer-$TAG.json"; }
+step_transfer() { $PY -m tensorwire.bench transfer --device cuda:0 $SUITE_TRANSFER_ARGS --out "$RES/transfer-$TAG.json"; }
 step_profile() { $PY -m tensorwire.bench read_profile --device cuda:0 --out "$RES/read_profile-$TAG.json"; }
 step_rdma() { $PY -m tensorwire.bench rdma --device cuda:0 --sizes-mib 1,4,16,64,256,1024 --idle-s 2 --out "$RES/rdma-$TAG.json"; }
+step_probe() { $PY scripts/probe_timeline.py --device cuda:0 --iters 60 --rows 8 13760 --json "$RES/probe-$TAG.json"; }
 step_control() { $PY -m tensorwire.bench control --out "$RES/control-$TAG.json"; }
 step_broadcast() { $PY -m tensorwire.bench broadcast --quick --out "$RES/broadcast-$TAG.json"; }
 step_demo() { $PY -m tensorwire.cli.main demo --device cuda:0 --json --no-progress --save "$RES/demo-$TAG.json"; }
@@ -169,12 +189,12 @@ step_tp_nccl() {
 
 for s in $SUITE_STEPS; do
   if ! declare -F "step_$s" >/dev/null; then
-    echo "STEP $s: UNKNOWN (known: versions pytest transfer profile rdma control broadcast demo multigpu tp_nccl)" | tee -a "$SUMMARY"
+    echo "STEP $s: UNKNOWN (known: versions pytest transfer profile probe rdma control broadcast demo multigpu tp_nccl)" | tee -a "$SUMMARY"
     continue
   fi
   # Exported functions run under `timeout` through a child bash.
   export -f "step_$s"
-  export PY RES TAG NGPU
+  export PY RES TAG NGPU SUITE_TRANSFER_ARGS
   run_step "$s" bash -c "set -x; step_$s"
 done
 
@@ -194,5 +214,6 @@ done
 echo "===== SUMMARY ====="
 cat "$OUT/summary.txt"
 ls -la "$OUT"
+stop_mps
 rm -rf "$WORK"
 exit 0

@@ -39,9 +39,17 @@ def machine_info() -> dict[str, Any]:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["gpu_count"] = torch.cuda.device_count()
+            info["cuda_mps"] = cuda_mps_active()
     except ImportError:
         pass
     return info
+
+
+def cuda_mps_active() -> bool:
+    """True when this process's CUDA work goes through an MPS server (its control pipe exists): processes on one
+    GPU then share one context instead of being time-sliced, which changes every cross-process number."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def summarize(samples_s: Sequence[float]) -> dict[str, float]:
