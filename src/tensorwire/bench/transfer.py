@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed RDMA fetches per size")
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None,
+                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) instead of the sweep")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -166,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     from tensorwire.rdma import RdmaConfig
 
     rows_list = [8, 128, 1024] if args.quick else (GPU_SWEEP_ROWS if args.device.startswith("cuda") else SWEEP_ROWS)
+    if args.rows:
+        if any(r <= 0 for r in args.rows):
+            ap.error("--rows takes positive row counts")
+        rows_list = sorted(set(args.rows))
     iters = 3 if args.quick else args.iters
     inline_iters = 2 if args.quick else args.inline_iters
     cols = SEED_SHAPE[1]
