@@ -356,4 +356,5 @@ class SlotPool:
             slot.gen_index = -1
         self._total_bytes -= slot.nbytes
         slot.tensor = torch.empty(0, dtype=torch.uint8)
+        slot.typed = {}  # its reinterpretations would keep the memory alive too
         slot.array = None

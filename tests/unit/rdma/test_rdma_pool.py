@@ -81,6 +81,21 @@ def test_cap_triggers_shrink_half_then_all_then_exhausted() -> None:
     assert pool.stats()["pool_exhausted"] == 1
 
 
+def test_a_shrunk_slot_keeps_no_reference_to_its_memory() -> None:
+    import torch
+
+    from tensorwire.rdma._descriptor import layout, views
+
+    prov, gens, pool = make()
+    s = pool.acquire(4 * KIB)
+    manifest, _ = layout([((16,), torch.float32), ((8,), torch.int64)], 8)
+    views(s.tensor, manifest, s.typed)  # caches per-dtype reinterpretations of the slot
+    assert set(s.typed) == {torch.float32, torch.int64}
+    pool.release(s)
+    pool.shrink(1.0)
+    assert s.typed == {} and s.tensor.numel() == 0  # nothing left that would keep the freed buffer alive
+
+
 def test_half_shrink_suffices_when_it_can() -> None:
     prov, gens, pool = make(cap=64 * KIB)
     slots = [pool.acquire(8 * KIB) for _ in range(8)]
