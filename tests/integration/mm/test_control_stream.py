@@ -59,6 +59,23 @@ def control_threads() -> list[str]:
             if t.name.startswith("tensorwire-mm-control") or "consume_request_iterator" in t.name]
 
 
+class Held:
+    """An encode_fn that holds the requests whose first input is ``trigger`` (every request: None) until ``gate``
+    is set; ``entered`` is set when one is held, ``calls`` counts every request."""
+
+    def __init__(self, trigger: bytes | None = None) -> None:
+        self.trigger = trigger
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        self.calls += 1
+        if self.trigger is None or inputs[0].data == self.trigger:
+            self.entered.set()
+            self.gate.wait(10)
+        return encode_fn(inputs)
+
+
 @pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
 def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str) -> None:
     srv = env.server()
@@ -127,15 +144,7 @@ def test_invalid_output_is_invalid_payload_on_both_paths(env: Env) -> None:
 
 
 def test_slow_encoder_hits_the_budget_on_the_stream_and_releases_what_it_exported(env: Env) -> None:
-    gate = threading.Event()
-    entered = threading.Event()
-
-    def slow(inputs: list[MultimodalInput]) -> EncoderOutput:
-        if inputs[0].data == b"slow":
-            entered.set()
-            gate.wait(10)
-        return encode_fn(inputs)
-
+    slow = Held(b"slow")
     srv = env.server(fn=slow)
     c = env.client(srv.address)
     check_output(c.fetch(INPUTS))  # the stream is open and warm
@@ -145,10 +154,10 @@ def test_slow_encoder_hits_the_budget_on_the_stream_and_releases_what_it_exporte
     elapsed = time.monotonic() - t0
     assert ei.value.reason is Reason.DEADLINE_EXCEEDED  # what the unary path raises for its deadline
     assert 0.29 <= elapsed < 0.3 + 0.25, elapsed  # the watchdog ended the wait on time: no hung caller
-    assert entered.is_set() and stream_events(env, "deadline") == 1
+    assert slow.entered.is_set() and stream_events(env, "deadline") == 1
     wait_for(lambda: stream_events(env, "closed") == 1)  # the cancelled stream is dropped, never reused
     exported = len(env.fabric.exported)
-    gate.set()  # the encoder finishes and exports for a caller that is gone
+    slow.gate.set()  # the encoder finishes and exports for a caller that is gone
     wait_for(lambda: len(env.fabric.exported) == exported + 1)
     wait_for(lambda: not env.fabric.live())  # ... and releases it at once, long before any TTL GC
     wait_for(lambda: srv.service.open_streams == 0)
@@ -243,21 +252,15 @@ def test_server_stop_with_open_streams_is_prompt_and_a_restart_on_the_port_recov
 
 
 def test_stop_lets_the_encode_in_flight_on_a_stream_answer(env: Env) -> None:
-    gate, entered = threading.Event(), threading.Event()
-
-    def slow(inputs: list[MultimodalInput]) -> EncoderOutput:
-        entered.set()
-        gate.wait(10)
-        return encode_fn(inputs)
-
+    slow = Held()
     srv = env.server(fn=slow)
     c = env.client(srv.address, TransportConfig(mode="grpc"))
     with futures.ThreadPoolExecutor(2) as pool:
         fetch = pool.submit(c.fetch, INPUTS)
-        assert entered.wait(5)
+        assert slow.entered.wait(5)
         stop = pool.submit(srv.stop, 5.0)
         wait_for(lambda: srv.service._stopping)
-        gate.set()
+        slow.gate.set()
         check_output(fetch.result(5))  # answered within the grace
         t0 = time.monotonic()
         stop.result(5)
@@ -266,27 +269,18 @@ def test_stop_lets_the_encode_in_flight_on_a_stream_answer(env: Env) -> None:
 
 
 def test_a_stream_that_broke_after_sending_is_not_resent(env: Env) -> None:
-    calls: list[int] = []
-    gate, entered = threading.Event(), threading.Event()
-
-    def counted(inputs: list[MultimodalInput]) -> EncoderOutput:
-        calls.append(1)
-        if inputs[0].data == b"hold":
-            entered.set()
-            gate.wait(10)
-        return encode_fn(inputs)
-
+    counted = Held(b"hold")
     srv = env.server(fn=counted)
     c = env.client(srv.address)
     check_output(c.fetch(INPUTS))
     with futures.ThreadPoolExecutor(1) as pool:
         fetch = pool.submit(c.fetch, [MultimodalInput(b"hold"), MultimodalInput(b"x")], 5000)
-        assert entered.wait(5)
+        assert counted.entered.wait(5)
         srv.stop(grace=0)  # the server goes away while the request is being handled
         with pytest.raises(PeerUnavailable):
             fetch.result(5)
-    gate.set()
-    assert len(calls) == 2  # the warm-up and the one attempt: not sent again over unary
+    counted.gate.set()
+    assert counted.calls == 2  # the warm-up and the one attempt: not sent again over unary
     assert rpcs(env, "unary") == 0 and stream_events(env, "broken") == 1
 
 
