@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
+import threading
+import time
+from typing import Iterator
 
 import pytest
 
@@ -65,8 +69,6 @@ def server() -> _metadata.MetadataServer:
 
 
 def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
-    import time
-
     assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2) == (5, b"md-bytes")
     end = time.monotonic() + 2  # counted by the handler thread just after it answered
     while server.served != 1 and time.monotonic() < end:
@@ -108,7 +110,6 @@ def test_oversized_metadata_reply_is_refused() -> None:
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))
         lst.listen(1)
-        import threading
 
         def evil() -> None:
             conn, _ = lst.accept()
@@ -124,8 +125,6 @@ def test_oversized_metadata_reply_is_refused() -> None:
 
 
 def test_a_silent_client_does_not_block_others(server: _metadata.MetadataServer) -> None:
-    import time
-
     with socket.create_connection(("127.0.0.1", server.port), timeout=5):  # connects, never sends
         t0 = time.monotonic()
         assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=1)[0] == 5
@@ -143,8 +142,6 @@ def test_host_names_resolve() -> None:
 
 
 def _slow_answer(lst: socket.socket, delay_s: float) -> None:
-    import time
-
     conn, _ = lst.accept()
     with conn:
         conn.recv(100)
@@ -153,33 +150,32 @@ def _slow_answer(lst: socket.socket, delay_s: float) -> None:
         conn.sendall(struct.pack(">4sBBQH", b"TWMD", 1, 0, 3, len(name)) + name + struct.pack(">I", 2) + b"md")
 
 
-def test_connect_timeout_bounds_the_connect_not_a_slow_answer() -> None:
-    # A live owner whose serving thread answers late (a loaded host) is not "unreachable": only the connect is held
-    # to connect_timeout_s; the answer may use the rest of the read budget.
-    import threading
-
+@contextlib.contextmanager
+def _slow_owner(delay_s: float) -> Iterator[int]:
+    """A metadata endpoint on 127.0.0.1 (its port yielded) that answers one request ``delay_s`` late."""
     with socket.socket() as lst:
         lst.bind(("127.0.0.1", 0))
         lst.listen(1)
-        t = threading.Thread(target=_slow_answer, args=(lst, 0.4))
+        t = threading.Thread(target=_slow_answer, args=(lst, delay_s))
         t.start()
-        got = _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=3, connect_timeout_s=0.1)
-        t.join(timeout=5)
+        try:
+            yield lst.getsockname()[1]
+        finally:
+            t.join(timeout=5)
+
+
+def test_connect_timeout_bounds_the_connect_not_a_slow_answer() -> None:
+    # A live owner whose serving thread answers late (a loaded host) is not "unreachable": only the connect is held
+    # to connect_timeout_s; the answer may use the rest of the read budget.
+    with _slow_owner(0.4) as port:
+        got = _metadata.fetch("127.0.0.1", port, "a", timeout_s=3, connect_timeout_s=0.1)
     assert got == (3, b"md")
 
 
 def test_an_answer_later_than_the_whole_budget_fails() -> None:
-    import threading
-    import time
-
-    with socket.socket() as lst:
-        lst.bind(("127.0.0.1", 0))
-        lst.listen(1)
-        t = threading.Thread(target=_slow_answer, args=(lst, 1.0))
-        t.start()
+    with _slow_owner(1.0) as port:
         t0 = time.monotonic()
         with pytest.raises(ReadError) as info:
-            _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=0.3, connect_timeout_s=0.1)
+            _metadata.fetch("127.0.0.1", port, "a", timeout_s=0.3, connect_timeout_s=0.1)
         assert time.monotonic() - t0 < 0.9
-        t.join(timeout=5)
     assert info.value.reason is Reason.METADATA_UNAVAILABLE
