@@ -366,9 +366,8 @@ class TensorExporter:
             manifest=lease.manifest,
         )
         lease.descriptor = desc
-        with self._count_lock:
-            self._counts["exports"] += 1
-            self._counts["exported_bytes"] += desc.nbytes
+        self._count("exports", 1)
+        self._count("exported_bytes", desc.nbytes)
         return desc
 
 
