@@ -29,7 +29,7 @@
 # SUITE_MPS=1 runs every step under CUDA MPS: the suite starts an MPS control daemon of its own (pipe and log
 # directories in a temporary folder; the GPU's compute mode and other settings are left as they are), tags the
 # result files <bench>-h200x<N>-mps.json, and quits the daemon at the end. Two processes on one GPU then share
-# one context instead of being time-sliced by the driver (docs/gpu.md#mps).
+# one context instead of being time-sliced by the driver (docs/gpu.md, "CUDA MPS for an encoder and an LLM on one GPU").
 
 set -x
 export PYTHONUNBUFFERED=1
