@@ -37,6 +37,7 @@ from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
 from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
 from tensorwire.rdma._exporter import Lease, TensorExporter
 from tensorwire.rdma._reader import TensorReader
+from tensorwire.rdma._stats import ExporterStats, PoolStats, ProviderStats, ReaderStats
 from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
 from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu as is_staged_gpu_transport
 
@@ -48,6 +49,10 @@ __all__ = [
     "Lease",
     "TensorExporter",
     "TensorReader",
+    "ExporterStats",
+    "ReaderStats",
+    "PoolStats",
+    "ProviderStats",
     "SUPPORTED_DTYPES",
     "available_providers",
     "has_rdma",

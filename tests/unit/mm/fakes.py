@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tensorwire.errors import ExportError, LeaseExpired, ReadError, Reason
-from tensorwire.rdma import Descriptor, Owner, RdmaConfig
+from tensorwire.rdma import Descriptor, ExporterStats, Owner, RdmaConfig
 from tensorwire.rdma._descriptor import layout
 
 
@@ -74,8 +74,9 @@ class FakeExporter:
                 if self.fabric.slots.pop(lid, None) is not None:
                     self.fabric.released.append(lid)
 
-    def stats(self) -> dict[str, Any]:
-        return {"gc_reclaims": 0, "live_leases": len(self.fabric.slots)}
+    def stats(self) -> ExporterStats:
+        with self.fabric.lock:
+            return ExporterStats(provider="fake", live_leases=len(self.fabric.slots))
 
     def close(self) -> None:
         self.closed = True

@@ -13,7 +13,8 @@ def test_all_lists_the_contract_names() -> None:
         "RdmaConfig", "Descriptor", "TensorMeta", "Owner", "Lease", "TensorExporter", "TensorReader",
         "SUPPORTED_DTYPES", "available_providers", "has_rdma", "known_providers", "register_provider", "Reason",
         "TensorwireError", "ConfigError", "ClosedError", "InvalidDescriptor", "ExportError", "PoolExhausted",
-        "ReadError", "ReadTimeout", "LeaseExpired", "is_staged_gpu_transport",
+        "ReadError", "ReadTimeout", "LeaseExpired", "is_staged_gpu_transport", "ExporterStats", "ReaderStats",
+        "PoolStats", "ProviderStats",
     }
     assert set(rdma.__all__) == expected
     for name in rdma.__all__:
