@@ -45,8 +45,8 @@ CLIENT = [
     "tensorwire.rdma._reader:TensorReader._mark_ready",
     "tensorwire.rdma._reader:_ready",
     "tensorwire.rdma._reader:_check_results",
-    "tensorwire.rdma.providers.nixl:NixlProvider.read",
-    "tensorwire.rdma.providers.nixl:NixlProvider._remote",
+    "tensorwire.rdma.providers._nixl:NixlProvider.read",
+    "tensorwire.rdma.providers._nixl:NixlProvider._remote",
 ]
 SERVER = [
     "tensorwire.mm.service:_parse_or_abort",

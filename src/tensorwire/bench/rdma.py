@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{batch['copy_gbps']:7.2f} GB/s  ratio {batch['read_vs_copy']:5.2f}", flush=True)
         owner_idle = owner.idle_cpu(args.idle_s)
         reader_idle = _self_cpu_fraction(args.idle_s)
-        reader_stats = reader.stats()
+        reader_stats = reader.stats().as_dict()
     print(f"idle CPU: owner {owner_idle * 100:.2f}% of a core, reader {reader_idle * 100:.2f}% of a core")
     by_size = {row["bytes"]: row for row in rows}
     targets: dict[str, Any] = {}

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"read: first {first_s * 1e3:.2f} ms (includes metadata fetch and UCX wire-up), "
               f"median of {len(times)} {med * 1e3:.3f} ms = {desc.nbytes / med / 1e9:.2f} GB/s")
         print(f"UCX transport of the READs: {reader.transport(desc)}")
-        print(f"released: owner has {stats['live_leases']} live lease(s), {stats['busy_slots']} busy slot(s), "
-              f"{stats['idle_slots']} idle slot(s) kept registered for reuse")
+        print(f"released: owner has {stats.live_leases} live lease(s), {stats.pool.busy_slots} busy slot(s), "
+              f"{stats.pool.idle_slots} idle slot(s) kept registered for reuse")
     print(f"done in {time.perf_counter() - t_start:.2f} s")
     return 0

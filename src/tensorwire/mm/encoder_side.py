@@ -30,7 +30,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,21 +42,14 @@ from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm.config import MODE_AUTO, TransportConfig
 from tensorwire.mm.metrics import TransportMetrics, metrics_for
 from tensorwire.mm.types import EncoderOutput
+from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 
 log = logging.getLogger(__name__)
 
 ROLE_LABEL = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
 
-class Exporter(Protocol):
-    """What OutputTransport needs from ``tensorwire.rdma.TensorExporter``."""
-
-    def export_batch(self, groups: list[list[torch.Tensor]]) -> list[Any]: ...
-    def release(self, lease_ids: Sequence[str]) -> Any: ...
-    def close(self) -> None: ...
-
-
-ExporterFactory = Callable[[Any], Exporter]
+ExporterFactory = Callable[[RdmaConfig], Exporter]
 
 
 @dataclass(eq=False)
@@ -70,7 +63,7 @@ class OutputBuffers:
 
     embedding: torch.Tensor
     position_ids: torch.Tensor | None
-    lease: Any
+    lease: Lease
     thread: int = 0  # the allocating thread: its next transfer() ends this allocation if it is not the output
     allocate_us: int = 0  # what allocate_output took: transport work inside the encoder's compute time
 
@@ -88,10 +81,10 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and a.is_contiguous())
 
 
-def _default_exporter_factory(rdma_config: Any) -> Exporter:
+def _default_exporter_factory(rdma_config: RdmaConfig) -> Exporter:
     from tensorwire.rdma import TensorExporter
 
-    return TensorExporter(rdma_config)  # type: ignore[no-any-return]
+    return TensorExporter(rdma_config)
 
 
 ExporterState = InitState
@@ -104,17 +97,13 @@ def _is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
 
 
-def _gc_reader(exporter: Any) -> Callable[[], float]:
+def _gc_reader(exporter: Exporter) -> Callable[[], float]:
     def reclaimed() -> float:
         try:
-            s = exporter.stats()
-            items = s.items() if isinstance(s, dict) else vars(s).items()
-            for k, v in items:
-                if ("gc" in k or "reclaim" in k) and isinstance(v, (int, float)):
-                    return float(v)
-        except Exception:
-            pass
-        return 0.0
+            return float(exporter.stats().gc_reclaims)
+        except Exception:  # a scrape must not fail because of the exporter
+            log.debug("exporter stats for the GC gauge failed", exc_info=True)
+            return 0.0
 
     return reclaimed
 
@@ -189,8 +178,7 @@ class OutputTransport:
 
         def on_ready(exporter: Exporter) -> None:
             self.metrics.exporter_ready.set(1)
-            if hasattr(exporter, "stats"):
-                self.metrics.watch_gc(_gc_reader(exporter))
+            self.metrics.watch_gc(_gc_reader(exporter))
 
         def on_failure(exc: BaseException, permanent: bool) -> None:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
@@ -220,13 +208,13 @@ class OutputTransport:
         """Tensors for the encoder to write its output into, inside one registered slot (no export copy later).
 
         ``None`` when that cannot help (mode grpc, exporter not built, closed, the output needs more than one slot,
-        an exporter without ``allocate``, or the allocation failed): then produce the output as usual.
+        or the allocation failed): then produce the output as usual.
         """
         t0 = time.perf_counter()
         if self.config.mode != MODE_AUTO or self._closed:
             return None
         exporter = self._holder.get()
-        if exporter is None or not hasattr(exporter, "allocate"):
+        if exporter is None:
             return None
         specs: list[tuple[tuple[int, ...], torch.dtype]] = [((int(rows), int(hidden)), dtype)]
         if position_cols:
@@ -344,7 +332,7 @@ class OutputTransport:
                 return None, Reason.EMPTY_EXPORT.value
         return exporter, None
 
-    def _try_publish(self, exporter: Any, buffers: OutputBuffers, emb: torch.Tensor,
+    def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, emb: torch.Tensor,
                      pos: torch.Tensor | None) -> list[pb.RdmaSlot] | None:
         """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
         try:
@@ -370,7 +358,7 @@ class OutputTransport:
 
     def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
                     extras: list[torch.Tensor]) -> list[pb.RdmaSlot] | None:
-        descs: list[Any] = []
+        descs: list[Descriptor] = []
         try:
             emb = emb.contiguous()
             pos = pos.to(emb.device).contiguous() if pos is not None else None
@@ -393,7 +381,7 @@ class OutputTransport:
                     self.metrics.child(self.metrics.bytes, "encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
-            lease_ids = [d.lease_id for d in descs if getattr(d, "lease_id", "")]
+            lease_ids = [d.lease_id for d in descs if d.lease_id]
             if lease_ids:
                 try:
                     exporter.release(lease_ids)
@@ -408,8 +396,6 @@ class OutputTransport:
         ids = []
         for slot in receipt.rdma_slots:
             try:
-                from tensorwire.rdma import Descriptor
-
                 ids.append(Descriptor.from_bytes(slot.descriptor).lease_id)
             except Exception:
                 continue  # not parseable here: the TTL GC reclaims it

@@ -121,7 +121,7 @@ def check_release_idempotent(config: RdmaConfig) -> None:
         exp.release([d.lease_id])
         exp.release([d.lease_id, "unknown-lease"])
         st = exp.stats()
-        assert st["live_leases"] == 0 and st["releases"] == 1 and st["unknown_releases"] == 2
+        assert st.live_leases == 0 and st.releases == 1 and st.unknown_releases == 2
 
 
 def check_stale_generation(config: RdmaConfig) -> None:

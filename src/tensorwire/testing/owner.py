@@ -14,6 +14,7 @@ import time
 from typing import Any, Sequence
 
 from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._stats import ExporterStats
 
 Spec = tuple[Sequence[int], str, int]  # (shape, dtype name, seed) -> tensorwire.testing.make_tensor
 
@@ -116,8 +117,9 @@ class OwnerProcess:
     def release(self, lease_ids: Sequence[str]) -> None:
         self.call("release", list(lease_ids))
 
-    def stats(self) -> dict[str, Any]:
-        return self.call("stats")
+    def stats(self) -> ExporterStats:
+        stats: ExporterStats = self.call("stats")
+        return stats
 
     def idle_cpu(self, seconds: float) -> float:
         """Fraction of one core the owner used while idle for ``seconds``."""

@@ -21,7 +21,7 @@ from tensorwire.errors import (DeadlineExceeded, ExportError, InvalidPayload, Pe
 from tensorwire.mm import (BreakerState, EncoderOutput, MultimodalInput, OutputTransport, Plane,
                            RemoteOutputTransport, TransportConfig, serve_encoder, wire)
 from tensorwire.mm._init import InitState
-from tensorwire.rdma import RdmaConfig
+from tensorwire.rdma import ExporterStats, RdmaConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -365,8 +365,8 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
     import logging
 
     class GcExporter(FakeExporter):
-        def stats(self):  # type: ignore[no-untyped-def]
-            return {"gc_reclaims": 7, "live_leases": 0}
+        def stats(self) -> ExporterStats:
+            return ExporterStats(provider="fake", gc_reclaims=7)
 
     srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
     c = env.client(srv.address)

@@ -34,7 +34,7 @@ def transport() -> Iterator[OutputTransport]:
 def live(t: OutputTransport) -> int:
     exporter = t._holder.get()
     assert exporter is not None
-    return int(exporter.stats()["live_leases"])
+    return exporter.stats().live_leases
 
 
 def fill(b: OutputBuffers) -> OutputBuffers:

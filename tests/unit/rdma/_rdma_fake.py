@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 from tensorwire.errors import ReadTimeout, Reason
 from tensorwire.rdma import Owner, RdmaConfig
-from tensorwire.rdma.providers.base import PendingTransfer, Provider, Range, Registration
+from tensorwire.rdma.providers.base import PendingTransfer, Provider, ProviderStats, Range, Registration
 
 
 class FakePending(PendingTransfer):
@@ -21,6 +22,11 @@ class FakePending(PendingTransfer):
 
     def abandon(self) -> None:
         self.abandoned = True
+
+
+@dataclass
+class FakeStats(ProviderStats):
+    live_registrations: int = 0
 
 
 class FakeProvider(Provider):
@@ -76,5 +82,5 @@ class FakeProvider(Provider):
     def close(self) -> None:
         self.events.append(("close", 0, 0))
 
-    def stats(self) -> dict[str, Any]:
-        return {"live_registrations": len(self.live)}
+    def stats(self) -> FakeStats:
+        return FakeStats(transport=self.transport(), live_registrations=len(self.live))

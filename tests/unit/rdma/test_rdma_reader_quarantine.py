@@ -31,16 +31,16 @@ def test_timed_out_buffer_is_not_reused_until_the_transfer_finishes(fake_cfg: Rd
         with pytest.raises(ReadTimeout):
             rd.read([d])
         st = rd.stats()
-        assert st["quarantined"] == 1 and st["quarantine_live"] == 1 and st["read_timeouts"] == 1
-        assert st["buffer_busy_slots"] == 1  # still held for the engine
+        assert st.quarantined == 1 and st.quarantine_live == 1 and st.read_timeouts == 1
+        assert st.buffers.busy_slots == 1  # still held for the engine
         # A new read must get another buffer while the first is quarantined.
         out = rd.read([d])
         assert torch.equal(out[0], torch.arange(16, dtype=torch.float32))
-        assert rd.stats()["buffer_busy_slots"] == 1 and rd.stats()["buffer_slot_allocations"] == 2
+        assert rd.stats().buffers.busy_slots == 1 and rd.stats().buffers.slot_allocations == 2
         pending.finished.set()
         rd.read([d])  # drains the quarantine first
         st = rd.stats()
-        assert st["quarantine_live"] == 0 and st["quarantine_freed"] == 1 and st["buffer_busy_slots"] == 0
+        assert st.quarantine_live == 0 and st.quarantine_freed == 1 and st.buffers.busy_slots == 0
 
 
 def test_close_abandons_what_is_still_in_flight(fake_cfg: RdmaConfig) -> None:
@@ -61,4 +61,4 @@ def test_zero_budget_fails_before_touching_memory(fake_cfg: RdmaConfig) -> None:
         d = exp.export([torch.ones(4)])
         with pytest.raises(ReadTimeout):
             rd.read([d], timeout_ms=0)
-        assert rd.stats()["buffer_slot_allocations"] == 0
+        assert rd.stats().buffers.slot_allocations == 0
