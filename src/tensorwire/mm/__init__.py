@@ -18,14 +18,14 @@ LLM::
 
 from __future__ import annotations
 
-from tensorwire.mm.breaker import BreakerBoard, BreakerState
-from tensorwire.mm.client import RemoteOutputTransport, resolve_rpc_timeout_ms
-from tensorwire.mm.config import MODES, TransportConfig
-from tensorwire.mm.encoder_side import OutputBuffers, OutputTransport
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.release import ReleaseQueue
-from tensorwire.mm.service import EncoderServer, EncoderService, serve_encoder
-from tensorwire.mm.types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm._breaker import BreakerBoard, BreakerState
+from tensorwire.mm._client import RemoteOutputTransport, resolve_rpc_timeout_ms
+from tensorwire.mm._config import MODES, TransportConfig
+from tensorwire.mm._encoder_side import OutputBuffers, OutputTransport
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._release import ReleaseQueue
+from tensorwire.mm._service import EncoderServer, EncoderService, serve_encoder
+from tensorwire.mm._types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
 
 __all__ = [
     "EncoderOutput",

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
 from tensorwire.mm import wire
-from tensorwire.mm.config import TransportConfig
+from tensorwire.mm._config import TransportConfig
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
 from tensorwire.service._routes import RouteTable, route_ttl_s

@@ -19,7 +19,7 @@ from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig
 from tensorwire.mm import wire
-from tensorwire.mm.metrics import TransportMetrics
+from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.service._info import info_handler, make_info
 
 log = logging.getLogger(__name__)

@@ -99,8 +99,8 @@ class ReceiptHarness:
         from prometheus_client import CollectorRegistry
 
         from tensorwire.mm import RemoteOutputTransport, TransportConfig
-        from tensorwire.mm.client import _Control
-        from tensorwire.mm.metrics import TransportMetrics
+        from tensorwire.mm._client import _Control
+        from tensorwire.mm._metrics import TransportMetrics
 
         cfg = TransportConfig(mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9)
         self.transport = RemoteOutputTransport("fuzz:1", cfg, reader_factory=lambda _c: _MemReader(),

@@ -370,7 +370,7 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
 
     srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
     c = env.client(srv.address)
-    with caplog.at_level(logging.INFO, logger="tensorwire.mm.client"):
+    with caplog.at_level(logging.INFO, logger="tensorwire.mm._client"):
         for _ in range(3):
             assert c.fetch(INPUTS).plane is Plane.RDMA
     hits = [r for r in caplog.records if "[MM-RDMA-HIT]" in r.getMessage()]

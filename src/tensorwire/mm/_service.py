@@ -26,10 +26,10 @@ from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.config import TransportConfig
-from tensorwire.mm.encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm.metrics import TransportMetrics
-from tensorwire.mm.types import EncoderOutput, MultimodalInput
+from tensorwire.mm._config import TransportConfig
+from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
+from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm._types import EncoderOutput, MultimodalInput
 
 log = logging.getLogger(__name__)
 

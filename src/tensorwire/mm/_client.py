@@ -66,12 +66,12 @@ from tensorwire.mm import _codec, wire
 from tensorwire.mm._init import BackgroundInit, InitState
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.breaker import BreakerBoard, BreakerState
-from tensorwire.mm.config import MODE_AUTO, TransportConfig
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.release import ReleaseQueue
-from tensorwire.mm.service import inputs_to_pb
-from tensorwire.mm.types import MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm._breaker import BreakerBoard, BreakerState
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._release import ReleaseQueue
+from tensorwire.mm._service import inputs_to_pb
+from tensorwire.mm._types import MultimodalInput, MultimodalOutput, Plane
 from tensorwire.rdma import is_staged_gpu_transport
 
 log = logging.getLogger(__name__)

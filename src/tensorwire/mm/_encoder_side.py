@@ -39,9 +39,9 @@ from tensorwire.mm import _codec
 from tensorwire.mm._init import BackgroundInit, InitState
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.config import MODE_AUTO, TransportConfig
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.types import EncoderOutput
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._types import EncoderOutput
 
 log = logging.getLogger(__name__)
 
