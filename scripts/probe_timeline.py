@@ -51,7 +51,7 @@ CLIENT = [
 SERVER = [
     "tensorwire.mm._service:_parse_or_abort",
     "tensorwire.mm._service:EncoderService.run_encode",
-    "tensorwire.mm._service:inputs_from_pb",
+    "tensorwire.mm._codec:inputs_from_pb",
     "tensorwire.mm._encoder_side:OutputTransport.allocate_output",
     "tensorwire.mm._encoder_side:OutputTransport.transfer",
     "tensorwire.mm._encoder_side:OutputTransport._try_publish",

@@ -63,21 +63,19 @@ from tensorwire.errors import (
     TensorwireError,
 )
 from tensorwire.mm import _codec, wire
-from tensorwire.mm._init import BackgroundInit, InitState
+from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._breaker import BreakerBoard, BreakerState
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._release import ReleaseQueue
-from tensorwire.mm._service import inputs_to_pb
 from tensorwire.mm._types import MultimodalInput, MultimodalOutput, Plane
 from tensorwire.rdma import is_staged_gpu_transport
 
 log = logging.getLogger(__name__)
 
 MAX_SLOTS_PER_RECEIPT = 4096
-_ROLE_NAMES = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
 
 class Reader(Protocol):
@@ -110,10 +108,8 @@ def _default_parser(config: TransportConfig) -> DescriptorParser:
 
 def resolve_rpc_timeout_ms(inputs: Sequence[MultimodalInput], config: TransportConfig) -> int:
     """max over items of (item timeout if > 0 else worker_timeout_ms) + margin; the default with no items."""
-    if not inputs:
-        return config.default_rpc_timeout_ms
-    worker = max(int(i.timeout_ms) if int(i.timeout_ms) > 0 else config.worker_timeout_ms for i in inputs)
-    return worker + config.rpc_timeout_margin_ms  # Python ints: no overflow
+    return wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=config.worker_timeout_ms,
+                              margin_ms=config.rpc_timeout_margin_ms)
 
 
 class Budget:
@@ -136,7 +132,7 @@ class _RdmaAttempt:
     excluded_workers: tuple[str, ...] = ()
 
     def to_pb(self, budget: Budget) -> pb.EncodeRequest:
-        req = inputs_to_pb(self.inputs)
+        req = _codec.inputs_to_pb(self.inputs)
         req.support_rdma = True
         req.rdma_excluded_workers.extend(self.excluded_workers)
         req.deadline_ms = max(0, int(budget.remaining_ms()))
@@ -153,7 +149,7 @@ class _InlineAttempt:
     inputs: tuple[MultimodalInput, ...]
 
     def to_pb(self, budget: Budget) -> pb.EncodeRequest:
-        req = inputs_to_pb(self.inputs)
+        req = _codec.inputs_to_pb(self.inputs)
         req.deadline_ms = max(0, int(budget.remaining_ms()))
         return req
 
@@ -658,7 +654,7 @@ class RemoteOutputTransport:
         cfg = self.config
         self._parse: DescriptorParser | None = descriptor_parser
         self._reader: BackgroundInit[Reader] = BackgroundInit(
-            "reader", lambda: rfactory(cfg.rdma), _is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "reader", lambda: rfactory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0,
             on_failure=lambda exc, permanent: self.metrics.fallbacks.labels("llm", "rdma_init_failed").inc())
         if self.config.mode == MODE_AUTO:
@@ -921,7 +917,7 @@ class RemoteOutputTransport:
                 raise InvalidPayload(f"slot {i}: {len(slot.roles)} roles for {len(desc.manifest)} tensors",
                                      reason=Reason.ASSEMBLY_MISMATCH)
             for r in slot.roles:
-                if r not in _ROLE_NAMES:
+                if r not in _codec.ROLE_LABELS:
                     raise InvalidPayload(f"slot {i}: role {r} is unspecified or unknown", reason=Reason.ASSEMBLY_MISMATCH)
             descs.append(desc)
             roles.extend(slot.roles)
@@ -943,7 +939,7 @@ class RemoteOutputTransport:
         nbytes = 0
         for t, role in zip(tensors, roles):
             nbytes += t.numel() * t.element_size()
-            self.metrics.child(self.metrics.bytes, "llm", "rdma", _ROLE_NAMES[role]).inc(t.numel() * t.element_size())
+            self.metrics.child(self.metrics.bytes, "llm", "rdma", _codec.ROLE_LABELS[role]).inc(t.numel() * t.element_size())
             if role == pb.EMBEDDING:
                 chunks.append(t)
             elif role == pb.POS_ID:
@@ -1022,12 +1018,6 @@ def _lease_ids(parsed: list[Any]) -> list[str]:
 def _add_encoder_stages(stages: _Stages, receipt: pb.EncodeResponse) -> None:
     for k, v in receipt.encoder_stage_us.items():
         stages.ms[f"encoder.{k}"] = v / 1000.0
-
-
-def _is_permanent(exc: BaseException) -> bool:
-    if isinstance(exc, ConfigError):
-        return True
-    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
 
 
 __all__ = ["RemoteOutputTransport", "Budget", "resolve_rpc_timeout_ms"]

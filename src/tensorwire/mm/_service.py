@@ -23,7 +23,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
-from tensorwire.mm import wire
+from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import TransportConfig
@@ -35,23 +35,6 @@ log = logging.getLogger(__name__)
 
 EncodeFn = Callable[[list[MultimodalInput]], EncoderOutput]
 MAX_RELEASE_IDS = 65_536
-
-
-def inputs_from_pb(request: pb.EncodeRequest) -> list[MultimodalInput]:
-    return [MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
-            for i in request.inputs]
-
-
-def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | None = None) -> pb.EncodeRequest:
-    req = request if request is not None else pb.EncodeRequest()
-    for item in inputs:
-        m = req.inputs.add()
-        m.data = bytes(item.data)
-        m.kind = item.kind
-        for k, v in dict(item.params).items():
-            m.params[str(k)] = str(v)
-        m.timeout_ms = int(item.timeout_ms)
-    return req
 
 
 def _parse_or_abort(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
@@ -119,7 +102,7 @@ class EncoderService:
         Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
         the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
         """
-        inputs = inputs_from_pb(request)
+        inputs = _codec.inputs_from_pb(request)
         t0 = time.perf_counter()
         try:
             output = self._encode_fn(inputs)
@@ -346,4 +329,4 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     return EncoderServer(server, port, host, service, health_servicer)
 
 
-__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn", "inputs_to_pb", "inputs_from_pb"]
+__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn"]

@@ -30,8 +30,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
-from tensorwire.mm import wire
-from tensorwire.mm._config import TransportConfig
+from tensorwire.mm import TransportConfig, wire
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
 from tensorwire.service._routes import RouteTable, route_ttl_s
@@ -270,9 +269,8 @@ class EncoderProxy:
 
     # ---- Encode
     def _attempt_budget_s(self, request: Any) -> float:
-        items = [t if t > 0 else self.config.worker_timeout_ms for t in (i.timeout_ms for i in request.inputs)]
-        worker_ms = max(items) if items else self.config.worker_timeout_ms
-        return (worker_ms + self.config.rpc_timeout_margin_ms) / 1000.0
+        return wire.rpc_budget_ms((i.timeout_ms for i in request.inputs), worker_timeout_ms=self.config.worker_timeout_ms,
+                                  margin_ms=self.config.rpc_timeout_margin_ms) / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         assert self._metrics is not None

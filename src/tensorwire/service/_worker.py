@@ -17,9 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
-from tensorwire.mm import EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig
-from tensorwire.mm import wire
-from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm import (EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig,
+                           TransportMetrics, wire)
 from tensorwire.service._info import info_handler, make_info
 
 log = logging.getLogger(__name__)
