@@ -30,13 +30,14 @@ COMMON = [
 ]
 CLIENT = [
     "tensorwire.mm._client:RemoteOutputTransport.fetch",
-    "tensorwire.mm._client:_Session.encode",
-    "tensorwire.mm._client:_StreamCall.encode",
+    "tensorwire.mm._grpc_channel:_GrpcSession.encode",
+    "tensorwire.mm._encode_stream:StreamCall.encode",
     "tensorwire.mm._client:RemoteOutputTransport._consume_rdma",
-    "tensorwire.mm._client:RemoteOutputTransport._parse_slots",
-    "tensorwire.mm._client:RemoteOutputTransport._validate_slots",
-    "tensorwire.mm._client:RemoteOutputTransport._assemble",
-    "tensorwire.mm._client:_Session.release_after_read",
+    "tensorwire.mm._receipt:parse_slots",
+    "tensorwire.mm._receipt:validate_slots",
+    "tensorwire.mm._receipt:check_read",
+    "tensorwire.mm._receipt:assemble",
+    "tensorwire.mm._grpc_channel:_GrpcSession.release_after_read",
     "tensorwire.mm._client:_RdmaAttempt.to_pb",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
@@ -88,16 +89,16 @@ def _wrap(spec: str, side: str) -> None:
 
 
 def _requests_hook(side: str) -> None:
-    from tensorwire.mm import _client as client
+    from tensorwire.mm import _encode_stream
 
-    orig = client._StreamCall._requests
+    orig = _encode_stream.StreamCall._requests
 
     def _requests(self: Any) -> Any:
         for item in orig(self):
             EVENTS.append((f"{side}:request_yield", threading.get_ident(), time.monotonic_ns(), time.monotonic_ns()))
             yield item
 
-    client._StreamCall._requests = _requests
+    _encode_stream.StreamCall._requests = _requests
 
 
 def _encoder_main(device: str, rows: int, cols: int, q: Any, stop: Any, dump: str) -> None:

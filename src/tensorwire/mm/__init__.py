@@ -19,7 +19,7 @@ LLM::
 from __future__ import annotations
 
 from tensorwire.mm._breaker import BreakerBoard, BreakerState
-from tensorwire.mm._client import RemoteOutputTransport, resolve_rpc_timeout_ms
+from tensorwire.mm._client import RemoteOutputTransport
 from tensorwire.mm._config import MODES, TransportConfig
 from tensorwire.mm._encoder_side import OutputBuffers, OutputTransport
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
@@ -40,7 +40,6 @@ __all__ = [
     "EncoderServer",
     "serve_encoder",
     "RemoteOutputTransport",
-    "resolve_rpc_timeout_ms",
     "BreakerBoard",
     "BreakerState",
     "ReleaseQueue",

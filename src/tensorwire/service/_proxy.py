@@ -269,8 +269,10 @@ class EncoderProxy:
 
     # ---- Encode
     def _attempt_budget_s(self, request: Any) -> float:
-        return wire.rpc_budget_ms((i.timeout_ms for i in request.inputs), worker_timeout_ms=self.config.worker_timeout_ms,
-                                  margin_ms=self.config.rpc_timeout_margin_ms) / 1000.0
+        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in request.inputs),
+                                       worker_timeout_ms=self.config.worker_timeout_ms,
+                                       margin_ms=self.config.rpc_timeout_margin_ms)
+        return budget_ms / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         assert self._metrics is not None
