@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tensorwire.bench._common import write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig
+    from tensorwire.mm._grpc_channel import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
 
     rows_list = [8, 128, 1024] if args.quick else (GPU_SWEEP_ROWS if args.device.startswith("cuda") else SWEEP_ROWS)
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         endpoint = f"127.0.0.1:{port}"
         rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
-        with RemoteOutputTransport(endpoint, rdma_cfg) as rdma_t, \
+        control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
+        with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
                 RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
                 RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t:
             if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60):
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             release_rtt = []
             for _ in range(20):
                 t = time.perf_counter()
-                rdma_t._control.release(["bench-nonexistent-lease"], 5.0)
+                control.release(["bench-nonexistent-lease"], 5.0)
                 release_rtt.append((time.perf_counter() - t) * 1e3)
             for rows in rows_list:
                 nbytes = rows * cols * 2

@@ -22,7 +22,7 @@ HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.mm.config import MODES
+    from tensorwire.mm import MODES
 
     parser.add_argument("--endpoint", required=True, help="HOST:PORT of a serve-encoder or serve-proxy")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

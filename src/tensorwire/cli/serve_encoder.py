@@ -34,7 +34,7 @@ _RDMA_HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.mm.config import MODES, TransportConfig
+    from tensorwire.mm import MODES, TransportConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import add_flags
 
@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> object:
     """TransportConfig from flags over the environment over defaults."""
-    from tensorwire.mm.config import TransportConfig
+    from tensorwire.mm import TransportConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import flag_values
 

@@ -1,4 +1,5 @@
-"""Inline tensor codec and reassembly, shared by both planes.
+"""Wire form <-> Python values, shared by both sides and both planes: the inline tensor codec, reassembly,
+request inputs, and the metric label of each slot role.
 
 Decoding treats every byte as untrusted: the dtype, the dims, the element and byte counts and the exact payload
 length are checked before anything is materialized, so a malformed message costs an InvalidPayload, never an
@@ -13,6 +14,7 @@ import torch
 
 from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._types import MultimodalInput
 
 # The allow-list, one place for both planes: wire enum <-> torch dtype.
 DTYPE_TO_WIRE: dict[torch.dtype, int] = {
@@ -29,6 +31,9 @@ DTYPE_TO_WIRE: dict[torch.dtype, int] = {
 }
 WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(DTYPE_TO_WIRE)
+
+# The ``role`` label of tensorwire_mm_bytes_total for each slot role; ROLE_UNSPECIFIED has none (it is rejected).
+ROLE_LABELS: dict[int, str] = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 2**31 - 1  # one protobuf message cannot be larger
@@ -129,7 +134,29 @@ def decode_inline_receipt(
     return embs, splits, pos_parts, extra_list, nbytes
 
 
+def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | None = None) -> pb.EncodeRequest:
+    """The EncodeRequest carrying ``inputs`` (added to ``request`` when given)."""
+    req = request if request is not None else pb.EncodeRequest()
+    for item in inputs:
+        m = req.inputs.add()
+        m.data = bytes(item.data)
+        m.kind = item.kind
+        for k, v in dict(item.params).items():
+            m.params[str(k)] = str(v)
+        m.timeout_ms = int(item.timeout_ms)
+    return req
+
+
+def inputs_from_pb(request: pb.EncodeRequest) -> list[MultimodalInput]:
+    """The inputs an EncodeRequest carries (an empty kind reads as "image", the proto's documented default)."""
+    return [MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
+            for i in request.inputs]
+
+
 __all__ = [
+    "ROLE_LABELS",
+    "inputs_to_pb",
+    "inputs_from_pb",
     "DTYPE_TO_WIRE",
     "WIRE_TO_DTYPE",
     "SUPPORTED_DTYPES",

@@ -1,5 +1,6 @@
 """BackgroundInit: build a provider object (exporter or reader) off the request path, retrying transient
-failures with bounded exponential backoff; ``get()`` never blocks.
+failures with bounded exponential backoff; ``get()`` never blocks. ``is_permanent`` is the one rule for which
+start-up failures are not retried (both sides use it).
 
 States: STARTING -> READY | DISABLED (permanent failure: one WARNING, inline for the process's life);
 any -> CLOSED. A transient failure logs a WARNING per attempt and retries after ``backoff`` (doubling up to
@@ -14,9 +15,18 @@ import threading
 import time
 from typing import Callable, Generic, TypeVar
 
+from tensorwire.errors import ConfigError, Reason, TensorwireError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """No provider or a bad config will not get better by retrying; anything else might."""
+    if isinstance(exc, ConfigError):
+        return True
+    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
 
 
 class InitState(str, enum.Enum):

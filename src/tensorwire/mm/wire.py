@@ -1,4 +1,5 @@
-"""What every peer of the EncoderService agrees on: method paths, message limits, and the status table.
+"""What every peer of the EncoderService agrees on: method paths, message limits, the status table, and the
+per-request budget formula (:func:`rpc_budget_ms`; the client's fetch budget and the proxy's per-attempt budget).
 
 The proxy (``tensorwire.service``) and the encoder client both import these names, so a path or a status
 mapping is written once. gRPC methods are registered through generic handlers with explicit serializers (no
@@ -14,7 +15,7 @@ same table as the unary path, so one failure raises the same class with the same
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import grpc
 
@@ -81,6 +82,13 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def rpc_budget_ms(item_timeouts_ms: Iterable[int], *, worker_timeout_ms: int, margin_ms: int) -> int:
+    """A request's budget: max over its items of (item timeout if > 0, else ``worker_timeout_ms``) + ``margin_ms``;
+    ``worker_timeout_ms + margin_ms`` with no items. Python ints: no overflow."""
+    worker = max((int(t) if int(t) > 0 else worker_timeout_ms for t in item_timeouts_ms), default=worker_timeout_ms)
+    return worker + margin_ms
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -241,6 +249,7 @@ __all__ = [
     "STREAM_ERROR_FIELD",
     "stream_frame",
     "channel_options",
+    "rpc_budget_ms",
     "status_for",
     "abort_with",
     "stream_error_for",

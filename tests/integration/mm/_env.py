@@ -21,6 +21,7 @@ from tensorwire.mm import (
     TransportMetrics,
     serve_encoder,
 )
+from tensorwire.mm._grpc_channel import GrpcControlChannel
 
 G = torch.Generator().manual_seed(1234)
 EMB = torch.randn(9, 16, generator=G).to(torch.bfloat16)
@@ -70,6 +71,11 @@ class Env:
         if cfg.mode == "auto":
             assert c.wait_ready(5)
         return c
+
+    def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
+        """A client built on a control channel the test holds (to look at its streams and watchdog)."""
+        channel = GrpcControlChannel(address, cfg or TransportConfig(), self.metrics)
+        return self.client(address, cfg, channel=channel, **kw), channel
 
     def names(self) -> list[str]:
         return [e for e, _ in self.events]

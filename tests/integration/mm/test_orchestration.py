@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tensorwire.errors import (DeadlineExceeded, ExportError, InvalidPayload, PeerUnavailable, ProtocolError,
                                ReadError, ReadTimeout, Reason)
-from tensorwire.mm import (BreakerState, EncoderOutput, MultimodalInput, OutputTransport, Plane,
-                           RemoteOutputTransport, TransportConfig, serve_encoder, wire)
+from tensorwire.mm import (EncoderOutput, MultimodalInput, OutputTransport, Plane, RemoteOutputTransport,
+                           TransportConfig, serve_encoder, wire)
+from tensorwire.mm._breaker import BreakerState
 from tensorwire.mm._init import InitState
 from tensorwire.rdma import ExporterStats, RdmaConfig
 
@@ -370,7 +371,7 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
 
     srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
     c = env.client(srv.address)
-    with caplog.at_level(logging.INFO, logger="tensorwire.mm.client"):
+    with caplog.at_level(logging.INFO, logger="tensorwire.mm._client"):
         for _ in range(3):
             assert c.fetch(INPUTS).plane is Plane.RDMA
     hits = [r for r in caplog.records if "[MM-RDMA-HIT]" in r.getMessage()]

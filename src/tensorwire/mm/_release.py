@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from tensorwire.errors import TensorwireError
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.metrics import TransportMetrics
+from tensorwire.mm._metrics import TransportMetrics
 
 log = logging.getLogger(__name__)
 

@@ -34,19 +34,17 @@ from typing import Callable, Sequence
 
 import torch
 
-from tensorwire.errors import ConfigError, ExportError, Reason, TensorwireError
+from tensorwire.errors import ExportError, Reason, TensorwireError
 from tensorwire.mm import _codec
-from tensorwire.mm._init import BackgroundInit, InitState
+from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.config import MODE_AUTO, TransportConfig
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.types import EncoderOutput
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._types import EncoderOutput
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 
 log = logging.getLogger(__name__)
-
-ROLE_LABEL = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
 
 ExporterFactory = Callable[[RdmaConfig], Exporter]
@@ -88,13 +86,6 @@ def _default_exporter_factory(rdma_config: RdmaConfig) -> Exporter:
 
 
 ExporterState = InitState
-
-
-def _is_permanent(exc: BaseException) -> bool:
-    """No provider or a bad config will not get better by retrying; anything else might."""
-    if isinstance(exc, ConfigError):
-        return True
-    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
 
 
 def _gc_reader(exporter: Exporter) -> Callable[[], float]:
@@ -146,7 +137,7 @@ def plan_slots(
     for t, role in tail:
         fp = _align_up(t.numel() * t.element_size(), align)
         if fp > max_slot_bytes:
-            raise ExportError(f"a {ROLE_LABEL[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
+            raise ExportError(f"a {_codec.ROLE_LABELS[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
                               f"max_slot_bytes={max_slot_bytes}", reason=Reason.SLOT_TOO_LARGE)
         if footprints[-1] + fp <= max_slot_bytes:
             groups[-1][0].append(t)
@@ -184,7 +175,7 @@ class OutputTransport:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
 
         self._holder: BackgroundInit[Exporter] = BackgroundInit(
-            "exporter", lambda: factory(cfg.rdma), _is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "exporter", lambda: factory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
         self._rl = RateLimitedLog(log)
         self._closed = False
@@ -378,7 +369,7 @@ class OutputTransport:
                 slot.roles.extend(roles)
                 slots.append(slot)
                 for t, role in zip(tensors, roles):
-                    self.metrics.child(self.metrics.bytes, "encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
+                    self.metrics.child(self.metrics.bytes, "encoder", "rdma", _codec.ROLE_LABELS[role]).inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
             lease_ids = [d.lease_id for d in descs if d.lease_id]

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from tensorwire.mm.metrics import TransportMetrics
+from tensorwire.mm._metrics import TransportMetrics
 
 log = logging.getLogger(__name__)
 
