@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, both planes, a table"
 
@@ -51,19 +51,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ---- child processes
 
 class Child:
-    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line."""
+    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line.
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path) -> None:
+    ``prefix`` goes before the command (``ip netns exec NS``: tests run hosts as network namespaces); ``env``
+    replaces this process's environment."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, *, prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         from tensorwire.service._runtime import parse_ready
 
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        env = dict(os.environ)
+        env = dict(os.environ if env is None else env)
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensorwire.cli.main", *argv], stdout=subprocess.PIPE,
-                                     stderr=self._log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
+                                     stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._parse = parse_ready
         threading.Thread(target=self._pump, name=f"demo-{name}-stdout", daemon=True).start()

@@ -1,0 +1,72 @@
+"""Hosts as network namespaces (tensorwire.testing.netns): fixtures shared by the cross-host tests.
+
+Every test here makes its own fabric (namespaces named per run, addresses from 10.233.0.0/16 that exist only
+inside it), sends traffic only to loopback or those addresses, and deletes everything at the end, also on
+failure. Skipped, with the reason, where namespaces cannot be made (not root, no iproute2) or NIXL is missing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tensorwire.cli.demo import Child  # noqa: E402
+from tensorwire.testing import netns  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _needs_namespaces_and_nixl(nixl_available: bool) -> None:
+    reason = netns.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"cross-host tests need network namespaces: {reason}")
+    if not nixl_available:
+        pytest.skip("NIXL is not installed")
+
+
+@pytest.fixture
+def fabric() -> Iterator[Callable[[Sequence[str]], netns.Fabric]]:
+    """``fabric(["a", "b"])`` -> a Fabric, closed (processes killed, namespaces deleted) after the test."""
+    made: list[netns.Fabric] = []
+
+    def make(names: Sequence[str]) -> netns.Fabric:
+        f = netns.Fabric(names)
+        made.append(f)
+        return f
+
+    try:
+        yield make
+    finally:
+        for f in made:
+            f.close()
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Callable[..., Child]]:
+    """``child(host, name, argv)`` -> a tensorwire CLI process in ``host`` (READY-line aware), stopped after."""
+    made: list[Child] = []
+
+    def start(host: netns.Host, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, tmp_path, prefix=host.exec_prefix, env=env or host.env())
+        host.fabric.track(c.proc)
+        made.append(c)
+        return c
+
+    try:
+        yield start
+    finally:
+        for c in made:
+            c.terminate(grace_s=5)
+
+
+@pytest.fixture(scope="session")
+def corpus() -> Any:
+    """Images and the digests of their outputs, computed here by the same seeded ViT the workers run."""
+    from tensorwire.soak._corpus import build_corpus
+
+    return build_corpus(3)
