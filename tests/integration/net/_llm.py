@@ -72,7 +72,7 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
                 worker.start()
                 conn.send(("ok", None))
             elif cmd == "loop_count":
-                conn.send(("ok", [r["outcome"] for r in loop_results]))
+                conn.send(("ok", [(r["outcome"], r.get("plane")) for r in loop_results]))
             elif cmd == "stop_loop":
                 stop.set()
                 if worker is not None:
@@ -119,8 +119,9 @@ class LlmClient:
     def start_loop(self, keys: list[tuple[int, ...]]) -> None:
         self._call("start_loop", [list(k) for k in keys])
 
-    def loop_outcomes(self) -> list[str]:
-        return self._call("loop_count")  # type: ignore[no-any-return]
+    def loop_outcomes(self) -> list[tuple[str, str | None]]:
+        """(outcome, plane) of every fetch of the running loop so far."""
+        return [tuple(x) for x in self._call("loop_count")]  # type: ignore[misc]
 
     def stop_loop(self, join_s: float) -> dict[str, Any]:
         return self._call("stop_loop", join_s, timeout_s=join_s + 30)  # type: ignore[no-any-return]
