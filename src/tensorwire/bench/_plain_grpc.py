@@ -8,10 +8,13 @@ framing, no validation). The client turns the response into a tensor: a zero-cop
 host-to-device copy when the output must end on a GPU (as tensorwire's inline plane must deliver it there). What
 is left is gRPC's own cost of moving the bytes, i.e. transport against transport.
 
+A second variant, ``FetchCopy``, holds the tensor instead and turns it into ``bytes`` in every call (one host
+copy): what a plain handler that keeps the model's output as a tensor, as tensorwire's encoder does, must add.
+
 Methods (raw bytes in and out; the request is the row count in ASCII):
-``/tensorwire.bench.Plain/Prepare`` -> the payload's byte count in ASCII; ``/tensorwire.bench.Plain/Fetch`` -> the
-payload, or FAILED_PRECONDITION when ``rows`` is not the prepared count (only the last prepared size is held, so
-a 1 GiB sweep does not hold every size at once).
+``/tensorwire.bench.Plain/Prepare`` -> the payload's byte count in ASCII; ``/tensorwire.bench.Plain/Fetch`` and
+``/tensorwire.bench.Plain/FetchCopy`` -> the payload, or FAILED_PRECONDITION when ``rows`` is not the prepared count
+(only the last prepared size is held, so a 1 GiB sweep does not hold every size at once).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 SERVICE = "tensorwire.bench.Plain"
 PREPARE = f"/{SERVICE}/Prepare"
 FETCH = f"/{SERVICE}/Fetch"
+FETCH_COPY = f"/{SERVICE}/FetchCopy"
 # No size limit either way: the payload is one message of up to 1 GiB (gRPC's default receive limit is 4 MiB).
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 SERVER_THREADS = 8  # tensorwire's encoder default (TransportConfig.server_threads)
@@ -44,23 +48,31 @@ def serve(max_rows: int, cols: int, q: Any, stop: Any) -> None:
     import torch
 
     emb = embedding(max_rows, cols)
-    held: dict[int, bytes] = {}
+    held: dict[int, tuple[bytes, Any]] = {}
 
     def prepare(request: bytes, ctx: Any) -> bytes:
         rows = int(request)
         held.clear()  # drop the previous size first: at 1 GiB two payloads would double the footprint
-        held[rows] = emb[:rows].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        return str(len(held[rows])).encode()
+        flat = emb[:rows].contiguous().view(-1).view(torch.uint8)
+        held[rows] = (flat.numpy().tobytes(), flat)
+        return str(len(held[rows][0])).encode()
+
+    def _held(request: bytes, ctx: Any) -> tuple[bytes, Any]:
+        entry = held.get(int(request))
+        if entry is None:
+            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rows={int(request)} not prepared (held: {list(held)})")
+        return entry
 
     def fetch(request: bytes, ctx: Any) -> bytes:
-        data = held.get(int(request))
-        if data is None:
-            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rows={int(request)} not prepared (held: {list(held)})")
-        return data
+        return _held(request, ctx)[0]
+
+    def fetch_copy(request: bytes, ctx: Any) -> bytes:
+        return _held(request, ctx)[1].numpy().tobytes()
 
     handler = grpc.method_handlers_generic_handler(SERVICE, {
         "Prepare": grpc.unary_unary_rpc_method_handler(prepare),
         "Fetch": grpc.unary_unary_rpc_method_handler(fetch),
+        "FetchCopy": grpc.unary_unary_rpc_method_handler(fetch_copy),
     })
     server = grpc.server(futures.ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="bench-plain"),
                          options=CHANNEL_OPTIONS)
@@ -87,6 +99,7 @@ class PlainClient:
         self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
         self._prepare = self._channel.unary_unary(PREPARE)
         self._fetch = self._channel.unary_unary(FETCH)
+        self._fetch_copy = self._channel.unary_unary(FETCH_COPY)
         self._nbytes: dict[int, int] = {}
 
     def prepare(self, rows: int, timeout_s: float = 120.0) -> int:
@@ -95,14 +108,16 @@ class PlainClient:
         self._nbytes = {rows: nbytes}
         return nbytes
 
-    def fetch(self, rows: int, device: str = "cpu", timeout_s: float = 600.0) -> tuple[Any, dict[str, float]]:
-        """One unary call; returns the bf16 ``[rows, cols]`` tensor on ``device`` and its stages in ms
-        (``rpc``: the call; ``to_device``: the tensor view, plus on CUDA the synchronized copy to the device;
-        ``total``)."""
+    def fetch(self, rows: int, device: str = "cpu", timeout_s: float = 600.0, *,
+              server_copy: bool = False) -> tuple[Any, dict[str, float]]:
+        """One unary call (``server_copy``: ``FetchCopy``); returns the bf16 ``[rows, cols]`` tensor on ``device``
+        and its stages in ms (``rpc``: the call; ``to_device``: the tensor view, plus on CUDA the synchronized copy
+        to the device; ``total``)."""
         import torch
 
+        call = self._fetch_copy if server_copy else self._fetch
         t0 = time.perf_counter()
-        data = self._fetch(str(rows).encode(), timeout=timeout_s)
+        data = call(str(rows).encode(), timeout=timeout_s)
         t1 = time.perf_counter()
         if len(data) != self._nbytes.get(rows, -1):
             raise RuntimeError(f"plain gRPC returned {len(data)} bytes for rows={rows}, expected "

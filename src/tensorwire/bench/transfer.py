@@ -11,10 +11,11 @@ width) follows.
 
 The baseline a user would pick instead (issue 17): one plain unary gRPC call returning the same bytes, from a
 second spawned server process that holds them ready (``_plain_grpc``), fetched by this process; on CUDA its bytes
-are copied to the device (synchronized), as the inline plane must deliver them there. It alternates fetch by fetch
-with the inline plane (``--inline-iters`` each); before timing, one fetch through it and one through the RDMA
-plane must return equal tensors. Printed and in the JSON: inline / plain and rdma / plain (transfer over the plain
-call's total).
+are copied to the device (synchronized), as the inline plane must deliver them there. A second variant has the
+server turn its held tensor into bytes in each call (one host copy). Both alternate fetch by fetch with the inline
+plane (``--inline-iters`` each); before timing, one fetch through the baseline and one through the RDMA plane must
+return equal tensors. Printed and in the JSON: inline / plain and rdma / plain (transfer over the plain call's
+total), and inline / the copying variant.
 
 Each size runs the RDMA plane three times: with a copying export, with a zero-copy output (the encoder writes
 into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot), and the zero-copy
@@ -179,20 +180,24 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
 
 
 def _run_inline_and_plain(inline_t: Any, plain: Any, rows: int, iters: int, warmup: int,
-                          device: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The inline plane and the plain gRPC call, alternating fetch by fetch, so that their ratio sees one
-    machine state (the inline plane's fetches take up to seconds; load from other jobs drifts in between)."""
+                          device: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The inline plane and both plain gRPC variants (bytes held ready; a copy into bytes per call), alternating
+    fetch by fetch, so that their ratios see one machine state (the inline plane's fetches take up to seconds;
+    load from other jobs drifts in between)."""
     inputs = _inputs(rows)
     inline: dict[str, list[float]] = {}
-    plain_stages: dict[str, list[float]] = {}
+    ready: dict[str, list[float]] = {}
+    copied: dict[str, list[float]] = {}
     for i in range(warmup + iters):
         row = _fetch_once(inline_t, inputs, "inline", device)
-        out, stages = plain.fetch(rows, device)
-        del out
+        for stages_of, server_copy in ((ready, False), (copied, True)):
+            out, stages = plain.fetch(rows, device, server_copy=server_copy)
+            del out
+            if i >= warmup:
+                _add(stages_of, {**stages, "transfer": stages["total"]})
         if i >= warmup:
             _add(inline, row)
-            _add(plain_stages, {**stages, "transfer": stages["total"]})
-    return _stats(inline), _stats(plain_stages)
+    return _stats(inline), _stats(ready), _stats(copied)
 
 
 def _check_same_bytes(rdma_t: Any, plain: Any, rows: int, device: str) -> None:
@@ -272,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 if plain.prepare(rows) != nbytes:
                     raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
                 _check_same_bytes(rdma_t, plain, rows, args.device)
-                i, p = _run_inline_and_plain(inline_t, plain, rows, 1 if slow else inline_iters, 0 if slow else 1,
-                                             args.device)
+                i, p, pc = _run_inline_and_plain(inline_t, plain, rows, 1 if slow else inline_iters,
+                                                 0 if slow else 1, args.device)
                 mc = _memcpy_ms(nbytes, args.device, 10)
                 mc1 = _memcpy_ms(nbytes, args.device, 10, threads=1) if args.device == "cpu" else mc
                 res = {
@@ -282,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_rdma_transfer_over_memcpy_1thread": r["transfer"]["median_ms"] / mc1,
                     "ratio_rdma_read_over_memcpy_1thread": r["read"]["median_ms"] / mc1,
                     "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
-                    "plain_grpc": p,
+                    "plain_grpc": p, "plain_grpc_server_copy": pc,
                     "ratio_inline_over_plain_grpc": i["transfer"]["median_ms"] / p["total"]["median_ms"],
+                    "ratio_inline_over_plain_grpc_server_copy": i["transfer"]["median_ms"] / pc["total"]["median_ms"],
                     "ratio_rdma_over_plain_grpc": r["transfer"]["median_ms"] / p["total"]["median_ms"],
                     "ratio_rdma_zero_copy_over_plain_grpc": z["transfer"]["median_ms"] / p["total"]["median_ms"],
                     "ratio_rdma_zero_copy_transfer_over_memcpy": z["transfer"]["median_ms"] / mc,
@@ -314,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
                       f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
                       f"{res['ratio_inline_over_plain_grpc']:5.2f}x | rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
-                      f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x)", flush=True)
+                      f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
+                      f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
+                      f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x", flush=True)
     finally:
         stop.set()
         for pr in (proc, plain_proc):
@@ -331,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"],
         "target_inline_over_plain_grpc_max": 1.2,
         "meets_inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"] <= 1.2,
+        "inline_over_plain_grpc_server_copy": seed["ratio_inline_over_plain_grpc_server_copy"],
         "rdma_over_plain_grpc": seed["ratio_rdma_over_plain_grpc"],
         "rdma_zero_copy_over_plain_grpc": seed["ratio_rdma_zero_copy_over_plain_grpc"],
         "rdma_vs_inline_transfer_speedup": seed["ratio_inline_over_rdma_transfer"],
@@ -376,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                  "total - encoder compute; control overhead = fetch total - read (contains the export copy); "
                  "plain_grpc = one unary gRPC call to a separate server process holding the payload ready as "
                  "host bytes, the response viewed as a tensor (plus, on CUDA, the synchronized copy to the "
-                 "device), alternating fetch by fetch with the inline plane; ratio_*_over_plain_grpc divide the "
-                 "plane's transfer by the plain call's total",
+                 "device), alternating fetch by fetch with the inline plane; plain_grpc_server_copy: the same "
+                 "server turning its held tensor into bytes in every call (one host copy); "
+                 "ratio_*_over_plain_grpc[_server_copy] divide the plane's transfer by that call's total",
         "torch_threads": torch.get_num_threads(),
     }
     path = write_result("transfer", payload, args.out)

@@ -32,12 +32,13 @@ def endpoint() -> Iterator[str]:
             proc.join(5)
 
 
-def test_round_trip_returns_the_encoders_bytes(endpoint: str) -> None:
+@pytest.mark.parametrize("server_copy", [False, True], ids=["held-bytes", "copy-per-call"])
+def test_round_trip_returns_the_encoders_bytes(endpoint: str, server_copy: bool) -> None:
     expected = plain_grpc.embedding(MAX_ROWS, COLS)
     with plain_grpc.PlainClient(endpoint, COLS) as client:
         for rows in (MAX_ROWS, 5):  # a prefix of the held output, as the encoder's emb[:n]
             assert client.prepare(rows) == rows * COLS * 2
-            got, stages = client.fetch(rows)
+            got, stages = client.fetch(rows, server_copy=server_copy)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, COLS)
             assert got.view(torch.uint8).numpy().tobytes() == expected[:rows].view(torch.uint8).numpy().tobytes()
             assert stages["total"] >= stages["rpc"] > 0
@@ -52,7 +53,8 @@ def test_embedding_is_deterministic_and_not_trivial() -> None:
 def test_fetch_of_a_size_not_prepared_is_refused(endpoint: str) -> None:
     with plain_grpc.PlainClient(endpoint, COLS) as client:
         client.prepare(4)
-        with pytest.raises(grpc.RpcError) as info:
-            client.fetch(3)
-        err: Any = info.value
-        assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "rows=3 not prepared" in err.details()
+        for server_copy in (False, True):
+            with pytest.raises(grpc.RpcError) as info:
+                client.fetch(3, server_copy=server_copy)
+            err: Any = info.value
+            assert err.code() is grpc.StatusCode.FAILED_PRECONDITION and "rows=3 not prepared" in err.details()
