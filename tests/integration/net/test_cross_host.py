@@ -67,3 +67,13 @@ def test_proxy_on_a_third_host(fabric: Callable[[Sequence[str]], netns.Fabric], 
         assert {r["worker"] for r in results} == {"w0", "w1"}  # the proxy spread them; reads went to each worker
     finally:
         llm.close()
+
+
+@pytest.mark.timeout(300)
+def test_advertising_loopback_while_serving_a_network_address_is_loud(
+        fabric: Callable[[Sequence[str]], netns.Fabric], children: Callable[..., Any]) -> None:
+    net = fabric(["encoder"])
+    _, child = _serve_encoder(children, net["encoder"], "0.0.0.0", "enc", "--rdma-advertise-host", "127.0.0.1")
+    log = child.log_path.read_text()
+    assert "WARNING tensorwire.rdma.endpoint: RDMA descriptors advertise the loopback address 127.0.0.1" in log, \
+        log[-3000:]

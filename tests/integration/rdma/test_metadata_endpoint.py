@@ -12,14 +12,18 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-import struct
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "rdma"))  # the hand-written wire format
+from _md_wire import REFUSED_V2, ask, v1_request, v2_request  # noqa: E402
 
 from tensorwire.cli.demo import Child
 from tensorwire.encoder import sample_paths
@@ -90,31 +94,21 @@ def test_nothing_listens_on_a_wildcard_address(encoder: tuple[Child, str]) -> No
     assert not wild, f"serve-encoder listens on a wildcard address: {listening}"
 
 
-def _ask(port: int, payload: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-        c.sendall(payload)
-        out = b""
-        while chunk := c.recv(65536):
-            out += chunk
-    return out
-
-
 @pytest.mark.timeout(180)
 def test_metadata_only_for_the_descriptor_holder_and_no_name_leak(encoder: tuple[Child, str]) -> None:
     owner = _descriptor(encoder[1]).owner
     name = owner.agent_name.encode()
     # The v1 request an attacker who knows (or guesses) the name would send: no metadata, no name.
     for guess in (name, b"tw-exporter-guess"):
-        answer = _ask(owner.port, struct.pack(">4sBH", b"TWMD", 1, len(guess)) + guess)
+        answer = ask(owner.port, v1_request(guess))
         assert name not in answer and len(answer) <= 32, answer
     assert len(owner.metadata_token) >= 16
     # v2 with the right name and a wrong token, or the right token and a wrong name: refused, nothing named.
     for n, t in ((name, b"\0" * 32), (b"tw-exporter-guess", owner.metadata_token)):
-        answer = _ask(owner.port, struct.pack(">4sBHH", b"TWMD", 2, len(n), len(t)) + n + t)
-        assert answer == struct.pack(">4sBBQI", b"TWMD", 2, 2, 0, 0), answer
+        answer = ask(owner.port, v2_request(n, t))
+        assert answer == REFUSED_V2, answer
     # The descriptor holder gets it.
-    answer = _ask(owner.port, struct.pack(">4sBHH", b"TWMD", 2, len(name), len(owner.metadata_token)) + name
-                  + owner.metadata_token)
+    answer = ask(owner.port, v2_request(name, owner.metadata_token))
     assert answer[:6] == b"TWMD\x02\x00" and len(answer) > 100
 
 

@@ -12,6 +12,8 @@ from typing import Iterator
 
 import pytest
 
+from _md_wire import REFUSED_V2, ask, v1_request, v2_request
+
 from tensorwire.errors import ReadError, Reason
 from tensorwire.rdma.providers import _metadata
 
@@ -27,27 +29,12 @@ def server() -> Iterator[_metadata.MetadataServer]:
     srv.close()
 
 
-def _ask(port: int, payload: bytes) -> bytes:
-    """Everything the server answers to ``payload`` until it closes."""
-    with socket.create_connection(("127.0.0.1", port), timeout=3) as c:
-        c.sendall(payload)
-        out = b""
-        while chunk := c.recv(65536):
-            out += chunk
-    return out
-
-
-def _v2(name: str, token: bytes) -> bytes:
-    raw = name.encode()
-    return struct.pack(">4sBHH", b"TWMD", 2, len(raw), len(token)) + raw + token
-
-
 @pytest.mark.parametrize("name, token", [(NAME, b""), (NAME, b"x" * 32), (NAME, TOKEN[:-1] + b"\0"),
                                          ("someone-else", TOKEN), ("", b"")])
 def test_without_the_token_or_with_another_name_nothing_is_handed_out(server: _metadata.MetadataServer,
                                                                        name: str, token: bytes) -> None:
-    answer = _ask(server.port, _v2(name, token))
-    assert answer == struct.pack(">4sBBQI", b"TWMD", 2, _metadata.STATUS_REFUSED, 0, 0)
+    answer = ask(server.port, v2_request(name.encode(), token))
+    assert answer == REFUSED_V2
     assert NAME.encode() not in answer and MD not in answer
 
 
@@ -55,8 +42,7 @@ def test_a_tokenless_v1_request_gets_neither_metadata_nor_the_name(server: _meta
     # Today's readers before tokens, and the attack of finding 1: a request with a wrong agent name was answered
     # with the right one, a request with the right name with the metadata.
     for name in (NAME, "guess"):
-        raw = name.encode()
-        answer = _ask(server.port, struct.pack(">4sBH", b"TWMD", 1, len(raw)) + raw)
+        answer = ask(server.port, v1_request(name.encode()))
         assert answer == struct.pack(">4sBBQH", b"TWMD", 1, _metadata.STATUS_WRONG_AGENT, 0, 0) + struct.pack(">I", 0)
     assert server.stats().refused == 2 and server.stats().served == 0
 
@@ -127,7 +113,7 @@ def test_a_request_not_sent_in_time_is_dropped() -> None:
 
 
 def test_a_request_split_over_many_packets_is_answered(server: _metadata.MetadataServer) -> None:
-    payload = _v2(NAME, TOKEN)
+    payload = v2_request(NAME.encode(), TOKEN)
     with socket.create_connection(("127.0.0.1", server.port), timeout=3) as c:
         c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for b in payload:
