@@ -1,6 +1,7 @@
 """An LLM-side client in a host of a ``Fabric``: a spawned child that enters the host's namespace, then fetches.
 
-Driven over a pipe: ``fetch(keys)`` runs fetches one after the other and returns their results; ``start_loop()``
+Driven over a pipe: ``fetch(keys)`` runs fetches one after the other and returns their results (from another
+endpoint when given one: the child keeps one RemoteOutputTransport per endpoint); ``start_loop()``
 / ``stop_loop()`` fetch continuously (the partition test cuts the link meanwhile). Each result is a dict:
 ``outcome`` (ok, wrong, error, untyped), ``plane``, ``fallback``, ``worker``, ``latency_ms``, and for errors
 ``kind`` and ``reason``. Outputs are checked against digests computed by the test process (``soak._corpus``).
@@ -28,17 +29,24 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
     from tensorwire.soak._corpus import output_digest
 
-    transport = RemoteOutputTransport(endpoint, TransportConfig.from_env(os.environ))
-    ready = transport.wait_ready(60.0)
-    conn.send(("ready", ready))
+    transports: dict[str, Any] = {}
+
+    def transport_for(ep: str) -> Any:
+        if ep not in transports:
+            transports[ep] = RemoteOutputTransport(ep, TransportConfig.from_env(os.environ))
+            transports[ep].wait_ready(60.0)
+        return transports[ep]
+
+    transport = transport_for(endpoint)
+    conn.send(("ready", transport.wait_ready(0)))
     stop = threading.Event()
     loop_results: list[dict[str, Any]] = []
 
-    def one(key: tuple[int, ...]) -> dict[str, Any]:
+    def one(key: tuple[int, ...], via: Any = transport) -> dict[str, Any]:
         t0 = time.perf_counter()
         res: dict[str, Any] = {"key": list(key), "t": time.monotonic()}
         try:
-            out = transport.fetch([MultimodalInput(images[i]) for i in key], timeout_ms=budget_ms)
+            out = via.fetch([MultimodalInput(images[i]) for i in key], timeout_ms=budget_ms)
         except TensorwireError as exc:
             res.update(outcome="error", kind=type(exc).__name__, reason=exc.reason.value, msg=str(exc)[:300])
         except Exception as exc:  # noqa: BLE001 - an untyped error is what the tests look for
@@ -64,7 +72,9 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
         while True:
             cmd, arg = conn.recv()
             if cmd == "fetch":
-                conn.send(("ok", [one(tuple(k)) for k in arg]))
+                keys, ep = arg
+                via = transport_for(ep or endpoint)
+                conn.send(("ok", [one(tuple(k), via) for k in keys]))
             elif cmd == "start_loop":
                 stop.clear()
                 loop_results.clear()
@@ -86,14 +96,15 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
         pass
     finally:
         stop.set()
-        transport.close()
+        for t in transports.values():
+            t.close()
 
 
 class LlmClient:
     """The parent's handle on ``_child``; ``close`` ends it (killed if it does not exit in time)."""
 
     def __init__(self, host: Any, endpoint: str, images: list[bytes], digests: dict[tuple[int, ...], str], *,
-                 budget_ms: int = 8000, env: dict[str, str] | None = None) -> None:
+                 budget_ms: int = 20000, env: dict[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_child, daemon=True, name=f"llm-{host.name}",
@@ -113,8 +124,8 @@ class LlmClient:
         self._conn.send((cmd, arg))
         return self._recv("ok", timeout_s)
 
-    def fetch(self, keys: list[tuple[int, ...]], timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
-        return self._call("fetch", [list(k) for k in keys], timeout_s)  # type: ignore[no-any-return]
+    def fetch(self, keys: list[tuple[int, ...]], endpoint: str = "", timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+        return self._call("fetch", ([list(k) for k in keys], endpoint), timeout_s)  # type: ignore[no-any-return]
 
     def start_loop(self, keys: list[tuple[int, ...]]) -> None:
         self._call("start_loop", [list(k) for k in keys])

@@ -7,6 +7,9 @@ failure. Skipped, with the reason, where namespaces cannot be made (not root, no
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,13 +23,19 @@ from tensorwire.cli.demo import Child  # noqa: E402
 from tensorwire.testing import netns  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _needs_namespaces_and_nixl(nixl_available: bool) -> None:
+def skip_unless_possible(nixl_available: bool) -> None:
+    """Skip (with the reason) where namespaces cannot be made or NIXL is missing. Module-scoped fixtures call it
+    themselves: they are set up before the autouse check below runs."""
     reason = netns.unavailable_reason()
     if reason is not None:
         pytest.skip(f"cross-host tests need network namespaces: {reason}")
     if not nixl_available:
         pytest.skip("NIXL is not installed")
+
+
+@pytest.fixture(autouse=True)
+def _needs_namespaces_and_nixl(nixl_available: bool) -> None:
+    skip_unless_possible(nixl_available)
 
 
 @pytest.fixture
@@ -46,21 +55,25 @@ def fabric() -> Iterator[Callable[[Sequence[str]], netns.Fabric]]:
             f.close()
 
 
-@pytest.fixture
-def children(tmp_path: Path) -> Iterator[Callable[..., Child]]:
-    """``child(host, name, argv)`` -> a tensorwire CLI process in ``host`` (READY-line aware), stopped after."""
-    made: list[Child] = []
+class Children:
+    """``start(host, name, argv)`` -> a tensorwire CLI process in ``host`` (READY-line aware); ``stop()`` ends all."""
 
-    def start(host: netns.Host, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
-        c = Child(name, argv, tmp_path, prefix=host.exec_prefix, env=env or host.env())
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.made: list[Child] = []
+
+    def start(self, host: netns.Host, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        c = Child(name, argv, self.log_dir, prefix=host.exec_prefix, env=env or host.env())
         host.fabric.track(c.proc)
-        made.append(c)
+        self.made.append(c)
         return c
 
-    try:
-        yield start
-    finally:
-        for c in made:
+    def stop(self) -> None:
+        for c in self.made:  # SIGTERM to all first, so that their graceful stops overlap
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+        for c in self.made:
             c.terminate(grace_s=5)
 
 
