@@ -124,7 +124,8 @@ class LlmClient:
         self._conn.send((cmd, arg))
         return self._recv("ok", timeout_s)
 
-    def fetch(self, keys: list[tuple[int, ...]], endpoint: str = "", timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+    def fetch(self, keys: list[tuple[int, ...]], endpoint: str = "",
+              timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
         return self._call("fetch", ([list(k) for k in keys], endpoint), timeout_s)  # type: ignore[no-any-return]
 
     def start_loop(self, keys: list[tuple[int, ...]]) -> None:

@@ -104,7 +104,7 @@ def test_partition_in_the_middle_of_reads_and_healing(fabric: Callable[[Sequence
         worker.stop()
 
 
-SOAK_S = 40
+SOAK_S = 35
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def soak_report(tmp_path_factory: pytest.TempPathFactory, nixl_available: bool) 
     try:
         proxy = net["proxy"]
         spec = {"duration_s": SOAK_S, "concurrency": 4, "client_processes": 2, "faults": "all", "seed": 5,
-                "progress_s": 10.0,
+                "warmup": 10, "progress_s": 10.0,
                 "topology": {"front_host": proxy.ip, "client_netns": net["llm"].netns,
                              "worker_netns": [net["w0"].netns, net["w1"].netns],
                              "worker_hosts": [net["w0"].ip, net["w1"].ip]}}

@@ -9,10 +9,10 @@
   (so in every descriptor): the endpoint answers only requests that present it. ``registration_epoch`` counts
   registrations; a snapshot (name, epoch, full agent metadata) is taken under the registration lock.
 - Reader side: per owner agent, the metadata is fetched once with the descriptor's token (``connect_timeout_ms``,
-  bounded by the read deadline), loaded with ``add_remote_agent`` and cached with its epoch; a descriptor with a newer epoch triggers a
-  refresh. Ranges are passed as plain (addr, len, dev) tuples; NIXL checks them against the owner's registered
-  regions (``NIXL_ERR_NOT_FOUND`` otherwise). On ``NIXL_ERR_REMOTE_DISCONNECT`` the owner is forgotten
-  (``remove_remote_agent``) so a restarted owner or another owner keeps working.
+  bounded by the read deadline), loaded with ``add_remote_agent`` and cached with its epoch; a descriptor with a
+  newer epoch triggers a refresh. Ranges are passed as plain (addr, len, dev) tuples; NIXL checks them against the
+  owner's registered regions (``NIXL_ERR_NOT_FOUND`` otherwise). On ``NIXL_ERR_REMOTE_DISCONNECT`` the owner is
+  forgotten (``remove_remote_agent``) so a restarted owner or another owner keeps working.
 - Deadline: NIXL has no transfer timeout. The caller polls ``check_xfer_state`` until the deadline; a transfer
   still in progress then is returned as a ``PendingTransfer`` on the ``ReadTimeout`` (destination quarantined by
   the reader until NIXL reports it done or failed).
