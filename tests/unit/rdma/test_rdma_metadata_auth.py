@@ -122,3 +122,20 @@ def test_a_request_split_over_many_packets_is_answered(server: _metadata.Metadat
         while chunk := c.recv(65536):
             out += chunk
     assert out == struct.pack(">4sBBQI", b"TWMD", 2, 0, 7, len(MD)) + MD
+
+
+def test_large_metadata_reaches_a_slow_reader() -> None:
+    # Many registrations make the metadata large; the answer is written as the reader drains its socket.
+    big = bytes(range(256)) * (16 * 1024)  # 4 MiB, far over any socket buffer
+    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: (NAME, 9, big), token=TOKEN, io_timeout_s=60)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as c:
+            c.sendall(v2_request(NAME.encode(), TOKEN))
+            time.sleep(0.3)  # let the server fill the socket buffers and block on them
+            out = b""
+            while chunk := c.recv(65536):
+                out += chunk
+        assert out == struct.pack(">4sBBQI", b"TWMD", 2, 0, 9, len(big)) + big
+        assert _metadata.fetch("127.0.0.1", srv.port, NAME, token=TOKEN, timeout_s=30) == (9, big)
+    finally:
+        srv.close()

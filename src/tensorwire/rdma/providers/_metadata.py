@@ -181,7 +181,10 @@ class MetadataServer:
                 if mask & selectors.EVENT_WRITE:
                     self._write(conn)
                 return
-            chunk = conn.sock.recv(4096)
+            try:
+                chunk = conn.sock.recv(4096)
+            except BlockingIOError:
+                return
             if not chunk:
                 raise ConnectionError("closed before the request was complete")
             conn.inbuf += chunk
@@ -197,7 +200,10 @@ class MetadataServer:
             self._drop(conn)
 
     def _write(self, conn: _Conn) -> None:
-        sent = conn.sock.send(conn.outbuf)
+        try:
+            sent = conn.sock.send(conn.outbuf)
+        except BlockingIOError:  # the socket buffer is full: wait for EVENT_WRITE
+            return
         conn.outbuf = conn.outbuf[sent:]
         if not conn.outbuf:
             if conn.ok:
