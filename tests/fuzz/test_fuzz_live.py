@@ -10,10 +10,10 @@ import random
 import time
 
 import pytest
+from fuzz_settings import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzz_settings import examples
 from tensorwire.mm import wire
 from tensorwire.soak._corpus import build_corpus
 from tensorwire.soak._fuzz_live import LiveEncoder, hello_live, seed_requests

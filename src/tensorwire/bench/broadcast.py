@@ -17,8 +17,8 @@ import sys
 import time
 from typing import Any
 
-from tensorwire.bench._ranks import run_ranks
 from tensorwire.bench._common import summarize, write_result
+from tensorwire.bench._ranks import run_ranks
 
 BACKENDS = ("shm", "uds", "gloo", "gloo_obj")
 SIZES = (1024, 64 * 1024, 1024 * 1024)

@@ -22,8 +22,9 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any
 
 _ECHO_SERVICE = "tensorwire.bench.Echo"
 

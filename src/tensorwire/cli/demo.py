@@ -25,8 +25,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, both planes, a table"
 
@@ -310,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         say("interrupted; stopping children")
         return 130
-    except Exception as exc:  # noqa: BLE001 - report, then clean up the children
+    except Exception as exc:  # report, then clean up the children
         print(f"error: demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         for c in children:
             print(f"--- last lines of {c.name} ({c.log_path}):\n{c.tail()}", file=sys.stderr)

@@ -9,7 +9,7 @@ torch) produce the same embeddings for the same image: tests and the demo can co
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -111,8 +112,8 @@ class HFVisionEncoder(VisionEncoder):
         log.info("loaded %s from %s", model_type, root)
 
     def _load_qwen_tower(self, tf: Any, root: Path, model_type: str) -> Any:
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
         if model_type == "qwen2_vl_vision":
             return Qwen2VisionTransformerPretrainedModel.from_pretrained(root, local_files_only=True)

@@ -8,7 +8,7 @@ out-of-bounds read or a huge allocation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

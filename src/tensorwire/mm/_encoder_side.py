@@ -29,18 +29,18 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from tensorwire.errors import ExportError, Reason, TensorwireError
 from tensorwire.mm import _codec
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
 from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._config import MODE_AUTO, TransportConfig
-from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._types import EncoderOutput
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 

@@ -13,7 +13,8 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from tensorwire.errors import ConfigError, Reason, TensorwireError
 

@@ -15,7 +15,8 @@ reassembly order. Errors: ``InvalidDescriptor`` (from the parser), ``ProtocolErr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

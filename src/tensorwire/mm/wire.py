@@ -15,7 +15,8 @@ same table as the unary path, so one failure raises the same class with the same
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 

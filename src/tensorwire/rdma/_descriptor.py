@@ -18,8 +18,8 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from google.protobuf.message import DecodeError

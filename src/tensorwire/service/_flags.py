@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 _TYPES = {int: int, float: float, str: str}
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -40,7 +41,7 @@ class WorkerInfo:
     version: str
 
     @classmethod
-    def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> "WorkerInfo":
+    def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> WorkerInfo:
         return cls(address=address, worker_id=msg.worker_id, hostname=msg.hostname, pid=msg.pid, mode=msg.mode,
                    rdma_provider=msg.rdma_provider, rdma_bind_ip=msg.rdma_bind_ip, rdma_port=msg.rdma_port,
                    slot_gc_timeout_ms=msg.slot_gc_timeout_ms, model=msg.model, device=msg.device,

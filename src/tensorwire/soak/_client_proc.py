@@ -87,7 +87,7 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
                 out = transport.fetch(inputs, timeout_ms=budget_ms)
             except TensorwireError as exc:
                 res.update(outcome="error", kind=type(exc).__name__, reason=exc.reason.value, msg=str(exc)[:200])
-            except Exception as exc:  # noqa: BLE001 - an untyped error is a finding; count it, keep going
+            except Exception as exc:  # an untyped error is a finding; count it, keep going
                 res.update(outcome="untyped", kind=type(exc).__name__, reason="untyped", msg=repr(exc)[:300])
             else:
                 digest = output_digest(out.embeddings, out.position_ids)
@@ -160,7 +160,7 @@ def _dropped(transport: Any) -> float:
                 if s.name.endswith("_total"):
                     total += s.value
         return total
-    except Exception:  # noqa: BLE001 - a number for the report only
+    except Exception:  # a number for the report only
         return -1.0
 
 

@@ -10,7 +10,7 @@ data) can make a reader deliver wrong bytes, and only TLS/mTLS on the control pl
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
 
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.rdma._proto import descriptor_pb2 as dpb

@@ -23,7 +23,8 @@ import statistics
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensorwire.soak import _client_proc
 from tensorwire.soak._config import SoakConfig
@@ -186,7 +187,7 @@ class SoakRunner:
                     continue
                 try:
                     msg = c.conn.recv()
-                except (EOFError, OSError, Exception):  # noqa: BLE001 - a child killed mid-send
+                except (EOFError, OSError, Exception):  # a child killed mid-send
                     self._client_died(c)
                     continue
                 self._on_message(c, msg)
@@ -279,7 +280,7 @@ class SoakRunner:
                     self.relays[i].retarget(new.address)
                     self.workers[i] = new
                     last_restart = time.monotonic()
-            except Exception:  # noqa: BLE001 - a fault that could not be injected is logged, the soak goes on
+            except Exception:  # a fault that could not be injected is logged, the soak goes on
                 log.exception("injecting %s failed", kind)
                 self.faults[f"{kind}_inject_failed"] += 1
 
@@ -300,7 +301,7 @@ class SoakRunner:
                 continue
             try:
                 st = w.stats(timeout_s=5.0)
-            except Exception:  # noqa: BLE001 - the worker may be mid-restart
+            except Exception:  # the worker may be mid-restart
                 continue
             if i not in self.worker_baseline and \
                     time.monotonic() - max(self.worker_started[i], self.t_start) >= self.ramp_s:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -183,14 +183,14 @@ def check_concurrency(config: RdmaConfig) -> None:
                 for r in range(25):
                     i = (k + r) % len(descs)
                     assert same_bytes(rd.read([descs[i]])[0].cpu(), stable[i][0])
-            except BaseException as exc:  # noqa: BLE001 - collected
+            except BaseException as exc:  # collected
                 errors.append(exc)
 
         def churn() -> None:
             try:
                 while time.monotonic() < stop and any(t.is_alive() for t in threads):
                     exp.release([exp.export([torch.ones(64)]).lease_id])
-            except BaseException as exc:  # noqa: BLE001 - collected
+            except BaseException as exc:  # collected
                 errors.append(exc)
 
         threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]

@@ -11,7 +11,8 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._stats import ExporterStats
@@ -71,10 +72,10 @@ def _child(conn: Any, config: RdmaConfig, env: dict[str, str]) -> None:
                 elif cmd == "gc":
                     conn.send(("ok", exp.collect_garbage()))
                 elif cmd == "shrink":
-                    conn.send(("ok", exp._pool.shrink(args[0]) if exp._pool else 0))  # noqa: SLF001 - test hook
+                    conn.send(("ok", exp._pool.shrink(args[0]) if exp._pool else 0))  # test hook
                 elif cmd == "overwrite":
                     # Scribble over a leased slot in place (tests: a reader must never see a new tenant's bytes).
-                    lease = exp._leases[args[0]]  # noqa: SLF001 - test hook
+                    lease = exp._leases[args[0]]  # test hook
                     lease.slot.tensor.fill_(args[1])
                     conn.send(("ok", None))
                 else:

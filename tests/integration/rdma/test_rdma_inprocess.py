@@ -136,7 +136,7 @@ def test_batch_rolls_back_when_the_middle_group_fails(exporter: TensorExporter) 
 
 def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
-    original = exporter._copy_in  # noqa: SLF001
+    original = exporter._copy_in
 
     def flaky(lease, inputs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -235,7 +235,7 @@ def test_concurrent_reads_from_threads(exporter: TensorExporter, reader: TensorR
             for r in range(20):
                 i = (k + r) % len(descs)
                 assert same_bytes(reader.read([descs[i]])[0], inputs[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]

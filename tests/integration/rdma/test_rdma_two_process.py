@@ -74,7 +74,7 @@ def test_concurrent_reads_from_threads(owner: OwnerProcess, reader: TensorReader
                 (t,) = reader.read([raws[i]])
                 shape, dt, seed = specs[i][0]
                 assert same_bytes(t, make_tensor(shape, dt, seed))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]

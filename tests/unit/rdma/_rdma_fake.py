@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tensorwire.errors import ReadTimeout, Reason
 from tensorwire.rdma import Owner, RdmaConfig

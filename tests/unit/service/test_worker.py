@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -121,7 +121,7 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
         with _client(w) as client:
             try:
                 result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            except Exception as exc:  # recorded for the assertion
                 result["error"] = exc
 
     t = threading.Thread(target=call)

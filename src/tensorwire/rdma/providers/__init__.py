@@ -13,7 +13,7 @@ importable. Providers are imported only when chosen, so ``tensorwire.rdma`` neve
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig

@@ -19,8 +19,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tensorwire.errors import ReadError, Reason
 from tensorwire.rdma._stats import Tally

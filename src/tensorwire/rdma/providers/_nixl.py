@@ -29,8 +29,9 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
 from tensorwire.rdma._config import RdmaConfig
@@ -50,7 +51,7 @@ _SPIN_S = 0.0005  # busy-poll this long before sleeping between state checks (su
 
 def _api() -> Any:
     _ucx_env.quiet_nixl()
-    import nixl._api as api  # noqa: PLC0415 - heavy, only when the provider is used
+    import nixl._api as api  # heavy, only when the provider is used
 
     return api
 

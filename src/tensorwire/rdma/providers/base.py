@@ -32,8 +32,9 @@ Errors: only ``tensorwire.errors`` exceptions leave a provider: ``ReadTimeout`` 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
