@@ -49,14 +49,16 @@ def _run(rank: int, world: int, backend: str, sizes: list[int], rounds: list[int
                 dist.broadcast(t, src=0)
         else:
             def send(t: torch.Tensor) -> None:
-                obj = [t.numpy().tobytes()] if rank == 0 else [None]
+                obj: list[bytes | None] = [t.numpy().tobytes()] if rank == 0 else [None]
                 dist.broadcast_object_list(obj, src=0)
                 if rank != 0:
-                    t.copy_(torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8))
+                    received = obj[0]
+                    assert received is not None, "broadcast_object_list filled every rank's list"
+                    t.copy_(torch.frombuffer(bytearray(received), dtype=torch.uint8))
     out: dict[str, Any] = {}
     counter = 0
     try:
-        for size, n in zip(sizes, rounds):
+        for size, n in zip(sizes, rounds, strict=True):
             t = torch.zeros(size, dtype=torch.uint8)
             lat: list[float] = []
             for i in range(warmup + n):
@@ -191,14 +193,19 @@ def main(argv: list[str] | None = None) -> int:
             r2 = g / ud if g and ud else None
             ratios.append({"tp": tp, "size_bytes": s, "gloo_over_shm": r1, "gloo_over_uds": r2})
             print(f"{s:8d} {tp:3d} " + " ".join(cells) + f"   {r1 or 0:8.1f}x {r2 or 0:8.1f}x")
+
+    def ratio_at(key: str, tp: int, s: int) -> float | None:
+        return next((r[key] for r in ratios if r["tp"] == tp and r["size_bytes"] == s), None)
+
     print("\nidle reader CPU (fraction of one core while waiting)")
     for d in idle:
-        print(f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  max {d['reader_cpu_frac_max']:.3f}")
+        print(f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  "
+              f"max {d['reader_cpu_frac_max']:.3f}")
     targets = {
         "shm_1KiB_tp8_median_us<=10": med_us("shm", 8, 1024),
         "uds_1KiB_tp8_median_us<=40": med_us("uds", 8, 1024),
-        "gloo_over_shm_1KiB_tp8>=5": next((r["gloo_over_shm"] for r in ratios if r["tp"] == 8 and r["size_bytes"] == 1024), None),
-        "gloo_over_uds_1KiB_tp8>=5": next((r["gloo_over_uds"] for r in ratios if r["tp"] == 8 and r["size_bytes"] == 1024), None),
+        "gloo_over_shm_1KiB_tp8>=5": ratio_at("gloo_over_shm", 8, 1024),
+        "gloo_over_uds_1KiB_tp8>=5": ratio_at("gloo_over_uds", 8, 1024),
         "idle_reader_cpu_frac_max<0.05": {f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"] for d in idle},
     }
     path = write_result("broadcast", {

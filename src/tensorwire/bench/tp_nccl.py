@@ -120,7 +120,7 @@ class _Busy:
         self.a = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
         self.b = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
         self.c = torch.empty(dim, dim, device=device, dtype=torch.bfloat16)
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: unannotated
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.count = 0
@@ -196,7 +196,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any], store: str, times: Any, don
             return buf
         if t is not None:
             g = t.cuda(non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             copied.record()
             dist.broadcast(g, src=0)
             copied.synchronize()  # t may be reused once the staging copy has read it

@@ -27,7 +27,10 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, both planes, a table"
 
@@ -158,11 +161,15 @@ def _fmt(s: dict[str, float]) -> str:
 
 # ---- the experiment
 
+def _same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
+    import torch
+
+    return len(xs) == len(ys) and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(xs, ys, strict=True))
+
+
 def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool,
              device: str = "cpu") -> dict[str, Any]:
     import dataclasses
-
-    import torch
 
     from tensorwire.cli.fetch import drain_releases
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
@@ -204,9 +211,8 @@ def _measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress:
                     payload[name] = out.payload_bytes
                     devices[plane] = str(out.embeddings[0].device)
                 a, b = outs["rdma"], outs["inline"]
-                same = (len(a.embeddings) == len(b.embeddings)
-                        and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.embeddings, b.embeddings))
-                        and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a.position_ids or [], b.position_ids or [])))
+                same = (_same_tensors(a.embeddings, b.embeddings)
+                        and _same_tensors(a.position_ids or [], b.position_ids or []))
                 if not same and name not in mismatches:
                     mismatches.append(name)
         for client in clients.values():
@@ -237,7 +243,7 @@ def _table(result: dict[str, Any]) -> str:
         rows.append((label, _fmt(seed["planes"]["rdma"][key]), _fmt(seed["planes"]["inline"][key])))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for i, r in enumerate(rows):
-        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
         if i == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
     t_r = seed["planes"]["rdma"]["transfer"].get("mean_ms")
@@ -287,7 +293,11 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children.
     previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     log_dir = Path(tempfile.mkdtemp(prefix="tensorwire-demo-"))
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
+
+    def say(message: str) -> None:  # progress on stderr; --json keeps both streams quiet but for the result
+        if not args.json:
+            print(message, file=sys.stderr, flush=True)
+
     try:
         say(f"starting {args.workers} encoder workers and a proxy (logs in {log_dir}) ...")
         workers = [Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",

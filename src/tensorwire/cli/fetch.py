@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
         pos = f"  position_ids {item['position_ids_shape']}" if "position_ids_shape" in item else ""
         print(f"{item['image']}: embedding {item['shape']} {item['dtype']} on {item['device']}{pos}")
     fb = f" (fallback: {result['fallback_reason']})" if result["fallback_reason"] else ""
-    print(f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  payload: {result['payload_bytes'] / 1e6:.2f} MB")
+    print(f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  "
+          f"payload: {result['payload_bytes'] / 1e6:.2f} MB")
     stages = "  ".join(f"{k}={v:.2f}" for k, v in sorted(result["stage_ms"].items()))
     print(f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
           f"total {result['total_ms']:.2f} ms")

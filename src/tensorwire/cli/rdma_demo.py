@@ -46,9 +46,10 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         out = reader.read([raw])
         first_s = time.perf_counter() - t0
-        for name, t, (shape, dtype, seed) in zip(names, out, specs):
+        for name, t, (shape, dtype, seed) in zip(names, out, specs, strict=True):
             ok = same_bytes(t.cpu(), make_tensor(shape, dtype, seed))
-            print(f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {t.numel() * t.element_size():>11d} bytes "
+            nbytes = t.numel() * t.element_size()
+            print(f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {nbytes:>11d} bytes "
                   f"{'bytes match' if ok else 'BYTES DIFFER'}")
             if not ok:
                 return 1

@@ -84,4 +84,5 @@ class VisionEncoder(abc.ABC):
         self.close()
 
     def describe(self) -> str:
-        return f"{self.name} on {self.device} (hidden={self.hidden_size}, dtype={str(self.dtype).replace('torch.', '')})"
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{self.name} on {self.device} (hidden={self.hidden_size}, dtype={dtype})"

@@ -59,7 +59,8 @@ class BuiltinViT(nn.Module):
         x = self.patch_embed(patches).flatten(1)  # [n, m*m*hidden]
         x = self.merge(x) + sincos_2d(position_ids, self.cfg.hidden).to(x.dtype)
         x = self.blocks(x.unsqueeze(0)).squeeze(0)
-        return self.proj(self.norm(x))
+        out: torch.Tensor = self.proj(self.norm(x))
+        return out
 
 
 class BuiltinEncoder(VisionEncoder):

@@ -120,8 +120,11 @@ class HFVisionEncoder(VisionEncoder):
         # A full Qwen2-VL checkpoint: build only the tower and take its weights from the state dict.
         from safetensors.torch import load_file
 
-        vcfg: Qwen2VLVisionConfig = Qwen2VLConfig.from_pretrained(root, local_files_only=True).vision_config
-        tower = Qwen2VisionTransformerPretrainedModel._from_config(vcfg)
+        vcfg = Qwen2VLConfig.from_pretrained(root, local_files_only=True).vision_config
+        if not isinstance(vcfg, Qwen2VLVisionConfig):
+            raise ConfigError(f"--model {root}: config.json has no Qwen2-VL vision_config ({type(vcfg).__name__})")
+        # transformers leaves _from_config unannotated
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(vcfg)  # type: ignore[no-untyped-call]
         state: dict[str, torch.Tensor] = {}
         for f in sorted(root.glob("*.safetensors")):
             for key, value in load_file(str(f)).items():

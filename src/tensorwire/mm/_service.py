@@ -192,11 +192,12 @@ class EncoderService:
                     continue
                 with stream.lock:
                     stream.busy = True
+                receipt: pb.EncodeResponse | None = None
                 try:
-                    receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
-                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, receipt.SerializeToString())
+                    encoded = self.run_encode(msg.encode, context.is_active)
+                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, encoded.SerializeToString())
+                    receipt = encoded
                 except Exception as exc:
-                    receipt = None
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
                                              wire.stream_error_for(exc).SerializeToString())
                 if not context.is_active():

@@ -83,7 +83,8 @@ class _GenScratch:
     def take(self, n: int) -> list[int]:
         with self._lock:
             if len(self._free) < n:
-                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR)
+                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader",
+                                reason=Reason.RDMA_READ_ERROR)
             # LIFO: the same few cells recur, so the provider can repost its prepared generation READs.
             cells = self._free[len(self._free) - n:]
             del self._free[len(self._free) - n:]
@@ -244,7 +245,8 @@ class TensorReader:
         try:
             for d in descriptors:
                 if isinstance(d, (bytes, bytearray, memoryview)):
-                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
+                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes,
+                                              slot_align=self._cfg.slot_align)
                 elif isinstance(d, Descriptor):
                     d.validate(max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
                 else:
@@ -267,7 +269,7 @@ class TensorReader:
         out: list[torch.Tensor] = []
         finished = False
         try:
-            for d, cell in zip(descs, cells):
+            for d, cell in zip(descs, cells, strict=True):
                 dests.append(self._destination(d, cell))
             for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
                 local = [r for x in group for r in x.local]
@@ -286,7 +288,7 @@ class TensorReader:
             for x in dests:
                 if x.slot is not None:
                     srcs = views(x.slot.tensor, x.d.manifest, x.slot.typed)
-                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest)]
+                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest, strict=True)]
                     if not x.staged and self._device.type == "cuda":
                         self._mark_ready(x.slot)  # the clones are queued, not done, when the slot goes back
                 _check_results(x.d, x.results)
@@ -401,7 +403,7 @@ class TensorReader:
             # cost two more driver calls. Uses never overlap: the next READ into the slot waited for it (_ready).
             event = slot.event
             if event is None:
-                event = slot.event = torch.cuda.Event()
+                event = slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             event.record(torch.cuda.current_stream(self._device))
             slot.ready = event
         except Exception:  # no event, no ordering: wait for the device instead of risking an overwrite
@@ -527,7 +529,7 @@ def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
     if len(results) != len(d.manifest):
         raise ReadError(f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
                         reason=Reason.RESULT_MISMATCH)
-    for i, (t, m) in enumerate(zip(results, d.manifest)):
+    for i, (t, m) in enumerate(zip(results, d.manifest, strict=True)):
         if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.numel() * t.element_size() != m.nbytes:
             raise ReadError(f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says "
                             f"{m.shape}/{m.dtype}", reason=Reason.RESULT_MISMATCH)

@@ -61,7 +61,8 @@ def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericR
     })
 
 
-def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str, hidden_size: int) -> pb.WorkerInfoResponse:
+def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str,
+              hidden_size: int) -> pb.WorkerInfoResponse:
     """The answer of a worker built from its ``RdmaConfig`` (``rdma``) and encoder."""
     import tensorwire
 

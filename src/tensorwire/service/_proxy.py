@@ -157,8 +157,8 @@ class _Worker:
     index: int
     address: str
     channel: grpc.Channel
-    encode: Any
-    release: Any
+    encode: grpc.UnaryUnaryMultiCallable[bytes, bytes]
+    release: grpc.UnaryUnaryMultiCallable[wire.ReleaseLeasesRequest, wire.ReleaseLeasesResponse]
     info: WorkerInfo | None = None
 
 
@@ -316,8 +316,8 @@ class EncoderProxy:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
-            md = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == wire.REASON_METADATA_KEY]
-        except AttributeError:
+            md = [(k, v) for k, v in wire.trailing_pairs(exc) if k == wire.REASON_METADATA_KEY]
+        except (TypeError, ValueError):
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))

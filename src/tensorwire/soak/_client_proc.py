@@ -143,8 +143,8 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             drained = drain_releases(transport, 5.0)
         time.sleep(0.2)  # the last batch's RPC may still be in flight after pending reached 0
         end = sample()
-        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung), "drained": drained,
-                        "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
+        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung),
+                        "drained": drained, "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
                         "release_queue_dropped": _dropped(transport)}))
     except (EOFError, BrokenPipeError):
         pass

@@ -43,6 +43,7 @@ def make_images(seed: int) -> list[bytes]:
     for i, (w, h) in enumerate(IMAGE_SIZES):
         img = Image.new("RGB", (w, h))
         px = img.load()
+        assert px is not None, "a new image is loaded"
         a, b, c = rng.randrange(256), rng.randrange(256), rng.randrange(256)
         for y in range(h):
             for x in range(w):

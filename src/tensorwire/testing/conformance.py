@@ -79,7 +79,7 @@ def check_round_trip_every_dtype(config: RdmaConfig) -> None:
     with TensorExporter(config) as exp, TensorReader(config) as rd:
         out = rd.read([exp.export(inputs)])
         assert len(out) == len(inputs)
-        for a, b in zip(inputs, out):
+        for a, b in zip(inputs, out, strict=True):
             assert same_bytes(a, b.cpu()), (a.dtype, a.shape)
 
 
@@ -93,7 +93,7 @@ def check_ordering(config: RdmaConfig) -> None:
         out = rd.read(list(reversed(descs)))
         want = [t for g in reversed(groups) for t in g]
         assert len(out) == len(want)
-        for a, b in zip(want, out):
+        for a, b in zip(want, out, strict=True):
             assert same_bytes(a, b.cpu())
 
 

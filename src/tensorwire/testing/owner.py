@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -110,10 +109,12 @@ class OwnerProcess:
         return value
 
     def export(self, specs: Sequence[Spec]) -> tuple[bytes, float]:
-        return self.call("export", list(specs))
+        raw_and_seconds: tuple[bytes, float] = self.call("export", list(specs))
+        return raw_and_seconds
 
     def export_batch(self, groups: Sequence[Sequence[Spec]]) -> list[bytes]:
-        return self.call("export_batch", [list(g) for g in groups])
+        raws: list[bytes] = self.call("export_batch", [list(g) for g in groups])
+        return raws
 
     def release(self, lease_ids: Sequence[str]) -> None:
         self.call("release", list(lease_ids))
@@ -130,7 +131,7 @@ class OwnerProcess:
 
     def kill(self) -> None:
         if self._proc.is_alive():
-            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.kill()  # SIGKILL
         self._proc.join(timeout=10)
 
     @property

@@ -40,7 +40,7 @@ def test_every_dtype_round_trips_byte_for_byte(exporter: TensorExporter, reader:
     assert all(m.offset % CFG.slot_align == 0 for m in d.manifest)
     out = reader.read([Descriptor.from_bytes(d.to_bytes())])
     assert len(out) == len(inputs)
-    for a, b in zip(inputs, out):
+    for a, b in zip(inputs, out, strict=True):
         assert same_bytes(a, b)
 
 
@@ -65,7 +65,7 @@ def test_flattened_in_descriptor_then_manifest_order(exporter: TensorExporter, r
     descs = exporter.export_batch(groups)
     out = reader.read(descs)
     assert len(out) == 9
-    for got, want in zip(out, [t for g in groups for t in g]):
+    for got, want in zip(out, [t for g in groups for t in g], strict=True):
         assert same_bytes(got, want)
 
 
@@ -134,7 +134,8 @@ def test_batch_rolls_back_when_the_middle_group_fails(exporter: TensorExporter) 
     assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.batch_rollbacks == 1
 
 
-def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
     original = exporter._copy_in
 

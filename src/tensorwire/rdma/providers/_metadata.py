@@ -115,7 +115,8 @@ class MetadataServer:
         status = STATUS_OK if wanted == name else STATUS_WRONG_AGENT
         body = md if status == STATUS_OK else b""
         raw_name = name.encode()
-        conn.sendall(_RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name)) + raw_name + _U32.pack(len(body)) + body)
+        head = _RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name))
+        conn.sendall(head + raw_name + _U32.pack(len(body)) + body)
         with self._tally.locked() as c:
             c.served += 1
 

@@ -65,7 +65,7 @@ class PendingTransfer(abc.ABC):
     def poll(self) -> bool:
         """True once the engine will never write the destination again (finished, failed or cancelled)."""
 
-    def abandon(self) -> None:
+    def abandon(self) -> None:  # noqa: B027 - an optional hook: a documented no-op unless the engine can cancel
         """Called at close when ``poll()`` stayed False: cancel what can be cancelled. Default: nothing."""
 
 
