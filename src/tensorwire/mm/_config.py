@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from tensorwire.errors import ConfigError
 from tensorwire.rdma import RdmaConfig
@@ -107,7 +107,9 @@ class TransportConfig:
         return self.server_stream_cap or self.server_threads // 2
 
     def with_mode(self, mode: str) -> TransportConfig:
-        return dataclasses.replace(self, mode=mode)  # type: ignore[arg-type]
+        """This config with ``mode`` (a CLI or environment string: ``__post_init__`` raises ConfigError unless it
+        is one of ``MODES``)."""
+        return dataclasses.replace(self, mode=cast(Mode, mode))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransportConfig:

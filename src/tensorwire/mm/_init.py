@@ -14,13 +14,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from tensorwire.errors import ConfigError, Reason, TensorwireError
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+T = TypeVar("T", bound=Closable)
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -140,8 +145,8 @@ class BackgroundInit(Generic[T]):
             self._thread.join(5.0)
 
 
-def _quiet_close(obj: object) -> None:
+def _quiet_close(obj: Closable) -> None:
     try:
-        obj.close()  # type: ignore[attr-defined]
+        obj.close()
     except Exception as exc:  # close failures are isolated
         log.warning("closing %s failed: %r", type(obj).__name__, exc)

@@ -98,8 +98,8 @@ class EncoderOutput:
         return emb, splits, pos, extras
 
 
-def _is_empty_seq(x: object) -> bool:
-    return not isinstance(x, torch.Tensor) and len(x) == 0  # type: ignore[arg-type]
+def _is_empty_seq(x: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    return not isinstance(x, torch.Tensor) and len(x) == 0
 
 
 @dataclass

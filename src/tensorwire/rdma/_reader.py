@@ -338,10 +338,10 @@ class TensorReader:
         dev = self._cfg.device_index
         loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
-        if wrapped is not None:
+        if loaned is not None and wrapped is not None:
             base, x.loan = wrapped
             x.results = views(base, d.manifest)
-            x.local.append((loaned.addr, d.payload_bytes, dev))  # type: ignore[union-attr]
+            x.local.append((loaned.addr, d.payload_bytes, dev))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
             for m in d.manifest:

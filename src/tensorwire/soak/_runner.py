@@ -143,9 +143,9 @@ class SoakRunner:
         self.say(f"starting {self.cfg.workers} workers ...")
         self.worker_gen = [0] * self.cfg.workers
         self.worker_started = [time.monotonic()] * self.cfg.workers
-        self.workers = [self._start_worker(i) for i in range(self.cfg.workers)]
-        self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i)  # type: ignore[union-attr]
-                       for i, w in enumerate(self.workers)]
+        started = [self._start_worker(i) for i in range(self.cfg.workers)]
+        self.workers = [*started]
+        self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i) for i, w in enumerate(started)]
         from prometheus_client import CollectorRegistry
 
         self.proxy = EncoderProxy(ProxyConfig(workers=tuple(r.address for r in self.relays),

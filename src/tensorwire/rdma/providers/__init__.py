@@ -54,7 +54,8 @@ def provider_class(name: str) -> type[Provider]:
     if callable(target):
         return target()
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    cls: type[Provider] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def _is_available(name: str) -> bool:

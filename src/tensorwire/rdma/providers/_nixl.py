@@ -320,7 +320,7 @@ class NixlProvider(Provider):
                     err = ReadTimeout(f"READ from {owner.agent_name} ({sum(n for _, n, _ in remote)} bytes) missed its "
                                       "deadline; destination quarantined until NIXL finishes",
                                       reason=Reason.READ_TIMEOUT)
-                    err.pending = pending  # type: ignore[attr-defined]
+                    err.pending = pending
                     raise err
                 if now >= spin_until:
                     time.sleep(min(sleep_s, max(deadline - now, 0)))
