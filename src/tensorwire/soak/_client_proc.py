@@ -36,10 +36,9 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
 
     logging.getLogger("tensorwire").setLevel(env.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR"))
 
-    from tensorwire.cli.fetch import drain_releases
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
-    from tensorwire.service._runtime import stdout_to_stderr
+    from tensorwire.service._runtime import drain_releases, stdout_to_stderr
     from tensorwire.soak._corpus import output_digest
     from tensorwire.soak._sample import sample, thread_names
 
