@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
                       f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
                       f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
-                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
+                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | "
+                      f"rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
                       f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
                       f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
                       f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x", flush=True)
