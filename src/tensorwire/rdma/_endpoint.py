@@ -115,7 +115,7 @@ def route_address() -> str | None:
 def interface_addresses() -> list[str]:
     """IPv4 addresses of the interfaces that are up and not loopback, in interface-index order (Linux ioctls)."""
     try:
-        import fcntl  # noqa: PLC0415 - POSIX only
+        import fcntl
     except ImportError:
         return []
     out: list[str] = []

@@ -36,7 +36,8 @@ import shutil
 import signal
 import subprocess
 import threading
-from typing import IO, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import IO
 
 PREFIX = "tw-"
 IFNAME = "tw0"

@@ -11,16 +11,16 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tensorwire.cli.demo import Child  # noqa: E402
-from tensorwire.testing import netns  # noqa: E402
+from tensorwire.service._child import Child
+from tensorwire.testing import netns
 
 
 def skip_unless_possible(nixl_available: bool) -> None:

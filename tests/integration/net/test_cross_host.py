@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 from _llm import LlmClient
-from conftest import Children, skip_unless_possible
 
+from conftest import Children, skip_unless_possible
 from tensorwire.testing import netns
 
 KEYS = [(0,), (3,), (5,), (1, 2)]

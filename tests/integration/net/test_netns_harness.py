@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 

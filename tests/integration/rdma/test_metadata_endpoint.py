@@ -23,13 +23,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "rdma"))  # the hand-written wire format
-from _md_wire import REFUSED_V2, ask, v1_request, v2_request  # noqa: E402
+from _md_wire import REFUSED_V2, ask, v1_request, v2_request
 
-from tensorwire.cli.demo import Child
 from tensorwire.encoder import sample_paths
 from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.rdma import Descriptor
+from tensorwire.service._child import Child
 
 pytestmark = pytest.mark.usefixtures("require_nixl")
 IMAGE = sample_paths()[0].read_bytes()

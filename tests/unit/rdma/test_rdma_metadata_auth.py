@@ -8,10 +8,9 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
-
 from _md_wire import REFUSED_V2, ask, v1_request, v2_request
 
 from tensorwire.errors import ReadError, Reason

@@ -33,8 +33,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tensorwire.errors import ReadError, Reason
 from tensorwire.rdma._stats import Tally
@@ -195,7 +196,7 @@ class MetadataServer:
                 conn.deadline = time.monotonic() + self._io_timeout_s
                 self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
                 self._write(conn)
-        except Exception as exc:  # noqa: BLE001 - OSError, a malformed request, a failed snapshot: this one only
+        except Exception as exc:
             log.debug("metadata request failed: %r", exc)
             self._drop(conn)
 
