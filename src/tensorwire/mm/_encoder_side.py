@@ -6,7 +6,8 @@ the same response. An RDMA attempt that fails in any way (planning, export, desc
 back every lease of the request and answers inline, counting the reason on ``tensorwire_mm_fallbacks_total``
 (degrades are not errors).
 
-The exporter is built at ``start()``, on a background thread, off the request path. A permanent failure
+The exporter is built at ``start()``, on a background thread, off the request path, with its metadata endpoint
+on the address the control plane is bound to (``rdma_config``). A permanent failure
 (no provider, bad config) disables RDMA for the process with one WARNING; any other failure is retried with
 exponential backoff (``init_backoff_ms`` doubling to ``init_backoff_max_ms``) until it succeeds or
 ``close()``. Leases a reader never releases are reclaimed by the exporter's TTL GC.
@@ -175,12 +176,19 @@ class OutputTransport:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
 
         self._holder: BackgroundInit[Exporter] = BackgroundInit(
-            "exporter", lambda: factory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "exporter", lambda: factory(self.rdma_config()), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
         self._rl = RateLimitedLog(log)
         self._closed = False
         self._buffers: dict[int, OutputBuffers] = {}  # embedding data_ptr -> allocation awaiting transfer()
         self._buffers_lock = threading.Lock()
+
+    def rdma_config(self) -> RdmaConfig:
+        """The RdmaConfig the exporter is built with: ``config.rdma`` with ``control_host`` set to the host of
+        ``worker_address`` (the gRPC server's bound address, set before ``start``), so that the metadata endpoint
+        follows the control plane's address (rules: docs/deployment.md "Addresses")."""
+        host = self.worker_address.rsplit(":", 1)[0] if ":" in self.worker_address else ""
+        return self.config.rdma.replace(control_host=host) if host else self.config.rdma
 
     @property
     def exporter_state(self) -> ExporterState:
