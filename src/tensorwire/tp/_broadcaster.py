@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import os
@@ -26,7 +25,7 @@ from tensorwire.errors import (
 )
 
 from . import _fence
-from ._config import BroadcastConfig
+from ._config import UNSET, BroadcastConfig, Unset
 from ._frame import (
     CODE_OF,
     HEADER,
@@ -84,10 +83,13 @@ class CpuTpBroadcaster:
         is poisoned, the group is aborted (every rank raises within a second or two) and every later call raises.
         Close it and build a new one (the same session works after ``close()``).
       * ``close()`` is idempotent; afterwards calls raise ``ClosedError``.
+
+    Settings come from ``config`` (or, when it is None, ``BroadcastConfig.from_env()``); ``init_timeout_s`` and
+    ``timeout_s`` override the config only when passed (``timeout_s=None`` then means no limit).
     """
 
     def __init__(self, rank: int, world_size: int, session: str, backend: str = "auto", base_dir: str | None = None,
-                 init_timeout_s: float = 120.0, timeout_s: float | None = None, *,
+                 init_timeout_s: float | Unset = UNSET, timeout_s: float | None | Unset = UNSET, *,
                  config: BroadcastConfig | None = None) -> None:
         self._closed = True  # until set-up finishes
         self._shut = False
@@ -101,8 +103,8 @@ class CpuTpBroadcaster:
             raise ConfigError(f"rank must be an int in [0, {world_size}), got {rank!r}")
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        cfg = config if config is not None else BroadcastConfig.from_env()
-        self.config = dataclasses.replace(cfg, init_timeout_s=init_timeout_s, timeout_s=timeout_s)
+        # Keywords override the config only when passed; config=None reads TENSORWIRE_BROADCAST_*.
+        self.config = BroadcastConfig.resolve(config, init_timeout_s=init_timeout_s, timeout_s=timeout_s)
         if backend == "auto":
             backend = "shm" if shm_available() else "uds"
         elif backend == "shm" and not shm_available():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from dataclasses import dataclass
@@ -11,6 +12,20 @@ from typing import Any, Mapping
 from tensorwire.errors import ConfigError
 
 _ENV_PREFIX = "TENSORWIRE_BROADCAST_"
+
+
+class Unset(enum.Enum):
+    """Type of :data:`UNSET`: "this keyword was not passed", distinct from ``None`` (which means "no limit")."""
+
+    UNSET = "unset"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+# Default of keywords that override a BroadcastConfig field only when passed (httpx's UseClientDefault): the value
+# then comes from the config object, or from the environment when no config was given.
+UNSET = Unset.UNSET
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,17 @@ class BroadcastConfig:
             values[f.name] = _parse(f.name, f.type, raw)
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def resolve(cls, config: BroadcastConfig | None, **overrides: Any) -> BroadcastConfig:
+        """``config`` (or, when None, :meth:`from_env`) with the ``overrides`` that are not :data:`UNSET`.
+
+        Precedence: a passed keyword > ``config`` > ``TENSORWIRE_BROADCAST_*`` (read only when ``config`` is None)
+        > the field default.
+        """
+        base = config if config is not None else cls.from_env()
+        given = {k: v for k, v in overrides.items() if v is not UNSET}
+        return dataclasses.replace(base, **given) if given else base
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

@@ -250,6 +250,24 @@ def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: i
 
 
 
+def dist_config(rank: int, world: int, store: str, env: dict[str, str]) -> dict:
+    """broadcast_cpu inside a node: which timeouts did the broadcaster it created end up with?"""
+    import torch.distributed as dist
+
+    from tensorwire.tp import broadcast_cpu, shutdown_broadcast_cpu
+    from tensorwire.tp import _dist
+
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        broadcast_cpu(torch.arange(3) if rank == 0 else None)
+        route, bcast = next(iter(_dist._routes.values()))
+        assert bcast is not None, route
+        return {"init_timeout_s": bcast.config.init_timeout_s, "timeout_s": bcast.config.timeout_s}
+    finally:
+        shutdown_broadcast_cpu()
+        dist.destroy_process_group()
+
 
 def eintr(rank: int, world: int, base: str, backend: str) -> int:
     """Signals every 0.5 ms interrupt the blocking calls of large transfers; data must still arrive intact."""

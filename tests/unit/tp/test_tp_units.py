@@ -159,6 +159,33 @@ def test_config_validation_and_env():
         BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_N_SLOTS": "many"})
 
 
+def _timeouts(b: CpuTpBroadcaster) -> tuple[float, float | None]:
+    return b.config.init_timeout_s, b.config.timeout_s
+
+
+def test_keyword_defaults_do_not_override_the_config():
+    # Issue 13: CpuTpBroadcaster(config=BroadcastConfig(init_timeout_s=3)) used to wait 120 s anyway.
+    cfg = BroadcastConfig(init_timeout_s=3, timeout_s=2.5)
+    with CpuTpBroadcaster(0, 1, "solo", config=cfg) as b:
+        assert _timeouts(b) == (3, 2.5)
+    # Passed keywords win; timeout_s=None is a value ("no limit"), not "unset".
+    with CpuTpBroadcaster(0, 1, "solo", init_timeout_s=7, timeout_s=None, config=cfg) as b:
+        assert _timeouts(b) == (7, None)
+    assert cfg.init_timeout_s == 3  # the caller's config is not modified
+
+
+def test_keyword_defaults_do_not_override_the_environment(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_BROADCAST_INIT_TIMEOUT_S", "4")
+    monkeypatch.setenv("TENSORWIRE_BROADCAST_TIMEOUT_S", "1.5")
+    with CpuTpBroadcaster(0, 1, "solo") as b:
+        assert _timeouts(b) == (4, 1.5)
+    with CpuTpBroadcaster(0, 1, "solo", timeout_s=9) as b:
+        assert _timeouts(b) == (4, 9)
+    # An explicit config is taken as given: the environment is read only when there is none.
+    with CpuTpBroadcaster(0, 1, "solo", config=BroadcastConfig()) as b:
+        assert _timeouts(b) == (120, None)
+
+
 def test_constructor_argument_checks():
     with pytest.raises(ConfigError):
         CpuTpBroadcaster(2, 2, "s")
