@@ -19,13 +19,6 @@ from tensorwire.tp._paths import make_endpoint
 BACKENDS = ["uds", pytest.param("shm", marks=pytest.mark.skipif(not shm_available(), reason="no shm fence"))]
 
 
-@pytest.fixture
-def base():
-    d = H.short_dir()
-    yield d
-    H.rmtree(d)
-
-
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world,rounds", [(2, 60), (4, 30), (8, 12)])
