@@ -5,8 +5,6 @@ Two transports behind one API (see docs/broadcaster.md): a hardened Unix-socket 
 torch.distributed-facing entry point that falls back to a torch.distributed broadcast across nodes.
 """
 
-from __future__ import annotations
-
 from ._broadcaster import CpuTpBroadcaster
 from ._config import BroadcastConfig
 from ._connect import shm_available
