@@ -13,7 +13,8 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -6,8 +6,9 @@ import dataclasses
 import enum
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tensorwire.errors import ConfigError
 
@@ -60,13 +61,15 @@ class BroadcastConfig:
             positive("timeout_s", self.timeout_s)
         if not (isinstance(self.spin_s, (int, float)) and 0 <= self.spin_s <= 1.0):
             raise ConfigError(f"BroadcastConfig.spin_s must be in [0, 1] seconds, got {self.spin_s!r}")
-        if not (isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30) and self.slot_bytes % 64 == 0):
+        slot_ok = isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30)
+        if not (slot_ok and self.slot_bytes % 64 == 0):
             raise ConfigError(
                 f"BroadcastConfig.slot_bytes must be a multiple of 64 in [4096, 2**30], got {self.slot_bytes!r}"
             )
         if not (isinstance(self.n_slots, int) and 2 <= self.n_slots <= 4096):
             raise ConfigError(f"BroadcastConfig.n_slots must be in [2, 4096], got {self.n_slots!r}")
-        if not (isinstance(self.arena_bytes, int) and 0 <= self.arena_bytes <= (1 << 40) and self.arena_bytes % 64 == 0):
+        arena_ok = isinstance(self.arena_bytes, int) and 0 <= self.arena_bytes <= (1 << 40)
+        if not (arena_ok and self.arena_bytes % 64 == 0):
             raise ConfigError(
                 f"BroadcastConfig.arena_bytes must be a multiple of 64 in [0, 2**40], got {self.arena_bytes!r}"
             )

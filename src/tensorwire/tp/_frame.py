@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -109,7 +110,8 @@ def flatten(value: Any, rank: int) -> tuple[int, list[str], list[torch.Tensor]]:
             tensors.append(v)
     else:
         raise BroadcastError(
-            f"rank {rank}: broadcast takes a CPU tensor or a list/tuple/dict of CPU tensors, got {type(value).__name__}",
+            f"rank {rank}: broadcast takes a CPU tensor or a list/tuple/dict of CPU tensors, "
+            f"got {type(value).__name__}",
             reason=Reason.INVALID_CONFIG,
         )
     if len(tensors) > MAX_TENSORS:
@@ -143,7 +145,7 @@ def encode_prefix(kind: int, seq: int, structure: int, keys: Sequence[str], tens
     parts: list[bytes] = []
     offsets: list[int] = []
     off = 0
-    for key, t in zip(keys, tensors):
+    for key, t in zip(keys, tensors, strict=True):
         nbytes = t.numel() * t.element_size()
         if align > 1:
             off = (off + align - 1) // align * align
@@ -260,7 +262,7 @@ def assemble(structure: int, entries: Sequence[Entry], tensors: list[torch.Tenso
         return tensors
     if structure == S_TUPLE:
         return tuple(tensors)
-    return {e.key: t for e, t in zip(entries, tensors)}
+    return {e.key: t for e, t in zip(entries, tensors, strict=True)}
 
 
 def check_inplace(layout: Layout, target: torch.Tensor, rank: int) -> None:

@@ -13,7 +13,8 @@ import os
 import select
 import socket
 import time
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 from tensorwire.errors import BroadcastTimeout, PeerClosed, Reason
 

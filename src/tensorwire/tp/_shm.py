@@ -27,7 +27,7 @@ import collections
 import os
 import select
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason
 
@@ -83,7 +83,7 @@ class ShmRoot(RootSide):
         mv = self._mv
         mv[base: base + plen] = prefix
         pbase = base + pstart
-        for src, off in zip(views, offsets):
+        for src, off in zip(views, offsets, strict=True):
             n = len(src)
             if n:
                 mv[pbase + off: pbase + off + n] = src
@@ -211,7 +211,7 @@ class ShmReader(ReaderSide):
             e = entries[0]
             views[0][:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
         else:
-            for e, v in zip(entries, views):
+            for e, v in zip(entries, views, strict=True):
                 if e.nbytes:
                     v[:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
         _fence.release()

@@ -15,7 +15,7 @@ import os
 import select
 import socket
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from tensorwire.errors import BroadcastError, ClosedError, PeerClosed, Reason, TensorwireError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason
 
@@ -122,7 +122,7 @@ class UdsReader(ReaderSide):
                                 f"of step")
         views = into(layout)
         pos = 0
-        for e, v in zip(layout.entries, views):
+        for e, v in zip(layout.entries, views, strict=True):
             if e.offset != pos:
                 link.skip(e.offset - pos, waiter)
             if e.nbytes:

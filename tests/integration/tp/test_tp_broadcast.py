@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-
 import tp_helpers as H
 import tp_workers as W
+
 from tensorwire.errors import BootstrapError, BootstrapTimeout, Reason
 from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster, shm_available
 from tensorwire.tp._paths import make_endpoint
@@ -177,7 +177,7 @@ def _bootstrap_alone(rank: int, base: str, **kwargs) -> tuple[BaseException | No
         try:
             CpuTpBroadcaster(rank, 2, f"alone{rank}", base_dir=base, **kwargs).close()
             out["error"] = None
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+        except BaseException as exc:  # the test inspects it
             out["error"] = exc
         out["s"] = time.monotonic() - t0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import pytest
-
 import tp_helpers as H
 import tp_workers as W
+
 from tensorwire.tp import shm_available
 
 BACKENDS = ["uds", pytest.param("shm", marks=pytest.mark.skipif(not shm_available(), reason="no shm fence"))]

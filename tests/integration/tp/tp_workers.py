@@ -13,8 +13,7 @@ from typing import Any
 import torch
 
 from tensorwire.errors import BroadcastError
-from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
-from tensorwire.tp import _star
+from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster, _star
 from tensorwire.tp._connect import params_digest
 from tensorwire.tp._paths import make_endpoint, session_digest
 
@@ -59,7 +58,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return False
 
 
@@ -230,8 +229,7 @@ def stall(rank: int, world: int, base: str, backend: str) -> dict:
 def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: int) -> dict:
     import torch.distributed as dist
 
-    from tensorwire.tp import broadcast_cpu, shutdown_broadcast_cpu
-    from tensorwire.tp import _dist
+    from tensorwire.tp import _dist, broadcast_cpu, shutdown_broadcast_cpu
 
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -255,8 +253,7 @@ def dist_config(rank: int, world: int, store: str, env: dict[str, str]) -> dict:
     """broadcast_cpu inside a node: which timeouts did the broadcaster it created end up with?"""
     import torch.distributed as dist
 
-    from tensorwire.tp import broadcast_cpu, shutdown_broadcast_cpu
-    from tensorwire.tp import _dist
+    from tensorwire.tp import _dist, broadcast_cpu, shutdown_broadcast_cpu
 
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -332,7 +329,7 @@ def _wait_asleep(native_id: int, timeout_s: float = 20.0) -> bool:
 def _error_of(fn: Any) -> dict:
     try:
         fn()
-    except BaseException as exc:  # noqa: BLE001 - the test wants to see whatever was raised
+    except BaseException as exc:  # the test wants to see whatever was raised
         reason = getattr(getattr(exc, "reason", None), "value", None)
         return {"type": type(exc).__name__, "msg": str(exc), "reason": reason}
     return {"type": None}

@@ -19,7 +19,7 @@ def _roundtrip(value, align=1):
     structure, keys, tensors = F.flatten(value, 0)
     prefix, offsets, payload = F.encode_prefix(F.KIND_DATA, 5, structure, keys, tensors, align)
     buf = bytearray(prefix) + bytearray(payload)
-    for t, off in zip(tensors, offsets):
+    for t, off in zip(tensors, offsets, strict=True):
         v = F.byte_view(t)
         buf[len(prefix) + off: len(prefix) + off + len(v)] = v
     mv = memoryview(bytes(buf))
@@ -29,7 +29,7 @@ def _roundtrip(value, align=1):
     layout = F.Layout(kind, seq, st, entries, table_bytes, pb)
     out = F.allocate(layout)
     base = F.HEADER.size + table_bytes
-    for e, t in zip(entries, out):
+    for e, t in zip(entries, out, strict=True):
         F.byte_view(t)[:] = mv[base + e.offset: base + e.offset + e.nbytes]
     return F.assemble(st, entries, out)
 
