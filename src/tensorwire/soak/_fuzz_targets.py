@@ -246,7 +246,7 @@ def seed_receipts(rng: random.Random) -> list[bytes]:
             emb = [torch.randn(r, 16) for r in rows]
             pos = [torch.arange(r * 2, dtype=torch.int64).reshape(r, 2) for r in rows]
             receipt = t.transfer(pb.EncodeRequest(), EncoderOutput(embeddings=emb, position_ids=pos))
-            out.append(receipt.SerializeToString())
+            out.append(receipt.to_bytes())
     finally:
         t.close()
     for desc in seed_descriptors(rng, 3):
