@@ -81,13 +81,13 @@ class WireReceipt:
         """The complete EncodeResponse (copies every payload into it: for tests and tools, not the data path)."""
         m = pb.EncodeResponse()
         m.CopyFrom(self.message)
-        for t, payload in self._tensors(m):
+        for _, t, payload in self._tensors(m):
             t.data = bytes(payload)
         return m
 
     @property
     def payload_bytes(self) -> int:
-        return sum(len(p) for _, p in self._tensors(self.message))
+        return sum(len(p) for _, _, p in self._tensors(self.message))
 
     def to_bytes(self) -> bytes:
         """The serialized EncodeResponse (the answer of the unary Encode)."""
@@ -102,27 +102,29 @@ class WireReceipt:
         prefix = tag(1, VARINT) + varint(message_id) + tag(wire.STREAM_RECEIPT_FIELD, LEN) + fixed_varint(size)
         return b"".join([prefix, *pieces])
 
-    def _tensors(self, m: pb.EncodeResponse) -> list[tuple[pb.Tensor, Buffer]]:
-        out: list[tuple[pb.Tensor, Buffer]] = []
+    def _tensors(self, m: pb.EncodeResponse) -> list[tuple[int, pb.Tensor, Buffer]]:
+        """(EncodeResponse field number, the Tensor in ``m``, its payload) of each inline tensor, in field order."""
+        out: list[tuple[int, pb.Tensor, Buffer]] = []
         if m.HasField("embedding"):
-            out.append((m.embedding, self.embedding if self.embedding is not None else _EMPTY))
+            out.append((EMBEDDING_FIELD, m.embedding, self.embedding if self.embedding is not None else _EMPTY))
         if m.HasField("position_ids"):
-            out.append((m.position_ids, self.position_ids if self.position_ids is not None else _EMPTY))
+            out.append((POSITION_IDS_FIELD, m.position_ids,
+                        self.position_ids if self.position_ids is not None else _EMPTY))
         if len(self.extra_inputs) != len(m.extra_inputs):
             raise InvalidPayload(f"receipt has {len(m.extra_inputs)} extra inputs and {len(self.extra_inputs)} "
                                  "payloads for them", reason=Reason.ASSEMBLY_MISMATCH)
-        out.extend(zip(m.extra_inputs, self.extra_inputs, strict=True))
+        out.extend((EXTRA_INPUTS_FIELD, t, p) for t, p in zip(m.extra_inputs, self.extra_inputs, strict=True))
         return out
 
     def _pieces(self, base: int) -> tuple[list[Buffer], int]:
         """The message as buffers to join (payloads by reference) and its size; ``base`` is the offset at which
         it starts in what is sent (the payloads are aligned relative to the start of that)."""
         m = self.message
+        tensors = self._tensors(m)
+        _check_size(sum(len(p) for _, _, p in tensors))
         pieces: list[Buffer] = []
         pos = base
-        fields = ([EMBEDDING_FIELD] if m.HasField("embedding") else []) + \
-            ([POSITION_IDS_FIELD] if m.HasField("position_ids") else []) + [EXTRA_INPUTS_FIELD] * len(m.extra_inputs)
-        for number, (t, payload) in zip(fields, self._tensors(m), strict=True):
+        for number, t, payload in tensors:
             meta = t.SerializeToString()  # dtype and shape: data is empty here
             for piece in _tensor_record(number, meta, payload, pos):
                 pieces.append(piece)
@@ -134,11 +136,15 @@ class WireReceipt:
         tail = rest.SerializeToString()
         pieces.append(tail)
         size = pos + len(tail) - base
-        if size > wire.MAX_MESSAGE_BYTES:
-            raise InvalidPayload(f"inline receipt of {size} bytes exceeds protobuf's message limit of "
-                                 f"{wire.MAX_MESSAGE_BYTES} bytes; such an output needs the RDMA plane",
-                                 reason=Reason.SIZE_OVERFLOW)
+        _check_size(size)
         return pieces, size
+
+
+def _check_size(size: int) -> None:
+    if size > wire.MAX_MESSAGE_BYTES:
+        raise InvalidPayload(f"inline receipt of {size} bytes exceeds protobuf's message limit of "
+                             f"{wire.MAX_MESSAGE_BYTES} bytes; such an output needs the RDMA plane",
+                             reason=Reason.SIZE_OVERFLOW)
 
 
 def _tensor_record(number: int, meta: bytes, payload: Buffer, pos: int) -> list[Buffer]:
