@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._pbwire import Buffer
+from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalInput
 
 if TYPE_CHECKING:
     from tensorwire.mm._wire_receipt import WireReceipt
 
 # The allow-list, one place for both planes: wire enum <-> torch dtype.
-DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.FLOAT32,
     torch.float16: pb.FLOAT16,
     torch.bfloat16: pb.BFLOAT16,
@@ -186,12 +187,12 @@ def assemble(
         if rows != total:
             raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split(splits))
+        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split_with_sizes(splits))
     if extra_inputs and len(extra_inputs) != len(splits):
         raise InvalidPayload(f"extra_input count {len(extra_inputs)} != {len(splits)} items",
                              reason=Reason.ASSEMBLY_MISMATCH)
     # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
-    embs = [embedding] if len(splits) == 1 else list(embedding.split(splits))
+    embs = [embedding] if len(splits) == 1 else list(embedding.split_with_sizes(splits))
     return embs, pos_parts, list(extra_inputs)
 
 

@@ -15,19 +15,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import _codec, wire
-from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
 from tensorwire.mm._host import GrpcHost
 from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
 from tensorwire.mm._wire_receipt import WireReceipt
 

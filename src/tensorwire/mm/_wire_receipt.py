@@ -30,8 +30,8 @@ ones) until it is serialized, which the service does right after ``transfer`` re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 

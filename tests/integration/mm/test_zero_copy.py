@@ -6,7 +6,7 @@ test_nixl_transport.py.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -64,7 +64,8 @@ def test_other_paths_release_the_allocation(transport: OutputTransport) -> None:
     b = fill(transport.allocate_output(4, 8, torch.float32))  # type: ignore[arg-type]
     r = transport.transfer(pb.EncodeRequest(support_rdma=True),
                            EncoderOutput(embeddings=b.embedding.clone(), split_sizes=[4]))
-    assert len(r.message.rdma_slots) == 1 and Descriptor.from_bytes(r.message.rdma_slots[0].descriptor).lease_id != b.lease.lease_id
+    slots = r.message.rdma_slots
+    assert len(slots) == 1 and Descriptor.from_bytes(slots[0].descriptor).lease_id != b.lease.lease_id
     assert live(transport) == 1
     transport.release([Descriptor.from_bytes(r.message.rdma_slots[0].descriptor).lease_id])
     # The caller did not ask for RDMA: serialized inline from the buffers, then released.

@@ -10,8 +10,17 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import tensorwire.mm as mm
-from tensorwire.errors import (ConfigError, ControlPlaneError, DeadlineExceeded, InvalidPayload, LeaseExpired,
-                               PeerUnavailable, PoolExhausted, ProtocolError, Reason)
+from tensorwire.errors import (
+    ConfigError,
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    LeaseExpired,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+)
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._wire_receipt import parse_receipt
@@ -193,7 +202,8 @@ def test_old_peers_interoperate_inline() -> None:
     transport = mm.OutputTransport(mm.TransportConfig(mode="grpc"))
     receipt = transport.transfer(pb.EncodeRequest(), mm.EncoderOutput(embeddings=emb, split_sizes=[1, 2]))
     transport.close()
-    for raw in (receipt.to_bytes(), pb.StreamResponse.FromString(receipt.to_stream_frame(3)).receipt.SerializeToString()):
+    streamed = pb.StreamResponse.FromString(receipt.to_stream_frame(3)).receipt.SerializeToString()
+    for raw in (receipt.to_bytes(), streamed):
         back = LegacyResponse.FromString(raw)
         assert list(back.split_sizes) == [1, 2] and list(back.embedding.shape) == [3, 4]
         assert back.embedding.dtype == pb.FLOAT32 and back.embedding.data == old_resp.embedding.data
