@@ -30,6 +30,7 @@ from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
+from tensorwire.mm._uds_service import LocalControlServer, start_local_server
 from tensorwire.mm._wire_receipt import WireReceipt
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,19 @@ class EncoderService:
         self._streams_lock = threading.Lock()
         self._stopping = False
         self._rl = RateLimitedLog(log)
+        self.local: LocalControlServer | None = None
+
+    def start_local(self) -> None:
+        """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
+        it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
+        cfg = self.transport.config
+        if cfg.local_channel == "auto" and self.local is None:
+            self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+
+    def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
+        local = self.local
+        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
 
     @property
     def open_streams(self) -> int:
@@ -185,7 +199,7 @@ class EncoderService:
                 msg = _parse_or_abort(pb.StreamRequest, raw, context)
                 kind = msg.WhichOneof("body")
                 if kind == "release":
-                    self._release_from_stream(msg.release)
+                    self.release_unanswered(msg.release)
                     continue
                 if kind != "encode":
                     unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
@@ -215,7 +229,7 @@ class EncoderService:
         except grpc.RpcError:
             return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
 
-    def _release_from_stream(self, request: pb.ReleaseLeasesRequest) -> None:
+    def release_unanswered(self, request: pb.ReleaseLeasesRequest) -> None:
         # Never answered (fire and forget): a release that cannot be applied is counted and logged here, and the
         # TTL GC reclaims its leases.
         if len(request.lease_ids) > MAX_RELEASE_IDS:
@@ -232,20 +246,30 @@ class EncoderService:
             log.info("EncodeStream ended while its receipt was being sent; released %d lease(s) at once", released)
 
     def close_streams(self) -> None:
-        """Ends idle EncodeStreams now and busy ones after their current answer; refuses new ones. Idempotent."""
+        """Ends idle EncodeStreams (and local connections) now and busy ones after their current answer; refuses
+        new ones. Idempotent."""
         with self._streams_lock:
             self._stopping = True
             streams = list(self._streams)
+        self.close_local()
         for stream in streams:
             with stream.lock:
                 if not stream.busy:
                     stream.context.cancel()  # wakes the handler blocked on the next request
+
+    def close_local(self) -> None:
+        """Ends the same-host control channel (its file first); idempotent. Also called by the servers' stop
+        when ``close_streams`` did not run (a server that never served)."""
+        local = self.local
+        if local is not None:
+            local.close()
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
             "Encode": grpc.unary_unary_rpc_method_handler(self.encode),
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(self.release_leases),
             "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream),
+            "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
         })
 
 
@@ -275,7 +299,10 @@ class EncoderServer:
         try:
             self._host.stop(grace, drain=self.service.close_streams)
         finally:
-            self.transport.close()
+            try:
+                self.service.close_local()
+            finally:
+                self.transport.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops (True) or ``timeout`` passes (False)."""
@@ -310,6 +337,7 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
         raise
     transport.worker_address = host.address
     transport.start()
+    service.start_local()
     host.start()
     log.info("encoder service on %s (worker %s, mode %s, rdma device %s)", host.address, transport.worker_id,
              cfg.mode, getattr(cfg.rdma, "device", "?"))

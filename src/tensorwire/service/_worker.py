@@ -88,6 +88,7 @@ class EncoderWorker:
         self.host, self.port = host.host, port
         self.transport.worker_address = self.address
         self.transport.start()
+        self.service.start_local()  # the same-host control channel (issue 18), unless local_channel is off
         host.start()
         self._host = host
         log.info("encoder worker %s on %s: model %s, mode %s, rdma port %d", self.worker_id, self.address,
@@ -107,6 +108,7 @@ class EncoderWorker:
                 self._host.stop(grace_s, drain=self.service.close_streams)
         finally:
             try:
+                self.service.close_local()
                 self.transport.close()
             finally:
                 self.encoder.close()

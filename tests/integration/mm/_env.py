@@ -5,6 +5,7 @@ fakes; the ``env`` fixture lives in conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -43,8 +44,12 @@ class RogueTransport(OutputTransport):
 
 
 class Env:
-    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry) -> None:
+    """``local``: the clients' ``local_channel`` ("off": the gRPC control plane these tests were written for;
+    "auto": the same-host channel, test_local_channel.py). Servers keep the config they are given."""
+
+    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off") -> None:
         self.fabric = fabric
+        self.local = local
         self.registry = registry
         self.metrics = TransportMetrics(registry)
         self.events: list[tuple[str, dict[str, Any]]] = []
@@ -63,7 +68,7 @@ class Env:
         return srv
 
     def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, **kw):  # type: ignore[no-untyped-def]
-        cfg = cfg or TransportConfig()
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local)
         c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
                                   metrics=self.metrics, clock=clock,
                                   observer=lambda e, d: self.events.append((e, d)), **kw)
@@ -74,7 +79,8 @@ class Env:
 
     def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
         """A client built on a control channel the test holds (to look at its streams and watchdog)."""
-        channel = GrpcControlChannel(address, cfg or TransportConfig(), self.metrics)
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local)
+        channel = GrpcControlChannel(address, cfg, self.metrics)
         return self.client(address, cfg, channel=channel, **kw), channel
 
     def names(self) -> list[str]:
