@@ -251,18 +251,19 @@ class EncoderService:
         with self._streams_lock:
             self._stopping = True
             streams = list(self._streams)
-        self.close_local()
+        if self.local is not None:
+            self.local.stop_accepting()
         for stream in streams:
             with stream.lock:
                 if not stream.busy:
                     stream.context.cancel()  # wakes the handler blocked on the next request
 
-    def close_local(self) -> None:
-        """Ends the same-host control channel (its file first); idempotent. Also called by the servers' stop
-        when ``close_streams`` did not run (a server that never served)."""
+    def close_local(self, grace_s: float | None = 0.0) -> None:
+        """Ends the same-host control channel: its busy connections get up to ``grace_s`` (None: no limit) to
+        answer, then it is cut (``LocalControlServer.close``). A server calls it after its gRPC stop. Idempotent."""
         local = self.local
         if local is not None:
-            local.close()
+            local.close(grace_s)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
@@ -300,7 +301,7 @@ class EncoderServer:
             self._host.stop(grace, drain=self.service.close_streams)
         finally:
             try:
-                self.service.close_local()
+                self.service.close_local(grace)
             finally:
                 self.transport.close()
 

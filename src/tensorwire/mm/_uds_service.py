@@ -19,8 +19,10 @@ A request runs through ``EncoderService.run_encode``, the function both gRPC pat
 fails has its leases released at once. A message that does not parse ends the connection (it has no id an
 answer could name), as on the EncodeStream.
 
-Stop (``close``): the listener goes first (its file is unlinked: new clients use gRPC), idle connections are
-shut down at once, a connection in the middle of an Encode answers it and then ends; threads are joined.
+Stop: ``stop_accepting`` (the servers' drain step, never waits): the listener goes (its file first: new clients
+use gRPC), idle connections are shut down at once, a connection in the middle of an Encode answers it and then
+ends. ``close(grace_s)`` (after the gRPC server stopped) waits up to the grace for those answers, cuts what is
+left and joins every thread.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 HELLO_MAGIC = b"TWL1"
 HELLO_OK, HELLO_FULL = 0, 1
 _THREAD = "tensorwire-mm-local"
+_JOIN_S = 5.0  # a cut connection's thread unwinds at once; this only bounds a bug
 
 
 class _Conn:
@@ -197,8 +200,9 @@ class LocalControlServer:
 
     # -- stop ---------------------------------------------------------------------------------------------
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """See the module docstring. Idempotent."""
+    def stop_accepting(self) -> None:
+        """The listener goes (its file first: new clients use gRPC), idle connections end now, busy ones after
+        their answer. Never waits. Idempotent."""
         with self._lock:
             if self._stopping:
                 return
@@ -216,15 +220,31 @@ class LocalControlServer:
         for conn in conns:
             with conn.lock:
                 if not conn.busy:
-                    try:
-                        conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the thread waiting for the next request
-                    except OSError:
-                        pass
-        deadline = time.monotonic() + timeout_s
-        self._acceptor.join(max(0.0, deadline - time.monotonic()))
+                    _shutdown(conn.sock)  # wakes the thread waiting for the next request
+
+    def close(self, grace_s: float | None = 0.0) -> None:
+        """``stop_accepting``, then up to ``grace_s`` (None: no limit) for busy connections to answer; what is
+        left is cut (its clients get PeerUnavailable) and every thread is joined. Idempotent."""
+        self.stop_accepting()
+        with self._lock:
+            conns = list(self._conns)
+        deadline = None if grace_s is None else time.monotonic() + grace_s
         for conn in conns:
             if conn.thread is not None:
-                conn.thread.join(max(0.0, deadline - time.monotonic()))
+                conn.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            _shutdown(conn.sock)
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join(_JOIN_S)
+        self._acceptor.join(_JOIN_S)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def start_local_server(service: EncoderService, directory: str, max_conns: int) -> LocalControlServer | None:

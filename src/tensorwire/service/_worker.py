@@ -108,7 +108,7 @@ class EncoderWorker:
                 self._host.stop(grace_s, drain=self.service.close_streams)
         finally:
             try:
-                self.service.close_local()
+                self.service.close_local(grace_s)
                 self.transport.close()
             finally:
                 self.encoder.close()

@@ -67,8 +67,8 @@ class Env:
             srv.transport.wait_ready(5)
         return srv
 
-    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, **kw):  # type: ignore[no-untyped-def]
-        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local)
+    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, local=None, **kw):  # type: ignore[no-untyped-def]
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=local or self.local)
         c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
                                   metrics=self.metrics, clock=clock,
                                   observer=lambda e, d: self.events.append((e, d)), **kw)

@@ -36,3 +36,9 @@ def env() -> Iterator[Env]:
 def any_env(request: pytest.FixtureRequest) -> Iterator[Env]:
     """The same test once with clients on gRPC and once on the same-host channel (``env.local`` says which)."""
     yield from _env("off" if request.param == "grpc" else "auto")
+
+
+@pytest.fixture
+def local_env() -> Iterator[Env]:
+    """Clients on the same-host channel only (its own faults and checks)."""
+    yield from _env("auto")
