@@ -317,6 +317,8 @@ class UdsControlChannel(ControlChannel):
             why = f"LocalChannel: {exc}"
         except (OSError, _unix.InsecurePath) as exc:
             why = f"the advertised socket fails its checks: {exc}"
+        except ValueError as exc:  # grpc: the channel was closed under the call (the transport is closing)
+            why = f"LocalChannel: {exc}"
         with self._lock:
             self._path = path
             self._retry_at = 0.0 if path is not None else time.monotonic() + self._config.open_seconds
