@@ -41,6 +41,7 @@ from tensorwire import _unix
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._wire_receipt import WireReceipt
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ class LocalControlServer:
             conn.busy = True
         try:
             receipt: WireReceipt | None = None
+            data: bytes | list[Buffer]
             if kind != "encode":
                 unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
                 data = pb.StreamResponse(id=msg.id, error=wire.stream_error_for(unknown)).SerializeToString()
@@ -180,7 +182,9 @@ class LocalControlServer:
 
                 try:
                     receipt = self._service.run_encode(msg.encode, is_active)
-                    data = receipt.to_stream_frame(msg.id)
+                    # Sent from the payloads' own memory (no join); the send below finishes before the receipt
+                    # (and the output it views) goes out of scope, on this thread.
+                    data = receipt.to_stream_pieces(msg.id)
                 except Exception as exc:
                     receipt = None
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
