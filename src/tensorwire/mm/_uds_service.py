@@ -39,9 +39,9 @@ from google.protobuf.message import DecodeError
 
 from tensorwire import _unix
 from tensorwire.mm import wire
+from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._wire_receipt import WireReceipt
 
 if TYPE_CHECKING:
