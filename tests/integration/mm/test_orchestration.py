@@ -378,5 +378,5 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
     bw = [r for r in caplog.records if "[RDMA-BW]" in r.getMessage()]
     assert len(hits) == 1 and "1 slot(s)" in hits[0].getMessage()
     assert len(bw) == 1 and "GB/s" in bw[0].getMessage()
-    assert env.sample("tensorwire_mm_encoder_gc_reclaimed_leases") == 7
+    assert env.sample("tensorwire_mm_encoder_gc_reclaimed_leases_total") == 7
     assert env.sample("tensorwire_mm_encoder_exporter_ready") == 1
