@@ -5,7 +5,9 @@ OS), then sends the sample images shipped in the package through the proxy twice
 plane (``mode=auto``) and once inline (``mode=grpc``). Prints the seed's table (encoder compute, output
 transfer, total; mean ± sd per plane) for the 2048x1365 image, a line per other image, and checks that both
 planes delivered the same tensors. ``--json`` prints the numbers instead; ``--save`` also writes them under
-benchmarks/results/. Every child runs in its own process group and is killed in ``finally`` (also on Ctrl-C).
+benchmarks/results/. Every child runs in its own process group and is stopped in ``finally`` (also on Ctrl-C or
+SIGTERM: all at once, SIGTERM then SIGKILL after a bounded wait); a demo killed without that chance (SIGKILL)
+takes its children with it through their lifeline (``tensorwire._lifeline``).
 
 Stage definitions: *encoder compute* is the worker's forward pass (``encoder.encode``, measured on the
 worker); *output transfer* is everything else the caller waited for (export or serialization, the gRPC
@@ -31,6 +33,7 @@ from typing import Any, Sequence
 HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, both planes, a table"
 
 SEED_IMAGE = "scene_2048x1365.jpg"
+CHILD_GRACE_S = 5.0  # the children's --grace-s; the demo waits that + 5 s before it SIGKILLs them
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,7 @@ class Child:
     """A CLI subprocess in its own process group; ``ready()`` waits for its READY line."""
 
     def __init__(self, name: str, argv: Sequence[str], log_dir: Path) -> None:
+        from tensorwire._lifeline import parent_lifeline
         from tensorwire.service._runtime import parse_ready
 
         self.name = name
@@ -62,8 +66,11 @@ class Child:
         env = dict(os.environ)
         env.setdefault("NIXL_LOG_LEVEL", "WARN")
         env["PYTHONUNBUFFERED"] = "1"
+        # start_new_session: the terminal's Ctrl-C reaches only the demo, which stops its children in order; the
+        # lifeline kills them when the demo dies without that chance (SIGKILL).
         self.proc = subprocess.Popen([sys.executable, "-m", "tensorwire.cli.main", *argv], stdout=subprocess.PIPE,
-                                     stderr=self._log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                     stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                     **parent_lifeline().popen_kwargs(env))
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._parse = parse_ready
         threading.Thread(target=self._pump, name=f"demo-{name}-stdout", daemon=True).start()
@@ -98,19 +105,35 @@ class Child:
 
     def terminate(self, grace_s: float) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it. Returns the exit code."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
+        return stop_children([self], grace_s)[self.name]
+
+
+def stop_children(children: Sequence[Child], grace_s: float) -> dict[str, int | None]:
+    """SIGTERM every child's group at once, wait up to ``grace_s`` for all of them together, SIGKILL the rest.
+
+    At most ``grace_s`` + 5 s however many children there are (one after the other, a busy host made that add up).
+    Returns each child's exit code (None: it did not even die of SIGKILL within 5 s).
+    """
+    for c in children:
+        if c.proc.poll() is None:
+            _signal_group(c.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
         try:
-            code = self.proc.wait(5)
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            code = None
-        self._log.close()
-        return code
+            pass
+    codes: dict[str, int | None] = {}
+    for c in children:
+        _signal_group(c.proc.pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
+    kill_deadline = time.monotonic() + 5.0
+    for c in children:
+        try:
+            codes[c.name] = c.proc.wait(max(0.0, kill_deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[c.name] = None
+        c._log.close()
+    return codes
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -279,23 +302,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
     children: list[Child] = []
     t_start = time.monotonic()
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def interrupted(signum: int, _frame: object) -> None:
+        for sig in stops:  # one interruption: a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children.
-    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children (and if the
+    # demo dies without running it, SIGKILL included, the children's lifeline takes them down).
+    previous = {s: signal.signal(s, interrupted) for s in stops}
     log_dir = Path(tempfile.mkdtemp(prefix="tensorwire-demo-"))
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if not args.json else (lambda msg: None)
     try:
         say(f"starting {args.workers} encoder workers and a proxy (logs in {log_dir}) ...")
+        # --drain-s 0: nothing but the demo talks to these, so they need no NOT_SERVING period before stopping.
+        stop_flags = ["--drain-s", "0", "--grace-s", str(CHILD_GRACE_S)]
         workers = [Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",
                                           "--worker-id", f"demo-worker-{i}", "--wait-exporter-s", "20",
-                                          "--device", args.device], log_dir)
+                                          "--device", args.device, *stop_flags], log_dir)
                    for i in range(args.workers)]
         children += workers
         addresses = [w.ready(args.startup_timeout_s)["grpc"] for w in workers]
-        proxy = Child("proxy", ["serve-proxy", "--metrics-port", "-1",
+        proxy = Child("proxy", ["serve-proxy", "--metrics-port", "-1", *stop_flags,
                                 *[a for addr in addresses for a in ("--worker", addr)]], log_dir)
         children.append(proxy)
         ready = proxy.ready(args.startup_timeout_s)
@@ -316,7 +345,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- last lines of {c.name} ({c.log_path}):\n{c.tail()}", file=sys.stderr)
         return 1
     finally:
-        codes = {c.name: c.terminate(grace_s=10.0) for c in reversed(children)}
+        for sig in stops:
+            signal.signal(sig, signal.SIG_IGN)
+        codes = stop_children(list(reversed(children)), grace_s=CHILD_GRACE_S + 5.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     result["child_exit_codes"] = codes

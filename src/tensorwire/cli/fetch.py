@@ -1,9 +1,8 @@
 """``tensorwire fetch --endpoint HOST:PORT [--json] IMAGE...``: the LLM side, for trying a deployment by hand.
 
 Sends all images in one request through ``RemoteOutputTransport`` (RDMA when both sides can, inline otherwise)
-and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json``
-prints one object: ``plane``, ``fallback_reason``, ``worker_id``, ``items`` (shapes, dtypes), ``encoder_ms``,
-``transfer_ms`` (total minus the encoder's forward), ``total_ms``, ``stage_ms``, ``payload_bytes``.
+and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json`` prints
+one object whose keys are in ``EPILOG`` (``tensorwire fetch --help``) and docs/deployment.md, also on failure.
 Exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files.
 """
 
@@ -20,12 +19,29 @@ from typing import Any
 
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 
+SCHEMA = "tensorwire.fetch"
+SCHEMA_VERSION = 1  # bumped when a key changes meaning or goes away; new keys may appear without a bump
+
+EPILOG = f"""\
+--json output: one JSON object on stdout, schema "{SCHEMA}" version {SCHEMA_VERSION}.
+  always:     schema (str), schema_version (int), ok (bool), endpoint (str)
+  ok=true:    plane ("rdma" | "inline"), fallback_reason (str | null: why RDMA fell back to inline),
+              worker_id (str), items (list, one per image: image, shape, dtype, device,
+              position_ids_shape), encoder_ms, transfer_ms (total minus the encoder's forward),
+              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int)
+  ok=false:   error: {{type (exception class, e.g. "PeerUnavailable"), reason (a stable
+              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int)}}
+exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.mm import MODES
 
-    parser.add_argument("--endpoint", required=True, help="HOST:PORT of a serve-encoder or serve-proxy")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--endpoint", required=True,
+                        help="HOST:PORT of a serve-encoder or serve-proxy (the port is required)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of text, also on failure (keys below)")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="auto (RDMA when possible) or grpc (inline only); default: MM_TRANSPORT_MODE or auto")
     parser.add_argument("--device", default=None, help="where RDMA reads land: cpu or cuda:N (default: cpu)")
@@ -69,40 +85,57 @@ def drain_releases(transport: Any, timeout_s: float) -> bool:
     return not transport.release_queue.pending
 
 
+def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    """Reports a failure: one JSON object with ``--json``, else one ``error:`` line on stderr."""
+    from tensorwire.errors import Reason, TensorwireError
+
+    typed = isinstance(exc, TensorwireError)
+    reason = exc.reason if isinstance(exc, TensorwireError) else Reason.INVALID_REQUEST if code == 2 else Reason.UNKNOWN
+    message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if isinstance(exc, OSError) and exc.filename:
+        message = f"{exc.filename}: {message}"
+    if args.json:
+        print(json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "ok": False, "endpoint": args.endpoint,
+                          "error": {"type": type(exc).__name__, "reason": reason.value, "message": message,
+                                    "exit_code": code}}))
+    elif typed:
+        print(f"error: {type(exc).__name__} ({reason.value}): {message}", file=sys.stderr)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
+    from tensorwire.service._endpoint import parse_endpoint
 
     try:
+        endpoint = str(parse_endpoint(args.endpoint, "--endpoint"))
         data = [Path(p).read_bytes() for p in args.images]
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         cfg = TransportConfig.from_env(os.environ)
         if args.mode:
             cfg = cfg.with_mode(args.mode)
         if args.device:
             cfg = dataclasses.replace(cfg, rdma=cfg.rdma.replace(device=args.device))
-    except (TensorwireError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (TensorwireError, ValueError, OSError) as exc:
+        return _error(args, exc, 2)
     names = [os.path.basename(p) for p in args.images]
     from tensorwire.service._runtime import stdout_to_stderr
 
     try:
-        with stdout_to_stderr(), RemoteOutputTransport(args.endpoint, cfg) as transport:
+        with stdout_to_stderr(), RemoteOutputTransport(endpoint, cfg) as transport:
             if cfg.mode == "auto" and not transport.wait_ready(args.wait_reader_s):
                 print(f"warning: RDMA reader not ready after {args.wait_reader_s:.0f} s; fetching inline",
                       file=sys.stderr)
             out = transport.fetch([MultimodalInput(d) for d in data], timeout_ms=args.timeout_ms)
             drain_releases(transport, cfg.release_timeout_ms / 1000.0 + 1.0)
     except TensorwireError as exc:
-        print(f"error: {type(exc).__name__} ({exc.reason.value}): {exc}", file=sys.stderr)
-        return 1
+        return _error(args, exc, 1)
     result = result_dict(out, names)
     if args.json:
-        print(json.dumps(result))
+        print(json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "ok": True, "endpoint": endpoint,
+                          **result}))
         return 0
     for item in result["items"]:
         pos = f"  position_ids {item['position_ids_shape']}" if "position_ids_shape" in item else ""

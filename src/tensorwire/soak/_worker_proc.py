@@ -17,6 +17,9 @@ from tensorwire.soak._sample import sample, thread_names
 
 def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
+    from tensorwire._lifeline import follow_parent
+
+    follow_parent()  # a SIGKILLed soak leaves no worker behind
     os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's Ctrl-C is handled by the parent
     import logging
@@ -57,8 +60,11 @@ class WorkerProcess:
     """``start`` spawns and waits for READY; ``stats()``; ``kill()`` (SIGKILL); ``stop()`` (clean, idempotent)."""
 
     def __init__(self, config: Any, env: dict[str, str], start_timeout_s: float = 90.0) -> None:
+        from tensorwire._lifeline import parent_lifeline
+
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        env = {**env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
         self.proc = ctx.Process(target=_child, args=(child, config, env), daemon=True, name="soak-worker")
         self.proc.start()
         child.close()
