@@ -48,6 +48,9 @@ class SoakConfig:
     breaker_open_s: float = 2.0    # short, so an opened breaker is probed again within the soak
     fault_interval_s: tuple[float, float] = (0.5, 2.0)
     worker_restart_min_gap_s: float = 8.0
+    # At most one worker faulted (restarting or cut off) at a time, so one healthy worker can always serve; the
+    # availability figure (docs/reliability.md) is about that case. Client-side cuts may overlap anything.
+    one_worker_fault: bool = True
     release_drop_p: float = 0.05
     release_delay_p: float = 0.05
     corrupt_p: float = 0.05

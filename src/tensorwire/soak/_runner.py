@@ -30,6 +30,7 @@ from tensorwire.soak._config import SoakConfig
 from tensorwire.soak._corpus import Corpus, build_corpus
 from tensorwire.soak._relay import FaultRelay
 from tensorwire.soak._sample import sample, thread_names
+from tensorwire.soak._windows import WORKER_KINDS, FaultWindows, Outcome
 from tensorwire.soak._worker_proc import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,11 @@ class _Client:
                 "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
                 "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
                 "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s}
+        from tensorwire._lifeline import parent_lifeline
+
+        env = {**runner.env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
         self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
-                                args=(child, runner.counters, slot, spec, runner.stop_flag, runner.env))
+                                args=(child, runner.counters, slot, spec, runner.stop_flag, env))
         self.proc.start()
         child.close()
         self.received = 0
@@ -95,6 +99,8 @@ class SoakRunner:
         self.faults: Counter[str] = Counter()
         self.aborted_by_kill = 0
         self.timeline: list[dict[str, Any]] = []
+        self.windows = FaultWindows()
+        self.outcomes: list[Outcome] = []
         self.phase = "start-up"
         self._stop_faults = threading.Event()
         # Baselines are taken after a ramp at full load, not at start: thread pools, lazily opened channels and
@@ -207,6 +213,9 @@ class SoakRunner:
 
     def _on_result(self, r: dict[str, Any]) -> None:
         self.results[r["outcome"]] += 1
+        ok = r["outcome"] == "ok"
+        why = "" if ok else f"{r['kind']}:{r['reason']}" if r["outcome"] == "error" else r["outcome"]
+        self.outcomes.append(Outcome(r["t0"], r["t1"], ok, why, "" if ok else str(r.get("msg", ""))[:300]))
         if r["outcome"] in ("ok", "wrong"):
             self.planes[r["plane"]] += 1
             self.latency[r["plane"]].append(r["latency_ms"])
@@ -260,11 +269,22 @@ class SoakRunner:
                         self.faults["reader_kill"] += 1
                 elif kind == "unavailable":
                     relay = self.rng.choice([self.front, *self.relays])
-                    relay.unavailable_for(self.rng.uniform(0.5, 3.0))
+                    seconds = self.rng.uniform(0.5, 3.0)
+                    now = time.monotonic()
+                    if relay is not self.front and self._worker_faulted(now):
+                        self.faults["skipped_second_worker_fault"] += 1
+                        continue
+                    relay.unavailable_for(seconds)
+                    self.windows.add("client_cut" if relay is self.front else "worker_cut", relay.name, now,
+                                     now + seconds)
                     self.faults[f"unavailable_{relay.name}"] += 1
                 elif kind == "worker_restart" and time.monotonic() - last_restart >= cfg.worker_restart_min_gap_s:
+                    if self._worker_faulted(time.monotonic()):
+                        self.faults["skipped_second_worker_fault"] += 1
+                        continue
                     # Worker 0 is the sentinel (never restarted): its fds/threads/pool are checked over the whole run.
                     i = self.rng.randrange(1, len(self.workers)) if len(self.workers) > 1 else 0
+                    window = self.windows.open("worker_restart", f"w{i}", time.monotonic())
                     old = self.workers[i]
                     self.workers[i] = None
                     if old is not None:
@@ -273,15 +293,22 @@ class SoakRunner:
                     time.sleep(self.rng.uniform(0.2, 1.0))
                     self.worker_gen[i] += 1
                     self.worker_baseline.pop(i, None)
-                    new = self._start_worker(i)
-                    self.worker_started[i] = time.monotonic()
-                    self.restart_times.append(self.worker_started[i])
-                    self.relays[i].retarget(new.address)
-                    self.workers[i] = new
+                    try:
+                        new = self._start_worker(i)
+                        self.worker_started[i] = time.monotonic()
+                        self.restart_times.append(self.worker_started[i])
+                        self.relays[i].retarget(new.address)
+                        self.workers[i] = new
+                    finally:
+                        self.windows.close(window, time.monotonic())
                     last_restart = time.monotonic()
             except Exception:  # noqa: BLE001 - a fault that could not be injected is logged, the soak goes on
                 log.exception("injecting %s failed", kind)
                 self.faults[f"{kind}_inject_failed"] += 1
+
+    def _worker_faulted(self, now: float) -> bool:
+        """One worker faulted at a time: the availability claim is that a healthy worker serves meanwhile."""
+        return bool(self.windows.open_at(now, WORKER_KINDS)) if self.cfg.one_worker_fault else False
 
     def _progress(self, t_start: float) -> None:
         elapsed = time.monotonic() - t_start
@@ -452,6 +479,7 @@ class SoakRunner:
             "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
                                                 if c.final is not None),
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
+            "availability": self.windows.summarize(self.outcomes, end=time.monotonic()),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
             "timeline_growth": _timeline_growth(self.timeline, self.ramp_s),
