@@ -76,7 +76,8 @@ class ProxyConfig:
     """Settings of ``serve-proxy``. Timeouts default to the transport's, so proxy and workers agree."""
 
     workers: tuple[str, ...] = ()
-    # 0: try every worker once. Attempts also stop when the caller's deadline is spent.
+    # Attempts per Encode, in rounds over the workers (UP ones first); 0: two rounds of every worker. Attempts
+    # also stop when the caller's deadline is spent.
     max_attempts: int = 0
     worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
     rpc_timeout_margin_ms: int = _DEFAULT_TRANSPORT.rpc_timeout_margin_ms
@@ -115,7 +116,13 @@ class ProxyConfig:
 
     @property
     def attempts(self) -> int:
-        return min(self.max_attempts, len(self.workers)) if self.max_attempts else len(self.workers)
+        return self.max_attempts or ROUNDS * len(self.workers)
+
+
+# Default rounds over the workers per Encode: a request can outlive one worker's fault and meet the next one
+# (the worker it retried on dies while the first is back), so a second round asks the recovered one again.
+ROUNDS = 2
+ROUND_PAUSE_S = 0.05  # between rounds, so that nothing spins when every worker fails at once
 
 
 # The proxy adds well under a millisecond to a call on a LAN; a worker's compute can take seconds.
@@ -192,6 +199,7 @@ class _Worker:
     encode: Any
     release: Any
     info: WorkerInfo | None = None
+    worker_id: str | None = None  # from WorkerInfo, then from its latest receipt (a restarted worker has a new one)
 
 
 class EncoderProxy:
@@ -285,6 +293,7 @@ class EncoderProxy:
         infos = []
         for fut, w in pending.items():
             w.info = fut.result()  # raises PeerUnavailable naming the worker
+            w.worker_id = w.info.worker_id
             infos.append(w.info)
         return infos
 
@@ -370,10 +379,18 @@ class EncoderProxy:
         budget_s = self._attempt_budget_s(request)
         caller_left = _remaining_s(context)
         end = start + caller_left if caller_left is not None else None
-        order = [self._workers[i] for i in self.health.order(next(self._rr) % len(self._workers))]
-        order = order[: self.config.attempts]
+        first = next(self._rr) % len(self._workers)
+        avoid = set(request.rdma_excluded_workers)  # the caller's hint: ask these last (see encoder.proto)
         last_error: grpc.RpcError | None = None
-        for attempt, worker in enumerate(order):
+        attempts = self.config.attempts
+        order: list[_Worker] = []
+        for attempt in range(attempts):
+            if not order:  # a new round, in the order health says now
+                if attempt:
+                    time.sleep(min(ROUND_PAUSE_S, max(0.0, (end or float("inf")) - time.monotonic())))
+                order = [self._workers[i] for i in self.health.order(first)]
+                order = [w for w in order if w.worker_id not in avoid] + [w for w in order if w.worker_id in avoid]
+            worker = order.pop(0)
             left = budget_s if end is None else min(budget_s, end - time.monotonic())
             if left <= 0 or not context.is_active():
                 break
@@ -395,7 +412,7 @@ class EncoderProxy:
                 log.info("worker %s failed with %s; trying another worker", worker.address, code.name)
                 continue
             self.health.call_ok(worker.index)
-            if not self._accept(worker, response, last=attempt == len(order) - 1):
+            if not self._accept(worker, response, last=attempt == attempts - 1):
                 continue
             m.requests.labels("ok").inc()
             m.seconds.observe(time.monotonic() - start)
@@ -430,6 +447,8 @@ class EncoderProxy:
             self._metrics.bad_receipts.inc()
             log.warning("worker %s sent a response that does not parse", worker.address)
             return last
+        if msg.worker.worker_id:
+            worker.worker_id = msg.worker.worker_id
         ids, problem = _receipt.check_receipt(msg, self._parse) if self.config.check_receipts else ([], None)
         if problem is not None and not last:
             self._metrics.bad_receipts.inc()

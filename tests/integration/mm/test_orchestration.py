@@ -87,6 +87,8 @@ def test_read_failure_path_in_exact_order(env: Env) -> None:
     check_output(out)
     assert env.names() == ["request", "read", "release_sync", "request", "decode_inline"]
     assert [d["support_rdma"] for e, d in env.events if e == "request"] == [True, False]
+    # The retry names the worker whose receipt failed, so a proxy in between asks another one (issue 16).
+    assert [d["excluded"] for e, d in env.events if e == "request"] == [[], [out.worker_id]] and out.worker_id
     assert live_at_second_request[1] == set()  # released before the retry went out
     assert out.plane is Plane.INLINE and out.fallback_reason is Reason.RDMA_READ_ERROR
     assert env.sample("tensorwire_mm_fallbacks_total", {"side": "llm", "reason": "rdma_read_error"}) == 1

@@ -290,7 +290,7 @@ def test_every_worker_is_tried_even_when_all_look_down(make) -> None:
     from tensorwire.mm._health import NOT_SERVING
 
     workers = [FakeWorker("w0"), FakeWorker("w1")]
-    for w in workers:  # both say NOT_SERVING (wrongly: they still answer Encode), so the first probe round finds both DOWN
+    for w in workers:  # both say NOT_SERVING (wrongly: they still answer Encode): the first probes find both DOWN
         w.health.set_all(NOT_SERVING)
     h = make(workers, probe_interval_s=30.0)
     assert _until(lambda: not h.proxy.health.any_up())
@@ -353,3 +353,37 @@ def test_draining_proxy_refuses_encode_but_still_routes_releases(make) -> None:
     assert not stopper.is_alive()
     # Every route was released, so the stop did not wait out its 10 s grace.
     assert time.monotonic() - t0 < 8.0
+
+
+def test_workers_the_caller_names_are_asked_last(make) -> None:
+    # The client's inline fallback names the worker whose receipt it could not read (it may have died with its
+    # slots, and the proxy may not know yet): the retry goes to another worker, though round robin says w0.
+    h = make([FakeWorker("w0"), FakeWorker("w1")], probe_interval_s=30.0)
+    h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
+    req = wire.EncodeRequest(rdma_excluded_workers=["w0"])
+    req.inputs.add(data=b"img", kind="image")
+    assert h.encode_rpc(req, timeout=10).worker.worker_id == "w1"
+    assert h.workers[0].encodes == 0
+    # Only when nobody else can answer does it go to a named worker.
+    h.workers[1].stop()
+    assert h.encode_rpc(req, timeout=10).worker.worker_id == "w0"
+
+
+def test_a_second_round_asks_a_worker_again_once_the_other_failed_too(make) -> None:
+    # The request meets one worker's fault, retries on the other, which fails in turn (it dies while the first
+    # is back): a second round, 50 ms later, asks the first again instead of failing the request.
+    def fail_first(worker: str):
+        calls = []
+
+        def fn(_request, context):
+            calls.append(1)
+            if len(calls) == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker} restarting")
+            return [f"{worker}-ok"]
+        return fn
+
+    h = make([FakeWorker("w0", on_encode=fail_first("w0")), FakeWorker("w1", on_encode=fail_first("w1"))],
+             probe_interval_s=30.0)
+    assert h.encode().worker.worker_id in ("w0", "w1")
+    assert h.metric("tensorwire_proxy_retries_total") == 2
+    assert h.workers[0].encodes + h.workers[1].encodes == 3
