@@ -429,8 +429,8 @@ class OutputTransport:
         receipts it already sent can still read them."""
         left = self.live_leases()
         if left:
-            log.info("waiting up to %.1f s for %d exported lease(s) to be released", max(0.0, deadline - time.monotonic()),
-                     left)
+            log.info("waiting up to %.1f s for %d exported lease(s) to be released",
+                     max(0.0, deadline - time.monotonic()), left)
         while left and time.monotonic() < deadline:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             left = self.live_leases()

@@ -479,7 +479,7 @@ class SoakRunner:
             "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
                                                 if c.final is not None),
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
-            "availability": self.windows.summarize(self.outcomes, end=time.monotonic()),
+            "availability": self.windows.summarize(self.outcomes, end=time.monotonic(), origin=self.t_start),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
             "timeline_growth": _timeline_growth(self.timeline, self.ramp_s),

@@ -81,8 +81,12 @@ class FaultWindows:
         hit = {w.kind for w in (windows if windows is not None else self.snapshot()) if w.start <= t1 and t0 <= w.end}
         return next((k for k in PRIORITY if k in hit), "none")
 
-    def summarize(self, outcomes: Iterable[Outcome], end: float) -> dict[str, Any]:
+    def summarize(self, outcomes: Iterable[Outcome], end: float, origin: float = 0.0,
+                  max_listed: int = 100) -> dict[str, Any]:
+        """The attribution (module docstring); times in the listed windows and failures are relative to
+        ``origin`` (the start of the soak)."""
         windows = self.snapshot()
+        listed: list[dict[str, Any]] = []
         for w in windows:  # a window still open at the end of the run ends there
             w.end = min(w.end, end)
         by_start = sorted(windows, key=lambda w: w.start)
@@ -92,12 +96,17 @@ class FaultWindows:
         for o in outcomes:
             # Only windows that started before the request ended can overlap it.
             candidates = by_start[: bisect.bisect_right(starts, o.t1)]
-            row = rows[self.attribute(o.t0, o.t1, candidates)]
+            kind = self.attribute(o.t0, o.t1, candidates)
+            row = rows[kind]
             row["requests"] += 1
             if o.ok:
                 row["ok"] += 1
             else:
                 row["failed"][o.reason] += 1
+                if kind != "client_cut" and len(listed) < max_listed:
+                    hit = [f"{w.kind}:{w.target}" for w in candidates if w.start <= o.t1 and o.t0 <= w.end]
+                    listed.append({"t0_s": round(o.t0 - origin, 3), "t1_s": round(o.t1 - origin, 3),
+                                   "windows": hit, "reason": o.reason, "message": o.message})
                 if len(row["examples"]) < 5:
                     row["examples"].append(o.message)
         out: dict[str, Any] = {"by_fault": {}, "windows": Counter(w.kind for w in windows),
@@ -114,6 +123,9 @@ class FaultWindows:
                                       "target": AVAILABILITY_TARGET,
                                       "met": n > 0 and ok / n >= AVAILABILITY_TARGET}
         out["windows"] = dict(out["windows"])
+        out["window_list"] = [{"kind": w.kind, "target": w.target, "start_s": round(w.start - origin, 3),
+                               "end_s": round(w.end - origin, 3)} for w in by_start[:500]]
+        out["failures_outside_client_cuts"] = listed
         return out
 
 
