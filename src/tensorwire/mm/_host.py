@@ -177,6 +177,45 @@ class GrpcHost:
         return not timed_out
 
 
+class Admission:
+    """Counts the calls a server is running and refuses new ones once closed: the ``quiesce``/``settle`` pair of
+    the stop sequence for a servicer. ``enter()`` is False after ``close()``; every True ``enter`` needs one
+    ``exit``; ``wait_idle(deadline)`` returns how many still run at ``deadline`` (time.monotonic). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self.closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self.closed:
+                return False
+            self._running += 1
+            return True
+
+    def exit(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if not self._running:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    def wait_idle(self, deadline: float) -> int:
+        with self._cond:
+            while self._running and time.monotonic() < deadline:
+                self._cond.wait(min(1.0, deadline - time.monotonic()))
+            return self._running
+
+
 def _why_not(address: str) -> str:
     """Why gRPC could not bind ``address``, found out by binding a plain socket there (gRPC only says "failed")."""
     host, _, port_text = address.rpartition(":")
@@ -199,4 +238,4 @@ def _why_not(address: str) -> str:
     return "gRPC refused the address (see its log line above)"
 
 
-__all__ = ["GrpcHost", "HostState", "STOP_SLACK_S", "Settle"]
+__all__ = ["Admission", "GrpcHost", "HostState", "STOP_SLACK_S", "Settle"]

@@ -26,7 +26,7 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm._host import GrpcHost
+from tensorwire.mm._host import Admission, GrpcHost
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
 
@@ -99,8 +99,7 @@ class EncoderService:
         self._streams_lock = threading.Lock()
         self._stopping = False  # quiesced: no new Encode or EncodeStream
         self._closing = False  # streams end after their current answer
-        self._idle = threading.Condition(self._streams_lock)
-        self._in_flight = 0
+        self._encodes = Admission()
         self._rl = RateLimitedLog(log)
 
     @property
@@ -114,17 +113,12 @@ class EncoderService:
         Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
         the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
         """
-        with self._streams_lock:
-            if self._stopping:
-                raise _draining()
-            self._in_flight += 1
+        if not self._encodes.enter():
+            raise _draining()
         try:
             return self._run_encode(request, is_active)
         finally:
-            with self._streams_lock:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self._idle.notify_all()
+            self._encodes.exit()
 
     def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> pb.EncodeResponse:
         metrics = self.transport.metrics
@@ -260,12 +254,14 @@ class EncoderService:
 
     def quiesce(self) -> None:
         """Refuses every later Encode and EncodeStream (UNAVAILABLE); open streams still carry releases."""
+        self._encodes.close()
         with self._streams_lock:
             self._stopping = True
 
     def close_streams(self) -> None:
         """Refuses new Encodes and EncodeStreams; ends idle streams now and busy ones after their current answer.
         Idempotent."""
+        self._encodes.close()
         with self._streams_lock:
             self._stopping = self._closing = True
             streams = list(self._streams)
@@ -277,16 +273,12 @@ class EncoderService:
     @property
     def in_flight(self) -> int:
         """Encodes running now (both control paths)."""
-        with self._streams_lock:
-            return self._in_flight
+        return self._encodes.running
 
     def settle(self, deadline: float) -> None:
         """After ``quiesce()``: waits until no Encode runs and every exported lease is released, or ``deadline``
         (time.monotonic) passes."""
-        with self._streams_lock:
-            while self._in_flight and time.monotonic() < deadline:
-                self._idle.wait(min(1.0, deadline - time.monotonic()))
-            running = self._in_flight
+        running = self._encodes.wait_idle(deadline)
         if running:
             log.warning("%d Encode call(s) still running at the end of the grace; they are cancelled", running)
             return

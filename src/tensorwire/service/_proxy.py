@@ -1,8 +1,9 @@
 """The encoder proxy: one ``EncoderService`` endpoint in front of several encoder workers.
 
-Per ``Encode``: pick workers round-robin (those that can serve first, see ``_workers.WorkerHealth``), forward the
-request bytes unchanged, retry on the next worker when the failure is about the worker (UNAVAILABLE, INTERNAL,
-...) rather than about the request (INVALID_ARGUMENT...), within the caller's deadline and ``max_attempts``. A
+Per ``Encode``: pick workers round-robin (those that can serve first, see ``_workers.WorkerHealth``; those the
+request's ``rdma_excluded_workers`` names last), forward the request bytes unchanged, retry on the next worker
+when the failure is about the worker (UNAVAILABLE, INTERNAL, ...) rather than about the request
+(INVALID_ARGUMENT...), within the caller's deadline and ``max_attempts`` (by default two rounds over all). A
 receipt that fails the checks a reader would make before reading (``_receipt.check_receipt``: descriptors, roles,
 layout, inline sizes) is a worker failure too: its leases are released on that worker and the next one is asked;
 only the last attempt's receipt is forwarded as it is. A successful receipt's lease ids are recorded in the
@@ -41,7 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
 from tensorwire.mm import TransportConfig, _receipt, wire
-from tensorwire.mm._host import GrpcHost
+from tensorwire.mm._host import Admission, GrpcHost
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._endpoint import parse_endpoint
@@ -241,9 +242,7 @@ class EncoderProxy:
         self._prober = HealthProber([health_check(w.channel, wire.SERVICE_NAME) for w in self._workers],
                                     self.health, interval_s=config.probe_interval_s, timeout_s=config.probe_timeout_s)
         self._rl = RateLimitedLog(log)
-        self._draining = False
-        self._in_flight = 0
-        self._idle = threading.Condition(self._lock)
+        self._encodes = Admission()
         self.port: int | None = None
 
     # ---- lifecycle
@@ -272,11 +271,11 @@ class EncoderProxy:
 
     def _worker_changed(self, index: int, up: bool) -> None:
         w = self._workers[index]
+        state = self.health.snapshot()[index]  # the state now: two changes racing must not leave a stale gauge
         if self._metrics is not None:
-            self._metrics.worker_up.labels(str(index)).set(1 if up else 0)
+            self._metrics.worker_up.labels(str(index)).set(1 if state.up else 0)
             if not up:
                 self._metrics.worker_downs.labels(str(index)).inc()
-        state = self.health.snapshot()[index]
         if up:
             log.info("worker %s is UP again", w.address)
         else:
@@ -315,15 +314,12 @@ class EncoderProxy:
                 w.channel.close()
 
     def _quiesce(self) -> None:
-        with self._lock:
-            self._draining = True
+        self._encodes.close()
 
     def _settle(self, deadline: float) -> None:
         """Waits for in-flight Encodes, then for the routed leases to be released (readers release through the
         proxy), until ``deadline``."""
-        with self._lock:
-            while self._in_flight and time.monotonic() < deadline:
-                self._idle.wait(min(1.0, deadline - time.monotonic()))
+        self._encodes.wait_idle(deadline)
         while len(self.routes) and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if len(self.routes):
@@ -350,20 +346,13 @@ class EncoderProxy:
         return budget_ms / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
-        with self._lock:
-            draining = self._draining
-            if not draining:
-                self._in_flight += 1
-        if draining:
+        if not self._encodes.enter():
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PEER_UNAVAILABLE.value),))
             context.abort(grpc.StatusCode.UNAVAILABLE, "proxy is draining (shutting down); use another proxy")
         try:
             return self._route(raw, context)
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self._idle.notify_all()
+            self._encodes.exit()
 
     def _route(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         assert self._metrics is not None

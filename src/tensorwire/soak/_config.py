@@ -56,6 +56,8 @@ class SoakConfig:
     corrupt_p: float = 0.05
     planes: tuple[str, ...] = ("auto",)  # client modes, assigned round-robin to the client processes
     progress_s: float = 5.0
+    # A worker's start (model + RDMA exporter) and the clients' warm-up, each; minutes on a crowded 2-core host.
+    startup_timeout_s: float = 600.0
     sample_s: float = 1.0          # resource timeline period
     warmup: int = 18               # fetches per client process before the baseline (all shapes, both workers)
     extra: dict[str, str] = field(default_factory=dict)

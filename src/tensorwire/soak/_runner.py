@@ -124,7 +124,7 @@ class SoakRunner:
         return TransportConfig(mode="auto", worker_id=f"soak-w{index}-g{self.worker_gen[index]}", rdma=rdma)
 
     def _start_worker(self, index: int) -> WorkerProcess:
-        w = WorkerProcess(self._worker_config(index), self.env)
+        w = WorkerProcess(self._worker_config(index), self.env, start_timeout_s=self.cfg.startup_timeout_s)
         if not w.rdma_ready:
             log.warning("worker %d: RDMA exporter not ready; it serves inline", index)
         return w
@@ -162,7 +162,7 @@ class SoakRunner:
         self.say(f"starting {n} client processes ({self.cfg.concurrency} fetch threads) ...")
         for i, threads in enumerate(per):
             self._start_client(self.cfg.planes[i % len(self.cfg.planes)], threads)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
         for c in list(self.clients):
             left = deadline - time.monotonic()
             if not c.conn.poll(max(0.0, left)):
@@ -457,6 +457,9 @@ class SoakRunner:
         report: dict[str, Any] = {
             "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
                        "client_processes": cfg.processes},
+            # The host's 1/5/15-minute load averages at the end: on a shared machine they say how much CPU the
+            # soak really had (its latencies and its worker restart times follow them).
+            "load_average": [round(x, 1) for x in os.getloadavg()],
             "duration_s": round(soak_s, 1), "setup_s": round(self.setup_s, 1),
             "requests": requests,
             "successes": self.results["ok"],

@@ -343,7 +343,7 @@ def test_draining_proxy_refuses_encode_but_still_routes_releases(make) -> None:
     try:
         assert _until(lambda: _proxy_health(h) != 1, 5.0)  # NOT_SERVING at once
         ids += _leases(h.encode())  # the drain period still serves
-        assert _until(lambda: h.proxy._draining, 10.0)  # the drain period is over
+        assert _until(lambda: h.proxy._encodes.closed, 10.0)  # the drain period is over
         with pytest.raises(grpc.RpcError) as info:
             h.encode()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()

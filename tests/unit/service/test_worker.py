@@ -58,6 +58,22 @@ def _client(w: EncoderWorker) -> RemoteOutputTransport:
     return RemoteOutputTransport(w.address, INLINE, metrics=metrics_for(CollectorRegistry()))
 
 
+def _fetch_in_background(w: EncoderWorker) -> tuple[threading.Thread, dict]:
+    """One fetch on a thread of its own; the dict gets "out" or "error"."""
+    result: dict = {}
+
+    def call() -> None:
+        with _client(w) as client:
+            try:
+                result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                result["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, result
+
+
 def test_fetch_matches_local_encoder(worker: EncoderWorker) -> None:
     images = [p.read_bytes() for p in sample_paths()[:2]]
     with _client(worker) as client:
@@ -115,17 +131,7 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
     enc = SlowEncoder(delay_s=1.0)
     w = EncoderWorker(enc, INLINE, metrics=metrics_for(CollectorRegistry()))
     w.start("127.0.0.1:0")
-    result: dict = {}
-
-    def call() -> None:
-        with _client(w) as client:
-            try:
-                result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
-                result["error"] = exc
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, result = _fetch_in_background(w)
     try:
         assert enc.started.wait(10), "the request never reached the encoder"
         t0 = time.monotonic()
@@ -205,17 +211,7 @@ def test_stop_refuses_new_encodes_after_the_drain_period_and_lets_the_running_on
     enc = SlowEncoder(delay_s=2.0)
     w = EncoderWorker(enc, INLINE, metrics=metrics_for(CollectorRegistry()))
     w.start("127.0.0.1:0")
-    result: dict = {}
-
-    def call() -> None:
-        with _client(w) as client:
-            try:
-                result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
-                result["error"] = exc
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, result = _fetch_in_background(w)
     stopper = threading.Thread(target=w.stop, kwargs={"grace_s": 10.0, "drain_s": 0.2})
     try:
         assert enc.started.wait(10), "the request never reached the encoder"
