@@ -371,6 +371,7 @@ class EncoderProxy:
         first = next(self._rr) % len(self._workers)
         avoid = set(request.rdma_excluded_workers)  # the caller's hint: ask these last (see encoder.proto)
         last_error: grpc.RpcError | None = None
+        tried: list[str] = []  # "<worker index>:<outcome>" per attempt, for the error a failed request gets
         attempts = self.config.attempts
         order: list[_Worker] = []
         for attempt in range(attempts):
@@ -392,6 +393,7 @@ class EncoderProxy:
                 m.worker_errors.labels(str(worker.index), code.name).inc()
                 self.health.call_failed(worker.index, code)
                 last_error = exc
+                tried.append(f"{worker.index}:{code.name}")
                 if may_have_orphaned(code, request.support_rdma):
                     m.orphaned.labels(str(worker.index)).inc()
                     log.warning("worker %s failed with %s after it may have exported RDMA slots; they are "
@@ -402,6 +404,7 @@ class EncoderProxy:
                 continue
             self.health.call_ok(worker.index)
             if not self._accept(worker, response, last=attempt == attempts - 1):
+                tried.append(f"{worker.index}:BAD_RECEIPT")
                 continue
             m.requests.labels("ok").inc()
             m.seconds.observe(time.monotonic() - start)
@@ -411,11 +414,11 @@ class EncoderProxy:
         if last_error is None:
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.DEADLINE_EXCEEDED.value),))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left to call an encoder worker")
-        self._forward_error(last_error, context)
+        self._forward_error(last_error, context, tried)
         raise AssertionError("unreachable")  # context.abort raises
 
     @staticmethod
-    def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
+    def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext, tried: Sequence[str] = ()) -> None:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
@@ -424,7 +427,8 @@ class EncoderProxy:
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))
-        context.abort(code, f"via proxy: {details}")
+        attempts = f" after {len(tried)} attempt(s) [{' '.join(tried[:8])}]" if tried else ""
+        context.abort(code, f"via proxy{attempts}: {details}")
 
     def _accept(self, worker: _Worker, response: bytes, *, last: bool) -> bool:
         """Records the receipt's routes and returns True, or (a broken receipt, another worker left to ask)

@@ -387,3 +387,14 @@ def test_a_second_round_asks_a_worker_again_once_the_other_failed_too(make) -> N
     assert h.encode().worker.worker_id in ("w0", "w1")
     assert h.metric("tensorwire_proxy_retries_total") == 2
     assert h.workers[0].encodes + h.workers[1].encodes == 3
+
+
+def test_a_request_no_worker_could_answer_says_what_each_attempt_met(make) -> None:
+    h = make([FakeWorker("w0")], extra=(_dead_address(),), check_workers=False, probe_interval_s=30.0)
+    h.workers[0].stop()
+    with pytest.raises(grpc.RpcError) as info:
+        h.encode()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Two rounds over both workers, each attempt named: an operator sees where the time and the failures went.
+    assert "via proxy after 4 attempt(s) [" in info.value.details(), info.value.details()
+    assert info.value.details().count(":UNAVAILABLE") == 4
