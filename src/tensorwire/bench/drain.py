@@ -11,8 +11,9 @@ While the server stops, health ``Check`` is polled. Then the run records:
 - ``not_serving_seen_s``: when ``Check`` first answered NOT_SERVING after SIGTERM (None: never);
 - ``watch_ended_s``: when the open Watch call ended after SIGTERM (None: it held on until the process died);
 - ``drain_served``: fetches started in the drain period that succeeded (the server still served then);
-- ``refused``: later fetches, refused with a typed error (reasons counted), which is what a client sees
-  behind no proxy; behind a proxy they go to another worker;
+- ``refused``: the outcomes of later fetches, counted: a typed error (the server refuses new work, which is what
+  a client sees behind no proxy; behind a proxy they go to another worker), or ``ok`` for one that reached the
+  server in the moment between the end of the drain period and its refusing;
 - ``exit_code`` (0) and ``stop_s``: SIGTERM to exit; less than drain + grace when the leases came back early.
 
 The summary counts runs and failed in-flight fetches over all runs (target: 0 in 20 runs, issue 16).

@@ -30,5 +30,6 @@ def test_sigterm_during_rdma_fetches_fails_none_of_them(tmp_path: Path, nixl_ava
     assert r["exit_code"] == 0
     # Every lease came back, so the stop ended well before drain + grace (+ the exit itself).
     assert r["stop_s"] < 1.5 + 10.0, r
-    # What came after the drain period was refused with a typed, retryable error.
-    assert set(r["refused"]) <= {"PeerUnavailable:peer_unavailable"}, r["refused"]
+    # What came after the drain period was refused with a typed, retryable error (or, in the moment before the
+    # server quiesced, still served).
+    assert set(r["refused"]) <= {"PeerUnavailable:peer_unavailable", "ok"}, r["refused"]
