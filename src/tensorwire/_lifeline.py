@@ -28,7 +28,8 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ class Endpoint(abc.ABC):
     @abc.abstractmethod
     def send(self, kind: str, value: Any) -> Any: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a documented no-op for endpoints that hold nothing
         """Release what the endpoint holds (sockets, shared memory, process group)."""
 
 
@@ -123,10 +123,12 @@ class GlooObjEndpoint(GlooEndpoint):
 
         root = self.rank == 0
         if kind == "tensor":  # the bytes, as the earlier runs of this benchmark sent them
-            obj = [value.numpy().tobytes()] if root else [None]
+            obj: list[bytes | None] = [value.numpy().tobytes()] if root else [None]
             dist.broadcast_object_list(obj, src=0)
             if not root:
-                value.copy_(torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8))
+                received = obj[0]
+                assert received is not None, "broadcast_object_list filled every rank's list"
+                value.copy_(torch.frombuffer(bytearray(received), dtype=torch.uint8))
             return value
         obj = [value if root else None]
         dist.broadcast_object_list(obj, src=0)

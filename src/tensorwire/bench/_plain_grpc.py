@@ -22,7 +22,11 @@ from __future__ import annotations
 import time
 import warnings
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import grpc
+    import torch
 
 SERVICE = "tensorwire.bench.Plain"
 PREPARE = f"/{SERVICE}/Prepare"
@@ -33,7 +37,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_mess
 SERVER_THREADS = 8  # tensorwire's encoder default (TransportConfig.server_threads)
 
 
-def embedding(rows: int, cols: int) -> Any:
+def embedding(rows: int, cols: int) -> torch.Tensor:
     """The bench's encoder output, bf16 ``[rows, cols]`` from seed 0: the encoder process and the plain server
     both build it with this function, so the two carry the same bytes."""
     import torch
@@ -48,25 +52,25 @@ def serve(max_rows: int, cols: int, q: Any, stop: Any) -> None:
     import torch
 
     emb = embedding(max_rows, cols)
-    held: dict[int, tuple[bytes, Any]] = {}
+    held: dict[int, tuple[bytes, torch.Tensor]] = {}
 
-    def prepare(request: bytes, ctx: Any) -> bytes:
+    def prepare(request: bytes, ctx: grpc.ServicerContext) -> bytes:
         rows = int(request)
         held.clear()  # drop the previous size first: at 1 GiB two payloads would double the footprint
         flat = emb[:rows].contiguous().view(-1).view(torch.uint8)
         held[rows] = (flat.numpy().tobytes(), flat)
         return str(len(held[rows][0])).encode()
 
-    def _held(request: bytes, ctx: Any) -> tuple[bytes, Any]:
+    def _held(request: bytes, ctx: grpc.ServicerContext) -> tuple[bytes, torch.Tensor]:
         entry = held.get(int(request))
         if entry is None:
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rows={int(request)} not prepared (held: {list(held)})")
         return entry
 
-    def fetch(request: bytes, ctx: Any) -> bytes:
+    def fetch(request: bytes, ctx: grpc.ServicerContext) -> bytes:
         return _held(request, ctx)[0]
 
-    def fetch_copy(request: bytes, ctx: Any) -> bytes:
+    def fetch_copy(request: bytes, ctx: grpc.ServicerContext) -> bytes:
         return _held(request, ctx)[1].numpy().tobytes()
 
     handler = grpc.method_handlers_generic_handler(SERVICE, {
@@ -97,9 +101,9 @@ class PlainClient:
 
         self.cols = cols
         self._channel = grpc.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-        self._prepare = self._channel.unary_unary(PREPARE)
-        self._fetch = self._channel.unary_unary(FETCH)
-        self._fetch_copy = self._channel.unary_unary(FETCH_COPY)
+        self._prepare: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(PREPARE)
+        self._fetch: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(FETCH)
+        self._fetch_copy: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(FETCH_COPY)
         self._nbytes: dict[int, int] = {}
 
     def prepare(self, rows: int, timeout_s: float = 120.0) -> int:

@@ -113,7 +113,7 @@ def load(source: VllmSource) -> tuple[types.ModuleType, dict[str, Any]]:
         raise
     parent = sys.modules.get(MODULE.rpartition(".")[0])
     if parent is not None:
-        setattr(parent, "shm_broadcast", mod)
+        vars(parent)["shm_broadcast"] = mod  # a submodule is an attribute of its package
     for name in ("MessageQueue", "Handle"):
         if not hasattr(mod, name):
             raise VllmUnavailable(f"{source.describe()}: defines no {name}; not vLLM's shm_broadcast.py")

@@ -4,23 +4,23 @@ without vllm installed (the ``bench broadcast`` baseline; see ``_vllm_loader``).
 Written here from what those names do in vLLM (documented behaviour, not vLLM's code); only what vLLM 0.32 and
 0.33's file needs at import time and on the paths the bench takes (one writer, local readers, no tensor arena):
 
-============================================  ===========================================================================
-``vllm.envs``                                 ``VLLM_RINGBUFFER_WARNING_INTERVAL`` (env, default 60 s),
-                                              ``VLLM_USE_SPINLOOP_EXT`` (env, default 0: the C spin loop stays off, as in
-                                              vLLM), ``VLLM_RPC_BASE_PATH`` (env, default the temp dir); read per access
-``vllm.distributed.utils``                    ``sched_yield`` (``os.sched_yield``, what vLLM uses on Python >= 3.11.1);
-                                              ``StatelessProcessGroup`` (an empty class: only an ``isinstance`` check in
-                                              ``create_from_process_group``, which the bench does not call)
-``vllm.logger``                               ``init_logger`` -> ``logging.getLogger``
-``vllm.platforms``                            ``current_platform.device_count()`` (torch's CUDA count; only the
-                                              single-reader constructor uses it)
-``vllm.utils.cpu_resource_utils``             ``check_cgroup_memory_available``: no check (the bench's segments are a few
-                                              MiB; the file still checks /dev/shm's free space itself)
-``vllm.utils.network_utils``                  ``get_open_zmq_ipc_path`` (``ipc://<VLLM_RPC_BASE_PATH>/<uuid4>``),
-                                              ``get_open_zmq_inproc_path`` (``inproc://<uuid4>``),
-                                              ``is_valid_ipv6_address``, ``get_ip`` (127.0.0.1: only remote readers,
-                                              which the bench never has, use it)
-============================================  ===========================================================================
+===========================================  ===========================================================================
+``vllm.envs``                                ``VLLM_RINGBUFFER_WARNING_INTERVAL`` (env, default 60 s),
+                                             ``VLLM_USE_SPINLOOP_EXT`` (env, default 0: the C spin loop stays off, as in
+                                             vLLM), ``VLLM_RPC_BASE_PATH`` (env, default the temp dir); read per access
+``vllm.distributed.utils``                   ``sched_yield`` (``os.sched_yield``, what vLLM uses on Python >= 3.11.1);
+                                             ``StatelessProcessGroup`` (an empty class: only an ``isinstance`` check in
+                                             ``create_from_process_group``, which the bench does not call)
+``vllm.logger``                              ``init_logger`` -> ``logging.getLogger``
+``vllm.platforms``                           ``current_platform.device_count()`` (torch's CUDA count; only the
+                                             single-reader constructor uses it)
+``vllm.utils.cpu_resource_utils``            ``check_cgroup_memory_available``: no check (the bench's segments are a few
+                                             MiB; the file still checks /dev/shm's free space itself)
+``vllm.utils.network_utils``                 ``get_open_zmq_ipc_path`` (``ipc://<VLLM_RPC_BASE_PATH>/<uuid4>``),
+                                             ``get_open_zmq_inproc_path`` (``inproc://<uuid4>``),
+                                             ``is_valid_ipv6_address``, ``get_ip`` (127.0.0.1: only remote readers,
+                                             which the bench never has, use it)
+===========================================  ===========================================================================
 
 Not provided (imported lazily on paths the bench does not take): ``vllm.spinloop`` (the file falls back with a
 warning when ``VLLM_USE_SPINLOOP_EXT=1``), ``shm_tensor_arena``, ``vllm.platforms.interface``,
@@ -105,7 +105,7 @@ def install() -> list[str]:
     Call only when vllm itself is not importable: the stand-ins would shadow the real package.
     """
     envs = _module("vllm.envs")
-    envs.__getattr__ = _env_value  # type: ignore[attr-defined]  # PEP 562: read the environment per access
+    envs.__dict__["__getattr__"] = _env_value  # PEP 562: the module's own __getattr__ reads the environment
     modules = {name: _module(name, __path__=[]) for name in PACKAGES}
     modules.update({
         "vllm.envs": envs,

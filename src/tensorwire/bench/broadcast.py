@@ -62,7 +62,7 @@ def _run(rank: int, world: int, backend: str, cases: list[Case], rounds: list[in
     out: dict[str, Any] = {"lat": {}, "cpu": {}}
     counter = 0
     try:
-        for case, n in zip(cases, rounds):
+        for case, n in zip(cases, rounds, strict=True):
             value = build(case)
             expected = build(case) if rank else None
             lat: list[float] = []
@@ -314,8 +314,8 @@ def _print_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle
     print("\nidle reader CPU (fraction of one core while waiting; after the first second in brackets)")
     for d in idle:
         after = d["after_settle_reader_cpu_frac_max"]
-        print(f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  max {d['reader_cpu_frac_max']:.3f}"
-              + (f"  ({after:.3f})" if after is not None else ""))
+        print(f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  "
+              f"max {d['reader_cpu_frac_max']:.3f}" + (f"  ({after:.3f})" if after is not None else ""))
 
 
 def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: list[dict[str, Any]]) -> dict[str, Any]:

@@ -40,13 +40,13 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
              log_dir: Path | None = None, startup_timeout_s: float = 120.0) -> dict[str, Any]:
     """One SIGTERM-during-fetches run (module docstring); returns its record."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2
     from prometheus_client import CollectorRegistry
 
-    from tensorwire.cli.demo import Child
     from tensorwire.encoder import sample_paths
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for, wire
+    from tensorwire.service._child import Child
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="tensorwire-drain-"))
     argv = ["serve-encoder", "--port", "0", "--metrics-port", "-1", "--wait-exporter-s", "30",
@@ -110,8 +110,14 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
             raise RuntimeError("the held fetch never reached its RDMA read (is the RDMA plane up?)")
 
         channel = grpc.insecure_channel(endpoint)
-        health = health_pb2_grpc.HealthStub(channel)
-        watch = health.Watch(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=drain_s + grace_s + 30)
+        request = health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME)
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        watch = channel.unary_stream("/grpc.health.v1.Health/Watch",
+                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                     response_deserializer=health_pb2.HealthCheckResponse.FromString,
+                                     )(request, timeout=drain_s + grace_s + 30)
         watched: list[tuple[float, str]] = []
 
         def follow_watch() -> None:
@@ -133,7 +139,7 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
         deadline = t_sig + drain_s + grace_s + 15.0
         while server.proc.poll() is None and time.monotonic() < deadline:
             try:
-                status = health.Check(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=1.0).status
+                status = check(request, timeout=1.0).status
                 checks.append((time.monotonic(), health_pb2.HealthCheckResponse.ServingStatus.Name(status)))
             except grpc.RpcError as exc:
                 checks.append((time.monotonic(), f"error:{exc.code().name}"))

@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) instead of the sweep")
+                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) "
+                    "instead of the sweep")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['ratio_rdma_read_over_memcpy']:4.2f}x; 1-thread memcpy {mc1:6.2f} ms) | ctrl overhead "
                       f"{r['control_overhead']['median_ms']:6.2f} ms (excl export "
                       f"{r['control_overhead_excl_export']['median_ms']:5.2f})", flush=True)
-                print(f"{'':9}    | zero-copy output (allocate_output): rdma transfer {z['transfer']['median_ms']:8.2f} ms "
+                print(f"{'':9}    | zero-copy output (allocate_output): "
+                      f"rdma transfer {z['transfer']['median_ms']:8.2f} ms "
                       f"(export {z['export']['median_ms']:6.2f}, read {z['read']['median_ms']:6.2f}) | rdma/memcpy "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy']:4.2f}x (1-thread "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy_1thread']:4.2f}x) | ctrl overhead "
@@ -320,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
                       f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
                       f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
-                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
+                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | "
+                      f"rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
                       f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
                       f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
                       f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x", flush=True)

@@ -2,7 +2,8 @@
 
 Sends all images in one request through ``RemoteOutputTransport`` (RDMA when both sides can, inline otherwise)
 and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json`` prints
-one object whose keys are in ``EPILOG`` (``tensorwire fetch --help``) and docs/deployment.md, also on failure.
+one object, also on failure; its keys are in ``EPILOG`` (``tensorwire fetch --help``), in
+``tensorwire.bench._e2e`` (which builds it) and in docs/deployment.md.
 Exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files.
 """
 
@@ -13,26 +14,12 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
+
+from tensorwire.bench._e2e import FETCH_JSON_HELP
 
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
-
-SCHEMA = "tensorwire.fetch"
-SCHEMA_VERSION = 1  # bumped when a key changes meaning or goes away; new keys may appear without a bump
-
-EPILOG = f"""\
---json output: one JSON object on stdout, schema "{SCHEMA}" version {SCHEMA_VERSION}.
-  always:     schema (str), schema_version (int), ok (bool), endpoint (str)
-  ok=true:    plane ("rdma" | "inline"), fallback_reason (str | null: why RDMA fell back to inline),
-              worker_id (str), items (list, one per image: image, shape, dtype, device,
-              position_ids_shape), encoder_ms, transfer_ms (total minus the encoder's forward),
-              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int)
-  ok=false:   error: {{type (exception class, e.g. "PeerUnavailable"), reason (a stable
-              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int)}}
-exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files
-"""
+EPILOG = FETCH_JSON_HELP + "exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,63 +39,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (JPEG, PNG, ...)")
 
 
-def result_dict(out: Any, names: list[str]) -> dict[str, Any]:
-    """The JSON form of a MultimodalOutput (also used by the demo)."""
-    stage = dict(out.stage_ms)
-    encoder_ms = float(stage.get("encoder.encode", 0.0))
-    total_ms = float(stage.get("total", 0.0))
-    items = []
-    for i, emb in enumerate(out.embeddings):
-        item = {"image": names[i] if i < len(names) else str(i), "shape": list(emb.shape),
-                "dtype": str(emb.dtype).replace("torch.", ""), "device": str(emb.device)}
-        if out.position_ids is not None:
-            item["position_ids_shape"] = list(out.position_ids[i].shape)
-        items.append(item)
-    return {
-        "plane": out.plane.value,
-        "fallback_reason": out.fallback_reason.value if out.fallback_reason is not None else None,
-        "worker_id": out.worker_id,
-        "items": items,
-        "encoder_ms": encoder_ms,
-        "transfer_ms": max(0.0, total_ms - encoder_ms),
-        "total_ms": total_ms,
-        "stage_ms": stage,
-        "payload_bytes": out.payload_bytes,
-    }
-
-
-def drain_releases(transport: Any, timeout_s: float) -> bool:
-    """Waits until the async release queue has sent everything (close() would abandon queued ids to the GC)."""
-    deadline = time.monotonic() + timeout_s
-    while transport.release_queue.pending and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return not transport.release_queue.pending
-
-
 def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     """Reports a failure: one JSON object with ``--json``, else one ``error:`` line on stderr."""
-    from tensorwire.errors import Reason, TensorwireError
+    from tensorwire.bench._e2e import fetch_error_document
+    from tensorwire.errors import TensorwireError
 
-    typed = isinstance(exc, TensorwireError)
-    reason = exc.reason if isinstance(exc, TensorwireError) else Reason.INVALID_REQUEST if code == 2 else Reason.UNKNOWN
-    message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-    if isinstance(exc, OSError) and exc.filename:
-        message = f"{exc.filename}: {message}"
+    doc = fetch_error_document(exc, code, args.endpoint)
     if args.json:
-        print(json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "ok": False, "endpoint": args.endpoint,
-                          "error": {"type": type(exc).__name__, "reason": reason.value, "message": message,
-                                    "exit_code": code}}))
-    elif typed:
-        print(f"error: {type(exc).__name__} ({reason.value}): {message}", file=sys.stderr)
-    else:
-        print(f"error: {message}", file=sys.stderr)
+        print(json.dumps(doc))
+        return code
+    err = doc["error"]
+    what = f"{err['type']} ({err['reason']}): " if isinstance(exc, TensorwireError) else ""
+    print(f"error: {what}{err['message']}", file=sys.stderr)
     return code
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensorwire.bench._e2e import fetch_document, fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
     from tensorwire.service._endpoint import parse_endpoint
+    from tensorwire.service._runtime import drain_releases, stdout_to_stderr
 
     try:
         endpoint = str(parse_endpoint(args.endpoint, "--endpoint"))
@@ -121,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
     except (TensorwireError, ValueError, OSError) as exc:
         return _error(args, exc, 2)
     names = [os.path.basename(p) for p in args.images]
-    from tensorwire.service._runtime import stdout_to_stderr
-
     try:
         with stdout_to_stderr(), RemoteOutputTransport(endpoint, cfg) as transport:
             if cfg.mode == "auto" and not transport.wait_ready(args.wait_reader_s):
@@ -132,18 +81,6 @@ def run(args: argparse.Namespace) -> int:
             drain_releases(transport, cfg.release_timeout_ms / 1000.0 + 1.0)
     except TensorwireError as exc:
         return _error(args, exc, 1)
-    result = result_dict(out, names)
-    if args.json:
-        print(json.dumps({"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "ok": True, "endpoint": endpoint,
-                          **result}))
-        return 0
-    for item in result["items"]:
-        pos = f"  position_ids {item['position_ids_shape']}" if "position_ids_shape" in item else ""
-        print(f"{item['image']}: embedding {item['shape']} {item['dtype']} on {item['device']}{pos}")
-    fb = f" (fallback: {result['fallback_reason']})" if result["fallback_reason"] else ""
-    print(f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  payload: {result['payload_bytes'] / 1e6:.2f} MB")
-    stages = "  ".join(f"{k}={v:.2f}" for k, v in sorted(result["stage_ms"].items()))
-    print(f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
-          f"total {result['total_ms']:.2f} ms")
-    print(f"stages (ms): {stages}")
+    result = fetch_result(out, names)
+    print(json.dumps(fetch_document(result, endpoint)) if args.json else "\n".join(fetch_lines(result)))
     return 0

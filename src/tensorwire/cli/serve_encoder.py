@@ -17,6 +17,10 @@ import argparse
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.mm import TransportConfig
 
 HELP = "run a vision-encoder worker (gRPC EncoderService, health, Prometheus /metrics)"
 
@@ -63,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(rdma, RdmaConfig, prefix="rdma_", help_extra=_RDMA_HELP)
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> TransportConfig:
     """TransportConfig from flags over the environment over defaults."""
     from tensorwire.mm import TransportConfig
     from tensorwire.rdma import RdmaConfig
@@ -82,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError
     from tensorwire.service._flags import stop_config
-    from tensorwire.service._runtime import (EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready,
-                                             wait_for_signal)
+    from tensorwire.service._runtime import EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready, wait_for_signal
     from tensorwire.service._worker import EncoderWorker
 
     try:
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("effective config: %s", config)
     metrics = None
     served = False  # the drain period is for peers that saw us SERVING; a failed start has none
-    worker = EncoderWorker.loading(lambda: load_encoder(args.model, device=args.device), config,  # type: ignore[arg-type]
+    worker = EncoderWorker.loading(lambda: load_encoder(args.model, device=args.device), config,
                                    device=args.device, model=args.model, reuse_port=args.reuse_port)
     try:
         try:
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         if args.wait_exporter_s > 0 and not worker.wait_ready(args.wait_exporter_s):
             log.warning("RDMA exporter not ready after %.1f s; serving inline until it is", args.wait_exporter_s)
         print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",
-                    worker_id=worker.worker_id, mode=config.mode, model=args.model)  # type: ignore[attr-defined]
+                    worker_id=worker.worker_id, mode=config.mode, model=args.model)
         served = True
         got = wait_for_signal()
         log.info("%s: stopping (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)

@@ -49,8 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorwire.errors import TensorwireError
     from tensorwire.service._flags import flag_values, stop_config
     from tensorwire.service._proxy import EncoderProxy, ProxyConfig
-    from tensorwire.service._runtime import (EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready,
-                                             wait_for_signal)
+    from tensorwire.service._runtime import EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready, wait_for_signal
 
     try:
         config = ProxyConfig(workers=tuple(args.worker), **flag_values(args, ProxyConfig))

@@ -14,7 +14,8 @@ Thread-safety: every method may be called from any thread; one lock guards the s
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,14 +68,14 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
     # -- grpc.health.v1.Health
 
-    def Check(self, request: health_pb2.HealthCheckRequest,  # noqa: N802 - the proto's method name
+    def Check(self, request: health_pb2.HealthCheckRequest,  # the proto's method name
               context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
         status = self.status(request.service)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,  # noqa: N802
+    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
               send_response_callback: _Send | None = None) -> None:
         assert send_response_callback is not None  # experimental_non_blocking is set below
         send = send_response_callback

@@ -44,8 +44,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 

@@ -32,9 +32,10 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -197,8 +198,8 @@ class _Worker:
     index: int
     address: str
     channel: grpc.Channel
-    encode: Any
-    release: Any
+    encode: grpc.UnaryUnaryMultiCallable[bytes, bytes]
+    release: grpc.UnaryUnaryMultiCallable[wire.ReleaseLeasesRequest, wire.ReleaseLeasesResponse]
     info: WorkerInfo | None = None
     worker_id: str | None = None  # from WorkerInfo, then from its latest receipt (a restarted worker has a new one)
 
@@ -328,7 +329,7 @@ class EncoderProxy:
 
     close = stop
 
-    def __enter__(self) -> "EncoderProxy":
+    def __enter__(self) -> EncoderProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -360,7 +361,7 @@ class EncoderProxy:
         start = time.monotonic()
         try:
             request = wire.EncodeRequest.FromString(raw)
-        except Exception:  # noqa: BLE001 - any parse failure is the caller's malformed request
+        except Exception:  # any parse failure is the caller's malformed request
             m.requests.labels("invalid").inc()
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeRequest does not parse")
@@ -422,8 +423,8 @@ class EncoderProxy:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
-            md = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == wire.REASON_METADATA_KEY]
-        except AttributeError:
+            md = [(k, v) for k, v in wire.trailing_pairs(exc) if k == wire.REASON_METADATA_KEY]
+        except (TypeError, ValueError):
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))
@@ -436,7 +437,7 @@ class EncoderProxy:
         assert self._metrics is not None
         try:
             msg = wire.EncodeResponse.FromString(response)
-        except Exception:  # noqa: BLE001 - the client would reject it too
+        except Exception:  # the client would reject it too
             self._metrics.bad_receipts.inc()
             log.warning("worker %s sent a response that does not parse", worker.address)
             return last

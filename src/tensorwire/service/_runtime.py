@@ -1,5 +1,6 @@
-"""Process plumbing shared by the serve commands: the /metrics endpoint, the READY line, signal-driven shutdown,
-the stop settings and the exit codes.
+"""Process plumbing shared by the CLI commands: the /metrics endpoint, the READY line, signal-driven shutdown,
+stdout kept for results, waiting out a client's release queue before it closes, the stop settings and the exit
+codes.
 
 Exit codes of every ``tensorwire`` command: ``EXIT_OK`` 0; ``EXIT_FAILED`` 1 (it ran and failed: a fetch, a
 worker that did not answer); ``EXIT_USAGE`` 2 (bad arguments or configuration, unreadable files);
@@ -16,8 +17,13 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorwire.mm import RemoteOutputTransport
 
 from tensorwire.errors import ConfigError, Reason
 
@@ -124,6 +130,14 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def drain_releases(transport: RemoteOutputTransport, timeout_s: float) -> bool:
+    """Waits until the async release queue has sent everything (close() would abandon queued ids to the GC)."""
+    deadline = time.monotonic() + timeout_s
+    while transport.release_queue.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return not transport.release_queue.pending
+
+
 def fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
@@ -150,5 +164,5 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_FAILED
 
 
-__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "StopConfig", "exit_code_for", "exit_now", "fail",
-           "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]
+__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "StopConfig", "drain_releases",
+           "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]

@@ -14,12 +14,19 @@ again from the first moment of a stop (the drain period, see ``GrpcHost``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reason
-from tensorwire.mm import (EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig,
-                           TransportMetrics)
+from tensorwire.mm import (
+    EncoderOutput,
+    EncoderService,
+    MultimodalInput,
+    OutputTransport,
+    TransportConfig,
+    TransportMetrics,
+)
 from tensorwire.mm._host import GrpcHost
 from tensorwire.service._info import info_handler, make_info
 
@@ -77,7 +84,7 @@ class EncoderWorker:
 
     @classmethod
     def loading(cls, load: Callable[[], VisionEncoder], config: TransportConfig, *, device: str = "cpu",
-                **kwargs: Any) -> "EncoderWorker":
+                **kwargs: Any) -> EncoderWorker:
         """A worker whose encoder ``load()`` builds after ``start``; health says NOT_SERVING until then."""
         return cls(None, config, load=load, device=device, **kwargs)
 
@@ -162,7 +169,7 @@ class EncoderWorker:
 
     close = stop
 
-    def __enter__(self) -> "EncoderWorker":
+    def __enter__(self) -> EncoderWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -169,7 +169,7 @@ class HealthProber:
             began = time.monotonic()
             try:
                 self.probe_once()
-            except Exception:  # noqa: BLE001 - a probe bug must not end probing; it is logged
+            except Exception:  # a probe bug must not end probing; it is logged
                 log.exception("health probe round failed")
             self._stop.wait(max(0.0, self._interval_s - (time.monotonic() - began)))
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 PRIORITY = ("client_cut", "worker_restart", "worker_cut")
 WORKER_KINDS = ("worker_restart", "worker_cut")

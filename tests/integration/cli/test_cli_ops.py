@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from tensorwire.cli.demo import Child
+from tensorwire.service._child import Child
 
 CLI = [sys.executable, "-m", "tensorwire.cli.main"]
 

@@ -103,4 +103,4 @@ def test_a_faulted_worker_costs_no_request_a_healthy_one_could_serve(report: dic
         av["windows"].get("worker_cut", 0) >= 1
     # One worker at a time: no two worker-fault windows overlap.
     worker = sorted((w for w in av["window_list"] if w["kind"] != "client_cut"), key=lambda w: w["start_s"])
-    assert all(a["end_s"] <= b["start_s"] for a, b in zip(worker, worker[1:])), worker
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(worker, worker[1:], strict=False)), worker

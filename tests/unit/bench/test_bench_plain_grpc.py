@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest

@@ -8,8 +8,8 @@ import importlib.util
 import os
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -84,7 +84,8 @@ def test_the_search_folder_prefers_the_extracted_file_then_the_newest_name(tmp_p
     _wheel(tmp_path / "vllm-0.99.0-cp38-abi3-manylinux_2_28_x86_64.whl", FAKE)
     (tmp_path / "vllm-0.32.0-shm_broadcast.py").write_bytes(FAKE)
     (tmp_path / "vllm-0.33.0-shm_broadcast.py").write_bytes(FAKE)
-    assert loader.locate(None, search_dir=tmp_path) == VllmSource("file", str(tmp_path / "vllm-0.33.0-shm_broadcast.py"))
+    newest = str(tmp_path / "vllm-0.33.0-shm_broadcast.py")
+    assert loader.locate(None, search_dir=tmp_path) == VllmSource("file", newest)
     for p in tmp_path.glob("*.py"):
         p.unlink()
     assert loader.locate(None, search_dir=tmp_path).kind == "wheel"
