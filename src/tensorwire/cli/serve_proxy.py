@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
     add_stop_flags(parser)
     add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
-        "max_attempts": "attempts per Encode, in rounds over the workers; 0 = two rounds of every worker",
+        "max_attempts": "attempts per Encode, in rounds over the workers; 0 = three rounds of every worker",
         "check_workers": "ask workers for WorkerInfo at start-up (RDMA port check, route TTL)",
         "slot_gc_timeout_ms": "workers' lease GC timeout, for the route TTL when workers are not asked",
         "probe_interval_s": "seconds between health probes of each worker",

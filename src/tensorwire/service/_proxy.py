@@ -3,7 +3,7 @@
 Per ``Encode``: pick workers round-robin (those that can serve first, see ``_workers.WorkerHealth``; those the
 request's ``rdma_excluded_workers`` names last), forward the request bytes unchanged, retry on the next worker
 when the failure is about the worker (UNAVAILABLE, INTERNAL, ...) rather than about the request
-(INVALID_ARGUMENT...), within the caller's deadline and ``max_attempts`` (by default two rounds over all). A
+(INVALID_ARGUMENT...), within the caller's deadline and ``max_attempts`` (by default three rounds over all). A
 receipt that fails the checks a reader would make before reading (``_receipt.check_receipt``: descriptors, roles,
 layout, inline sizes) is a worker failure too: its leases are released on that worker and the next one is asked;
 only the last attempt's receipt is forwarded as it is. A successful receipt's lease ids are recorded in the
@@ -78,7 +78,7 @@ class ProxyConfig:
     """Settings of ``serve-proxy``. Timeouts default to the transport's, so proxy and workers agree."""
 
     workers: tuple[str, ...] = ()
-    # Attempts per Encode, in rounds over the workers (UP ones first); 0: two rounds of every worker. Attempts
+    # Attempts per Encode, in rounds over the workers (UP ones first); 0: three rounds of every worker. Attempts
     # also stop when the caller's deadline is spent.
     max_attempts: int = 0
     worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
@@ -122,8 +122,9 @@ class ProxyConfig:
 
 
 # Default rounds over the workers per Encode: a request can outlive one worker's fault and meet the next one
-# (the worker it retried on dies while the first is back), so a second round asks the recovered one again.
-ROUNDS = 2
+# (the worker it retried on dies while the first is back), so later rounds ask the recovered one again; and with
+# one worker left, a transient fault on its path (a broken receipt) can hit twice in a row.
+ROUNDS = 3
 ROUND_PAUSE_S = 0.05  # between rounds, so that nothing spins when every worker fails at once
 
 
