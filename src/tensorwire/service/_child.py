@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tensorwire._lifeline import parent_lifeline
@@ -27,20 +27,25 @@ CHILD_GRACE_S = 5.0  # the deployment's children get --grace-s this; stop() wait
 
 
 class Child:
-    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line."""
+    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line.
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path) -> None:
+    ``prefix`` goes before the command (``ip netns exec NS``: tests run hosts as network namespaces); ``env``
+    replaces this process's environment."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, *, prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # the child writes it until terminate() closes it
-        env = dict(os.environ)
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        env["PYTHONUNBUFFERED"] = "1"
+        child_env = dict(os.environ if env is None else env)
+        child_env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        child_env["PYTHONUNBUFFERED"] = "1"
         # start_new_session: the terminal's Ctrl-C reaches only the parent, which stops its children in order; the
-        # lifeline kills them when the parent dies without that chance (SIGKILL).
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensorwire.cli.main", *argv], stdout=subprocess.PIPE,
-                                     stderr=self._log, stdin=subprocess.DEVNULL, start_new_session=True,
-                                     **parent_lifeline().popen_kwargs(env))
+        # lifeline kills them when the parent dies without that chance (SIGKILL). A prefix (``ip netns exec``)
+        # execs the command in the same process, so the lifeline reaches it.
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
+                                     stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
+                                     start_new_session=True, **parent_lifeline().popen_kwargs(child_env))
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, name=f"child-{name}-stdout", daemon=True).start()
 
