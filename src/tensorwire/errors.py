@@ -41,6 +41,7 @@ class Reason(str, enum.Enum):
     INVALID_CONFIG = "invalid_config"
     CLOSED = "closed"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
+    BIND_FAILED = "bind_failed"
     # descriptor validation
     DESCRIPTOR_MALFORMED = "descriptor_malformed"
     UNSUPPORTED_DTYPE = "unsupported_dtype"

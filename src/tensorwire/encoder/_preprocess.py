@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ from tensorwire.errors import InvalidPayload, Reason
 
 if TYPE_CHECKING:
     from PIL import Image
+
+_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 _FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 
@@ -63,7 +66,13 @@ def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image
         raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         # Pillow reports truncated/unknown data as OSError (UnidentifiedImageError) or SyntaxError.
-        raise InvalidPayload(f"image {index}: cannot decode {len(data)} bytes as an image ({exc})") from exc
+        raise InvalidPayload(f"image {index}: cannot decode {len(data)} bytes as an image ({_no_repr(exc)})") from exc
+
+
+def _no_repr(exc: BaseException) -> str:
+    """Pillow's message without the object reprs it embeds ("cannot identify image file <_io.BytesIO object at
+    0x7f...>"): the address means nothing to the caller, and it makes every message unique to alerting."""
+    return _REPR.sub("the data", str(exc)) or type(exc).__name__
 
 
 def smart_resize(height: int, width: int, unit: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
