@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default=None, help="/metrics bind address (default: --host)")
     parser.add_argument("--device", default="cpu", help="encoder device: cpu or cuda:N (default: cpu)")
     parser.add_argument("--model", default="builtin",
-                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory (default: builtin)")
+                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
+                             "weights and its preprocessor_config.json, never downloaded (default: builtin)")
     parser.add_argument("--grace-s", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGTERM (default: 10)")
     parser.add_argument("--wait-exporter-s", type=float, default=0.0,
