@@ -9,6 +9,7 @@ the pixels the tower sees (resize, crop, alpha, patch order) shows up, however s
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -98,23 +99,30 @@ def images() -> dict[str, bytes]:
     return {"square": SQUARE.read_bytes(), "scene": SCENE.read_bytes(), "rgba_300x170": buf.getvalue()}
 
 
+@functools.cache
+def _reference_model(kind: str, path: Path) -> tuple[Any, Any]:
+    """transformers' own image processor and model for the directory (loaded once per module run)."""
+    proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    if kind == "qwen":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return proc, Qwen2VisionTransformerPretrainedModel.from_pretrained(path, local_files_only=True).eval()
+    cls = transformers.CLIPVisionModel if kind == "clip" else transformers.SiglipVisionModel
+    return proc, cls.from_pretrained(path, local_files_only=True).eval()
+
+
 def _reference(kind: str, path: Path, data: list[bytes]) -> list[torch.Tensor]:
     """transformers' processor + model on ``data`` as one request (per image for the Qwen2-VL tower)."""
-    proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
+    proc, model = _reference_model(kind, path)
     pil = [Image.open(io.BytesIO(d)) for d in data]
     with torch.inference_mode():
         if kind == "qwen":
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-            tower = Qwen2VisionTransformerPretrainedModel.from_pretrained(path, local_files_only=True).eval()
             out = []
             for img in pil:
                 inputs = proc(images=[img], return_tensors="pt")
-                res = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+                res = model(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
                 out.append(res if isinstance(res, torch.Tensor) else res.pooler_output)
             return out
-        cls = transformers.CLIPVisionModel if kind == "clip" else transformers.SiglipVisionModel
-        model = cls.from_pretrained(path, local_files_only=True).eval()
         hidden = model(pixel_values=proc(images=pil, return_tensors="pt")["pixel_values"]).last_hidden_state
         return list(hidden[:, 1:] if kind == "clip" else hidden)
 
@@ -160,9 +168,7 @@ def test_one_request_with_several_images_equals_the_batched_reference(
 def test_old_square_squash_differs_from_the_model_processor_on_non_square_images(
         model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]) -> None:
     # The finding: squashing to the square is right only where the processor does the same for that image.
-    path = model_dirs["clip"]
-    proc = transformers.AutoImageProcessor.from_pretrained(path, local_files_only=True)
-    model = transformers.CLIPVisionModel.from_pretrained(path, local_files_only=True).eval()
+    proc, model = _reference_model("clip", model_dirs["clip"])
     with torch.inference_mode():
         for name, differs in (("square", False), ("scene", True), ("rgba_300x170", True)):
             squashed = model(pixel_values=_old_squash(images[name], 56, proc.image_mean, proc.image_std)[None])
