@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default=None, help="/metrics bind address (default: --host)")
     parser.add_argument("--device", default="cpu", help="encoder device: cpu or cuda:N (default: cpu)")
     parser.add_argument("--model", default="builtin",
-                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory (default: builtin)")
+                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
+                             "weights and its preprocessor_config.json, never downloaded (default: builtin)")
     add_stop_flags(parser)
     parser.add_argument("--wait-exporter-s", type=float, default=0.0,
                         help="before READY, wait this long for the RDMA exporter (default: 0, build in background)")
