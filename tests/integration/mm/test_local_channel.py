@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 from _env import INPUTS, Env, check_output, encode_fn, wait_for
+from prometheus_client import CollectorRegistry
 
 from tensorwire import _unix
 from tensorwire.errors import (
@@ -242,7 +243,6 @@ def test_a_connection_that_broke_after_sending_is_not_resent(env: Env) -> None:
 @pytest.mark.parametrize("channel", ["grpc", "local"])
 def test_worker_killed_mid_request_is_a_typed_error_not_a_hang(channel: str) -> None:
     import _held_proc
-    from prometheus_client import CollectorRegistry
 
     from tensorwire.mm import RemoteOutputTransport, TransportMetrics
 
@@ -394,7 +394,8 @@ def test_connections_over_the_worker_cap_use_grpc(local_env: Env) -> None:
 
 def test_a_proxy_has_no_local_channel_and_its_clients_stay_on_grpc(local_env: Env) -> None:
     srv = local_env.server()
-    proxy = EncoderProxy(ProxyConfig(workers=(srv.address,), check_workers=False, worker_wait_s=5))
+    proxy = EncoderProxy(ProxyConfig(workers=(srv.address,), check_workers=False, worker_wait_s=5),
+                         registry=CollectorRegistry())
     proxy.start("127.0.0.1:0")
     try:
         c = local_env.client(f"127.0.0.1:{proxy.port}")
