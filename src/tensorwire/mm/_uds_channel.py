@@ -6,7 +6,8 @@ worker's token is ours and the path is a socket of ours, 0600 at most, in a priv
 connection is used only when the listener's SO_PEERCRED uid is ours and it said hello (``_uds_service``). A proxy
 has no ``LocalChannel`` (UNIMPLEMENTED): clients of a proxy stay on gRPC, so its routing is never bypassed. The
 first fetch waits for that first answer (at most ``local_channel_wait_ms``); a "no" (other host, channel off,
-not listening, UNIMPLEMENTED, a failed check) is asked again after ``open_seconds``, in the background.
+not listening, UNIMPLEMENTED, a failed check) is asked again after ``open_seconds``, an endpoint that did not
+answer (not up yet) after a second, in the background, when a fetch finds it due.
 
 Per fetch (``session``): an idle connection of the pool (at most ``control_stream_pool``), or a new one; with none
 (pool full, not discovered, connect or hello failed) the fetch uses the gRPC channel's session, unchanged. On
@@ -55,6 +56,7 @@ from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
 log = logging.getLogger(__name__)
 
 PATH_LABEL = "local"
+_TRANSIENT_RETRY_S = 1.0  # discovery that found no endpoint (not up yet, restarting) is retried this soon
 _GONE_ERRNOS = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.EPERM)
 
 
@@ -301,6 +303,7 @@ class UdsControlChannel(ControlChannel):
     def _discover(self) -> None:
         path: str | None = None
         why = ""
+        retry_s = self._config.open_seconds
         try:
             if not self._token:
                 why = "no host token (cannot read the kernel's boot id)"
@@ -313,6 +316,9 @@ class UdsControlChannel(ControlChannel):
                 else:
                     _unix.check_socket_path(info.path)
                     path = info.path
+        except (PeerUnavailable, DeadlineExceeded) as exc:  # the endpoint is not up (yet): ask again soon
+            why = f"LocalChannel: {exc}"
+            retry_s = min(_TRANSIENT_RETRY_S, retry_s)
         except TensorwireError as exc:
             why = f"LocalChannel: {exc}"
         except (OSError, _unix.InsecurePath) as exc:
@@ -321,13 +327,13 @@ class UdsControlChannel(ControlChannel):
             why = f"LocalChannel: {exc}"
         with self._lock:
             self._path = path
-            self._retry_at = 0.0 if path is not None else time.monotonic() + self._config.open_seconds
+            self._retry_at = 0.0 if path is not None else time.monotonic() + retry_s
         if path is not None:
             self._metrics.control_streams.labels("llm", "local_discovered").inc()
             log.info("same-host control channel for %s: %s", self.endpoint, path)
         else:
             self._rl.log(logging.INFO, "nolocal", "no same-host control channel for %s (%s); using gRPC, asking "
-                         "again in %.0f s", self.endpoint, why, self._config.open_seconds)
+                         "again in %.0f s", self.endpoint, why, retry_s)
         self._first.set()
 
     def _forget(self, path: str, why: str) -> None:

@@ -6,6 +6,7 @@ fakes; the ``env`` fixture lives in conftest.py).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -13,6 +14,15 @@ import torch
 from fakes import FakeExporter, FakeFabric, FakeReader
 from prometheus_client import CollectorRegistry
 
+from tensorwire.errors import (
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+)
 from tensorwire.mm import (
     EncoderOutput,
     MultimodalInput,
@@ -102,3 +112,44 @@ def check_output(out) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
     assert torch.equal(torch.cat(out.position_ids), POS)
     assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS, strict=True)) and len(out.extra_inputs) == 2
+
+
+class Held:
+    """An encode_fn that holds the requests whose first input is ``trigger`` (every request: None) until ``gate``
+    is set; ``entered`` is set when one is held, ``calls`` counts every request."""
+
+    def __init__(self, trigger: bytes | None = None) -> None:
+        self.trigger = trigger
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        self.calls += 1
+        if self.trigger is None or inputs[0].data == self.trigger:
+            self.entered.set()
+            self.gate.wait(10)
+        return encode_fn(inputs)
+
+
+class Fails:
+    """encode_fn raising ``exc`` for inputs whose data is b"bad"."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        if inputs[0].data == b"bad":
+            raise self.exc
+        return encode_fn(inputs)
+
+
+# The encode_fn errors both control paths must report alike: (raised, class the caller sees, its reason).
+ERROR_CASES = [
+    (ValueError("no such image"), InvalidPayload, Reason.INVALID_REQUEST),
+    (NotImplementedError("video"), ControlPlaneError, Reason.UNIMPLEMENTED),
+    (InvalidPayload("bad dims", reason=Reason.NEGATIVE_DIM), InvalidPayload, Reason.NEGATIVE_DIM),
+    (PoolExhausted("no slot"), PeerUnavailable, Reason.POOL_EXHAUSTED),
+    (TimeoutError("model stuck"), DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
+    (RuntimeError("CUDA error"), ProtocolError, Reason.UNKNOWN),
+]
+ERROR_IDS = ["value", "notimplemented", "invalid", "pool", "timeout", "runtime"]

@@ -24,17 +24,13 @@ from typing import Any
 
 import pytest
 import torch
-from _env import INPUTS, Env, check_output, encode_fn, wait_for
+from _env import ERROR_CASES, ERROR_IDS, INPUTS, Env, Fails, Held, check_output, wait_for
 from prometheus_client import CollectorRegistry
 
 from tensorwire import _unix
 from tensorwire.errors import (
-    ControlPlaneError,
     DeadlineExceeded,
-    InvalidPayload,
     PeerUnavailable,
-    PoolExhausted,
-    ProtocolError,
     Reason,
     TensorwireError,
 )
@@ -62,22 +58,6 @@ def expected_path(env: Env) -> str:
     return "local" if env.local == "auto" else "stream"
 
 
-class Held:
-    """encode_fn holding requests whose first input is ``trigger`` until ``gate`` is set."""
-
-    def __init__(self, trigger: bytes) -> None:
-        self.trigger = trigger
-        self.gate, self.entered = threading.Event(), threading.Event()
-        self.calls = 0
-
-    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
-        self.calls += 1
-        if inputs[0].data == self.trigger:
-            self.entered.set()
-            self.gate.wait(10)
-        return encode_fn(inputs)
-
-
 @pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
 def test_fetch_gives_the_bits_and_frees_every_lease(env: Env, mode: str) -> None:
     srv = env.server()
@@ -99,23 +79,7 @@ def test_fetch_gives_the_bits_and_frees_every_lease(env: Env, mode: str) -> None
             5 if mode == "auto" else 0)
 
 
-class Fails:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
-        if inputs[0].data == b"bad":
-            raise self.exc
-        return encode_fn(inputs)
-
-
-@pytest.mark.parametrize("exc,cls,reason", [
-    (ValueError("no such image"), InvalidPayload, Reason.INVALID_REQUEST),
-    (NotImplementedError("video"), ControlPlaneError, Reason.UNIMPLEMENTED),
-    (PoolExhausted("no slot"), PeerUnavailable, Reason.POOL_EXHAUSTED),
-    (TimeoutError("model stuck"), DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
-    (RuntimeError("CUDA error"), ProtocolError, Reason.UNKNOWN),
-], ids=["value", "notimplemented", "pool", "timeout", "runtime"])
+@pytest.mark.parametrize("exc,cls,reason", ERROR_CASES, ids=ERROR_IDS)
 def test_errors_are_the_unary_errors_and_the_connection_stays_open(
         local_env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason) -> None:
     env = local_env
@@ -435,3 +399,25 @@ def test_malformed_frames_end_the_connection_and_the_server_keeps_serving(local_
                                       {"side": "encoder", "reason": "invalid_request"}) == 1)
     check_output(local_env.client(srv.address).fetch(INPUTS))
     assert rpcs(local_env, "local") == 1
+
+
+def test_a_client_started_before_its_worker_finds_the_channel_soon(local_env: Env) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    c = local_env.client(address, TransportConfig(mode="grpc"))  # discovery finds nobody (open_seconds is 30)
+    assert c._channel.local_path is None  # type: ignore[attr-defined]
+    srv = local_env.server(TransportConfig(mode="grpc", worker_id="worker-1"), address=address)
+
+    def on_local() -> bool:
+        try:
+            c.fetch(INPUTS, timeout_ms=2000)
+        except PeerUnavailable:
+            return False  # gRPC's reconnect backoff
+        return c._channel.local_path == srv.service.local.path  # type: ignore[attr-defined,union-attr]
+
+    wait_for(on_local, timeout_s=15)  # asked again about a second later, not after open_seconds
+    before = rpcs(local_env, "local")
+    check_output(c.fetch(INPUTS))
+    assert rpcs(local_env, "local") == before + 1
