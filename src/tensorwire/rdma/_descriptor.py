@@ -141,29 +141,32 @@ class Descriptor:
             raise InvalidDescriptor(f"descriptor is {len(data)} bytes, over the {MAX_DESCRIPTOR_BYTES} limit")
         msg = pb.DescriptorPB()
         try:
-            msg.ParseFromString(bytes(data))
+            msg.ParseFromString(data if type(data) is bytes else bytes(data))
         except (DecodeError, ValueError, RuntimeError) as exc:
             raise InvalidDescriptor(f"descriptor bytes do not parse: {exc}") from exc
         if msg.version != WIRE_VERSION:
             raise InvalidDescriptor(f"descriptor version {msg.version} is not {WIRE_VERSION}")
-        if len(msg.manifest) > MAX_MANIFEST_ENTRIES:
-            raise InvalidDescriptor(f"manifest has {len(msg.manifest)} entries, over {MAX_MANIFEST_ENTRIES}")
+        # Each attribute access on a parsed message builds a wrapper object: every field is read once.
+        wire_manifest = msg.manifest
+        if len(wire_manifest) > MAX_MANIFEST_ENTRIES:
+            raise InvalidDescriptor(f"manifest has {len(wire_manifest)} entries, over {MAX_MANIFEST_ENTRIES}")
         entries = []
-        for i, e in enumerate(msg.manifest):
+        for i, e in enumerate(wire_manifest):
             dtype = _dtypes.from_wire(e.dtype)
             if dtype is None:
                 raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}",
                                         reason=Reason.UNSUPPORTED_DTYPE)
-            if len(e.shape) > MAX_DIMS:
-                raise InvalidDescriptor(f"manifest[{i}]: {len(e.shape)} dims, over {MAX_DIMS}")
-            entries.append(TensorMeta(shape=tuple(int(d) for d in e.shape), dtype=dtype, offset=e.offset,
-                                      nbytes=e.nbytes))
+            shape = e.shape
+            if len(shape) > MAX_DIMS:
+                raise InvalidDescriptor(f"manifest[{i}]: {len(shape)} dims, over {MAX_DIMS}")
+            # Repeated integer fields yield Python ints: tuple() is the conversion (_validate checks the types).
+            entries.append(TensorMeta(shape=tuple(shape), dtype=dtype, offset=e.offset, nbytes=e.nbytes))
         mem_type = _MEM_FROM_WIRE.get(msg.mem_type)
         if mem_type is None:
             raise InvalidDescriptor(f"unknown mem_type value {msg.mem_type}")
+        o = msg.owner
         desc = cls(
-            owner=Owner(msg.owner.agent_name, msg.owner.host, msg.owner.port, msg.owner.registration_epoch,
-                        msg.owner.metadata_token),
+            owner=Owner(o.agent_name, o.host, o.port, o.registration_epoch, o.metadata_token),
             mem_type=mem_type,
             device_id=msg.device_id,
             slot_addr=msg.slot_addr,
