@@ -8,6 +8,12 @@ Two control paths reach the same ``run_encode``: the unary ``Encode`` RPC and th
 (a bidi stream a client keeps open and sends its Encodes and success-path releases on; see encoder.proto for
 the message contract). A failure ends a unary call with a status and is a ``StreamError`` on the stream, built
 from the same table, so a caller sees the same exception on either path.
+
+Limits (issue 15): the service is served through ``GrpcHost`` (``methods()``), which admits, times and lanes
+every call; ``run_encode`` refuses more than ``max_request_items`` items or an item over ``max_item_bytes``
+(INVALID_ARGUMENT) and runs the encode function inside the call's scope narrowed to the request's worker budget,
+so an encode function that checks ``current_call()`` between items stops when the caller cancels or the budget
+passes; nothing is exported for a caller that is gone.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm._host import GrpcHost
+from tensorwire.mm._host import GrpcHost, Lane, Method, Service
 from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm._scope import CallScope, call_scope, current_call
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
 
 log = logging.getLogger(__name__)
@@ -74,9 +81,11 @@ class EncoderService:
     reason picks the status code), NotImplementedError (UNIMPLEMENTED) or ValueError (INVALID_ARGUMENT).
     The service does not own the transport; ``serve_encoder`` closes it on stop.
 
-    Streams: every open EncodeStream holds a server worker thread for its whole life, so at most
-    ``max_streams`` (default ``config.effective_server_stream_cap``) are open at once; one more is refused with
-    RESOURCE_EXHAUSTED before any of its messages is read (its client then uses the unary Encode). A server
+    Streams: every open EncodeStream holds a server thread for its whole life (not a work slot: it takes one per
+    Encode it runs), so at most ``max_streams`` (default ``config.effective_server_stream_cap``) are open at
+    once, and ``GrpcHost`` allows a peer ``max_streams_per_peer`` and ends a stream idle for
+    ``stream_idle_timeout_ms``; one more is refused with RESOURCE_EXHAUSTED before any of its messages is read
+    (its client then uses the unary Encode). A server
     that stops calls ``close_streams()`` after ``grpc.Server.stop`` so that idle streams end at once instead of
     holding the stop for its whole grace period; a stream in the middle of an Encode answers it first.
     """
@@ -98,29 +107,50 @@ class EncoderService:
     def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> pb.EncodeResponse:
         """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
 
-        Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
-        the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
+        Both control paths call this. Failures are counted and logged here. ``encode_fn`` runs inside the call's
+        scope (``current_call()``) narrowed to the request's worker budget. When ``is_active()`` is False once it
+        returned (the caller gave up), nothing is exported: the work is dropped and ``PeerUnavailable(CANCELLED)``
+        raised; when the caller goes while the export runs, the receipt's leases are released at once.
         """
+        self._check_limits(request)
         inputs = _codec.inputs_from_pb(request)
-        t0 = time.perf_counter()
-        try:
-            output = self._encode_fn(inputs)
-        except Exception as exc:
-            self.transport.release_pending()  # output buffers the encoder allocated before failing
-            self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
-            raise
-        encode_us = int((time.perf_counter() - t0) * 1e6)
-        try:
-            receipt = self.transport.transfer(request, output)
-        except Exception as exc:
-            self._count_failure(exc, "transfer failed: %r", exc)
-            raise
+        cfg = self.transport.config
+        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=cfg.worker_timeout_ms,
+                                       margin_ms=0)
+        outer = current_call()
+        scope = CallScope(outer.peer, deadline=min(outer.deadline, time.monotonic() + budget_ms / 1000.0),
+                          is_active=is_active)
+        with call_scope(scope):
+            t0 = time.perf_counter()
+            try:
+                output = self._encode_fn(inputs)
+                scope.check("the request")  # stopped or expired while encoding: export nothing
+            except Exception as exc:
+                self.transport.release_pending()  # output buffers the encoder allocated before failing
+                self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
+                raise
+            encode_us = int((time.perf_counter() - t0) * 1e6)
+            try:
+                receipt = self.transport.transfer(request, output)
+            except Exception as exc:
+                self._count_failure(exc, "transfer failed: %r", exc)
+                raise
         receipt.encoder_stage_us["encode"] = encode_us
         if receipt.rdma_slots and not is_active():
             # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
             released = self.transport.discard(receipt)
             log.info("caller went away after export; released %d lease(s) at once", released)
         return receipt
+
+    def _check_limits(self, request: pb.EncodeRequest) -> None:
+        limits = self.transport.config.limits
+        if len(request.inputs) > limits.max_request_items:
+            raise InvalidPayload(f"{len(request.inputs)} items in one request exceed max_request_items="
+                                 f"{limits.max_request_items}; split the request", reason=Reason.INVALID_REQUEST)
+        for i, item in enumerate(request.inputs):
+            if len(item.data) > limits.max_item_bytes:
+                raise InvalidPayload(f"item {i} is {len(item.data)} bytes, over max_item_bytes="
+                                     f"{limits.max_item_bytes}", reason=Reason.INVALID_REQUEST)
 
     def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
         self.transport.metrics.errors.labels("encoder", wire.status_for(exc)[1].value).inc()
@@ -140,8 +170,9 @@ class EncoderService:
         if len(request.lease_ids) > MAX_RELEASE_IDS:
             wire.abort_with(context, InvalidPayload(f"{len(request.lease_ids)} lease ids in one call exceed "
                                                     f"{MAX_RELEASE_IDS}", reason=Reason.INVALID_REQUEST))
-        released = self.transport.release(list(request.lease_ids))
-        return pb.ReleaseLeasesResponse(released=released).SerializeToString()
+        ids = list(request.lease_ids)
+        released = self.transport.release(ids)
+        return pb.ReleaseLeasesResponse(released=released, unknown=len(ids) - released).SerializeToString()
 
     # -- EncodeStream -------------------------------------------------------------------------------------
 
@@ -192,7 +223,8 @@ class EncoderService:
                 with stream.lock:
                     stream.busy = True
                 try:
-                    receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
+                    with current_call().work_slot():  # one Encode at a time per slot, as on the unary path
+                        receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
                     data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, receipt.SerializeToString())
                 except Exception as exc:
                     receipt = None
@@ -238,12 +270,13 @@ class EncoderService:
                 if not stream.busy:
                     stream.context.cancel()  # wakes the handler blocked on the next request
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
-            "Encode": grpc.unary_unary_rpc_method_handler(self.encode),
-            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(self.release_leases),
-            "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream),
-        })
+    def methods(self) -> Service:
+        """The EncoderService methods for ``GrpcHost``: Encode needs a work slot; ReleaseLeases never waits."""
+        return Service(wire.SERVICE_NAME, (
+            Method("Encode", self.encode, lane=Lane.WORK),
+            Method("ReleaseLeases", self.release_leases),
+            Method("EncodeStream", self.encode_stream, kind="stream"),
+        ))
 
 
 class EncoderServer:
@@ -285,23 +318,33 @@ class EncoderServer:
         self.stop()
 
 
+def encoder_host(what: str, services: Sequence[Service], cfg: TransportConfig, metrics: TransportMetrics, *,
+                 thread_prefix: str, extra_options: Sequence[tuple[str, Any]] = ()) -> GrpcHost:
+    """The ``GrpcHost`` of an encoder: ``server_threads`` work slots, the config's limits and TLS, refusals
+    counted on ``tensorwire_mm_server_refused_total``."""
+    return GrpcHost(what, services, work_slots=cfg.server_threads, thread_prefix=thread_prefix, limits=cfg.limits,
+                    tls=cfg.tls, extra_options=extra_options,
+                    on_refuse=lambda reason: metrics.server_refused.labels(reason).inc())
+
+
 def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, address: str = "127.0.0.1:0", *,
                   transport: OutputTransport | None = None, metrics: TransportMetrics | None = None,
                   exporter_factory: ExporterFactory | None = None,
-                  extra_options: Sequence[tuple[str, Any]] = ()) -> EncoderServer:
+                  extra_options: Sequence[tuple[str, Any]] = (), insecure: bool = False) -> EncoderServer:
     """Starts a gRPC server with EncoderService and grpc.health.v1 on ``address`` ("host:0" picks a port).
 
-    The exporter starts building now, in the background (``transport.wait_ready`` waits for it). Raises
-    ConfigError when the address cannot be bound (the transport is closed then).
+    TLS and limits come from ``config.tls`` and ``config.limits``; a plaintext server on a non-loopback address
+    needs ``insecure=True``. The exporter starts building now, in the background (``transport.wait_ready``
+    waits for it). Raises ConfigError when the address cannot (or may not) be bound (the transport is closed).
     """
     cfg = config if config is not None else TransportConfig()
     transport = transport if transport is not None else OutputTransport(cfg, exporter_factory=exporter_factory,
                                                                         metrics=metrics)
     service = EncoderService(encode_fn, transport)
-    host = GrpcHost("encoder server", (service.handler(),), threads=cfg.server_threads,
-                    thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
+    host = encoder_host("encoder server", (service.methods(),), cfg, transport.metrics,
+                        thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
     try:
-        host.bind(address)
+        host.bind(address, insecure=insecure)
     except ConfigError:
         transport.close()
         raise
@@ -313,4 +356,4 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     return EncoderServer(host, service)
 
 
-__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn"]
+__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "encoder_host", "EncodeFn"]
