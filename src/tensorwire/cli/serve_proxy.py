@@ -4,6 +4,11 @@ At start-up the proxy asks every worker for ``WorkerInfo`` (waiting up to ``--wo
 start when two workers on one host share a fixed ``--rdma-port`` (only one could bind it); the route TTL is
 the workers' largest ``slot_gc_timeout_ms`` + 5 s. ``--no-check-workers`` skips this (TTL from
 ``--slot-gc-timeout-ms``). Prints ``READY grpc=HOST:PORT metrics=HOST:PORT workers=N``.
+
+TLS (``--tls-*``, ``TENSORWIRE_MM_TLS_*``) applies to both sides: the listener (mTLS by default) and the channels to
+the workers (the proxy's certificate is its client certificate there). Limits as serve-encoder's (``ServerLimits``).
+A plaintext listener on a non-loopback address needs ``--insecure``; ``/metrics`` stays on loopback unless
+``--metrics-host`` says otherwise (then TLS or ``--insecure``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
     parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
+    from tensorwire.cli.serve_encoder import add_security_arguments
+    from tensorwire.mm._limits import ServerLimits
+
+    add_security_arguments(parser)
+    add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits)
     add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
         "max_attempts": "workers tried per Encode; 0 = every worker once",
         "check_workers": "ask workers for WorkerInfo at start-up (RDMA port check, route TTL)",
@@ -34,31 +46,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })
 
 
-def run(args: argparse.Namespace) -> int:
-    from tensorwire.errors import TensorwireError
+def build_config(args: argparse.Namespace) -> object:
+    """ProxyConfig from flags; its TLS and limits from flags over ``TENSORWIRE_MM_TLS_*`` / ``TENSORWIRE_MM_*``."""
+    import dataclasses
+    import os
+
+    from tensorwire.mm._config import dataclass_from_env
+    from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
+    from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
     from tensorwire.service._flags import flag_values
-    from tensorwire.service._proxy import EncoderProxy, ProxyConfig
-    from tensorwire.service._runtime import MetricsServer, fail, print_ready, wait_for_signal
+    from tensorwire.service._proxy import ProxyConfig
+
+    tls = dataclasses.replace(dataclass_from_env(TlsConfig, ENV_TLS_PREFIX, os.environ),
+                              **flag_values(args, TlsConfig, prefix="tls_"))
+    limits = dataclasses.replace(dataclass_from_env(ServerLimits, ENV_LIMITS_PREFIX, os.environ),
+                                 **flag_values(args, ServerLimits))
+    return ProxyConfig(workers=tuple(args.worker), tls=tls, limits=limits, **flag_values(args, ProxyConfig))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tensorwire.cli.serve_encoder import metrics_server
+    from tensorwire.errors import TensorwireError
+    from tensorwire.service._proxy import EncoderProxy
+    from tensorwire.service._runtime import fail, print_ready, wait_for_signal
 
     try:
-        config = ProxyConfig(workers=tuple(args.worker), **flag_values(args, ProxyConfig))
+        config = build_config(args)
     except (TensorwireError, ValueError, TypeError) as exc:
         return fail(str(exc), 2)
-    proxy = EncoderProxy(config)
+    proxy = EncoderProxy(config)  # type: ignore[arg-type]
     metrics = None
     try:
         try:
-            proxy.start(f"{args.host}:{args.port}")
+            proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
-                metrics = MetricsServer(args.metrics_port, args.host)
+                metrics = metrics_server(args, config.tls)  # type: ignore[attr-defined]
         except (TensorwireError, OSError) as exc:
             return fail(str(exc), 1)
-        print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
-                    workers=len(config.workers))
+        print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",  # type: ignore[attr-defined]
+                    workers=len(config.workers), tls=config.tls.describe())  # type: ignore[attr-defined]
         got = wait_for_signal()
         log.info("%s: stopping proxy (grace %.1f s)", got, args.grace_s)
     finally:
         proxy.stop(args.grace_s)
         if metrics is not None:
-            metrics.close()
+            metrics.close()  # type: ignore[attr-defined]
     return 0

@@ -15,12 +15,21 @@ log = logging.getLogger(__name__)
 
 
 class MetricsServer:
-    """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close."""
+    """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close.
 
-    def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None) -> None:
+    ``tls`` (a ``TlsConfig`` with a certificate): HTTPS with that certificate, and client certificates signed by
+    its CA required when it asks for client authentication (the gRPC listener's rules)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None, *, tls: Any = None) -> None:
         from prometheus_client import REGISTRY, start_http_server
 
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+        kwargs: dict[str, Any] = {}
+        if tls is not None and tls.server_enabled:
+            kwargs = {"certfile": tls.cert, "keyfile": tls.key}
+            if tls.mutual:
+                kwargs.update(client_cafile=tls.ca, client_auth_required=True)
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY, **kwargs)
+        self.scheme = "https" if kwargs else "http"
         self.host = host
         self.port = int(self._server.server_address[1])
         self._closed = False

@@ -4,7 +4,11 @@ One gRPC server carries three services: ``tensorwire.mm.v1.EncoderService`` (Enc
 standard ``grpc.health.v1.Health``, and ``tensorwire.service.v1.WorkerInfo`` (what a proxy checks at start-up).
 ``mm.serve_encoder`` builds the first two on a server of its own; the worker needs the third on the same port,
 so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` on mm's ``GrpcHost``,
-the one place that binds, starts and stops a gRPC server.
+the one place that binds, starts and stops a gRPC server (with the config's TLS and limits).
+
+Work per request (issue 15, finding 7): the pixel budget (``ImageLimits``) is checked from the headers before
+anything is decoded, then the images are encoded one at a time, and between two of them the call is checked:
+a caller that cancelled, or a worker budget that passed, stops the request there.
 """
 
 from __future__ import annotations
@@ -17,25 +21,39 @@ from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import (EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig,
                            TransportMetrics)
 from tensorwire.mm._host import GrpcHost
-from tensorwire.service._info import info_handler, make_info
+from tensorwire.mm._scope import current_call
+from tensorwire.mm._service import encoder_host
+from tensorwire.service._images import ImageLimits, check_pixels
+from tensorwire.service._info import info_service, make_info
 
 log = logging.getLogger(__name__)
 
 
-def make_encode_fn(encoder: VisionEncoder) -> Any:
+def make_encode_fn(encoder: VisionEncoder, limits: ImageLimits | None = None) -> Any:
     """The ``EncodeFn`` contract of ``tensorwire.mm``: ``encode_fn(inputs) -> EncoderOutput``.
 
     Only ``kind == "image"`` items are accepted (anything else is ``InvalidPayload``); each image gives one
-    embedding [tokens, hidden] and its (row, col) position ids [tokens, 2]. Bad images raise ``InvalidPayload``,
-    which the service answers with INVALID_ARGUMENT while it keeps serving.
+    embedding [tokens, hidden] and its (row, col) position ids [tokens, 2]. Bad images, and images over the pixel
+    budget (read from their headers before any decoding), raise ``InvalidPayload``, which the service answers
+    with INVALID_ARGUMENT while it keeps serving. Images are encoded one per forward, and the call
+    (``current_call()``) is checked before each: a cancelled or expired request stops between two images.
     """
+    budget = limits if limits is not None else ImageLimits()
 
     def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
         for i, item in enumerate(inputs):
             if item.kind != "image":
                 raise InvalidPayload(f"input {i}: kind {item.kind!r} is not supported; this encoder takes 'image'",
                                      reason=Reason.INVALID_REQUEST)
-        results = encoder.encode([item.data for item in inputs])
+        images = [item.data for item in inputs]
+        if not images or len(images) > encoder.preprocess.max_images:
+            encoder.encode(images)  # raises the encoder's own refusal (empty, too many) before any decoding
+        check_pixels(images, budget)
+        call = current_call()
+        results = []
+        for i, data in enumerate(images):
+            call.check(f"image {i} of {len(images)}")
+            results.extend(encoder.encode([data]))
         return EncoderOutput(embeddings=[r.embedding for r in results],
                              position_ids=[r.position_ids for r in results])
 
@@ -48,12 +66,13 @@ class EncoderWorker:
     """
 
     def __init__(self, encoder: VisionEncoder, config: TransportConfig, *, model: str = "builtin",
-                 metrics: TransportMetrics | None = None) -> None:
+                 metrics: TransportMetrics | None = None, image_limits: ImageLimits | None = None) -> None:
         self.encoder = encoder
         self.config = config
         self.model = model
+        self.image_limits = image_limits if image_limits is not None else ImageLimits()
         self.transport = OutputTransport(config, metrics=metrics)
-        self.service = EncoderService(make_encode_fn(encoder), self.transport)
+        self.service = EncoderService(make_encode_fn(encoder, self.image_limits), self.transport)
         self._host: GrpcHost | None = None
         self._stopped = False
         self.port: int | None = None
@@ -67,15 +86,16 @@ class EncoderWorker:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, address: str = "127.0.0.1:0") -> int:
+    def start(self, address: str = "127.0.0.1:0", *, insecure: bool = False) -> int:
+        """Binds and serves; a plaintext worker on a non-loopback address needs ``insecure`` (``--insecure``)."""
         if self._host is not None:
             raise RuntimeError("worker already started")
         info = make_info(worker_id=self.worker_id, mode=self.config.mode, rdma=self.config.rdma, model=self.model,
                          device=str(self.encoder.device), hidden_size=self.encoder.hidden_size)
-        host = GrpcHost("encoder", (self.service.handler(), info_handler(lambda: info)),
-                        threads=self.config.server_threads, thread_prefix="tensorwire-encoder")
+        host = encoder_host("encoder", (self.service.methods(), info_service(lambda: info)), self.config,
+                            self.transport.metrics, thread_prefix="tensorwire-encoder")
         try:
-            port = host.bind(address)
+            port = host.bind(address, insecure=insecure)
         except ConfigError:
             self.transport.close()
             raise
