@@ -1,6 +1,6 @@
 """Benchmark: encoder output through both planes (RDMA via tensorwire.rdma, inline gRPC bytes) in one run.
 
-    python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick]
+    python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick] [--tls]
 
 The encoder runs in a spawned process (real gRPC server, real exporter); this process fetches through a mode
 ``auto`` transport (RDMA plane) and a mode ``grpc`` transport (inline plane). The headline payload is the
@@ -19,6 +19,10 @@ minus the encoder's compute, i.e. everything the transport adds). ``control over
 read. ``memcpy`` is one device-local copy of the payload into a preallocated buffer, the floor for any plane
 (torch's default thread count; on host memory also with one thread, since a CMA read is one thread's copy).
 On CUDA the fetch's total includes synchronizing the current stream, where the read queues its device copies.
+
+``--tls``: the control plane runs over mTLS (a throwaway CA and certificates made at run time); the bulk bytes
+still go over the data plane, so this measures what TLS adds per fetch (issue 15). Writes
+``transfer-tls-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ GPU_SWEEP_ROWS = [8, 128, 1024, 8192, 13760, 32768, 131072]
 SLOW_INLINE_BYTES = 256 << 20  # from here on the inline plane takes seconds per fetch: one timed fetch, no warmup
 
 
-def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any) -> None:
+def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any, tls: Any = None) -> None:
     import torch
 
     from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
@@ -64,6 +68,8 @@ def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any) -> None:
         return EncoderOutput(embeddings=emb[:n], split_sizes=[n])
 
     cfg = TransportConfig(worker_id="bench-encoder", rdma=RdmaConfig(device=device))
+    if tls is not None:
+        cfg = dataclasses.replace(cfg, tls=tls)
     server = serve_encoder(encode_fn, cfg, "127.0.0.1:0")
     servers.append(server)
     try:
@@ -157,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) instead of the sweep")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer-<machine>.json)")
+    ap.add_argument("--tls", action="store_true", help="the control plane over mTLS (certificates made at run time)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer[-tls]-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     import torch
 
-    from tensorwire.bench._common import write_result
+    import tempfile
+
+    from tensorwire.bench._common import bench_tls, write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig
     from tensorwire.mm._grpc_channel import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
@@ -176,9 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     iters = 3 if args.quick else args.iters
     inline_iters = 2 if args.quick else args.inline_iters
     cols = SEED_SHAPE[1]
+    tmp = tempfile.TemporaryDirectory(prefix="tensorwire-bench-tls-")
+    server_tls, client_tls = bench_tls(tmp.name) if args.tls else (None, None)
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_encoder, args=(args.device, max(rows_list), cols, q, stop), daemon=True)
+    proc = ctx.Process(target=_encoder, args=(args.device, max(rows_list), cols, q, stop, server_tls), daemon=True)
     proc.start()
     results: list[dict[str, Any]] = []
     try:
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         endpoint = f"127.0.0.1:{port}"
         rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
+        if client_tls is not None:
+            rdma_cfg = dataclasses.replace(rdma_cfg, tls=client_tls)
         control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
         with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
                 RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
@@ -245,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+        tmp.cleanup()
 
     seed = next((r for r in results if r["rows"] == SEED_SHAPE[0]), results[-1])
     small = results[0]
@@ -285,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in targets.items()})
     payload = {
         "device": args.device,
+        "control_plane": "mtls" if args.tls else "plaintext",
         "seed_shape": list(SEED_SHAPE),
         "release_rpc_rtt_ms": {"median_ms": _median(release_rtt), "n": len(release_rtt)},
         "sizes": results,
@@ -293,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                  "total - encoder compute; control overhead = fetch total - read (contains the export copy)",
         "torch_threads": torch.get_num_threads(),
     }
-    path = write_result("transfer", payload, args.out)
+    path = write_result("transfer-tls" if args.tls else "transfer", payload, args.out)
     print(f"wrote {path}")
     return 0
 

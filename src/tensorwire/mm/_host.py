@@ -44,10 +44,11 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -397,7 +398,7 @@ class GrpcHost:
             return raw
         try:
             return method.request_deserializer(raw)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's malformed request
+        except Exception as exc:
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} request does not parse: {exc}")
 

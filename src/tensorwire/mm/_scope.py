@@ -20,9 +20,10 @@ import ipaddress
 import math
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
 
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, Reason
 

@@ -153,8 +153,10 @@ class EncoderService:
                                      f"{limits.max_item_bytes}", reason=Reason.INVALID_REQUEST)
 
     def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
-        self.transport.metrics.errors.labels("encoder", wire.status_for(exc)[1].value).inc()
-        log.warning(msg, *args)
+        reason = wire.status_for(exc)[1].value
+        self.transport.metrics.errors.labels("encoder", reason).inc()
+        # Rate-limited per reason: a caller sending bad requests must not flood the log (counted above anyway).
+        self._rl.log(logging.WARNING, "failure-" + reason, msg, *args)
 
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.EncodeRequest, raw, context)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
 

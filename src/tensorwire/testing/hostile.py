@@ -48,31 +48,42 @@ def _blocking(first: bytes | None, release: threading.Event) -> Any:
     release.wait()
 
 
-def idle_stream(ch: grpc.Channel, *, first: bytes | None = None, hold_s: float = 30.0) -> str:
-    """An EncodeStream that sends ``first`` (or nothing) and then nothing, held until the server ends it or
-    ``hold_s`` passes; returns the status name (``held`` when it was still open)."""
+def _held(done: threading.Event, hold_s: float, stop: threading.Event | None) -> bool:
+    """Waits until ``done``, ``hold_s`` or ``stop``; True when the call is still open."""
+    waited = 0.0
+    while waited < hold_s and not (stop is not None and stop.is_set()):
+        if done.wait(min(0.25, hold_s - waited)):
+            return False
+        waited += 0.25
+    return not done.is_set()
+
+
+def idle_stream(ch: grpc.Channel, *, first: bytes | None = None, hold_s: float = 30.0,
+                stop: threading.Event | None = None) -> str:
+    """An EncodeStream that sends ``first`` (or nothing) and then nothing, held until the server ends it,
+    ``hold_s`` passes or ``stop`` is set; returns the status name (``held`` when it was still open)."""
     release = threading.Event()
     call = ch.stream_stream(wire.ENCODE_STREAM_METHOD)(_blocking(first, release), timeout=hold_s + 5)
     done = threading.Event()
     call.add_done_callback(lambda _c: done.set())
     try:
-        if done.wait(hold_s):
-            return call.code().name
-        return "held"
+        return "held" if _held(done, hold_s, stop) else call.code().name
     finally:
         release.set()
         call.cancel()
 
 
-def unsent_body(ch: grpc.Channel, *, hold_s: float = 30.0) -> str:
+def unsent_body(ch: grpc.Channel, *, hold_s: float = 30.0, stop: threading.Event | None = None) -> str:
     """A unary Encode whose request message never comes; the status the server ended it with (or ``held``)."""
     release = threading.Event()
     future = ch.stream_unary(wire.ENCODE_METHOD).future(_blocking(None, release), timeout=hold_s + 5)
+    done = threading.Event()
+    future.add_done_callback(lambda _f: done.set())
     try:
-        future.result(timeout=hold_s)
+        if _held(done, hold_s, stop):
+            return "held"
+        future.result(timeout=0)
         return "ok"
-    except grpc.FutureTimeoutError:
-        return "held"
     except grpc.RpcError as exc:
         return _code(exc)
     finally:
@@ -162,7 +173,7 @@ def metadata_flood(endpoint: str, *, hold_s: float = 30.0, stop: threading.Event
             try:
                 if not sock.recv(4096):
                     return "closed"
-            except socket.timeout:
+            except TimeoutError:
                 waited += 0.25
             except OSError:
                 return "closed"

@@ -12,9 +12,9 @@ import datetime
 import ipaddress
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 
 class PkiUnavailable(RuntimeError):
@@ -47,7 +47,8 @@ def make_pki(directory: str | Path, names: Sequence[str], *, extra_sans: Sequenc
         import cryptography  # noqa: F401
     except ImportError:
         if shutil.which("openssl") is None:
-            raise PkiUnavailable("making test certificates needs the 'cryptography' package or the openssl tool")
+            raise PkiUnavailable("making test certificates needs the 'cryptography' package or the openssl tool") \
+                from None
         return _with_openssl(out, names, extra_sans, ca_name)
     return _with_cryptography(out, names, extra_sans, ca_name)
 
@@ -94,7 +95,7 @@ def _with_cryptography(out: Path, names: Sequence[str], extra_sans: Sequence[str
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
         path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
@@ -22,8 +22,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from tensorwire.encoder import sample_paths
-from tensorwire.mm import (EncoderOutput, MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for,
-                           serve_encoder, wire)
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    RemoteOutputTransport,
+    TransportConfig,
+    metrics_for,
+    serve_encoder,
+    wire,
+)
 from tensorwire.rdma import RdmaConfig
 from tensorwire.testing import hostile
 

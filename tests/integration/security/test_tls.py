@@ -25,8 +25,14 @@ from prometheus_client import CollectorRegistry
 from tensorwire.cli.demo import Child
 from tensorwire.encoder import sample_paths
 from tensorwire.errors import PeerUnavailable
-from tensorwire.mm import (EncoderOutput, MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for,
-                           serve_encoder)
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    RemoteOutputTransport,
+    TransportConfig,
+    metrics_for,
+    serve_encoder,
+)
 from tensorwire.mm._tls import TlsConfig, channel_credentials, channel_options
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._info import INFO_METHOD
@@ -98,7 +104,7 @@ def _exits_or_ready(child: Child, timeout_s: float) -> int | None:
         try:
             child.ready(0.2)
             return None
-        except Exception:  # noqa: BLE001 - not ready yet (or no READY line at all): keep waiting
+        except Exception:
             continue
     raise AssertionError(f"{child.name} neither exited nor served within {timeout_s:.0f} s")
 

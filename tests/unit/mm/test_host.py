@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -229,8 +229,7 @@ def test_plaintext_leaves_the_loopback_only_with_insecure() -> None:
 
 def test_a_stream_is_ended_when_it_idles_past_stream_idle_timeout() -> None:
     def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        for raw in requests:
-            yield raw
+        yield from requests
 
     host = GrpcHost("test", (Service(SERVICE, (Method("Echo", echo, kind="stream"),)),), work_slots=1,
                     thread_prefix="test-guard", limits=ServerLimits(stream_idle_timeout_ms=400), serving=(SERVICE,))
