@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long demo proto clean fuzz soak load
+.PHONY: install test test-gpu test-long lint demo proto clean fuzz soak load
 
 install: $(STAMP)
 
@@ -23,6 +23,11 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/nixl.txt
 
 test: install
 	$(PY) -m pytest -m "not gpu and not slow" -q
+
+# ruff and mypy --strict, both configured in pyproject.toml (mypy checks src/ only).
+lint: install
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m mypy
 
 test-gpu: install
 	$(PY) -m pytest -m gpu -q
@@ -50,4 +55,4 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

@@ -4,8 +4,8 @@
 
 Starts the transfer bench's encoder (spawned process, real gRPC server and exporter), fetches zero-copy outputs
 through the EncodeStream, and records enter/exit times (CLOCK_MONOTONIC, shared by both processes) of the
-functions listed in COMMON, CLIENT and SERVER, in both processes. Prints, per size, each function's median start offset from the fetch's
-start and its median duration. Each wrapper adds ~1-2 us.
+functions listed in COMMON, CLIENT and SERVER, in both processes. Prints, per size, each function's median start
+offset from the fetch's start and its median duration. Each wrapper adds ~1-2 us.
 """
 
 from __future__ import annotations

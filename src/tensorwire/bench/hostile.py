@@ -200,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+    import grpc
     from prometheus_client import CollectorRegistry
 
     from tensorwire.bench._common import write_result
-    from tensorwire.cli.demo import Child
     from tensorwire.mm import RemoteOutputTransport, TransportConfig, metrics_for, wire
     from tensorwire.mm._tls import TlsConfig
     from tensorwire.rdma import Descriptor
+    from tensorwire.service._child import Child
     from tensorwire.testing import hostile
     from tensorwire.testing.pki import make_pki
 
@@ -232,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
             _fetch_loop(client, image, 10)  # warm: stream open, reader connected, encoder's first forward done
             # What an attacker learns from fetches of its own: a lease id (to guess near) and the metadata endpoint.
             ach = hostile.channel(target, attacker_tls)
-            seen = wire.EncodeResponse.FromString(
-                ach.unary_unary(wire.ENCODE_METHOD)(hostile.encode_request([image], support_rdma=True), timeout=60))
+            encode: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ach.unary_unary(wire.ENCODE_METHOD)
+            seen = wire.EncodeResponse.FromString(encode(hostile.encode_request([image], support_rdma=True),
+                                                         timeout=60))
             seen_id, endpoint = "", ""
             if seen.rdma_slots:
                 desc = Descriptor.from_bytes(seen.rdma_slots[0].descriptor)

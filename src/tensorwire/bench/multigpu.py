@@ -38,7 +38,8 @@ import os
 import queue as queue_mod
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
 from tensorwire.bench.transfer import stage_row

@@ -18,6 +18,11 @@ import argparse
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.mm import TransportConfig
+    from tensorwire.service._images import ImageLimits
 
 HELP = "run a vision-encoder worker (gRPC EncoderService, health, Prometheus /metrics)"
 
@@ -92,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(rdma, RdmaConfig, prefix="rdma_", help_extra=_RDMA_HELP)
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> TransportConfig:
     """TransportConfig from flags over the environment over defaults."""
     from tensorwire.mm import TransportConfig
     from tensorwire.mm._config import NESTED
@@ -113,36 +118,20 @@ def build_config(args: argparse.Namespace) -> object:
                                limits=dataclasses.replace(base.limits, **flag_values(args, ServerLimits)))
 
 
-def build_image_limits(args: argparse.Namespace) -> object:
+def build_image_limits(args: argparse.Namespace) -> ImageLimits:
     """ImageLimits from flags over ``TENSORWIRE_WORKER_*`` over defaults."""
     from tensorwire.mm._config import dataclass_from_env
     from tensorwire.service._flags import flag_values
     from tensorwire.service._images import ENV_IMAGE_PREFIX, ImageLimits
 
-    base = dataclass_from_env(ImageLimits, ENV_IMAGE_PREFIX, os.environ)
+    base: ImageLimits = dataclass_from_env(ImageLimits, ENV_IMAGE_PREFIX, os.environ)
     return dataclasses.replace(base, **flag_values(args, ImageLimits))
-
-
-def metrics_server(args: argparse.Namespace, tls: object) -> object:
-    """The /metrics server of a serve command: loopback by default; elsewhere with ``tls`` (mTLS when it requires
-    client certificates) or ``--insecure``. Raises ConfigError for a plaintext non-loopback address."""
-    from tensorwire.errors import ConfigError
-    from tensorwire.mm._scope import is_loopback_host
-    from tensorwire.service._runtime import MetricsServer
-
-    host = args.metrics_host
-    if is_loopback_host(host) or args.insecure:
-        return MetricsServer(args.metrics_port, host)
-    if not tls.server_enabled:  # type: ignore[attr-defined]
-        raise ConfigError(f"refusing plaintext /metrics on {host!r} (not loopback): give the server a certificate "
-                          "(--tls-cert, --tls-key) or pass --insecure")
-    return MetricsServer(args.metrics_port, host, tls=tls)
 
 
 def run(args: argparse.Namespace) -> int:
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError
-    from tensorwire.service._runtime import fail, print_ready, wait_for_signal
+    from tensorwire.service._runtime import MetricsServer, fail, print_ready, serve_metrics, wait_for_signal
     from tensorwire.service._worker import EncoderWorker
 
     try:
@@ -152,24 +141,23 @@ def run(args: argparse.Namespace) -> int:
     except (TensorwireError, ValueError) as exc:
         return fail(str(exc), 2)
     log.info("effective config: %s; %s", config, image_limits)
-    metrics = None
-    worker = EncoderWorker(encoder, config, model=args.model, image_limits=image_limits)  # type: ignore[arg-type]
+    metrics: MetricsServer | None = None
+    worker = EncoderWorker(encoder, config, model=args.model, image_limits=image_limits)
     try:
         try:
             worker.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
-                metrics = metrics_server(args, config.tls)  # type: ignore[attr-defined]
+                metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:
             return fail(str(exc), 1)
         if args.wait_exporter_s > 0 and not worker.wait_ready(args.wait_exporter_s):
             log.warning("RDMA exporter not ready after %.1f s; serving inline until it is", args.wait_exporter_s)
-        print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",  # type: ignore[attr-defined]
-                    worker_id=worker.worker_id, mode=config.mode, model=args.model,  # type: ignore[attr-defined]
-                    tls=config.tls.describe())  # type: ignore[attr-defined]
+        print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",
+                    worker_id=worker.worker_id, mode=config.mode, model=args.model, tls=config.tls.describe())
         got = wait_for_signal()
         log.info("%s: stopping (grace %.1f s)", got, args.grace_s)
     finally:
         worker.stop(args.grace_s)
         if metrics is not None:
-            metrics.close()  # type: ignore[attr-defined]
+            metrics.close()
     return 0

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.service._proxy import ProxyConfig
 
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
@@ -46,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> ProxyConfig:
     """ProxyConfig from flags; its TLS and limits from flags over ``TENSORWIRE_MM_TLS_*`` / ``TENSORWIRE_MM_*``."""
     import dataclasses
     import os
@@ -65,30 +69,29 @@ def build_config(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorwire.cli.serve_encoder import metrics_server
     from tensorwire.errors import TensorwireError
     from tensorwire.service._proxy import EncoderProxy
-    from tensorwire.service._runtime import fail, print_ready, wait_for_signal
+    from tensorwire.service._runtime import MetricsServer, fail, print_ready, serve_metrics, wait_for_signal
 
     try:
         config = build_config(args)
     except (TensorwireError, ValueError, TypeError) as exc:
         return fail(str(exc), 2)
-    proxy = EncoderProxy(config)  # type: ignore[arg-type]
-    metrics = None
+    proxy = EncoderProxy(config)
+    metrics: MetricsServer | None = None
     try:
         try:
             proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
-                metrics = metrics_server(args, config.tls)  # type: ignore[attr-defined]
+                metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:
             return fail(str(exc), 1)
-        print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",  # type: ignore[attr-defined]
-                    workers=len(config.workers), tls=config.tls.describe())  # type: ignore[attr-defined]
+        print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
+                    workers=len(config.workers), tls=config.tls.describe())
         got = wait_for_signal()
         log.info("%s: stopping proxy (grace %.1f s)", got, args.grace_s)
     finally:
         proxy.stop(args.grace_s)
         if metrics is not None:
-            metrics.close()  # type: ignore[attr-defined]
+            metrics.close()
     return 0

@@ -20,8 +20,8 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tensorwire.mm._metrics import TransportMetrics
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tensorwire.mm._proto import encoder_pb2 as pb
 

@@ -42,9 +42,9 @@ import enum
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
+from typing import Any
 
 from tensorwire.errors import (
     ClosedError,

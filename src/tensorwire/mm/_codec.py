@@ -8,7 +8,7 @@ out-of-bounds read or a huge allocation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -17,7 +17,7 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalInput
 
 # The allow-list, one place for both planes: wire enum <-> torch dtype.
-DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.FLOAT32,
     torch.float16: pb.FLOAT16,
     torch.bfloat16: pb.BFLOAT16,
@@ -112,12 +112,12 @@ def assemble(
         if rows != total:
             raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split(splits))
+        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split_with_sizes(splits))
     if extra_inputs and len(extra_inputs) != len(splits):
         raise InvalidPayload(f"extra_input count {len(extra_inputs)} != {len(splits)} items",
                              reason=Reason.ASSEMBLY_MISMATCH)
     # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
-    embs = [embedding] if len(splits) == 1 else list(embedding.split(splits))
+    embs = [embedding] if len(splits) == 1 else list(embedding.split_with_sizes(splits))
     return embs, pos_parts, list(extra_inputs)
 
 
@@ -130,7 +130,8 @@ def decode_inline_receipt(
     extras = [decode_tensor(t, f"extra_inputs[{i}]") for i, t in enumerate(receipt.extra_inputs)]
     splits = [int(s) for s in receipt.split_sizes]
     embs, pos_parts, extra_list = assemble(embedding, splits, pos, extras)
-    nbytes = len(receipt.embedding.data) + len(receipt.position_ids.data) + sum(len(t.data) for t in receipt.extra_inputs)
+    nbytes = (len(receipt.embedding.data) + len(receipt.position_ids.data)
+              + sum(len(t.data) for t in receipt.extra_inputs))
     return embs, splits, pos_parts, extra_list, nbytes
 
 

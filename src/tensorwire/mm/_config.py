@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, cast
 
 from tensorwire.errors import ConfigError
 from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
@@ -133,7 +134,9 @@ class TransportConfig:
         return self.peer_leased_bytes or int(self.rdma.pool_cap_bytes) // 2
 
     def with_mode(self, mode: str) -> TransportConfig:
-        return dataclasses.replace(self, mode=mode)  # type: ignore[arg-type]
+        """This config with ``mode`` (a CLI or environment string: ``__post_init__`` raises ConfigError unless it
+        is one of ``MODES``)."""
+        return dataclasses.replace(self, mode=cast(Mode, mode))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransportConfig:
@@ -180,8 +183,8 @@ def dataclass_from_env(cls: type[Any], prefix: str, environ: Mapping[str, str] |
 def _default_of(cls: type, f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 

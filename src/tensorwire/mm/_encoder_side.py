@@ -30,19 +30,19 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from tensorwire.errors import ExportError, Reason, TensorwireError
 from tensorwire.mm import _codec
-from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
-from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
+from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._quota import PeerLeases
+from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._scope import current_call
 from tensorwire.mm._types import EncoderOutput
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
@@ -113,7 +113,7 @@ def plan_slots(
     extra_inputs: Sequence[torch.Tensor],
     max_slot_bytes: int,
     align: int,
-) -> list[tuple[list[torch.Tensor], list[int]]]:
+) -> list[tuple[list[torch.Tensor], list[pb.Role]]]:
     """Groups of (tensors, roles), one per slot, in reassembly order; no slot's aligned footprint exceeds
     ``max_slot_bytes``. The embedding is split along dim 0 into whole-row chunks. ExportError(SLOT_TOO_LARGE)
     when one embedding row or one other tensor cannot fit in a slot."""
@@ -129,7 +129,7 @@ def plan_slots(
     if rows_per_slot <= 0:
         raise ExportError(f"one embedding row is {row_bytes} bytes; max_slot_bytes={max_slot_bytes} "
                           f"(aligned to {align}) cannot hold it", reason=Reason.SLOT_TOO_LARGE)
-    groups: list[tuple[list[torch.Tensor], list[int]]] = []
+    groups: list[tuple[list[torch.Tensor], list[pb.Role]]] = []
     footprints: list[int] = []
     for start in range(0, rows, rows_per_slot):
         n = min(rows_per_slot, rows - start)
@@ -386,15 +386,16 @@ class OutputTransport:
                 raise ExportError(f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
                                   reason=Reason.RESULT_MISMATCH)
             slots = []
-            for desc, (tensors, roles) in zip(descs, groups):
+            for desc, (tensors, roles) in zip(descs, groups, strict=True):
                 if len(desc.manifest) != len(roles):
                     raise ExportError(f"descriptor manifest has {len(desc.manifest)} entries for {len(roles)} "
                                       "tensors", reason=Reason.RESULT_MISMATCH)
                 slot = pb.RdmaSlot(descriptor=desc.to_bytes())
                 slot.roles.extend(roles)
                 slots.append(slot)
-                for t, role in zip(tensors, roles):
-                    self.metrics.child(self.metrics.bytes, "encoder", "rdma", _codec.ROLE_LABELS[role]).inc(t.numel() * t.element_size())
+                for t, role in zip(tensors, roles, strict=True):
+                    counter = self.metrics.child(self.metrics.bytes, "encoder", "rdma", _codec.ROLE_LABELS[role])
+                    counter.inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
             lease_ids = [d.lease_id for d in descs if d.lease_id]

@@ -56,9 +56,8 @@ class GrpcControlChannel(ControlChannel):
         self._requeue: Requeue = _no_requeue
         self._channel = grpc_channel if grpc_channel is not None else secure_or_insecure_channel(
             endpoint, config.tls, config.limits.client_options())
-        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD,
-                                                 request_serializer=pb.EncodeRequest.SerializeToString,
-                                                 response_deserializer=None)
+        self._encode: grpc.UnaryUnaryMultiCallable[pb.EncodeRequest, bytes] = self._channel.unary_unary(
+            wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString, response_deserializer=None)
         self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
                                                   request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
                                                   response_deserializer=pb.ReleaseLeasesResponse.FromString)
@@ -176,8 +175,8 @@ class _StreamPool:
 
     def __init__(self, channel: grpc.Channel, endpoint: str, config: TransportConfig, metrics: TransportMetrics,
                  requeue: Requeue) -> None:
-        self._method = channel.stream_stream(wire.ENCODE_STREAM_METHOD, request_serializer=None,
-                                             response_deserializer=None)
+        self._method: grpc.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
+            wire.ENCODE_STREAM_METHOD, request_serializer=None, response_deserializer=None)
         self.endpoint = endpoint
         self.metrics = metrics
         self._requeue = requeue

@@ -337,7 +337,7 @@ class GrpcHost:
             self._on_refuse(label)
 
     def _handler(self, service: Service) -> grpc.GenericRpcHandler:
-        handlers = {}
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         for m in service.methods:
             if m.kind == "unary":
                 handlers[m.name] = grpc.stream_unary_rpc_method_handler(

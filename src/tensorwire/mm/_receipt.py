@@ -15,7 +15,8 @@ reassembly order. Errors: ``InvalidDescriptor`` (from the parser), ``ProtocolErr
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -53,8 +54,9 @@ def validate_slots(receipt: pb.EncodeResponse, parsed: list[Any]) -> tuple[list[
         raise ProtocolError(f"receipt has {len(receipt.rdma_slots)} slots, over {MAX_SLOTS_PER_RECEIPT}")
     if receipt.HasField("embedding") or receipt.HasField("position_ids") or len(receipt.extra_inputs):
         raise ProtocolError("RDMA receipt also carries inline tensors")
-    descs, roles = [], []
-    for i, (slot, desc) in enumerate(zip(receipt.rdma_slots, parsed)):
+    descs: list[Any] = []
+    roles: list[int] = []
+    for i, (slot, desc) in enumerate(zip(receipt.rdma_slots, parsed, strict=True)):
         if isinstance(desc, BaseException):
             raise desc  # InvalidDescriptor with a reason
         if len(slot.roles) != len(desc.manifest):
@@ -74,7 +76,7 @@ def check_read(descs: list[Any], roles: list[int], tensors: list[torch.Tensor]) 
     if len(tensors) != len(roles) or len(metas) != len(roles):
         raise ReadError(f"read returned {len(tensors)} tensors for {len(roles)} manifest entries",
                         reason=Reason.RESULT_MISMATCH)
-    for i, (t, m) in enumerate(zip(tensors, metas)):
+    for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
         if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
             raise ReadError(f"tensor {i}: read {tuple(t.shape)} {t.dtype}, manifest says {tuple(m.shape)} "
                             f"{m.dtype}", reason=Reason.RESULT_MISMATCH)
@@ -83,7 +85,7 @@ def check_read(descs: list[Any], roles: list[int], tensors: list[torch.Tensor]) 
 def role_bytes(tensors: list[torch.Tensor], roles: list[int]) -> dict[str, int]:
     """Bytes read per role label (for ``tensorwire_mm_bytes_total``)."""
     out: dict[str, int] = {}
-    for t, role in zip(tensors, roles):
+    for t, role in zip(tensors, roles, strict=True):
         label = _codec.ROLE_LABELS[role]
         out[label] = out.get(label, 0) + t.numel() * t.element_size()
     return out
@@ -95,7 +97,7 @@ def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeRe
     pos: torch.Tensor | None = None
     extras: list[torch.Tensor] = []
     nbytes = 0
-    for t, role in zip(tensors, roles):
+    for t, role in zip(tensors, roles, strict=True):
         nbytes += t.numel() * t.element_size()
         if role == pb.EMBEDDING:
             chunks.append(t)

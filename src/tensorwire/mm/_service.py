@@ -21,19 +21,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.mm import _codec, wire
-from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
 from tensorwire.mm._host import GrpcHost, Lane, Method, Service
 from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._scope import CallScope, call_scope, current_call
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
 
@@ -224,12 +225,13 @@ class EncoderService:
                     continue
                 with stream.lock:
                     stream.busy = True
+                receipt: pb.EncodeResponse | None = None
                 try:
                     with current_call().work_slot():  # one Encode at a time per slot, as on the unary path
-                        receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
-                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, receipt.SerializeToString())
+                        encoded = self.run_encode(msg.encode, context.is_active)
+                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, encoded.SerializeToString())
+                    receipt = encoded
                 except Exception as exc:
-                    receipt = None
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
                                              wire.stream_error_for(exc).SerializeToString())
                 if not context.is_active():

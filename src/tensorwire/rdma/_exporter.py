@@ -13,11 +13,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
-import threading
 import secrets
+import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
@@ -154,7 +154,8 @@ class TensorExporter:
             raise
         return done
 
-    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[Lease, list[torch.Tensor]]:
+    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
+                 ) -> tuple[Lease, list[torch.Tensor]]:
         """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``.
 
         The tensors are views of pooled memory: valid until the lease is released or reclaimed (after that the slot
@@ -347,7 +348,7 @@ class TensorExporter:
         dests = views(lease.slot.tensor, lease.manifest, lease.slot.typed)
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
-                for v, t in zip(dests, inputs):
+                for v, t in zip(dests, inputs, strict=True):
                     v.copy_(t)
                 # The copies run on the caller's current stream after the producer's work; waiting for them
                 # here is the "visible before the descriptor exists" contract.
@@ -355,7 +356,7 @@ class TensorExporter:
         else:
             # Plain memcpy (inputs are contiguous host tensors): torch's parallel copy wakes an OpenMP pool,
             # which costs milliseconds on a small busy host.
-            for v, t, m in zip(dests, inputs, lease.manifest):
+            for v, t, m in zip(dests, inputs, lease.manifest, strict=True):
                 if m.nbytes:
                     ctypes.memmove(v.data_ptr(), t.data_ptr(), m.nbytes)
 

@@ -9,7 +9,8 @@ the real classes: their docstrings and ``docs/rdma.md``.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 

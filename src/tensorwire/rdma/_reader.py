@@ -26,8 +26,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,7 +83,8 @@ class _GenScratch:
     def take(self, n: int) -> list[int]:
         with self._lock:
             if len(self._free) < n:
-                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR)
+                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader",
+                                reason=Reason.RDMA_READ_ERROR)
             # LIFO: the same few cells recur, so the provider can repost its prepared generation READs.
             cells = self._free[len(self._free) - n:]
             del self._free[len(self._free) - n:]
@@ -243,7 +245,8 @@ class TensorReader:
         try:
             for d in descriptors:
                 if isinstance(d, (bytes, bytearray, memoryview)):
-                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
+                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes,
+                                              slot_align=self._cfg.slot_align)
                 elif isinstance(d, Descriptor):
                     d.validate(max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
                 else:
@@ -266,7 +269,7 @@ class TensorReader:
         out: list[torch.Tensor] = []
         finished = False
         try:
-            for d, cell in zip(descs, cells):
+            for d, cell in zip(descs, cells, strict=True):
                 dests.append(self._destination(d, cell))
             for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
                 local = [r for x in group for r in x.local]
@@ -285,7 +288,7 @@ class TensorReader:
             for x in dests:
                 if x.slot is not None:
                     srcs = views(x.slot.tensor, x.d.manifest, x.slot.typed)
-                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest)]
+                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest, strict=True)]
                     if not x.staged and self._device.type == "cuda":
                         self._mark_ready(x.slot)  # the clones are queued, not done, when the slot goes back
                 _check_results(x.d, x.results)
@@ -335,10 +338,10 @@ class TensorReader:
         dev = self._cfg.device_index
         loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
-        if wrapped is not None:
+        if loaned is not None and wrapped is not None:
             base, x.loan = wrapped
             x.results = views(base, d.manifest)
-            x.local.append((loaned.addr, d.payload_bytes, dev))  # type: ignore[union-attr]
+            x.local.append((loaned.addr, d.payload_bytes, dev))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
             for m in d.manifest:
@@ -400,7 +403,7 @@ class TensorReader:
             # cost two more driver calls. Uses never overlap: the next READ into the slot waited for it (_ready).
             event = slot.event
             if event is None:
-                event = slot.event = torch.cuda.Event()
+                event = slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             event.record(torch.cuda.current_stream(self._device))
             slot.ready = event
         except Exception:  # no event, no ordering: wait for the device instead of risking an overwrite
@@ -526,7 +529,7 @@ def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
     if len(results) != len(d.manifest):
         raise ReadError(f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
                         reason=Reason.RESULT_MISMATCH)
-    for i, (t, m) in enumerate(zip(results, d.manifest)):
+    for i, (t, m) in enumerate(zip(results, d.manifest, strict=True)):
         if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.numel() * t.element_size() != m.nbytes:
             raise ReadError(f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says "
                             f"{m.shape}/{m.dtype}", reason=Reason.RESULT_MISMATCH)

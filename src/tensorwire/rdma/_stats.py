@@ -20,8 +20,9 @@ import contextlib
 import copy
 import dataclasses
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, Iterator, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 

@@ -28,9 +28,11 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from functools import partial
+from typing import Any
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
@@ -158,6 +160,10 @@ class _RouteCollector:
             yield CounterMetricFamily(name, doc, value=value)
 
 
+def _cancel(call: grpc.Future[Any]) -> None:
+    call.cancel()
+
+
 def _remaining_s(context: grpc.ServicerContext) -> float | None:
     """Seconds left of the caller's deadline; None when it set none."""
     fn = getattr(context, "time_remaining", None)
@@ -174,8 +180,8 @@ class _Worker:
     index: int
     address: str
     channel: grpc.Channel
-    encode: Any
-    release: Any
+    encode: grpc.UnaryUnaryMultiCallable[bytes, bytes]
+    release: grpc.UnaryUnaryMultiCallable[wire.ReleaseLeasesRequest, wire.ReleaseLeasesResponse]
     info: WorkerInfo | None = None
 
 
@@ -264,7 +270,7 @@ class EncoderProxy:
 
     close = stop
 
-    def __enter__(self) -> "EncoderProxy":
+    def __enter__(self) -> EncoderProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -287,7 +293,7 @@ class EncoderProxy:
         start = time.monotonic()
         try:
             request = wire.EncodeRequest.FromString(raw)
-        except Exception:  # noqa: BLE001 - any parse failure is the caller's malformed request
+        except Exception:  # any parse failure is the caller's malformed request
             m.requests.labels("invalid").inc()
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeRequest does not parse")
@@ -312,7 +318,7 @@ class EncoderProxy:
                 m.retries.inc()
             try:
                 call = worker.encode.future(raw, timeout=left, metadata=forward)
-                context.add_callback(call.cancel)  # the caller went: the worker stops too
+                context.add_callback(partial(_cancel, call))  # the caller went: the worker stops too
                 response = call.result()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
@@ -353,8 +359,8 @@ class EncoderProxy:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
-            md = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == wire.REASON_METADATA_KEY]
-        except AttributeError:
+            md = [(k, v) for k, v in wire.trailing_pairs(exc) if k == wire.REASON_METADATA_KEY]
+        except (TypeError, ValueError):
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))
@@ -364,7 +370,7 @@ class EncoderProxy:
         assert self._metrics is not None
         try:
             msg = wire.EncodeResponse.FromString(response)
-        except Exception:  # noqa: BLE001 - the client will reject it too; the proxy only cannot route it
+        except Exception:  # the client will reject it too; the proxy only cannot route it
             self._metrics.bad_receipts.inc()
             log.warning("worker %s sent a response that does not parse", worker.address)
             return

@@ -18,8 +18,14 @@ from typing import Any
 
 from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
-from tensorwire.mm import (EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig,
-                           TransportMetrics)
+from tensorwire.mm import (
+    EncoderOutput,
+    EncoderService,
+    MultimodalInput,
+    OutputTransport,
+    TransportConfig,
+    TransportMetrics,
+)
 from tensorwire.mm._host import GrpcHost
 from tensorwire.mm._scope import current_call
 from tensorwire.mm._service import encoder_host
@@ -127,7 +133,7 @@ class EncoderWorker:
 
     close = stop
 
-    def __enter__(self) -> "EncoderWorker":
+    def __enter__(self) -> EncoderWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:

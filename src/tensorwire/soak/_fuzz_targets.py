@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import random
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from tensorwire.errors import TensorwireError
+
+if TYPE_CHECKING:
+    from tensorwire.rdma import ReaderStats
 
 Target = Callable[[bytes], str]
 
@@ -88,6 +92,14 @@ class _MemReader:
                 out.append(torch.zeros(m.shape, dtype=m.dtype))
         return out
 
+    def transport(self, descriptor: Any = None) -> str:
+        return "memory"
+
+    def stats(self) -> ReaderStats:
+        from tensorwire.rdma import ReaderStats
+
+        return ReaderStats(provider="fuzz-memory")
+
     def close(self) -> None:
         pass
 
@@ -118,6 +130,7 @@ class ReceiptHarness:
     """A RemoteOutputTransport whose control plane answers a given receipt's bytes. Build once, reuse."""
 
     def __init__(self) -> None:
+        import grpc
         from prometheus_client import CollectorRegistry
 
         from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
@@ -127,7 +140,9 @@ class ReceiptHarness:
                               control_stream=False)
         metrics = TransportMetrics(CollectorRegistry())
         self.responses: list[bytes] = []
-        channel = GrpcControlChannel("fuzz:1", cfg, metrics, grpc_channel=_StubGrpcChannel(self.responses))
+        # Duck-typed: with control_stream off the control channel calls only unary_unary and close.
+        stub = cast(grpc.Channel, _StubGrpcChannel(self.responses))
+        channel = GrpcControlChannel("fuzz:1", cfg, metrics, grpc_channel=stub)
         self.transport = RemoteOutputTransport("fuzz:1", cfg, channel=channel, reader_factory=lambda _c: _MemReader(),
                                                metrics=metrics)
         assert self.transport.wait_ready(10.0)
@@ -142,7 +157,7 @@ class ReceiptHarness:
         except TensorwireError as exc:
             return _typed(exc)
         assert len(out.embeddings) == len(out.split_sizes), "one embedding per item"
-        for e, s in zip(out.embeddings, out.split_sizes):
+        for e, s in zip(out.embeddings, out.split_sizes, strict=True):
             assert e.shape[0] == s, "embedding rows differ from the split size"
         if out.position_ids is not None:
             assert [p.shape[0] for p in out.position_ids] == list(out.split_sizes)

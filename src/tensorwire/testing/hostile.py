@@ -63,7 +63,8 @@ def idle_stream(ch: grpc.Channel, *, first: bytes | None = None, hold_s: float =
     """An EncodeStream that sends ``first`` (or nothing) and then nothing, held until the server ends it,
     ``hold_s`` passes or ``stop`` is set; returns the status name (``held`` when it was still open)."""
     release = threading.Event()
-    call = ch.stream_stream(wire.ENCODE_STREAM_METHOD)(_blocking(first, release), timeout=hold_s + 5)
+    # The call is also a grpc.Future (the stubs type it as an iterator only).
+    call: Any = ch.stream_stream(wire.ENCODE_STREAM_METHOD)(_blocking(first, release), timeout=hold_s + 5)
     done = threading.Event()
     call.add_done_callback(lambda _c: done.set())
     try:
@@ -76,7 +77,8 @@ def idle_stream(ch: grpc.Channel, *, first: bytes | None = None, hold_s: float =
 def unsent_body(ch: grpc.Channel, *, hold_s: float = 30.0, stop: threading.Event | None = None) -> str:
     """A unary Encode whose request message never comes; the status the server ended it with (or ``held``)."""
     release = threading.Event()
-    future = ch.stream_unary(wire.ENCODE_METHOD).future(_blocking(None, release), timeout=hold_s + 5)
+    method: grpc.StreamUnaryMultiCallable[bytes, bytes] = ch.stream_unary(wire.ENCODE_METHOD)
+    future = method.future(_blocking(None, release), timeout=hold_s + 5)
     done = threading.Event()
     future.add_done_callback(lambda _f: done.set())
     try:
@@ -115,6 +117,12 @@ def guessed_release(ch: grpc.Channel, ids: list[str], *, timeout_s: float = 10.0
     return "ok", int(resp.released), int(getattr(resp, "unknown", 0))
 
 
+def _encode(ch: grpc.Channel) -> grpc.UnaryUnaryMultiCallable[bytes, bytes]:
+    """The Encode method, raw bytes both ways."""
+    method: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ch.unary_unary(wire.ENCODE_METHOD)
+    return method
+
+
 def encode_request(items: list[bytes], *, support_rdma: bool = False) -> bytes:
     req = wire.EncodeRequest(support_rdma=support_rdma)
     for data in items:
@@ -126,7 +134,7 @@ def oversized(ch: grpc.Channel, nbytes: int, *, timeout_s: float = 30.0, payload
     """An Encode with one item of ``nbytes`` (``payload`` reused when given); the status name."""
     raw = encode_request([payload if payload is not None else bytes(nbytes)])
     try:
-        ch.unary_unary(wire.ENCODE_METHOD)(raw, timeout=timeout_s)
+        _encode(ch)(raw, timeout=timeout_s)
         return "ok"
     except grpc.RpcError as exc:
         return _code(exc)
@@ -147,7 +155,7 @@ def pixel_bomb_png(side: int = 8192) -> bytes:
 def encode_image(ch: grpc.Channel, data: bytes, *, timeout_s: float = 30.0) -> str:
     """An Encode of one image (inline answer); the status name."""
     try:
-        ch.unary_unary(wire.ENCODE_METHOD)(encode_request([data]), timeout=timeout_s)
+        _encode(ch)(encode_request([data]), timeout=timeout_s)
         return "ok"
     except grpc.RpcError as exc:
         return _code(exc)

@@ -95,4 +95,4 @@ def check_output(out) -> None:  # type: ignore[no-untyped-def]
     assert out.split_sizes == [4, 5]
     assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
     assert torch.equal(torch.cat(out.position_ids), POS)
-    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS)) and len(out.extra_inputs) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS, strict=True)) and len(out.extra_inputs) == 2

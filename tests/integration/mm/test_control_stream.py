@@ -48,8 +48,9 @@ def stream_events(env: Env, event: str, side: str = "llm") -> float:
 
 def same_bits(a: Any, b: Any) -> bool:
     assert a.split_sizes == b.split_sizes and len(a.extra_inputs) == len(b.extra_inputs)
-    pairs = [*zip(a.embeddings, b.embeddings), *zip(a.position_ids or [], b.position_ids or []),
-             *zip(a.extra_inputs, b.extra_inputs)]
+    pairs = [*zip(a.embeddings, b.embeddings, strict=True),
+             *zip(a.position_ids or [], b.position_ids or [], strict=True),
+             *zip(a.extra_inputs, b.extra_inputs, strict=True)]
     return all(x.dtype == y.dtype and x.shape == y.shape and
                torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in pairs)
 

@@ -16,10 +16,26 @@ from _env import INPUTS, Env, check_output, encode_fn, wait_for
 from fakes import FakeExporter, FakeReader, make_read_error
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tensorwire.errors import (DeadlineExceeded, ExportError, InvalidPayload, PeerUnavailable, ProtocolError,
-                               ReadError, ReadTimeout, Reason)
-from tensorwire.mm import (EncoderOutput, MultimodalInput, OutputTransport, Plane, RemoteOutputTransport,
-                           TransportConfig, serve_encoder, wire)
+from tensorwire.errors import (
+    DeadlineExceeded,
+    ExportError,
+    InvalidPayload,
+    PeerUnavailable,
+    ProtocolError,
+    ReadError,
+    ReadTimeout,
+    Reason,
+)
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    OutputTransport,
+    Plane,
+    RemoteOutputTransport,
+    TransportConfig,
+    serve_encoder,
+    wire,
+)
 from tensorwire.mm._breaker import BreakerState
 from tensorwire.mm._init import InitState
 from tensorwire.rdma import ExporterStats, RdmaConfig

@@ -6,7 +6,7 @@ test_nixl_transport.py.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -56,7 +56,7 @@ def test_vram_export_read_release_bytes(owner: OwnerProcess, reader: TensorReade
     d = Descriptor.from_bytes(raw)
     assert d.mem_type == "VRAM"
     out = reader.read([d])
-    for t, (shape, dt, seed) in zip(out, specs):
+    for t, (shape, dt, seed) in zip(out, specs, strict=True):
         assert t.device == torch.device(reader.config.device)
         assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
     owner.release([d.lease_id])
@@ -158,7 +158,7 @@ def test_host_owner_gpu_reader(reader: TensorReader) -> None:
     with OwnerProcess(host_cfg, env=ENV) as own:
         specs = [((1000, 33), "bfloat16", 3), ((5 * MIB,), "uint8", 4)]
         out = reader.read([own.export(specs)[0]])
-        for t, (shape, dt, seed) in zip(out, specs):
+        for t, (shape, dt, seed) in zip(out, specs, strict=True):
             assert t.device == torch.device(reader.config.device)
             assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
 
@@ -169,7 +169,7 @@ def test_gpu_owner_host_reader(owner: OwnerProcess) -> None:
         specs = [((1000, 33), "float16", 5), ((5 * MIB,), "uint8", 6)]
         raw, _ = owner.export(specs)
         out = rd.read([raw])
-        for t, (shape, dt, seed) in zip(out, specs):
+        for t, (shape, dt, seed) in zip(out, specs, strict=True):
             assert t.device.type == "cpu"
             assert same_bytes(t, make_tensor(shape, dt, seed))
         owner.release([Descriptor.from_bytes(raw).lease_id])

@@ -40,7 +40,7 @@ def test_every_dtype_round_trips_byte_for_byte(exporter: TensorExporter, reader:
     assert all(m.offset % CFG.slot_align == 0 for m in d.manifest)
     out = reader.read([Descriptor.from_bytes(d.to_bytes())])
     assert len(out) == len(inputs)
-    for a, b in zip(inputs, out):
+    for a, b in zip(inputs, out, strict=True):
         assert same_bytes(a, b)
 
 
@@ -65,7 +65,7 @@ def test_flattened_in_descriptor_then_manifest_order(exporter: TensorExporter, r
     descs = exporter.export_batch(groups)
     out = reader.read(descs)
     assert len(out) == 9
-    for got, want in zip(out, [t for g in groups for t in g]):
+    for got, want in zip(out, [t for g in groups for t in g], strict=True):
         assert same_bytes(got, want)
 
 
@@ -134,9 +134,10 @@ def test_batch_rolls_back_when_the_middle_group_fails(exporter: TensorExporter) 
     assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.batch_rollbacks == 1
 
 
-def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
-    original = exporter._copy_in  # noqa: SLF001
+    original = exporter._copy_in
 
     def flaky(lease, inputs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -235,7 +236,7 @@ def test_concurrent_reads_from_threads(exporter: TensorExporter, reader: TensorR
             for r in range(20):
                 i = (k + r) % len(descs)
                 assert same_bytes(reader.read([descs[i]])[0], inputs[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]

@@ -53,12 +53,12 @@ def test_every_dtype_byte_for_byte(owner: OwnerProcess, reader: TensorReader) ->
     raw, _ = owner.export(specs)
     out = reader.read([raw])
     assert [t.dtype for t in out] == list(SUPPORTED_DTYPES)
-    for t, (shape, dt, seed) in zip(out, specs):
+    for t, (shape, dt, seed) in zip(out, specs, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed)), dt
     # Large multi-tensor payload (loaned-buffer path) keeps manifest order and offsets.
     big = [((3 * MIB + 17,), "uint8", 1), ((1000, 1000), "bfloat16", 2), ((5,), "int64", 3)]
     out = reader.read([owner.export(big)[0]])
-    for t, (shape, dt, seed) in zip(out, big):
+    for t, (shape, dt, seed) in zip(out, big, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed))
 
 
@@ -74,7 +74,7 @@ def test_concurrent_reads_from_threads(owner: OwnerProcess, reader: TensorReader
                 (t,) = reader.read([raws[i]])
                 shape, dt, seed = specs[i][0]
                 assert same_bytes(t, make_tensor(shape, dt, seed))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -215,7 +215,7 @@ def test_batched_read_uses_one_payload_and_one_generation_transfer(owner: OwnerP
     before = transfers()
     out = reader.read(raws)
     assert transfers() - before == 2  # five descriptors, one owner: one payload READ, then one generation READ
-    for t, [(shape, dt, seed)] in zip(out, specs):
+    for t, [(shape, dt, seed)] in zip(out, specs, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed))
     # One stale descriptor fails the whole batch, and nothing of the batch stays borrowed.
     owner.release([Descriptor.from_bytes(raws[2]).lease_id])

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from tensorwire.cli.demo import Child
 from tensorwire.mm._tls import TlsConfig
+from tensorwire.service._child import Child
 from tensorwire.testing.pki import Pki, PkiUnavailable, make_pki
 
 CLIENT_NAMES = ("worker", "proxy", "llm", "attacker")

@@ -22,7 +22,6 @@ import torch
 from _sec import cli, non_loopback_ip, pki_or_skip, serve, tls_flags, tls_of, wait_until
 from prometheus_client import CollectorRegistry
 
-from tensorwire.cli.demo import Child
 from tensorwire.encoder import sample_paths
 from tensorwire.errors import PeerUnavailable
 from tensorwire.mm import (
@@ -35,6 +34,7 @@ from tensorwire.mm import (
 )
 from tensorwire.mm._tls import TlsConfig, channel_credentials, channel_options
 from tensorwire.rdma import RdmaConfig
+from tensorwire.service._child import Child
 from tensorwire.service._info import INFO_METHOD
 from tensorwire.service._proto import service_pb2
 from tensorwire.testing.pki import make_pki

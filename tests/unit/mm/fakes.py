@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

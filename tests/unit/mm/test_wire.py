@@ -10,8 +10,17 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import tensorwire.mm as mm
-from tensorwire.errors import (ConfigError, ControlPlaneError, DeadlineExceeded, InvalidPayload, LeaseExpired,
-                               PeerUnavailable, PoolExhausted, ProtocolError, Reason)
+from tensorwire.errors import (
+    ConfigError,
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    LeaseExpired,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+)
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 

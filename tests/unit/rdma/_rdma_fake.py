@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from tensorwire.errors import ReadTimeout, Reason
 from tensorwire.rdma import Owner, RdmaConfig
@@ -75,7 +75,7 @@ class FakeProvider(Provider):
             err = ReadTimeout("fake hang", reason=Reason.READ_TIMEOUT)
             err.pending = pending  # type: ignore[attr-defined]
             raise err
-        for (laddr, n, _), (raddr, rn, _) in zip(local, remote):
+        for (laddr, n, _), (raddr, rn, _) in zip(local, remote, strict=True):
             assert n == rn
             ctypes.memmove(laddr, raddr, n)
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from _rdma_fake import FakeProvider
 
 from tensorwire.errors import ExportError, PoolExhausted, Reason
 from tensorwire.rdma import RdmaConfig
 from tensorwire.rdma._pool import MIN_BUCKET_BYTES, GenerationTable, SlotPool, bucket_bytes
-
-from _rdma_fake import FakeProvider
 
 KIB, MIB = 1024, 1024 * 1024
 

@@ -7,7 +7,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

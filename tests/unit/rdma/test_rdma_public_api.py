@@ -10,7 +10,6 @@ import pytest
 import tensorwire.rdma as rdma
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 
-
 RDMA_ALL = [
     "RdmaConfig", "TensorExporter", "TensorReader", "Exporter", "Reader", "Descriptor", "TensorMeta", "Owner",
     "Lease", "ExporterStats", "ReaderStats", "PoolStats", "ProviderStats", "SUPPORTED_DTYPES",

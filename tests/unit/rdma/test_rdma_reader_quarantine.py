@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _rdma_fake import FakePending, FakeProvider
 
 from tensorwire.errors import ReadTimeout
 from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader, register_provider
 from tensorwire.rdma.providers import _REGISTRY
-
-from _rdma_fake import FakePending, FakeProvider
 
 
 @pytest.fixture
@@ -24,7 +23,7 @@ def fake_cfg() -> RdmaConfig:
 def test_timed_out_buffer_is_not_reused_until_the_transfer_finishes(fake_cfg: RdmaConfig) -> None:
     with TensorExporter(fake_cfg) as exp, TensorReader(fake_cfg) as rd:
         d = exp.export([torch.arange(16, dtype=torch.float32)])
-        prov = rd._provider  # noqa: SLF001
+        prov = rd._provider
         assert isinstance(prov, FakeProvider)
         pending = FakePending()
         prov.hang_next = pending
@@ -48,7 +47,7 @@ def test_close_abandons_what_is_still_in_flight(fake_cfg: RdmaConfig) -> None:
         rd = TensorReader(fake_cfg)
         d = exp.export([torch.ones(4)])
         pending = FakePending()
-        rd._provider.hang_next = pending  # type: ignore[union-attr]  # noqa: SLF001
+        rd._provider.hang_next = pending  # type: ignore[union-attr]
         with pytest.raises(ReadTimeout):
             rd.read([d])
         rd.close()

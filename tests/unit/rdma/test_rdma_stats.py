@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pickle
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -79,7 +80,7 @@ def _race(tally: Tally[Any], field: str, bump: Callable[[], object]) -> _GatedLo
     blocked on the tally's lock; whichever happens is what the code under test allows."""
     wake = threading.Event()
     lock = _GatedLock(wake)
-    tally._lock = lock  # type: ignore[assignment]  # noqa: SLF001 - the test watches the lock
+    tally._lock = lock  # type: ignore[assignment]  # the test watches the lock
     with tally.locked() as live:
         gate = _GatedInt(getattr(live, field))
         gate.first_inside, gate.second_inside, gate.wake = threading.Event(), threading.Event(), wake
@@ -101,7 +102,7 @@ def test_the_gate_catches_an_unlocked_update() -> None:
     tally = Tally(ExporterStats())
 
     def unlocked() -> None:
-        live = tally._counts  # noqa: SLF001 - the bug this test is about
+        live = tally._counts  # the bug this test is about
         live.releases += 1
 
     lock = _race(tally, "releases", unlocked)
@@ -130,8 +131,8 @@ def test_nixl_counters_are_not_lost(require_nixl: None) -> None:
     provider = NixlProvider(RdmaConfig(bind_ip="127.0.0.1"), role=ROLE_READER)
     try:
         owner = Owner("tw-nobody", "127.0.0.1", 1)
-        lock = _race(provider._tally, "nixl_read_errors",  # noqa: SLF001
-                     lambda: provider._translate(RuntimeError("injected"), _Remote(owner.agent_name), owner))  # noqa: SLF001
+        lock = _race(provider._tally, "nixl_read_errors",
+                     lambda: provider._translate(RuntimeError("injected"), _Remote(owner.agent_name), owner))
         stats = provider.stats()
         assert isinstance(stats, NixlStats)
         assert stats.nixl_read_errors == 2

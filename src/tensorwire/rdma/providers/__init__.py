@@ -13,7 +13,7 @@ importable. Providers are imported only when chosen, so ``tensorwire.rdma`` neve
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig
@@ -54,7 +54,8 @@ def provider_class(name: str) -> type[Provider]:
     if callable(target):
         return target()
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    cls: type[Provider] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def _is_available(name: str) -> bool:

@@ -19,8 +19,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from tensorwire.errors import ReadError, Reason
 from tensorwire.rdma._stats import Tally
@@ -114,7 +115,8 @@ class MetadataServer:
         status = STATUS_OK if wanted == name else STATUS_WRONG_AGENT
         body = md if status == STATUS_OK else b""
         raw_name = name.encode()
-        conn.sendall(_RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name)) + raw_name + _U32.pack(len(body)) + body)
+        head = _RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name))
+        conn.sendall(head + raw_name + _U32.pack(len(body)) + body)
         with self._tally.locked() as c:
             c.served += 1
 

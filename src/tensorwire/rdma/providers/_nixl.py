@@ -29,8 +29,9 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
 from tensorwire.rdma._config import RdmaConfig
@@ -50,7 +51,7 @@ _SPIN_S = 0.0005  # busy-poll this long before sleeping between state checks (su
 
 def _api() -> Any:
     _ucx_env.quiet_nixl()
-    import nixl._api as api  # noqa: PLC0415 - heavy, only when the provider is used
+    import nixl._api as api  # heavy, only when the provider is used
 
     return api
 
@@ -193,7 +194,8 @@ class NixlProvider(Provider):
         self._check_open()
         if self._server is None:
             try:
-                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port, self._snapshot)
+                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port,
+                                                        self._snapshot)
             except OSError as exc:
                 raise ExportError(f"metadata endpoint {self.config.bind_ip or '0.0.0.0'}:{self.config.port} "
                                   f"could not listen: {exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
@@ -316,8 +318,9 @@ class NixlProvider(Provider):
                     pending = _NixlPending(agent, xfer, handles, lambda: self._unbusy(rem))
                     xfer, handles = None, []
                     err = ReadTimeout(f"READ from {owner.agent_name} ({sum(n for _, n, _ in remote)} bytes) missed its "
-                                      "deadline; destination quarantined until NIXL finishes", reason=Reason.READ_TIMEOUT)
-                    err.pending = pending  # type: ignore[attr-defined]
+                                      "deadline; destination quarantined until NIXL finishes",
+                                      reason=Reason.READ_TIMEOUT)
+                    err.pending = pending
                     raise err
                 if now >= spin_until:
                     time.sleep(min(sleep_s, max(deadline - now, 0)))
@@ -368,7 +371,8 @@ class NixlProvider(Provider):
     def _learn_transport(self, text: str, owner: Owner, local_mem: str, remote_mem: str) -> None:
         found = _ucx_probe.parse_read_tables(text)
         if not found and "memory read" in text:
-            log.info("could not parse the UCX READ protocol table: %r", [ln for ln in text.splitlines() if "|" in ln][:12])
+            log.info("could not parse the UCX READ protocol table: %r",
+                     [ln for ln in text.splitlines() if "|" in ln][:12])
         for pair, transport in found.items():
             if self._transports.get(pair) != transport:
                 self._transports[pair] = transport

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 from tensorwire.errors import ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig
@@ -15,7 +16,7 @@ class NoneProvider(Provider):
 
     name = "none"
 
-    def __init__(self, config: RdmaConfig, *, role: str) -> None:  # noqa: D107
+    def __init__(self, config: RdmaConfig, *, role: str) -> None:
         msg = "rdma provider 'none' is never available; use the inline path"
         if role == ROLE_EXPORTER:
             raise ExportError(msg, reason=Reason.PROVIDER_UNAVAILABLE)

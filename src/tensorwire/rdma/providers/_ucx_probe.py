@@ -16,7 +16,8 @@ import re
 import sys
 import tempfile
 import threading
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 _LOCK = threading.Lock()
 # "... into host memory from host", "... into cuda/GPU0 from cuda/dev[1]" (UCX 1.23 on an H200)

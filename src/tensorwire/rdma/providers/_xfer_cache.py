@@ -25,8 +25,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from tensorwire.rdma._stats import Tally
 from tensorwire.rdma.providers.base import Range

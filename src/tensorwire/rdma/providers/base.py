@@ -32,8 +32,9 @@ Errors: only ``tensorwire.errors`` exceptions leave a provider: ``ReadTimeout`` 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
@@ -64,7 +65,7 @@ class PendingTransfer(abc.ABC):
     def poll(self) -> bool:
         """True once the engine will never write the destination again (finished, failed or cancelled)."""
 
-    def abandon(self) -> None:
+    def abandon(self) -> None:  # noqa: B027 - an optional hook: a documented no-op unless the engine can cancel
         """Called at close when ``poll()`` stayed False: cancel what can be cancelled. Default: nothing."""
 
 
