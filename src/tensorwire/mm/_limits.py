@@ -43,9 +43,10 @@ class ServerLimits:
 
     max_request_items: int = 16
     max_item_bytes: int = 8 * 1024 * 1024
-    max_inflight_calls: int = 256
-    max_inflight_per_peer: int = 64
-    max_streams_per_peer: int = 16
+    # Generous per peer: every plaintext caller of one host (and everything behind a proxy) is one peer.
+    max_inflight_calls: int = 512
+    max_inflight_per_peer: int = 128
+    max_streams_per_peer: int = 32
     request_timeout_ms: int = 2_000
     stream_idle_timeout_ms: int = 120_000
     keepalive_time_ms: int = 30_000

@@ -77,7 +77,7 @@ def test_control_stream_fields_from_env_and_their_bounds() -> None:
         TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "sometimes"})
     # Every open stream holds a server thread: the cap leaves at least half of them for unary calls and health.
     with pytest.raises(ConfigError, match="server_stream_cap"):
-        TransportConfig(server_stream_cap=129)
+        TransportConfig(server_stream_cap=257)
     assert TransportConfig(server_threads=4, server_stream_cap=3).effective_server_stream_cap == 3
     small = TransportConfig(limits=ServerLimits(max_inflight_calls=8, max_inflight_per_peer=8, max_streams_per_peer=4))
     assert small.effective_server_stream_cap == 4
