@@ -133,6 +133,19 @@ def _host(limits: ServerLimits, gate: Gate, *, work_slots: int = 4) -> GrpcHost:
     return host
 
 
+def _hold(ch: grpc.Channel, method: str, n: int, gate: Gate) -> list[grpc.Future]:
+    """``n`` calls of ``method`` that the gate holds, each already inside the handler."""
+    held = [ch.unary_unary(f"/{SERVICE}/{method}").future(b"hold", timeout=20) for _ in range(n)]
+    for _ in held:
+        assert gate.entered.acquire(timeout=10)
+    return held
+
+
+def _release_all(held: list[grpc.Future], gate: Gate) -> None:
+    gate.gate.set()
+    assert [f.result(timeout=10) for f in held] == [b"hold"] * len(held)
+
+
 def _unsent(ch: grpc.Channel, method: str) -> tuple[grpc.Future, threading.Event]:
     release = threading.Event()
 
@@ -169,9 +182,7 @@ def test_a_peer_over_its_share_is_refused_at_once_and_the_refusal_says_why() -> 
     host = _host(ServerLimits(max_inflight_per_peer=3, max_streams_per_peer=1), gate)
     try:
         with grpc.insecure_channel(host.address) as ch:
-            held = [ch.unary_unary(f"/{SERVICE}/Control").future(b"hold", timeout=20) for _ in range(3)]
-            for _ in held:
-                assert gate.entered.acquire(timeout=10)
+            held = _hold(ch, "Control", 3, gate)
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as info:
                 ch.unary_unary(f"/{SERVICE}/Control")(b"x", timeout=10)
@@ -179,8 +190,7 @@ def test_a_peer_over_its_share_is_refused_at_once_and_the_refusal_says_why() -> 
             assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert wire.reason_from_rpc(info.value) is Reason.PEER_LIMIT
             assert host.stats().peer_limit_refusals == 1 and host.stats().inflight == 3
-            gate.gate.set()
-            assert [f.result(timeout=10) for f in held] == [b"hold"] * 3
+            _release_all(held, gate)
             assert ch.unary_unary(f"/{SERVICE}/Control")(b"y", timeout=5) == b"y"
     finally:
         host.stop(0)
@@ -191,9 +201,7 @@ def test_control_calls_never_wait_behind_work_and_work_waits_within_its_deadline
     host = _host(ServerLimits(), gate, work_slots=2)
     try:
         with grpc.insecure_channel(host.address) as ch:
-            work = [ch.unary_unary(f"/{SERVICE}/Work").future(b"hold", timeout=20) for _ in range(2)]
-            for _ in work:
-                assert gate.entered.acquire(timeout=10)  # both work slots taken
+            work = _hold(ch, "Work", 2, gate)  # both work slots taken
             t0 = time.monotonic()
             for _ in range(5):
                 assert ch.unary_unary(f"/{SERVICE}/Control")(b"c", timeout=5) == b"c"
@@ -202,8 +210,7 @@ def test_control_calls_never_wait_behind_work_and_work_waits_within_its_deadline
             with pytest.raises(grpc.RpcError) as info:  # a third Work waits for a slot, within its deadline only
                 ch.unary_unary(f"/{SERVICE}/Work")(b"w", timeout=0.5)
             assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            gate.gate.set()
-            assert [f.result(timeout=10) for f in work] == [b"hold"] * 2
+            _release_all(work, gate)
             assert ch.unary_unary(f"/{SERVICE}/Work")(b"w", timeout=5) == b"w"
     finally:
         host.stop(0)
