@@ -79,6 +79,8 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         planes.update(p["planes"])
     out = _summary(lat, sum(p["ok"] for p in parts), failed, planes)
     out["round_p99_ms"] = [p["p99_ms"] for p in parts]
+    out["slowest_stage_ms"] = sorted((s for p in parts for s in p["slowest_stage_ms"]),
+                                     key=lambda s: -s.get("total", 0.0))[:5]
     del out["latencies_ms"]
     return out
 
@@ -90,6 +92,7 @@ def _fetch_loop(client: Any, image: bytes, n: int) -> dict[str, Any]:
     lat: list[float] = []
     failed: Counter[str] = Counter()
     planes: Counter[str] = Counter()
+    slowest: list[tuple[float, dict[str, float]]] = []
     ok = 0
     for _ in range(n):
         t0 = time.perf_counter()
@@ -98,10 +101,14 @@ def _fetch_loop(client: Any, image: bytes, n: int) -> dict[str, Any]:
         except TensorwireError as exc:
             failed[f"{type(exc).__name__}:{exc.reason.value}"] += 1
             continue
-        lat.append((time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        lat.append(ms)
+        slowest = sorted([*slowest, (ms, {k: round(v, 2) for k, v in out.stage_ms.items()})], key=lambda x: -x[0])[:3]
         planes[out.plane.value] += 1
         ok += 1
-    return _summary(lat, ok, failed, planes)
+    out_summary = _summary(lat, ok, failed, planes)
+    out_summary["slowest_stage_ms"] = [stages for _, stages in slowest]
+    return out_summary
 
 
 class _Actor(threading.Thread):
