@@ -11,8 +11,15 @@ import torch
 from _sec import pki_or_skip, tls_of
 from prometheus_client import CollectorRegistry
 
-from tensorwire.mm import (EncoderOutput, MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for,
-                           serve_encoder, wire)
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    RemoteOutputTransport,
+    TransportConfig,
+    metrics_for,
+    serve_encoder,
+    wire,
+)
 from tensorwire.mm._limits import ServerLimits
 from tensorwire.mm._scope import FORWARDED_PEER_METADATA, current_call
 from tensorwire.mm._tls import channel_credentials
