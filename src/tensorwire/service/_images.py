@@ -3,8 +3,8 @@
 Issue 15, finding 7: a 65 KB PNG that declares 8192x8192 cost 1.5 s and 325 MB to decode. The header names the
 size, and Pillow reads only the header when it opens an image, so ``check_pixels`` refuses an item over
 ``max_item_pixels`` or a request whose items add up to more than ``max_request_pixels`` (``InvalidPayload``,
-INVALID_ARGUMENT) while the cost is still the few hundred bytes of a header. An item whose header does not parse
-is refused there too (the encoder could not decode it either).
+INVALID_ARGUMENT, reason ``invalid_request``) while the cost is still the few hundred bytes of a header. An item
+whose header does not parse is refused there too, as the decoder would refuse it (reason ``invalid_payload``).
 
 Environment: ``TENSORWIRE_WORKER_<FIELD>``; flags ``--<field>`` of ``serve-encoder``.
 """
@@ -47,8 +47,9 @@ def header_size(data: bytes, index: int) -> tuple[int, int]:
             with Image.open(io.BytesIO(data), formats=_FORMATS) as img:
                 width, height = img.size
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise InvalidPayload(f"image {index}: cannot decode the header of {len(data)} bytes as an image ({exc})",
-                             reason=Reason.INVALID_REQUEST) from exc
+        # The reason the decoder gives a file it cannot decode (invalid_payload): the check only comes first.
+        raise InvalidPayload(f"image {index}: cannot decode the header of {len(data)} bytes as an image "
+                             f"({exc})") from exc
     return int(width), int(height)
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from PIL import Image
 
-from tensorwire.errors import ConfigError, InvalidPayload
+from tensorwire.errors import ConfigError, InvalidPayload, Reason
 from tensorwire.service._images import ImageLimits, check_pixels, header_size
 from tensorwire.testing.hostile import pixel_bomb_png
 
@@ -26,8 +26,9 @@ def test_the_header_names_the_size_without_decoding() -> None:
     assert header_size(bomb, 0) == (8192, 8192)
     assert time.perf_counter() - t0 < 0.2  # a decode of 67 M pixels takes seconds
     assert header_size(_jpeg(640, 480), 1) == (640, 480)
-    with pytest.raises(InvalidPayload, match="image 3: cannot decode"):
+    with pytest.raises(InvalidPayload, match="image 3: cannot decode") as info:
         header_size(b"\x89PNG\r\n not really", 3)
+    assert info.value.reason is Reason.INVALID_PAYLOAD  # as the decoder counts it (tensorwire_mm_errors_total)
 
 
 def test_item_and_request_budgets() -> None:
