@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     from tensorwire.testing import hostile
     from tensorwire.testing.pki import make_pki
 
+    load_start = os.getloadavg()  # the machine may be shared: a loaded run says so in its JSON
     tmp = tempfile.TemporaryDirectory(prefix="tensorwire-bench-hostile-")
     llm_tls = attacker_tls = None
     argv_tls: list[str] = []
@@ -294,13 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                "meets_success": loaded["success_rate"] == 1.0, "meets_p99_2x": ratio <= 2.0}
     print("targets:", targets)
     path = write_result("hostile-tls" if args.tls else "hostile", {
-        "what": "one serve-encoder (builtin ViT, default limits); a legitimate client fetching a 448x448 JPEG in a "
+        "what": "one serve-encoder (builtin ViT, default limits); a legitimate client fetching a 224x224 JPEG in a "
                 f"closed loop, alone and then with {sum(actors.values())} hostile actors in a process of their own at "
                 f"nice 19 (each one hostile call in flight, {args.pace_ms:g} ms between calls)",
         "control_plane": "mtls (attackers with their own certificate)" if args.tls else
                          "plaintext (attackers share the client's peer key ip:127.0.0.1)",
         "actors": actors, "unloaded": unloaded, "loaded": loaded,
         "hostile_outcomes": dict(sorted(tally.items())), "worker_metrics": scraped, "targets": targets,
+        "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
     }, args.out)
     print(f"wrote {path}")
     return 0
