@@ -5,6 +5,11 @@ start when two workers on one host share a fixed ``--rdma-port`` (only one could
 the workers' largest ``slot_gc_timeout_ms`` + 5 s. ``--no-check-workers`` skips this (TTL from
 ``--slot-gc-timeout-ms``). Prints ``READY grpc=HOST:PORT metrics=HOST:PORT workers=N``.
 
+Health: SERVING while at least one worker answers its health probe with SERVING (``--probe-*``); per-worker
+state in ``tensorwire_proxy_worker_up``. SIGTERM/SIGINT: NOT_SERVING for ``--drain-s``, then new Encodes are
+refused while ReleaseLeases is still routed, in-flight calls finish within ``--grace-s``. Exit codes:
+``tensorwire.service._runtime`` (3: the port is in use).
+
 TLS (``--tls-*``, ``TENSORWIRE_MM_TLS_*``) applies to both sides: the listener (mTLS by default) and the channels to
 the workers (the proxy's certificate is its client certificate there). Limits as serve-encoder's (``ServerLimits``).
 A plaintext listener on a non-loopback address needs ``--insecure``; ``/metrics`` stays on loopback unless
@@ -22,11 +27,13 @@ if TYPE_CHECKING:
 
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
+FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (service._runtime.exit_now)
+
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.service._flags import add_flags
+    from tensorwire.service._flags import add_flags, add_stop_flags
     from tensorwire.service._proxy import ProxyConfig
 
     parser.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
@@ -37,16 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
-    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
     from tensorwire.cli.serve_encoder import add_security_arguments
     from tensorwire.mm._limits import ServerLimits
 
     add_security_arguments(parser)
     add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits)
+    add_stop_flags(parser)
     add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
-        "max_attempts": "workers tried per Encode; 0 = every worker once",
+        "max_attempts": "attempts per Encode, in rounds over the workers; 0 = three rounds of every worker",
         "check_workers": "ask workers for WorkerInfo at start-up (RDMA port check, route TTL)",
         "slot_gc_timeout_ms": "workers' lease GC timeout, for the route TTL when workers are not asked",
+        "probe_interval_s": "seconds between health probes of each worker",
+        "probe_timeout_s": "how long one health probe waits for its answer",
+        "probe_failures": "unanswered probes in a row before a worker counts as DOWN",
+        "check_receipts": "check each receipt as a reader would; a broken one is retried on another worker",
     })
 
 
@@ -70,28 +81,40 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
 
 def run(args: argparse.Namespace) -> int:
     from tensorwire.errors import TensorwireError
+    from tensorwire.service._flags import stop_config
     from tensorwire.service._proxy import EncoderProxy
-    from tensorwire.service._runtime import MetricsServer, fail, print_ready, serve_metrics, wait_for_signal
+    from tensorwire.service._runtime import (
+        EXIT_USAGE,
+        MetricsServer,
+        exit_code_for,
+        fail,
+        print_ready,
+        serve_metrics,
+        wait_for_signal,
+    )
 
     try:
         config = build_config(args)
+        stop = stop_config(args)
     except (TensorwireError, ValueError, TypeError) as exc:
-        return fail(str(exc), 2)
-    proxy = EncoderProxy(config)
+        return fail(str(exc), EXIT_USAGE)
+    proxy = EncoderProxy(config, reuse_port=args.reuse_port)
     metrics: MetricsServer | None = None
+    served = False  # the drain period is for peers that saw us SERVING; a failed start has none
     try:
         try:
             proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
                 metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:
-            return fail(str(exc), 1)
+            return fail(str(exc), exit_code_for(exc))
         print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
                     workers=len(config.workers), tls=config.tls.describe())
+        served = True
         got = wait_for_signal()
-        log.info("%s: stopping proxy (grace %.1f s)", got, args.grace_s)
+        log.info("%s: stopping proxy (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)
     finally:
-        proxy.stop(args.grace_s)
+        proxy.stop(stop.grace_s, drain_s=stop.drain_s if served else 0.0)
         if metrics is not None:
             metrics.close()
     return 0

@@ -25,8 +25,9 @@ Public names (``__all__``, pinned by tests/unit/mm/test_mm_public_api.py):
 ``tensorwire.mm.wire`` is public too: the protocol every peer of the EncoderService shares (method paths, message
 limits, the status table, the budget formula), used by the proxy. Every other module is private. Sibling packages
 import the few internals they need explicitly from their module: ``_host.GrpcHost``/``Service``/``Method``,
-``_service.encoder_host``, ``_scope.current_call``, ``_tls.TlsConfig`` and ``_limits.ServerLimits``
-(``tensorwire.service``, the CLI), ``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
+``_service.encoder_host``, ``_scope.current_call``, ``_tls.TlsConfig``, ``_limits.ServerLimits``,
+``_receipt.check_receipt`` and ``_ratelog.RateLimitedLog`` (``tensorwire.service``, the CLI),
+``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
 
 Security (issue 15, docs/security.md): ``TransportConfig.tls`` turns TLS / mTLS on for both ends,
 ``TransportConfig.limits`` bounds what a caller may hold on a server; a plaintext server binds a non-loopback

@@ -10,13 +10,32 @@ Lifecycle (``HostState``)::
     NEW --bind(address)--> BOUND --start()--> SERVING --stop(grace)--> STOPPED
     NEW / BOUND --stop()--> STOPPED (nothing was serving)
 
-Stop sequence: (1) health answers NOT_SERVING for every name, (2) ``grpc.Server.stop(grace)``: no new calls,
-in-flight ones get ``grace`` seconds and are then cancelled, (3) ``drain()``: the caller ends what would hold
-the stop for the whole grace (idle EncodeStreams), (4) wait for the server's termination, at most
-``grace + STOP_SLACK_S`` (no limit when ``grace`` is None).
+Health (``grpc.health.v1``, ``HealthService``) is separate from the lifecycle: ``start(serving=False)`` serves
+with every name NOT_SERVING (a worker loading its model) until ``set_serving(True)``; ``stop`` turns it to
+NOT_SERVING for good.
+
+Stop sequence (``stop(grace_s, drain, drain_s=, quiesce=, settle=)``), each step after the one before:
+
+1. health answers NOT_SERVING for every name; open Watch calls get it at once;
+2. for ``drain_s`` seconds nothing else changes: calls are served as before, so health checkers (a proxy, a
+   load balancer) see NOT_SERVING and move new work away before anything is refused;
+3. ``quiesce()``: the caller stops taking new work (the encoder refuses Encode) while the server still accepts
+   the calls that finish old work (ReleaseLeases, also on open EncodeStreams);
+4. ``settle(deadline)``: the caller waits for its in-flight calls and outstanding leases, until ``deadline``
+   (the grace, from the end of the drain period; readers of exported slots can still read and release);
+5. ``grpc.Server.stop(what is left of the grace)``: no new calls; calls still running get the rest of the
+   grace, then are cancelled; ``drain()``: the caller ends what would hold the stop for the rest of the grace
+   (idle EncodeStreams); every Watch ends (OK);
+6. wait for the server's termination, at most the rest of the grace + ``STOP_SLACK_S``.
+
+So a stop takes at most ``drain_s + grace_s + STOP_SLACK_S``, and less when the work finishes early.
+
+Port sharing: gRPC sets SO_REUSEPORT by default, so a second server on a port in use would bind it too and
+take half its connections. ``GrpcHost`` turns it off unless ``reuse_port=True``; binding a port in use is then a
+``ConfigError`` with reason ``BIND_FAILED``.
 
 Calls (issue 15, finding 4). Methods are declared as ``Service``/``Method`` specs; the host registers every one
-of them behind the same guard, health included:
+of them behind the same guard, health included (Check, and Watch on a thread of its own):
 
 1. admission: the caller's ``Peer`` (``_scope``) may hold at most ``max_inflight_per_peer`` calls, of which at
    most ``max_streams_per_peer`` streams; one more is refused at once with RESOURCE_EXHAUSTED (reason
@@ -40,8 +59,11 @@ unless ``insecure=True`` (the CLI's ``--insecure``): plaintext leaves the loopba
 from __future__ import annotations
 
 import enum
+import errno
 import logging
 import math
+import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -51,10 +73,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from tensorwire.errors import ClosedError, ConfigError, Reason, TensorwireError
 from tensorwire.mm import wire
+from tensorwire.mm._health import NOT_SERVING, SERVING, HealthService
 from tensorwire.mm._limits import ServerLimits
 from tensorwire.mm._scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
 from tensorwire.mm._tls import TlsConfig, server_credentials
@@ -67,6 +90,9 @@ STOP_SLACK_S = 5.0
 HEALTH_SERVICE = "grpc.health.v1.Health"
 # How often a call waiting for a work slot looks at its caller (gone: it stops waiting).
 WORK_WAIT_POLL_S = 0.05
+
+Settle = Callable[[float], None]
+"""settle(deadline): returns when the caller's in-flight work is done, or at ``deadline`` (time.monotonic)."""
 
 
 class HostState(str, enum.Enum):
@@ -197,38 +223,50 @@ class _Admission:
             return len(self._calls)
 
 
-def health_service(servicer: health.HealthServicer) -> Service:
-    """The standard grpc.health.v1 service as a ``Service``, so health calls pass the same guard."""
+def health_service(servicer: HealthService) -> Service:
+    """The standard grpc.health.v1 service as a ``Service``, so health calls pass the same guard. Watch runs on a
+    thread of its own here (the guard's calls are generators), ending when the service ends its watches or the
+    caller goes."""
+
+    def watch(request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        sent: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        context.add_callback(lambda: sent.put(None))  # the caller went: end the generator, free the thread
+        servicer.Watch(request, context, sent.put)
+        while (response := sent.get()) is not None:
+            yield response
+
     return Service(HEALTH_SERVICE, (
         Method("Check", servicer.Check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
                response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-        Method("Watch", servicer.Watch, kind="unary_stream",
+        Method("Watch", watch, kind="unary_stream",
                request_deserializer=health_pb2.HealthCheckRequest.FromString,
                response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
     ))
 
 
 class GrpcHost:
-    """``bind(address, insecure=False) -> port``, ``start()``, ``stop(grace_s, drain=None)``, ``wait(timeout_s)``.
+    """``bind(address, insecure=False) -> port``, ``start(serving=True)``, ``set_serving(bool)``,
+    ``stop(grace_s, ...)``, ``wait(timeout_s)``.
 
     ``what`` names the server in errors and logs ("encoder", "proxy"). ``services``: the methods to serve (see
     ``Method``); ``serving`` the service names health reports (besides ``""``). ``work_slots``: how many
     ``Lane.WORK`` calls run at once (the encoder's ``server_threads``). ``limits``: ``ServerLimits``; ``tls``:
     a ``TlsConfig`` (None or one without a certificate: plaintext). ``on_refuse(reason)`` is called for every
     call the guard refuses or ends (a bounded label: ``peer_limit``, ``request_timeout``, ``stream_idle``,
-    ``work_wait``), for metrics. ``stop`` may be called from any thread, any number of times (the first stops).
+    ``work_wait``), for metrics. ``reuse_port``: let other processes bind the same port (SO_REUSEPORT); off by
+    default. ``stop`` may be called from any thread, any number of times (the first stops).
     """
 
     def __init__(self, what: str, services: Sequence[Service], *, work_slots: int, thread_prefix: str,
                  limits: ServerLimits | None = None, tls: TlsConfig | None = None,
                  serving: Sequence[str] = (wire.SERVICE_NAME,), extra_options: Sequence[tuple[str, Any]] = (),
-                 on_refuse: Callable[[str], None] | None = None) -> None:
+                 on_refuse: Callable[[str], None] | None = None, reuse_port: bool = False) -> None:
         if work_slots <= 0:
             raise ConfigError(f"{what}: work_slots={work_slots} must be > 0")
         self.what = what
         self.limits = limits if limits is not None else ServerLimits()
         self.tls = tls if tls is not None and tls.server_enabled else None
-        self._serving = ("", *serving)
+        self.health = HealthService(("", *serving), NOT_SERVING)
         self._forwarders = self.limits.forwarders
         self._on_refuse = on_refuse
         self._work = threading.BoundedSemaphore(work_slots)
@@ -239,13 +277,14 @@ class GrpcHost:
         n = self.limits.max_inflight_calls
         # One thread per admissible call: a call waiting for its request or a slot never delays another's start.
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=thread_prefix),
-                                   options=self.limits.server_options() + list(extra_options),
+                                   options=[*self.limits.server_options(),
+                                            ("grpc.so_reuseport", 1 if reuse_port else 0), *extra_options],
                                    maximum_concurrent_rpcs=n)
-        self._health = health.HealthServicer()
         self._server.add_generic_rpc_handlers(tuple(self._handler(s) for s in (*services,
-                                                                             health_service(self._health))))
+                                                                             health_service(self.health))))
         self._lock = threading.Lock()
         self.state = HostState.NEW
+        self._stopping = False
         self.host = ""
         self.port = 0
         self.certificates: Any = None  # the TLS certificate source (reload counter), when TLS is on
@@ -280,37 +319,60 @@ class GrpcHost:
                 port = self._server.add_secure_port(address, creds)
             else:
                 port = self._server.add_insecure_port(address)
-        except RuntimeError as exc:  # newer grpcio raises instead of returning 0
-            raise ConfigError(f"cannot bind the {self.what} to {address!r}: {exc}; is the port in use?") from exc
+        except RuntimeError:  # newer grpcio raises instead of returning 0
+            port = 0
         if port == 0:
-            raise ConfigError(f"cannot bind the {self.what} to {address!r}; is the port in use?")
+            raise ConfigError(f"cannot listen on {address} for the {self.what}: {_why_not(address)}",
+                              reason=Reason.BIND_FAILED)
         return int(port)
 
-    def start(self) -> None:
-        """Starts serving on the bound port and reports SERVING."""
+    def start(self, serving: bool = True) -> None:
+        """Starts serving on the bound port; health reports SERVING, or NOT_SERVING until ``set_serving(True)``."""
         with self._lock:
             if self.state is not HostState.BOUND:
                 raise ClosedError(f"{self.what} server is {self.state.value}; start() needs a bound, unstarted server")
             self._server.start()
-            for name in self._serving:
-                self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
             self.state = HostState.SERVING
         log.info("%s on %s: %s, limits %s", self.what, self.address,
                  self.tls.describe() if self.tls else "plaintext", self.limits)
+        if serving:
+            self.set_serving(True)
 
-    def stop(self, grace_s: float | None, drain: Callable[[], None] | None = None) -> None:
-        """The stop sequence of the module docstring. Idempotent; ``drain`` runs only on the first call, and
-        only when the server was serving."""
+    def set_serving(self, serving: bool) -> None:
+        """What health answers for every name while the server runs; ignored once a stop began."""
         with self._lock:
-            was, self.state = self.state, HostState.STOPPED
+            if self._stopping or self.state is not HostState.SERVING:
+                return
+            self.health.set_all(SERVING if serving else NOT_SERVING)
+
+    def stop(self, grace_s: float | None, drain: Callable[[], None] | None = None, *, drain_s: float = 0.0,
+             quiesce: Callable[[], None] | None = None, settle: Settle | None = None) -> None:
+        """The stop sequence of the module docstring. Idempotent; the callbacks run only on the first call, and
+        only when the server was serving. ``grace_s`` None: no limit for in-flight calls."""
+        with self._lock:
+            was, self.state, self._stopping = self.state, HostState.STOPPED, True
         if was is HostState.STOPPED:
             return
-        self._health.enter_graceful_shutdown()
-        stopped = self._server.stop(grace_s)  # no new calls from here on
         try:
+            self.health.set_all(NOT_SERVING)
+            if was is HostState.SERVING:
+                if drain_s > 0:
+                    log.info("%s on %s: NOT_SERVING for %.1f s before it stops taking work", self.what,
+                             self.address, drain_s)
+                    time.sleep(drain_s)
+                deadline = None if grace_s is None else time.monotonic() + grace_s
+                if quiesce is not None:
+                    quiesce()
+                if settle is not None:
+                    settle(float("inf") if deadline is None else deadline)
+                grace_left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            else:
+                grace_left = grace_s
+            stopped = self._server.stop(grace_left)  # no new calls from here on
             if was is HostState.SERVING and drain is not None:
                 drain()
-            if not stopped.wait(None if grace_s is None else grace_s + STOP_SLACK_S):
+            self.health.end_watches()
+            if not stopped.wait(None if grace_left is None else grace_left + STOP_SLACK_S):
                 log.warning("%s server on %s had not terminated %.1f s after its grace", self.what, self.address,
                             STOP_SLACK_S)
         finally:
@@ -492,4 +554,66 @@ class _HostScope(CallScope):
         return self._host._work_slot(self)
 
 
-__all__ = ["GrpcHost", "HostState", "HostStats", "Lane", "Method", "Service", "STOP_SLACK_S", "health_service"]
+class Admission:
+    """Counts the calls a server is running and refuses new ones once closed: the ``quiesce``/``settle`` pair of
+    the stop sequence for a servicer. ``enter()`` is False after ``close()``; every True ``enter`` needs one
+    ``exit``; ``wait_idle(deadline)`` returns how many still run at ``deadline`` (time.monotonic). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self.closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self.closed:
+                return False
+            self._running += 1
+            return True
+
+    def exit(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if not self._running:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    def wait_idle(self, deadline: float) -> int:
+        with self._cond:
+            while self._running and time.monotonic() < deadline:
+                self._cond.wait(min(1.0, deadline - time.monotonic()))
+            return self._running
+
+
+def _why_not(address: str) -> str:
+    """Why gRPC could not bind ``address``, found out by binding a plain socket there (gRPC only says "failed")."""
+    host, _, port_text = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        port = int(port_text)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except ValueError:
+        return "not a HOST:PORT address"
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"port {port} is in use (another server listens there; pick another --port or stop that one)"
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{host} is not an address of this host"
+        if exc.errno == errno.EACCES:
+            return f"permission denied for port {port}"
+        return exc.strerror or str(exc)
+    return "gRPC refused the address (see its log line above)"
+
+
+__all__ = ["Admission", "GrpcHost", "HostState", "HostStats", "Lane", "Method", "STOP_SLACK_S", "Service", "Settle",
+           "health_service"]
