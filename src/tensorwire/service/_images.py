@@ -41,6 +41,8 @@ def header_size(data: bytes, index: int) -> tuple[int, int]:
     """(width, height) from the image header, without decoding pixels; ``InvalidPayload`` when it does not parse."""
     from PIL import Image
 
+    from tensorwire.encoder._preprocess import _no_repr  # the decoder's wording, without Pillow's object reprs
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the budget below is the check
@@ -49,7 +51,7 @@ def header_size(data: bytes, index: int) -> tuple[int, int]:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         # The reason the decoder gives a file it cannot decode (invalid_payload): the check only comes first.
         raise InvalidPayload(f"image {index}: cannot decode the header of {len(data)} bytes as an image "
-                             f"({exc})") from exc
+                             f"({_no_repr(exc)})") from exc
     return int(width), int(height)
 
 

@@ -117,10 +117,10 @@ def test_a_plaintext_listener_leaves_the_loopback_only_with_insecure(tmp_path: P
             rc = _exits_or_ready(child, 150)
         finally:
             child.terminate(grace_s=2)
-        assert rc == 1, f"{argv}: a plaintext non-loopback listener started"
+        assert rc == 2, f"{argv}: a plaintext non-loopback listener started"  # a refused configuration
         assert "--insecure" in child.log_path.read_text()
     r = cli("serve-proxy", "--worker", "127.0.0.1:9", "--no-check-workers", "--host", "0.0.0.0")
-    assert r.returncode == 1 and "--insecure" in r.stderr
+    assert r.returncode == 2 and "--insecure" in r.stderr
 
 
 @pytest.mark.timeout(300)

@@ -29,6 +29,7 @@ def test_the_header_names_the_size_without_decoding() -> None:
     with pytest.raises(InvalidPayload, match="image 3: cannot decode") as info:
         header_size(b"\x89PNG\r\n not really", 3)
     assert info.value.reason is Reason.INVALID_PAYLOAD  # as the decoder counts it (tensorwire_mm_errors_total)
+    assert " object at 0x" not in str(info.value)  # no object reprs (Pillow's "<_io.BytesIO object at 0x..>")
 
 
 def test_item_and_request_budgets() -> None:
