@@ -37,6 +37,7 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._scope import CallScope, call_scope, current_call
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
+from tensorwire.mm._uds_service import LocalControlServer, start_local_server
 from tensorwire.mm._wire_receipt import WireReceipt
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,19 @@ class EncoderService:
         self._closing = False  # streams end after their current answer
         self._encodes = Admission()
         self._rl = RateLimitedLog(log)
+        self.local: LocalControlServer | None = None
+
+    def start_local(self) -> None:
+        """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
+        it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
+        cfg = self.transport.config
+        if cfg.local_channel == "auto" and self.local is None:
+            self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+
+    def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
+        local = self.local
+        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
 
     @property
     def open_streams(self) -> int:
@@ -242,7 +256,7 @@ class EncoderService:
                 msg = _parse_or_abort(pb.StreamRequest, raw, context)
                 kind = msg.WhichOneof("body")
                 if kind == "release":
-                    self._release_from_stream(msg.release)
+                    self.release_unanswered(msg.release)
                     continue
                 if kind != "encode":
                     unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
@@ -273,7 +287,7 @@ class EncoderService:
         except grpc.RpcError:
             return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
 
-    def _release_from_stream(self, request: pb.ReleaseLeasesRequest) -> None:
+    def release_unanswered(self, request: pb.ReleaseLeasesRequest) -> None:
         # Never answered (fire and forget): a release that cannot be applied is counted and logged here, and the
         # TTL GC reclaims its leases.
         if len(request.lease_ids) > MAX_RELEASE_IDS:
@@ -302,6 +316,8 @@ class EncoderService:
         with self._streams_lock:
             self._stopping = self._closing = True
             streams = list(self._streams)
+        if self.local is not None:
+            self.local.stop_accepting()
         for stream in streams:
             with stream.lock:
                 if not stream.busy:
@@ -324,12 +340,22 @@ class EncoderService:
             log.warning("%d exported lease(s) still unreleased at the end of the grace; readers of them will fail",
                         left)
 
+    def close_local(self, grace_s: float | None = 0.0) -> None:
+        """Ends the same-host control channel: its busy connections get up to ``grace_s`` (None: no limit) to
+        send their answer, then it is cut (``LocalControlServer.close``). A server calls it after its gRPC stop,
+        with what is left of the grace. Idempotent."""
+        local = self.local
+        if local is not None:
+            local.close(grace_s)
+
     def methods(self) -> Service:
-        """The EncoderService methods for ``GrpcHost``: Encode needs a work slot; ReleaseLeases never waits."""
+        """The EncoderService methods for ``GrpcHost``: Encode needs a work slot; ReleaseLeases and LocalChannel
+        never wait for one."""
         return Service(wire.SERVICE_NAME, (
             Method("Encode", self.encode, lane=Lane.WORK),
             Method("ReleaseLeases", self.release_leases),
             Method("EncodeStream", self.encode_stream, kind="stream"),
+            Method("LocalChannel", self.local_channel),
         ))
 
 
@@ -357,11 +383,15 @@ class EncoderServer:
         if self._stopped:
             return
         self._stopped = True
+        until = None if grace is None else time.monotonic() + grace
         try:
             self._host.stop(grace, drain=self.service.close_streams, quiesce=self.service.quiesce,
                             settle=self.service.settle)
         finally:
-            self.transport.close()
+            try:
+                self.service.close_local(None if until is None else max(0.0, until - time.monotonic()))
+            finally:
+                self.transport.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops (True) or ``timeout`` passes (False)."""
@@ -407,6 +437,7 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
         raise
     transport.worker_address = host.address
     transport.start()
+    service.start_local()
     host.start()
     log.info("encoder service on %s (worker %s, mode %s, rdma device %s)", host.address, transport.worker_id,
              cfg.mode, getattr(cfg.rdma, "device", "?"))
