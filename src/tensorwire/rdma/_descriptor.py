@@ -9,7 +9,8 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
   (<= ``MAX_MANIFEST_ENTRIES``) -> DESCRIPTOR_MALFORMED / EMPTY_LEASE_ID / EMPTY_MANIFEST;
 - sizes: ``0 < payload_bytes <= max_slot_bytes`` -> OUT_OF_BOUNDS / SLOT_TOO_LARGE; slot_addr + payload_bytes
   must not wrap the 64-bit address space;
-- per tensor: known dtype (UNSUPPORTED_DTYPE); <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
+- per tensor: known dtype, and field 5 and the legacy field 2 agree when both are set (UNSUPPORTED_DTYPE);
+  <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
   itemsize computed in Python integers and capped at 2**63 (SIZE_OVERFLOW); nbytes equal to it
   (NBYTES_MISMATCH); offset a multiple of ``slot_align`` (MISALIGNED_OFFSET); offset + nbytes <= payload_bytes
   (OUT_OF_BOUNDS);
@@ -123,8 +124,8 @@ class Descriptor:
             generation_addr=self.generation_addr,
         )
         for m in self.manifest:
-            msg.manifest.add(shape=list(m.shape), dtype=_dtypes.to_wire(m.dtype),  # type: ignore[arg-type]
-                             legacy_dtype=_dtypes.to_legacy(m.dtype),  # type: ignore[arg-type]
+            msg.manifest.add(shape=list(m.shape), dtype=_dtypes.to_wire(m.dtype),
+                             legacy_dtype=_dtypes.to_legacy(m.dtype),
                              offset=m.offset, nbytes=m.nbytes)
         return msg.SerializeToString()
 
