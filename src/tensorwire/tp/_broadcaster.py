@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import pickle
 import sys
 import threading
 import time
@@ -33,6 +34,7 @@ from ._connect import BACKENDS, open_transport, resolve_backend
 from ._frame import (
     CODE_OF,
     KIND_DATA,
+    S_OBJECT,
     S_TENSOR,
     SEQ,
     SEQ_AT,
@@ -41,6 +43,7 @@ from ._frame import (
     assemble,
     byte_view,
     check_inplace,
+    encode_object_prefix,
     encode_prefix,
     flatten,
     plain,
@@ -198,6 +201,59 @@ class CpuTpBroadcaster:
             if self._state is _CLOSED:
                 self._close_transport()
             self._call_lock.release()
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0: send any picklable ``obj`` and return it. Other ranks: pass ``None``, get an equal object back.
+
+        The object is pickled once (protocol 5) straight into the transport; shm readers unpickle it straight from
+        the ring, with no copy in between. Lockstep, ownership and failures as for ``broadcast``. Unpickling runs
+        whatever rank 0 pickled: peers are checked to be our own uid (``check_peer_uid``), so only use it between
+        processes that trust each other. An object that cannot be pickled raises ``BroadcastError``
+        (``INVALID_CONFIG``) on rank 0 before anything is sent; one that cannot be unpickled on a reader, or a
+        reader that calls ``broadcast_object`` while rank 0 called ``broadcast``, is a terminal ``FrameMismatch``.
+        """
+        self._enter()
+        try:
+            transport = self._transport
+            if self.rank == 0:
+                try:
+                    data = pickle.dumps(obj, protocol=5)
+                except Exception as exc:  # pickling runs arbitrary __reduce__ code; anything can come out
+                    raise BroadcastError(f"rank 0: broadcast_object cannot pickle the {type(obj).__name__}: {exc}",
+                                         reason=Reason.INVALID_CONFIG) from exc
+                if transport is not None:
+                    seq = self._seq + 1
+                    transport.send(seq, encode_object_prefix(seq, len(data)), (memoryview(data),), (0,), len(data))
+                    self._seq = seq
+                return obj
+            if obj is not None:
+                raise BroadcastError(f"rank {self.rank}: broadcast_object(obj) takes None on ranks other than 0, got "
+                                     f"{type(obj).__name__}", reason=Reason.INVALID_CONFIG)
+            if transport is None:
+                return None
+            seq = self._seq + 1
+            got = transport.recv_view(seq, self._unpickle)
+            self._seq = seq
+            return got
+        except _TERMINAL as exc:
+            self._fail(exc)
+            raise
+        finally:
+            if self._state is _CLOSED:
+                self._close_transport()
+            self._call_lock.release()
+
+    def _unpickle(self, layout: Layout, payload: memoryview) -> Any:
+        if layout.structure != S_OBJECT or len(layout.entries) != 1:
+            raise FrameMismatch(f"rank {self.rank}: broadcast_object expected an object, rank 0 sent "
+                                f"{len(layout.entries)} tensors (structure {layout.structure}); the ranks called "
+                                f"different methods")
+        e = layout.entries[0]
+        try:
+            return pickle.loads(payload[e.offset: e.offset + e.nbytes])
+        except Exception as exc:  # a corrupt or foreign pickle: anything can come out of unpickling
+            raise FrameMismatch(f"rank {self.rank}: cannot unpickle the object of message {layout.seq}: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         """Release sockets, the ring and the watchdog, and tell the group. Idempotent; safe on a half-built object
