@@ -45,7 +45,7 @@ from ._frame import HEADER, KIND_DATA, LastFrame, Layout, decode_header, decode_
 from ._link import Link, Waiter
 from ._paths import Endpoint
 from ._ring import ABORT, ABORT_PEER_DIED, ABORT_ROOT_CLOSED, PUB, SLOT_HEADER, Ring, align
-from ._spin import SpinWindow
+from ._spin import PREEMPTED_S, SpinWindow
 from ._transport import Into, ReaderSide, RootSide, Use, again
 
 _WAKE = b"\x01"
@@ -267,15 +267,20 @@ class ShmReader(ReaderSide):
     def _wait_published(self, seq: int) -> None:
         """Spin for the adaptive window (``_spin``), then sleep; records how long the message took to come."""
         w = self._w
-        t0 = time.monotonic()
+        t0 = last = time.monotonic()
         spin_until = t0 + self._window.budget()
         while True:
             if w[PUB] >= seq:
                 _fence.acquire()
                 self._window.record(time.monotonic() - t0)
                 return
-            if time.monotonic() >= spin_until:
+            now = time.monotonic()
+            if now >= spin_until:
                 break
+            if now - last > PREEMPTED_S:  # another task had our CPU: sleeping serves us (and rank 0) better
+                self._window.preempted()
+                break
+            last = now
             if self._error is not None:  # close() from another thread while we spin
                 raise again(self._error)
             if w[ABORT]:

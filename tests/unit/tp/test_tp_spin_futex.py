@@ -108,3 +108,10 @@ def test_futex_wake_from_another_thread_ends_a_wait(word):
     took = time.monotonic() - t0
     th.join(10)
     assert woken == [1] and took < 20.0, took
+
+
+def test_a_preempted_spin_falls_back_to_spin_s_for_the_next_waits():
+    w = _fed(SpinWindow(100e-6, 5e-3, 2.0, world=1), [2e-3] * N)
+    w.preempted()
+    assert [w.budget() for _ in range(N)] == [100e-6] * N
+    assert w.budget() == pytest.approx(4e-3)  # then it adapts again
