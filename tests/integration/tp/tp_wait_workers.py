@@ -64,6 +64,11 @@ def random_gaps(seed: int, n: int) -> list[float]:
 def close_while_spinning(rank: int, world: int, base: str, done: Any) -> dict:
     """Rank 1 waits in a receive with a 1 s spin window (nothing comes) and is closed from another thread 50 ms in:
     the call must end with ClosedError long before the window would have run out."""
+    from tensorwire.tp import _shm
+
+    # On a busy machine the spin would end early as "preempted" (and sleep, where close() is seen anyway): switch
+    # that rule off here, so that only the spin loop's own check of close() can end the call before 1 s.
+    _shm.PREEMPTED_S = 10.0
     cfg = BroadcastConfig(spin_s=1.0, spin_max_s=1.0, timeout_s=60.0)
     b = CpuTpBroadcaster(rank, world, "spinning", backend="shm", base_dir=base, init_timeout_s=60, config=cfg)
     if rank == 0:
