@@ -64,3 +64,15 @@ def test_broadcast_object_round_trips_and_rejects_a_mixed_up_call(base, backend)
     assert res[0] == {"unpicklable": "BroadcastError"}, res[0]  # rank 0 alone, before anything was sent
     for r in (1, 2):
         assert res[r] == {"after": "still in step", "mismatch": "FrameMismatch"}, res[r]
+
+
+@pytest.mark.timeout(150)
+@SHM
+def test_close_from_a_signal_handler_inside_broadcast_object(base):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    done = ctx.Event()
+    res = H.ok(H.collect(q, H.start(W.close_object_call_from_signal, [0, 1], 2, (base, done), q), 2, 120))
+    me = res[1]
+    assert me["error"] == "ClosedError", me
+    assert me["close_s"] < 2.0, me  # it knew it was inside the call; otherwise it waits 5 s for the call to leave

@@ -126,3 +126,34 @@ def objects(rank: int, world: int, base: str, backend: str) -> dict:
             except Exception as exc:  # the test checks which
                 out["mismatch"] = type(exc).__name__
     return out
+
+
+def close_object_call_from_signal(rank: int, world: int, base: str, done: Any) -> dict:
+    """Rank 1 blocks in broadcast_object; a SIGALRM handler on that thread closes the broadcaster. close() must see
+    that it runs inside the call (and return at once) instead of waiting 5 s for the call to leave."""
+    import signal
+
+    b = CpuTpBroadcaster(rank, world, "objsignal", backend="shm", base_dir=base, init_timeout_s=60,
+                         config=BroadcastConfig(timeout_s=60.0))
+    if rank == 0:
+        ok = done.wait(60)
+        b.close()
+        return {"closer_finished": ok}
+    out: dict[str, Any] = {}
+
+    def on_alarm(signum: int, frame: Any) -> None:
+        t0 = time.monotonic()
+        b.close()
+        out["close_s"] = time.monotonic() - t0
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        b.broadcast_object(None)
+        out["error"] = None
+    except Exception as exc:  # the test checks which
+        out["error"] = type(exc).__name__
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    done.set()
+    return out
