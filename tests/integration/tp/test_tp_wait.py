@@ -21,6 +21,14 @@ WAITS = [pytest.param("shm", True, marks=[SHM, pytest.mark.skipif(not _futex.AVA
          pytest.param("uds", False, id="uds")]
 
 
+def _closing_pair(worker, base: str) -> dict:
+    """Run ``worker`` on ranks 0 and 1 with a shared Event (rank 1 closes, then sets it); their reports."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    done = ctx.Event()
+    return H.ok(H.collect(q, H.start(worker, [0, 1], 2, (base, done), q), 2, 120))
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("backend,futex", WAITS)
 def test_message_after_a_long_gap_arrives(base, backend, futex):
@@ -46,10 +54,7 @@ def test_no_wake_up_is_lost_around_the_spin_window(base, backend, futex):
 @pytest.mark.timeout(150)
 @SHM
 def test_close_from_another_thread_cancels_a_spinning_reader(base):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    done = ctx.Event()
-    res = H.ok(H.collect(q, H.start(W.close_while_spinning, [0, 1], 2, (base, done), q), 2, 120))
+    res = _closing_pair(W.close_while_spinning, base)
     me = res[1]
     assert me["returned"] and me["error"] == "ClosedError", me
     # The window was 1 s; before the fix the spin ignored close() until it ran out.
@@ -69,10 +74,6 @@ def test_broadcast_object_round_trips_and_rejects_a_mixed_up_call(base, backend)
 @pytest.mark.timeout(150)
 @SHM
 def test_close_from_a_signal_handler_inside_broadcast_object(base):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    done = ctx.Event()
-    res = H.ok(H.collect(q, H.start(W.close_object_call_from_signal, [0, 1], 2, (base, done), q), 2, 120))
-    me = res[1]
+    me = _closing_pair(W.close_object_call_from_signal, base)[1]
     assert me["error"] == "ClosedError", me
     assert me["close_s"] < 2.0, me  # it knew it was inside the call; otherwise it waits 5 s for the call to leave
