@@ -96,7 +96,7 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
         if backend == "shm":
             ring = Ring.attach(fds[0], extra, rank, world, cfg.n_slots, cfg.slot_bytes, cfg.arena_bytes)
             return ShmReader(ring, link, rank, endpoint, cfg)
-        return UdsReader(link, rank, endpoint, cfg)
+        return UdsReader(link, rank, endpoint, cfg, world)
     except BaseException:
         link.close()
         raise
