@@ -25,6 +25,9 @@ from tensorwire.mm.encoder_side import OutputBuffers, OutputTransport
 from tensorwire.mm.metrics import TransportMetrics, metrics_for
 from tensorwire.mm.release import ReleaseQueue
 from tensorwire.mm.service import EncoderServer, EncoderService, serve_encoder
+from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm._store import HeldItem, HeldStore, StoreStats, new_secret
+from tensorwire.mm._store_rpc import HeldStoreClient, LookupOutcome, StagingClient, StoreServer, serve_store
 from tensorwire.mm.types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
 
 __all__ = [
@@ -46,4 +49,15 @@ __all__ = [
     "ReleaseQueue",
     "TransportMetrics",
     "metrics_for",
+    "HeldStore",
+    "HeldItem",
+    "StoreStats",
+    "new_secret",
+    "StagingArea",
+    "Expect",
+    "StoreServer",
+    "serve_store",
+    "HeldStoreClient",
+    "StagingClient",
+    "LookupOutcome",
 ]
