@@ -10,9 +10,10 @@ Receipts are untrusted: ``stage`` parses every descriptor (``Descriptor.from_byt
 known role per manifest tensor, checks the optional expected shape and dtype of the first tensor before any
 byte is read, and reads with the area's ``TensorReader`` (which checks the results against the manifest).
 
-Ownership: staged tensors are owned (they outlive the remote lease and the reader). ``get`` returns them, not
-copies; a caller must not modify them in place if others may ``get`` them too. Thread safety: every method may
-be called from many threads; two ``stage`` calls for one key race and the later replaces the earlier.
+Ownership: staged tensors are owned (they outlive the remote lease and the reader) and complete when ``stage``
+returns (on CUDA the calling thread's stream is synchronized first). ``get`` returns them, not copies; a
+caller must not modify them in place if others may ``get`` them too. Thread safety: every method may be called
+from many threads; two ``stage`` calls for one key race and the later replaces the earlier.
 Errors: ``InvalidPayload`` / ``InvalidDescriptor`` (bad receipt), ``ProtocolError(RESULT_MISMATCH)`` (not what
 was expected), the reader's ``ReadError`` family, ``ClosedError``.
 """
@@ -129,6 +130,10 @@ class StagingArea:
             else:
                 tensors = self._decode_inline(key, receipt, expect)
                 kind = "inline_stages"
+            if self._device.type == "cuda":
+                # The reader's copy-outs are queued on this thread's stream; whoever uses the tensors next may
+                # run on another stream (another thread's, a model runner's): "staged" means complete.
+                torch.cuda.current_stream(self._device).synchronize()
         except Exception:
             with self._lock:
                 self._n["stage_failures"] += 1

@@ -68,8 +68,9 @@ def check_grant(key: str, secret: bytes) -> None:
 
 
 def _digest(key: str, secret: bytes) -> bytes:
-    # Dict keys are digests, never secrets: a lookup compares digests of attacker-chosen input, which says
-    # nothing about a stored secret.
+    """The grant's dict key (after check_grant). Dict keys are digests, never secrets: a lookup compares digests
+    of attacker-chosen input, which says nothing about a stored secret."""
+    check_grant(key, secret)
     return hashlib.sha256(key.encode() + b"\0" + bytes(secret)).digest()
 
 
@@ -158,7 +159,6 @@ class HeldStore:
 
     def grant(self, key: str, secret: bytes) -> None:
         """Adds a grant: on the held item, or pending until ``hold(key, ...)`` (dropped after ``ttl_s``)."""
-        check_grant(key, secret)
         d = _digest(key, secret)
         with self._lock:
             self._check_open()
@@ -213,7 +213,6 @@ class HeldStore:
 
     def lookup(self, key: str, secret: bytes) -> HeldItem:
         """The held item, if ``(key, secret)`` is a live grant on it; else ``LeaseExpired(NOT_HELD)``."""
-        check_grant(key, secret)
         d = _digest(key, secret)
         with self._lock:
             self._check_open()
@@ -228,7 +227,6 @@ class HeldStore:
 
     def release(self, key: str, secret: bytes) -> bool:
         """Ends the grant (idempotent: False when it did not exist). The last grant of an item releases it."""
-        check_grant(key, secret)
         d = _digest(key, secret)
         ended: HeldItem | None = None
         with self._lock:

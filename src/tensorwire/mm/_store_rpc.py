@@ -38,6 +38,7 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
 from tensorwire.mm._staging import Expect, StagingArea
 from tensorwire.mm._store import HeldItem, HeldStore
+from tensorwire.mm.service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
 
 log = logging.getLogger(__name__)
 
@@ -67,15 +68,6 @@ def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
     for t in item.tensors[1:]:
         encode_tensor(t, receipt.extra_inputs.add())
     return receipt
-
-
-def _parse(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
-    try:
-        return message.FromString(raw)
-    except DecodeError as exc:
-        wire.abort_with(context, InvalidPayload(f"{message.__name__} does not parse: {exc}",
-                                                reason=Reason.INVALID_REQUEST))
-        raise  # unreachable: abort raises
 
 
 def _check_count(n: int, context: grpc.ServicerContext) -> None:
