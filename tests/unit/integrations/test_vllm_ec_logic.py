@@ -439,3 +439,41 @@ def test_producer_without_a_known_endpoint_announces_nothing() -> None:
     p.build_step([req])
     assert p.request_finished(req, finished_ok=True) is None
     assert len(p.build_step([]).revokes) == 1
+
+
+def test_producer_endpoint_is_found_in_process_through_the_file_or_from_the_port(tmp_path: Path) -> None:
+    import json
+
+    from tensorwire.integrations._vllm_ec import runtime as rt
+
+    cfg = ECConfig(host="127.0.0.1", runtime_dir=str(tmp_path / "rt"), rdma_provider="none")
+    name = rt.instance_name("engine/with spaces", 0)
+    assert "/" not in name and name.endswith("-dp0")
+    prod = rt.producer_runtime(cfg, name, "cpu")
+    try:
+        assert prod.exporter is None  # no RDMA provider: the store serves inline copies
+        assert rt.producer_endpoint(cfg, name) == prod.endpoint
+        file = tmp_path / "rt" / f"{name}.producer.json"
+        assert json.loads(file.read_text())["endpoint"] == prod.endpoint
+        with rt._lock:
+            del rt._producers[name]  # as the scheduler in another process sees it
+        assert rt.producer_endpoint(cfg, name) == prod.endpoint
+    finally:
+        prod.close()
+    assert not file.exists() and rt.producer_endpoint(cfg, name) is None
+    fixed = ECConfig(host="127.0.0.1", port=7123, runtime_dir=str(tmp_path / "rt"))
+    assert rt.producer_endpoint(fixed, "other-dp0") == "127.0.0.1:7123"
+
+
+def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
+    import os
+
+    from tensorwire.integrations._vllm_ec import runtime as rt
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with pytest.raises(ConfigError, match="0700") as e:
+        rt.runtime_dir(ECConfig(runtime_dir=str(shared)))
+    assert e.value.reason is Reason.INSECURE_PATH
+    assert rt.staging_address(ECConfig(runtime_dir=str(tmp_path / "ok")), "n-dp0", 1).endswith("/n-dp0-tp1.sock")
