@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long test-vllm install-vllm demo proto clean fuzz soak load
+.PHONY: install test test-gpu test-long test-vllm install-vllm lint demo proto clean fuzz soak load
 
 install: $(STAMP)
 
@@ -49,6 +49,11 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm.txt requirements/nixl.txt tests/
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm -m vllm -q -p no:cacheprovider --basetemp=build/test-vllm
 
+# ruff and mypy --strict, both configured in pyproject.toml (mypy checks src/ only).
+lint: install
+	$(PY) -m ruff check src tests scripts
+	$(PY) -m mypy
+
 test-gpu: install
 	$(PY) -m pytest -m gpu -q
 
@@ -75,4 +80,4 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

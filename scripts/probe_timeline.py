@@ -4,8 +4,8 @@
 
 Starts the transfer bench's encoder (spawned process, real gRPC server and exporter), fetches zero-copy outputs
 through the EncodeStream, and records enter/exit times (CLOCK_MONOTONIC, shared by both processes) of the
-functions listed in COMMON, CLIENT and SERVER, in both processes. Prints, per size, each function's median start offset from the fetch's
-start and its median duration. Each wrapper adds ~1-2 us.
+functions listed in COMMON, CLIENT and SERVER, in both processes. Prints, per size, each function's median start
+offset from the fetch's start and its median duration. Each wrapper adds ~1-2 us.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ COMMON = [
     "grpc._server:_RequestIterator.__next__",
 ]
 CLIENT = [
-    "tensorwire.mm.client:RemoteOutputTransport.fetch",
-    "tensorwire.mm.client:_Session.encode",
-    "tensorwire.mm.client:_StreamCall.encode",
-    "tensorwire.mm.client:RemoteOutputTransport._consume_rdma",
-    "tensorwire.mm.client:RemoteOutputTransport._parse_slots",
-    "tensorwire.mm.client:RemoteOutputTransport._validate_slots",
-    "tensorwire.mm.client:RemoteOutputTransport._assemble",
-    "tensorwire.mm.client:_Session.release_after_read",
-    "tensorwire.mm.client:_RdmaAttempt.to_pb",
+    "tensorwire.mm._client:RemoteOutputTransport.fetch",
+    "tensorwire.mm._grpc_channel:_GrpcSession.encode",
+    "tensorwire.mm._encode_stream:StreamCall.encode",
+    "tensorwire.mm._client:RemoteOutputTransport._consume_rdma",
+    "tensorwire.mm._receipt:parse_slots",
+    "tensorwire.mm._receipt:validate_slots",
+    "tensorwire.mm._receipt:check_read",
+    "tensorwire.mm._receipt:assemble",
+    "tensorwire.mm._grpc_channel:_GrpcSession.release_after_read",
+    "tensorwire.mm._client:_RdmaAttempt.to_pb",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
     "tensorwire.rdma._reader:TensorReader._destination",
@@ -45,16 +46,16 @@ CLIENT = [
     "tensorwire.rdma._reader:TensorReader._mark_ready",
     "tensorwire.rdma._reader:_ready",
     "tensorwire.rdma._reader:_check_results",
-    "tensorwire.rdma.providers.nixl:NixlProvider.read",
-    "tensorwire.rdma.providers.nixl:NixlProvider._remote",
+    "tensorwire.rdma.providers._nixl:NixlProvider.read",
+    "tensorwire.rdma.providers._nixl:NixlProvider._remote",
 ]
 SERVER = [
-    "tensorwire.mm.service:_parse_or_abort",
-    "tensorwire.mm.service:EncoderService.run_encode",
-    "tensorwire.mm.service:inputs_from_pb",
-    "tensorwire.mm.encoder_side:OutputTransport.allocate_output",
-    "tensorwire.mm.encoder_side:OutputTransport.transfer",
-    "tensorwire.mm.encoder_side:OutputTransport._try_publish",
+    "tensorwire.mm._service:_parse_or_abort",
+    "tensorwire.mm._service:EncoderService.run_encode",
+    "tensorwire.mm._codec:inputs_from_pb",
+    "tensorwire.mm._encoder_side:OutputTransport.allocate_output",
+    "tensorwire.mm._encoder_side:OutputTransport.transfer",
+    "tensorwire.mm._encoder_side:OutputTransport._try_publish",
     "tensorwire.rdma._exporter:TensorExporter.allocate",
     "tensorwire.rdma._exporter:TensorExporter.export_allocated",
     "tensorwire.rdma._exporter:TensorExporter._sync_device",
@@ -88,16 +89,16 @@ def _wrap(spec: str, side: str) -> None:
 
 
 def _requests_hook(side: str) -> None:
-    from tensorwire.mm import client
+    from tensorwire.mm import _encode_stream
 
-    orig = client._StreamCall._requests
+    orig = _encode_stream.StreamCall._requests
 
     def _requests(self: Any) -> Any:
         for item in orig(self):
             EVENTS.append((f"{side}:request_yield", threading.get_ident(), time.monotonic_ns(), time.monotonic_ns()))
             yield item
 
-    client._StreamCall._requests = _requests
+    _encode_stream.StreamCall._requests = _requests
 
 
 def _encoder_main(device: str, rows: int, cols: int, q: Any, stop: Any, dump: str) -> None:

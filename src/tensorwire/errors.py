@@ -155,9 +155,15 @@ class ReadError(TensorwireError):
 
 
 class ReadTimeout(ReadError, TimeoutError):
-    """A read did not complete before its deadline."""
+    """A read did not complete before its deadline.
+
+    ``pending``: set by a provider whose transfer may still write the destination (a
+    ``tensorwire.rdma.providers.base.PendingTransfer``); the reader quarantines the destination until it reports
+    done. In-process only: it is not pickled.
+    """
 
     default_reason = Reason.READ_TIMEOUT
+    pending: object | None = None
 
 
 class LeaseExpired(ReadError):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from fuzz_settings import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzz_settings import examples
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.rdma._proto import descriptor_pb2 as dpb
 from tensorwire.soak import _fuzz_targets as T

@@ -10,10 +10,10 @@ import random
 import time
 
 import pytest
+from fuzz_settings import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuzz_settings import examples
 from tensorwire.mm import wire
 from tensorwire.soak._corpus import build_corpus
 from tensorwire.soak._fuzz_live import LiveEncoder, hello_live, seed_requests
@@ -40,7 +40,8 @@ def _image(seed: int) -> bytes:
     if kind == 1:  # a valid image with a corrupted body or header
         return mutate(rng.choice(IMAGES), rng)
     if kind == 2:  # a PNG header claiming a huge size (decompression bomb) with no body
-        return bytes.fromhex("89504e470d0a1a0a0000000d49484452") + (60000).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00"
+        header = bytes.fromhex("89504e470d0a1a0a0000000d49484452")
+        return header + (60000).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00"
     return rng.choice(IMAGES)
 
 

@@ -76,6 +76,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from PIL import Image
+
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = dict(model=args.model, enforce_eager=True, max_model_len=256, max_num_seqs=4,

@@ -8,8 +8,9 @@ import os
 import platform
 import socket
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 RESULTS_DIR = Path(os.environ.get("TENSORWIRE_RESULTS_DIR", "benchmarks/results"))
 
@@ -22,7 +23,7 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
     try:
         with open("/proc/cpuinfo") as f:

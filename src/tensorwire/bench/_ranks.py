@@ -11,7 +11,8 @@ import multiprocessing as mp
 import queue as queue_mod
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 RankFn = Callable[..., dict[str, Any]]  # fn(rank, world, *args, store, times, done) -> result dict
 

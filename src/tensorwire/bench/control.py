@@ -22,8 +22,9 @@ import os
 import queue
 import sys
 import time
+from collections.abc import Callable
 from concurrent import futures
-from typing import Any, Callable
+from typing import Any
 
 _ECHO_SERVICE = "tensorwire.bench.Echo"
 
@@ -87,14 +88,15 @@ def _echo(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
     import grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    unary = channel.unary_unary(f"/{_ECHO_SERVICE}/Unary")
+    unary: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{_ECHO_SERVICE}/Unary")
     outbox: queue.Queue[bytes | None] = queue.Queue()
 
     def requests() -> Any:
         while (item := outbox.get()) is not None:
             yield item
 
-    call = channel.stream_stream(f"/{_ECHO_SERVICE}/Stream")(requests())
+    stream: grpc.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(f"/{_ECHO_SERVICE}/Stream")
+    call = stream(requests())
     msg = b"x" * 200
 
     def on_stream() -> None:
@@ -170,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {f"{name}_unary_over_stream_gap_{k}": table["unary"][k]["median_ms"] / table["stream"][k]["median_ms"]
               for name, table in (("echo", echo), ("fetch", fetch)) for k in table["unary"]}
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    path = write_result("control", {"n": args.n, "gaps_ms": [g * 1e3 for g in gaps], "echo": echo, "fetch": fetch,
-                                    "ratios": ratios}, args.out)
-    print(f"wrote {path}")
+    written = write_result("control", {"n": args.n, "gaps_ms": [g * 1e3 for g in gaps], "echo": echo, "fetch": fetch,
+                                       "ratios": ratios}, args.out)
+    print(f"wrote {written}")
     return 0
 
 

@@ -38,7 +38,8 @@ import os
 import queue as queue_mod
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
 from tensorwire.bench.transfer import stage_row
@@ -270,8 +271,8 @@ def _llm_proc(endpoint: str, device: str, rows_list: list[int], cols: int, iters
                 report["sizes"].append(row)
             reader = rdma_t._reader.get() if rdma_ready else None  # the benchmark reads the reader's own stats
             if reader is not None:
-                stats = reader.stats()
-                report["ucx_transport"] = stats.get("transport", "unknown")
+                stats = reader.stats().as_dict()
+                report["ucx_transport"] = reader.transport()
                 report["reader_stats"] = {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool))}
             else:
                 report["ucx_transport"] = "n/a"

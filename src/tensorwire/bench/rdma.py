@@ -4,9 +4,9 @@ An owner process (``tensorwire.testing.OwnerProcess``) exports one tensor per si
 ``TensorReader``. Reported per size: export time (owner side: copy into the slot + descriptor), read time
 (reader side: ``read()`` wall time including validation, the generation check and result building), GB/s, and a
 plain ``memcpy`` of the same size in this process, both between ordinary buffers and between huge-page buffers
-(the slot pool uses huge pages, so the second ratio is the stricter one; the target uses the plain memcpy). Also: idle CPU of the owner
-and of this reader process, and the UCX transport the READs used. With ``--device cuda:N`` the memcpy is a
-device-to-device copy on that GPU. Writes benchmarks/results/rdma-<machine>.json.
+(the slot pool uses huge pages, so the second ratio is the stricter one; the target uses the plain memcpy).
+Also: idle CPU of the owner and of this reader process, and the UCX transport the READs used. With
+``--device cuda:N`` the memcpy is a device-to-device copy on that GPU. Writes benchmarks/results/rdma-<machine>.json.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             iters = max(5, args.iters // 3) if nbytes >= 256 * MIB else args.iters
             export_s = []
             desc = None
-            for k in range(5):
+            for _ in range(5):
                 raw, dt = owner.export([((nbytes,), "uint8", 7)])
                 export_s.append(dt)
                 if desc is not None:
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             memcpy = nbytes / statistics.median(plain_s) / 1e9
             memcpy_huge = nbytes / statistics.median(huge_s) / 1e9 if huge_s else memcpy
             gbps = nbytes / (r["median_ms"] / 1e3) / 1e9
-            row = {
+            row: dict[str, Any] = {
                 "bytes": nbytes,
                 "export": summarize(export_s),
                 "read": r,
@@ -192,16 +192,18 @@ def main(argv: list[str] | None = None) -> int:
             if batch is not None:
                 row["batched"] = batch
             rows.append(row)
-            print(f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  read {r['median_ms']:8.3f} ms "
-                  f"(p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
-                  f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]", flush=True)
+            print(f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  "
+                  f"read {r['median_ms']:8.3f} ms (p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  "
+                  f"memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
+                  f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]",
+                  flush=True)
             if batch is not None:
                 print(f"{'':12}batched x{batch['descriptors']}: read {batch['read']['median_ms']:8.3f} ms "
                       f"{batch['read_gbps']:7.2f} GB/s vs {batch['descriptors']} back-to-back copies "
                       f"{batch['copy_gbps']:7.2f} GB/s  ratio {batch['read_vs_copy']:5.2f}", flush=True)
         owner_idle = owner.idle_cpu(args.idle_s)
         reader_idle = _self_cpu_fraction(args.idle_s)
-        reader_stats = reader.stats()
+        reader_stats = reader.stats().as_dict()
     print(f"idle CPU: owner {owner_idle * 100:.2f}% of a core, reader {reader_idle * 100:.2f}% of a core")
     by_size = {row["bytes"]: row for row in rows}
     targets: dict[str, Any] = {}

@@ -14,12 +14,14 @@ import cProfile
 import io
 import pstats
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from tensorwire.bench._common import summarize, write_result
-from tensorwire.rdma import RdmaConfig, TensorReader
+from tensorwire.rdma import Owner, RdmaConfig, TensorReader
+from tensorwire.rdma.providers.base import Range
 from tensorwire.testing.owner import OwnerProcess
 
 SIZES = {"64KiB": (8, 4096), "112.7MB": (13760, 4096)}  # bf16 rows x cols
@@ -47,12 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         calls: list[tuple[str, float]] = []
         inner = provider.read
 
-        def timed_read(owner_: Any, local_mem: str, local: Any, remote_mem: str, remote: Any, *, deadline: float) -> None:
+        def timed_read(owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
+                       remote: Sequence[Range], *, deadline: float) -> None:
             t0 = time.perf_counter()
-            inner(owner_, local_mem, local, remote_mem, remote, deadline=deadline)
+            inner(owner, local_mem, local, remote_mem, remote, deadline=deadline)
             calls.append(("generation" if local[0][1] == 8 else "payload", time.perf_counter() - t0))
 
-        provider.read = timed_read  # type: ignore[method-assign]
+        provider.read = timed_read  # type: ignore[method-assign]  # on purpose: this instance only, for timing
         for name, (rows, cols) in SIZES.items():
             desc, _ = owner.export([((rows, cols), "bfloat16", 7)])
             for _ in range(3):

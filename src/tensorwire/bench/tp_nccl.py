@@ -36,10 +36,11 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from tensorwire.bench._ranks import run_ranks
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
+from tensorwire.bench._ranks import run_ranks
 
 SIZES = (1024, 64 * 1024, 1024 * 1024)
 TPS = (2, 4, 8)
@@ -119,7 +120,7 @@ class _Busy:
         self.a = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
         self.b = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
         self.c = torch.empty(dim, dim, device=device, dtype=torch.bfloat16)
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: unannotated
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.count = 0
@@ -186,7 +187,8 @@ def _run(rank: int, world: int, cfg: dict[str, Any], store: str, times: Any, don
     staged = cfg["methods"][1]
 
     def bc_cpu(t: torch.Tensor | None) -> torch.Tensor:
-        return broadcast_cpu(t, group=cpu_group)  # type: ignore[no-any-return]
+        out: torch.Tensor = broadcast_cpu(t, group=cpu_group)  # a tensor in, a tensor out
+        return out
 
     def bc_staged(t: torch.Tensor | None, n: int) -> torch.Tensor:
         if device is None:  # dry run: gloo broadcast of the CPU tensor itself
@@ -195,7 +197,7 @@ def _run(rank: int, world: int, cfg: dict[str, Any], store: str, times: Any, don
             return buf
         if t is not None:
             g = t.cuda(non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             copied.record()
             dist.broadcast(g, src=0)
             copied.synchronize()  # t may be reused once the staging copy has read it

@@ -1,11 +1,21 @@
-"""Benchmark: encoder output through both planes (RDMA via tensorwire.rdma, inline gRPC bytes) in one run.
+"""Benchmark: encoder output through both planes (RDMA via tensorwire.rdma, inline gRPC bytes) and one plain gRPC call.
 
     python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick]
+    python -m tensorwire.bench transfer --rows 128 1280 13760     # issue 17: 1 MiB, 10 MiB, the seed's 112.7 MB
 
 The encoder runs in a spawned process (real gRPC server, real exporter); this process fetches through a mode
 ``auto`` transport (RDMA plane) and a mode ``grpc`` transport (inline plane). The headline payload is the
-seed's 112.7 MB ViT output (Qwen3-VL, one 2048x1365 image): modelled as a bf16 embedding of shape
-[13760, 4096] = 112,721,920 bytes. A size sweep (64 KiB .. 112.7 MB, same row width) follows.
+seed's 112.7 MB ViT output (Qwen3-VL, one 2048x1365 image; 13760 x 2048 fp32): modelled as a bf16 embedding of
+shape [13760, 4096] = 112,721,920 bytes (one row is 8 KiB either way). A size sweep (64 KiB .. 112.7 MB, same row
+width) follows.
+
+The baseline a user would pick instead (issue 17): one plain unary gRPC call returning the same bytes, from a
+second spawned server process that holds them ready (``_plain_grpc``), fetched by this process; on CUDA its bytes
+are copied to the device (synchronized), as the inline plane must deliver them there. A second variant has the
+server turn its held tensor into bytes in each call (one host copy). Both alternate fetch by fetch with the inline
+plane (``--inline-iters`` each); before timing, one fetch through the baseline and one through the RDMA plane must
+return equal tensors. Printed and in the JSON: inline / plain and rdma / plain (transfer over the plain call's
+total), and inline / the copying variant.
 
 Each size runs the RDMA plane three times: with a copying export, with a zero-copy output (the encoder writes
 into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot), and the zero-copy
@@ -18,7 +28,8 @@ Stages per fetch (client wall clock, medians): ``export`` (encoder copies into r
 minus the encoder's compute, i.e. everything the transport adds). ``control overhead`` is fetch total minus
 read. ``memcpy`` is one device-local copy of the payload into a preallocated buffer, the floor for any plane
 (torch's default thread count; on host memory also with one thread, since a CMA read is one thread's copy).
-On CUDA the fetch's total includes synchronizing the current stream, where the read queues its device copies.
+On CUDA the fetch's total includes synchronizing the current stream, where the read queues its device copies,
+and, for a plane that delivers on the host (inline today), the synchronized copy to the device (``to_device``).
 """
 
 from __future__ import annotations
@@ -42,11 +53,11 @@ SLOW_INLINE_BYTES = 256 << 20  # from here on the inline plane takes seconds per
 def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any) -> None:
     import torch
 
+    from tensorwire.bench._plain_grpc import embedding
     from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
     from tensorwire.rdma import RdmaConfig
 
-    g = torch.Generator().manual_seed(0)
-    emb = torch.randn(rows, cols, generator=g).to(torch.bfloat16).to(device)
+    emb = embedding(rows, cols).to(device)
 
     servers: list[Any] = []
 
@@ -121,32 +132,84 @@ def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
     }
 
 
-def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str,
-               zero_copy: bool = False) -> dict[str, Any]:
+def _fetch_once(transport: Any, inputs: list[Any], plane: str, device: str) -> dict[str, float]:
     import torch
 
+    t0 = time.perf_counter()
+    out = transport.fetch(inputs)
+    to_device_ms = 0.0
+    if device.startswith("cuda"):
+        torch.cuda.current_stream(device).synchronize()  # the read's clones (queued there) count too
+        if any(not e.is_cuda for e in out.embeddings):
+            # The inline plane delivers on the host; a caller on a GPU copies it over, and so does the plain
+            # gRPC baseline, so the copy counts on both sides (a no-op once a plane delivers on the device).
+            t1 = time.perf_counter()
+            moved = [e.to(device) for e in out.embeddings]
+            torch.cuda.current_stream(device).synchronize()
+            to_device_ms = (time.perf_counter() - t1) * 1e3
+            del moved
+    synced_ms = (time.perf_counter() - t0) * 1e3
+    if out.plane.value != plane:
+        raise RuntimeError(f"expected every fetch on the {plane} plane, got {out.plane.value}")
+    return {**stage_row(out.stage_ms, synced_ms), "to_device": to_device_ms}
+
+
+def _inputs(rows: int, zero_copy: bool = False) -> list[Any]:
     from tensorwire.mm import MultimodalInput
 
-    params = {"rows": str(rows), **({"zero_copy": "1"} if zero_copy else {})}
-    inputs = [MultimodalInput(b"image", params=params)]
-    stages: dict[str, list[float]] = {}
-    planes = set()
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        out = transport.fetch(inputs)
-        if device.startswith("cuda"):
-            torch.cuda.current_stream(device).synchronize()  # the read's clones (queued there) count too
-        synced_ms = (time.perf_counter() - t0) * 1e3
-        planes.add(out.plane.value)
-        if i < warmup:
-            continue
-        row = stage_row(out.stage_ms, synced_ms)
-        for k, v in row.items():
-            stages.setdefault(k, []).append(v)
-        del out
-    if planes != {plane}:
-        raise RuntimeError(f"expected every fetch on the {plane} plane, got {sorted(planes)}")
+    return [MultimodalInput(b"image", params={"rows": str(rows), **({"zero_copy": "1"} if zero_copy else {})})]
+
+
+def _stats(stages: dict[str, list[float]]) -> dict[str, Any]:
     return {k: {"median_ms": _median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v)} for k, v in stages.items()}
+
+
+def _add(stages: dict[str, list[float]], row: dict[str, float]) -> None:
+    for k, v in row.items():
+        stages.setdefault(k, []).append(v)
+
+
+def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str,
+               zero_copy: bool = False) -> dict[str, Any]:
+    inputs = _inputs(rows, zero_copy)
+    stages: dict[str, list[float]] = {}
+    for i in range(warmup + iters):
+        row = _fetch_once(transport, inputs, plane, device)
+        if i >= warmup:
+            _add(stages, row)
+    return _stats(stages)
+
+
+def _run_inline_and_plain(inline_t: Any, plain: Any, rows: int, iters: int, warmup: int,
+                          device: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The inline plane and both plain gRPC variants (bytes held ready; a copy into bytes per call), alternating
+    fetch by fetch, so that their ratios see one machine state (the inline plane's fetches take up to seconds;
+    load from other jobs drifts in between)."""
+    inputs = _inputs(rows)
+    inline: dict[str, list[float]] = {}
+    ready: dict[str, list[float]] = {}
+    copied: dict[str, list[float]] = {}
+    for i in range(warmup + iters):
+        row = _fetch_once(inline_t, inputs, "inline", device)
+        for stages_of, server_copy in ((ready, False), (copied, True)):
+            out, stages = plain.fetch(rows, device, server_copy=server_copy)
+            del out
+            if i >= warmup:
+                _add(stages_of, {**stages, "transfer": stages["total"]})
+        if i >= warmup:
+            _add(inline, row)
+    return _stats(inline), _stats(ready), _stats(copied)
+
+
+def _check_same_bytes(rdma_t: Any, plain: Any, rows: int, device: str) -> None:
+    """One untimed fetch through each: the baseline must carry exactly what tensorwire delivers."""
+    import torch
+
+    ref = rdma_t.fetch(_inputs(rows)).embeddings[0]
+    got, _ = plain.fetch(rows, device)
+    if ref.shape != got.shape or ref.dtype != got.dtype or not torch.equal(ref, got):
+        raise RuntimeError(f"plain gRPC baseline and tensorwire disagree at rows={rows}: {tuple(got.shape)} "
+                           f"{got.dtype} vs {tuple(ref.shape)} {ref.dtype}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,18 +219,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) instead of the sweep")
+                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) "
+                    "instead of the sweep")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     import torch
 
+    from tensorwire.bench import _plain_grpc as plain_grpc
     from tensorwire.bench._common import write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig
+    from tensorwire.mm._grpc_channel import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
 
-    rows_list = [8, 128, 1024] if args.quick else (GPU_SWEEP_ROWS if args.device.startswith("cuda") else SWEEP_ROWS)
+    cuda = args.device.startswith("cuda")
+    rows_list = [8, 128, 1024] if args.quick else (GPU_SWEEP_ROWS if cuda else SWEEP_ROWS)
     if args.rows:
         if any(r <= 0 for r in args.rows):
             ap.error("--rows takes positive row counts")
@@ -176,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     inline_iters = 2 if args.quick else args.inline_iters
     cols = SEED_SHAPE[1]
     ctx = mp.get_context("spawn")
-    q, stop = ctx.Queue(), ctx.Event()
+    q, plain_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_encoder, args=(args.device, max(rows_list), cols, q, stop), daemon=True)
+    plain_proc = ctx.Process(target=plain_grpc.serve, args=(max(rows_list), cols, plain_q, stop), daemon=True)
     proc.start()
+    plain_proc.start()
     results: list[dict[str, Any]] = []
     try:
         port, ready = q.get(timeout=120)
@@ -186,17 +255,20 @@ def main(argv: list[str] | None = None) -> int:
             print("encoder exporter did not become ready; is NIXL installed?", file=sys.stderr)
             return 1
         endpoint = f"127.0.0.1:{port}"
+        plain_endpoint = f"127.0.0.1:{plain_q.get(timeout=120)}"
         rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
-        with RemoteOutputTransport(endpoint, rdma_cfg) as rdma_t, \
+        control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
+        with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
                 RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
-                RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t:
+                RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t, \
+                plain_grpc.PlainClient(plain_endpoint, cols) as plain:
             if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60):
                 print("RDMA reader did not become ready", file=sys.stderr)
                 return 1
             release_rtt = []
             for _ in range(20):
                 t = time.perf_counter()
-                rdma_t._control.release(["bench-nonexistent-lease"], 5.0)
+                control.release(["bench-nonexistent-lease"], 5.0)
                 release_rtt.append((time.perf_counter() - t) * 1e3)
             for rows in rows_list:
                 nbytes = rows * cols * 2
@@ -204,7 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                 z = _run_plane(rdma_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
                 zu = _run_plane(unary_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
                 slow = nbytes >= SLOW_INLINE_BYTES
-                i = _run_plane(inline_t, rows, 1 if slow else inline_iters, 0 if slow else 1, "inline", args.device)
+                if plain.prepare(rows) != nbytes:
+                    raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
+                _check_same_bytes(rdma_t, plain, rows, args.device)
+                i, p, pc = _run_inline_and_plain(inline_t, plain, rows, 1 if slow else inline_iters,
+                                                 0 if slow else 1, args.device)
                 mc = _memcpy_ms(nbytes, args.device, 10)
                 mc1 = _memcpy_ms(nbytes, args.device, 10, threads=1) if args.device == "cpu" else mc
                 res = {
@@ -213,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_rdma_transfer_over_memcpy_1thread": r["transfer"]["median_ms"] / mc1,
                     "ratio_rdma_read_over_memcpy_1thread": r["read"]["median_ms"] / mc1,
                     "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
+                    "plain_grpc": p, "plain_grpc_server_copy": pc,
+                    "ratio_inline_over_plain_grpc": i["transfer"]["median_ms"] / p["total"]["median_ms"],
+                    "ratio_inline_over_plain_grpc_server_copy": i["transfer"]["median_ms"] / pc["total"]["median_ms"],
+                    "ratio_rdma_over_plain_grpc": r["transfer"]["median_ms"] / p["total"]["median_ms"],
+                    "ratio_rdma_zero_copy_over_plain_grpc": z["transfer"]["median_ms"] / p["total"]["median_ms"],
                     "ratio_rdma_zero_copy_transfer_over_memcpy": z["transfer"]["median_ms"] / mc,
                     "ratio_rdma_zero_copy_transfer_over_memcpy_1thread": z["transfer"]["median_ms"] / mc1,
                     "ratio_inline_over_rdma_transfer": i["transfer"]["median_ms"] / r["transfer"]["median_ms"],
@@ -230,24 +311,41 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['ratio_rdma_read_over_memcpy']:4.2f}x; 1-thread memcpy {mc1:6.2f} ms) | ctrl overhead "
                       f"{r['control_overhead']['median_ms']:6.2f} ms (excl export "
                       f"{r['control_overhead_excl_export']['median_ms']:5.2f})", flush=True)
-                print(f"{'':9}    | zero-copy output (allocate_output): rdma transfer {z['transfer']['median_ms']:8.2f} ms "
+                print(f"{'':9}    | zero-copy output (allocate_output): "
+                      f"rdma transfer {z['transfer']['median_ms']:8.2f} ms "
                       f"(export {z['export']['median_ms']:6.2f}, read {z['read']['median_ms']:6.2f}) | rdma/memcpy "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy']:4.2f}x (1-thread "
                       f"{res['ratio_rdma_zero_copy_transfer_over_memcpy_1thread']:4.2f}x) | ctrl overhead "
                       f"{z['control_overhead']['median_ms']:6.2f} ms | same over unary Encode RPCs: transfer "
                       f"{zu['transfer']['median_ms']:6.2f} ms (control {zu['control']['median_ms']:5.2f} vs stream "
                       f"{z['control']['median_ms']:5.2f})", flush=True)
+                print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
+                      f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
+                      f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
+                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | "
+                      f"rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
+                      f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
+                      f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
+                      f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x", flush=True)
     finally:
         stop.set()
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        for pr in (proc, plain_proc):
+            pr.join(30)
+            if pr.is_alive():
+                pr.kill()
+                pr.join(5)
 
     seed = next((r for r in results if r["rows"] == SEED_SHAPE[0]), results[-1])
     small = results[0]
     targets = {
         "payload_bytes": seed["bytes"],
+        # Issue 17: the inline plane at most 1.2x one plain unary gRPC call carrying the same bytes.
+        "inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"],
+        "target_inline_over_plain_grpc_max": 1.2,
+        "meets_inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"] <= 1.2,
+        "inline_over_plain_grpc_server_copy": seed["ratio_inline_over_plain_grpc_server_copy"],
+        "rdma_over_plain_grpc": seed["ratio_rdma_over_plain_grpc"],
+        "rdma_zero_copy_over_plain_grpc": seed["ratio_rdma_zero_copy_over_plain_grpc"],
         "rdma_vs_inline_transfer_speedup": seed["ratio_inline_over_rdma_transfer"],
         "target_speedup_min": 20.0,
         "meets_speedup": seed["ratio_inline_over_rdma_transfer"] >= 20.0,
@@ -288,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": results,
         "targets": targets,
         "notes": "stage times are client wall clock medians; export is measured on the encoder; transfer = fetch "
-                 "total - encoder compute; control overhead = fetch total - read (contains the export copy)",
+                 "total - encoder compute; control overhead = fetch total - read (contains the export copy); "
+                 "plain_grpc = one unary gRPC call to a separate server process holding the payload ready as "
+                 "host bytes, the response viewed as a tensor (plus, on CUDA, the synchronized copy to the "
+                 "device), alternating fetch by fetch with the inline plane; plain_grpc_server_copy: the same "
+                 "server turning its held tensor into bytes in every call (one host copy); "
+                 "ratio_*_over_plain_grpc[_server_copy] divide the plane's transfer by that call's total",
         "torch_threads": torch.get_num_threads(),
     }
     path = write_result("transfer", payload, args.out)

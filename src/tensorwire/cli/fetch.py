@@ -14,15 +14,13 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.mm.config import MODES
+    from tensorwire.mm import MODES
 
     parser.add_argument("--endpoint", required=True, help="HOST:PORT of a serve-encoder or serve-proxy")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -36,42 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (JPEG, PNG, ...)")
 
 
-def result_dict(out: Any, names: list[str]) -> dict[str, Any]:
-    """The JSON form of a MultimodalOutput (also used by the demo)."""
-    stage = dict(out.stage_ms)
-    encoder_ms = float(stage.get("encoder.encode", 0.0))
-    total_ms = float(stage.get("total", 0.0))
-    items = []
-    for i, emb in enumerate(out.embeddings):
-        item = {"image": names[i] if i < len(names) else str(i), "shape": list(emb.shape),
-                "dtype": str(emb.dtype).replace("torch.", ""), "device": str(emb.device)}
-        if out.position_ids is not None:
-            item["position_ids_shape"] = list(out.position_ids[i].shape)
-        items.append(item)
-    return {
-        "plane": out.plane.value,
-        "fallback_reason": out.fallback_reason.value if out.fallback_reason is not None else None,
-        "worker_id": out.worker_id,
-        "items": items,
-        "encoder_ms": encoder_ms,
-        "transfer_ms": max(0.0, total_ms - encoder_ms),
-        "total_ms": total_ms,
-        "stage_ms": stage,
-        "payload_bytes": out.payload_bytes,
-    }
-
-
-def drain_releases(transport: Any, timeout_s: float) -> bool:
-    """Waits until the async release queue has sent everything (close() would abandon queued ids to the GC)."""
-    deadline = time.monotonic() + timeout_s
-    while transport.release_queue.pending and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return not transport.release_queue.pending
-
-
 def run(args: argparse.Namespace) -> int:
+    from tensorwire.bench._e2e import fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
+    from tensorwire.service._runtime import drain_releases, stdout_to_stderr
 
     try:
         data = [Path(p).read_bytes() for p in args.images]
@@ -88,8 +55,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     names = [os.path.basename(p) for p in args.images]
-    from tensorwire.service._runtime import stdout_to_stderr
-
     try:
         with stdout_to_stderr(), RemoteOutputTransport(args.endpoint, cfg) as transport:
             if cfg.mode == "auto" and not transport.wait_ready(args.wait_reader_s):
@@ -100,17 +65,6 @@ def run(args: argparse.Namespace) -> int:
     except TensorwireError as exc:
         print(f"error: {type(exc).__name__} ({exc.reason.value}): {exc}", file=sys.stderr)
         return 1
-    result = result_dict(out, names)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    for item in result["items"]:
-        pos = f"  position_ids {item['position_ids_shape']}" if "position_ids_shape" in item else ""
-        print(f"{item['image']}: embedding {item['shape']} {item['dtype']} on {item['device']}{pos}")
-    fb = f" (fallback: {result['fallback_reason']})" if result["fallback_reason"] else ""
-    print(f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  payload: {result['payload_bytes'] / 1e6:.2f} MB")
-    stages = "  ".join(f"{k}={v:.2f}" for k, v in sorted(result["stage_ms"].items()))
-    print(f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
-          f"total {result['total_ms']:.2f} ms")
-    print(f"stages (ms): {stages}")
+    result = fetch_result(out, names)
+    print(json.dumps(result) if args.json else "\n".join(fetch_lines(result)))
     return 0

@@ -1,11 +1,13 @@
-"""``tensorwire rdma-demo``: two processes, export -> read -> release over NIXL, printing what moved and how."""
+"""``tensorwire rdma-demo``: two processes, export -> read -> release over NIXL, printing what moved and how.
+
+The demo itself is ``tensorwire.bench._rdma_demo``. Exit codes: 0 every byte matched, 1 NIXL is unavailable or
+the bytes differ.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 HELP = "two-process export -> read -> release demo of the rdma layer (NIXL/UCX)"
 
@@ -21,52 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", args.ucx_net_devices)
-    import torch
-
-    from tensorwire.rdma import Descriptor, RdmaConfig, TensorReader, has_rdma
-    from tensorwire.testing import OwnerProcess, make_tensor, same_bytes
+    from tensorwire.bench._rdma_demo import rdma_demo
+    from tensorwire.rdma import RdmaConfig, has_rdma
 
     cfg = RdmaConfig(provider="nixl", device=args.device, bind_ip="127.0.0.1")
     if not has_rdma(cfg):
         print("NIXL is not available in this environment: the rdma layer would fall back to inline bytes.")
         return 1
-    if cfg.is_cuda:
-        torch.empty(1, device=cfg.device)  # CUDA context before the NIXL agent
-    specs = [((args.rows, args.hidden), "bfloat16", 1), ((args.rows,), "int64", 2), ((args.rows, 3), "float32", 3)]
-    names = ["embedding", "position_ids", "extra"]
-    env = {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
-    t_start = time.perf_counter()
-    with OwnerProcess(cfg, env=env) as owner, TensorReader(cfg) as reader:
-        print(f"owner  pid {owner.pid}: agent {owner.owner.agent_name} metadata at {owner.owner.endpoint}")
-        print(f"reader pid {os.getpid()}: device {cfg.device}")
-        raw, export_s = owner.export(specs)
-        desc = Descriptor.from_bytes(raw)
-        print(f"exported lease {desc.lease_id} ({len(raw)}-byte descriptor, payload {desc.payload_bytes} bytes) "
-              f"in {export_s * 1e3:.2f} ms")
-        t0 = time.perf_counter()
-        out = reader.read([raw])
-        first_s = time.perf_counter() - t0
-        for name, t, (shape, dtype, seed) in zip(names, out, specs):
-            ok = same_bytes(t.cpu(), make_tensor(shape, dtype, seed))
-            print(f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {t.numel() * t.element_size():>11d} bytes "
-                  f"{'bytes match' if ok else 'BYTES DIFFER'}")
-            if not ok:
-                return 1
-        del out
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            reader.read([desc])
-            if cfg.is_cuda:
-                torch.cuda.synchronize(cfg.device)
-            times.append(time.perf_counter() - t0)
-        owner.release([desc.lease_id])
-        stats = owner.stats()
-        med = statistics.median(times) if times else first_s
-        print(f"read: first {first_s * 1e3:.2f} ms (includes metadata fetch and UCX wire-up), "
-              f"median of {len(times)} {med * 1e3:.3f} ms = {desc.nbytes / med / 1e9:.2f} GB/s")
-        print(f"UCX transport of the READs: {reader.transport(desc)}")
-        print(f"released: owner has {stats['live_leases']} live lease(s), {stats['busy_slots']} busy slot(s), "
-              f"{stats['idle_slots']} idle slot(s) kept registered for reuse")
-    print(f"done in {time.perf_counter() - t_start:.2f} s")
-    return 0
+    return 0 if rdma_demo(cfg, args.rows, args.hidden, args.iters) else 1

@@ -13,6 +13,10 @@ import argparse
 import dataclasses
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.mm import TransportConfig
 
 HELP = "run a vision-encoder worker (gRPC EncoderService, health, Prometheus /metrics)"
 
@@ -34,7 +38,7 @@ _RDMA_HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.mm.config import MODES, TransportConfig
+    from tensorwire.mm import MODES, TransportConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import add_flags
 
@@ -58,9 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(rdma, RdmaConfig, prefix="rdma_", help_extra=_RDMA_HELP)
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> TransportConfig:
     """TransportConfig from flags over the environment over defaults."""
-    from tensorwire.mm.config import TransportConfig
+    from tensorwire.mm import TransportConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import flag_values
 
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     log.info("effective config: %s", config)
     metrics = None
-    worker = EncoderWorker(encoder, config, model=args.model)  # type: ignore[arg-type]
+    worker = EncoderWorker(encoder, config, model=args.model)
     try:
         try:
             worker.start(f"{args.host}:{args.port}")
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         if args.wait_exporter_s > 0 and not worker.wait_ready(args.wait_exporter_s):
             log.warning("RDMA exporter not ready after %.1f s; serving inline until it is", args.wait_exporter_s)
         print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",
-                    worker_id=worker.worker_id, mode=config.mode, model=args.model)  # type: ignore[attr-defined]
+                    worker_id=worker.worker_id, mode=config.mode, model=args.model)
         got = wait_for_signal()
         log.info("%s: stopping (grace %.1f s)", got, args.grace_s)
     finally:

@@ -17,7 +17,8 @@ HELP = "fault-injection soak / closed-loop load run on loopback; checks outputs 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default: 60)")
     parser.add_argument("--concurrency", type=int, default=8, help="fetch threads in total (default: 8)")
-    parser.add_argument("--client-processes", type=int, default=0, help="client processes (default: min(4, concurrency))")
+    parser.add_argument("--client-processes", type=int, default=0,
+                        help="client processes (default: min(4, concurrency))")
     parser.add_argument("--faults", default="all",
                         help="all, none, or a comma list of reader_kill, worker_restart, release_drop, release_delay, "
                              "unavailable, pool, corrupt (default: all)")
@@ -58,7 +59,10 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("tensorwire").setLevel(logging.ERROR)
     else:
         os.environ["TENSORWIRE_SOAK_CHILD_LOG_LEVEL"] = "WARNING"
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     try:
         report = run_soak(cfg, say=say)
     except KeyboardInterrupt:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import abc
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -77,11 +77,12 @@ class VisionEncoder(abc.ABC):
     def close(self) -> None:
         self._closed = True
 
-    def __enter__(self) -> "VisionEncoder":
+    def __enter__(self) -> VisionEncoder:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def describe(self) -> str:
-        return f"{self.name} on {self.device} (hidden={self.hidden_size}, dtype={str(self.dtype).replace('torch.', '')})"
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{self.name} on {self.device} (hidden={self.hidden_size}, dtype={dtype})"

@@ -9,7 +9,7 @@ torch) produce the same embeddings for the same image: tests and the demo can co
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -59,7 +59,8 @@ class BuiltinViT(nn.Module):
         x = self.patch_embed(patches).flatten(1)  # [n, m*m*hidden]
         x = self.merge(x) + sincos_2d(position_ids, self.cfg.hidden).to(x.dtype)
         x = self.blocks(x.unsqueeze(0)).squeeze(0)
-        return self.proj(self.norm(x))
+        out: torch.Tensor = self.proj(self.norm(x))
+        return out
 
 
 class BuiltinEncoder(VisionEncoder):

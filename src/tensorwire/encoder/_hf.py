@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -111,16 +112,19 @@ class HFVisionEncoder(VisionEncoder):
         log.info("loaded %s from %s", model_type, root)
 
     def _load_qwen_tower(self, tf: Any, root: Path, model_type: str) -> Any:
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig, Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
         if model_type == "qwen2_vl_vision":
             return Qwen2VisionTransformerPretrainedModel.from_pretrained(root, local_files_only=True)
         # A full Qwen2-VL checkpoint: build only the tower and take its weights from the state dict.
         from safetensors.torch import load_file
 
-        vcfg: Qwen2VLVisionConfig = Qwen2VLConfig.from_pretrained(root, local_files_only=True).vision_config
-        tower = Qwen2VisionTransformerPretrainedModel._from_config(vcfg)
+        vcfg = Qwen2VLConfig.from_pretrained(root, local_files_only=True).vision_config
+        if not isinstance(vcfg, Qwen2VLVisionConfig):
+            raise ConfigError(f"--model {root}: config.json has no Qwen2-VL vision_config ({type(vcfg).__name__})")
+        # transformers leaves _from_config unannotated
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(vcfg)  # type: ignore[no-untyped-call]
         state: dict[str, torch.Tensor] = {}
         for f in sorted(root.glob("*.safetensors")):
             for key, value in load_file(str(f)).items():

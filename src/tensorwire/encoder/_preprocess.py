@@ -6,11 +6,15 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tensorwire.encoder._config import PreprocessConfig
 from tensorwire.errors import InvalidPayload, Reason
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 _FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 
@@ -35,7 +39,7 @@ def check_request(images: list[bytes], cfg: PreprocessConfig) -> None:
         )
 
 
-def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> "PIL.Image.Image":  # noqa: F821
+def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image.Image:
     """Decode JPEG/PNG (and a few other Pillow formats) into RGB, enforcing the byte and pixel limits."""
     from PIL import Image
 
@@ -82,7 +86,7 @@ def smart_resize(height: int, width: int, unit: int, min_pixels: int, max_pixels
     return h, w
 
 
-def to_tensor(img: "PIL.Image.Image", size: tuple[int, int], cfg: PreprocessConfig) -> torch.Tensor:  # noqa: F821
+def to_tensor(img: Image.Image, size: tuple[int, int], cfg: PreprocessConfig) -> torch.Tensor:
     """Resize (bicubic) to ``size`` = (h, w) and normalize; returns float32 [3, h, w]."""
     import numpy as np
     from PIL import Image

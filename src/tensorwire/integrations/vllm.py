@@ -57,7 +57,7 @@ _SUPPORTED_BACKENDS = ("uni", "mp")
 
 
 @dataclass
-class TensorwireECMetadata(ECConnectorMetadata):
+class TensorwireECMetadata(ECConnectorMetadata):  # type: ignore[misc]  # (vLLM ships no type information)
     """One step's scheduler -> worker message: producer grants/revokes, consumer loads (mm_hash, staging key)."""
 
     grants: list[tuple[str, bytes]] = field(default_factory=list)
@@ -65,7 +65,7 @@ class TensorwireECMetadata(ECConnectorMetadata):
     loads: list[tuple[str, str]] = field(default_factory=list)
 
 
-class TensorwireECConnector(ECConnectorBase):
+class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM ships no type information)
     """vLLM's ``ECConnectorBase`` over tensorwire: see the module docstring and docs/vllm.md."""
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -114,10 +114,7 @@ class TensorwireECConnector(ECConnectorBase):
                 exporting = self._rank == 0 and get_pp_group().is_first_rank
                 store = None
                 if exporting:
-                    m = self._metrics
-                    store = rt.producer_runtime(
-                        self._cfg, self._name, device,
-                        on_change=lambda items, nbytes: (m.held_items.set(items), m.held_bytes.set(nbytes))).store
+                    store = rt.producer_runtime(self._cfg, self._name, device, on_change=self._held_changed).store
                 self._producer_worker = ProducerWorker(store, self._metrics)
             else:
                 area = rt.staging_runtime(self._cfg, self._name, self._rank, device,
@@ -127,6 +124,10 @@ class TensorwireECConnector(ECConnectorBase):
                  "producer" if self.is_producer else "consumer", self._name, VLLM_VERSION, backend, self._tp)
 
     # -- construction helpers --
+
+    def _held_changed(self, items: int, nbytes: int) -> None:
+        self._metrics.held_items.set(items)
+        self._metrics.held_bytes.set(nbytes)
 
     def _init_producer_scheduler(self, vllm_config: VllmConfig) -> None:
         ec = vllm_config.ec_transfer_config
@@ -166,7 +167,7 @@ class TensorwireECConnector(ECConnectorBase):
     def _vllm_item_metadata(self, request: Request) -> dict[str, Any]:
         from vllm.distributed.ec_transfer.ec_connector.utils import collect_ec_item_metadata
 
-        return collect_ec_item_metadata(request.mm_features, self._metadata_resolver())
+        return dict(collect_ec_item_metadata(request.mm_features, self._metadata_resolver()))
 
     def _has_media(self, feature: Any) -> bool:
         """Does the request still carry what vLLM needs to encode this item (not only placeholder metadata)?"""

@@ -14,50 +14,46 @@ LLM::
 
     with RemoteOutputTransport(f"{host}:{port}", TransportConfig.from_env()) as t:
         out = t.fetch([MultimodalInput(jpeg_bytes)])     # out.embeddings, out.plane, out.stage_ms
+
+Public names (``__all__``, pinned by tests/unit/mm/test_mm_public_api.py):
+
+- encoder side: ``serve_encoder``, ``EncoderServer``, ``EncoderService``, ``EncodeFn``, ``EncoderOutput``,
+  ``OutputTransport``, ``OutputBuffers`` (zero-copy outputs);
+- LLM side: ``RemoteOutputTransport``, ``MultimodalInput``, ``MultimodalOutput``, ``Plane``;
+- both: ``TransportConfig``, ``MODES``, ``TransportMetrics``, ``metrics_for``.
+
+``tensorwire.mm.wire`` is public too: the protocol every peer of the EncoderService shares (method paths, message
+limits, the status table, the budget formula), used by the proxy. Every other module is private. Sibling packages
+import the few internals they need explicitly from their module: ``_host.GrpcHost`` (``tensorwire.service``),
+``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
 """
 
 from __future__ import annotations
 
-from tensorwire.mm.breaker import BreakerBoard, BreakerState
-from tensorwire.mm.client import RemoteOutputTransport, resolve_rpc_timeout_ms
-from tensorwire.mm.config import MODES, TransportConfig
-from tensorwire.mm.encoder_side import OutputBuffers, OutputTransport
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.release import ReleaseQueue
-from tensorwire.mm.service import EncoderServer, EncoderService, serve_encoder
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store import HeldItem, HeldStore, StoreStats, new_secret
-from tensorwire.mm._store_rpc import HeldStoreClient, LookupOutcome, StagingClient, StoreServer, serve_store
-from tensorwire.mm.types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm._client import RemoteOutputTransport
+from tensorwire.mm._config import MODES, TransportConfig
+from tensorwire.mm._encoder_side import OutputBuffers, OutputTransport
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._service import EncodeFn, EncoderServer, EncoderService, serve_encoder
+from tensorwire.mm._types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
 
 __all__ = [
+    # encoder side
+    "serve_encoder",
+    "EncoderServer",
+    "EncoderService",
+    "EncodeFn",
     "EncoderOutput",
-    "MultimodalOutput",
-    "MultimodalInput",
-    "Plane",
-    "TransportConfig",
-    "MODES",
     "OutputTransport",
     "OutputBuffers",
-    "EncoderService",
-    "EncoderServer",
-    "serve_encoder",
+    # LLM side
     "RemoteOutputTransport",
-    "resolve_rpc_timeout_ms",
-    "BreakerBoard",
-    "BreakerState",
-    "ReleaseQueue",
+    "MultimodalInput",
+    "MultimodalOutput",
+    "Plane",
+    # both
+    "TransportConfig",
+    "MODES",
     "TransportMetrics",
     "metrics_for",
-    "HeldStore",
-    "HeldItem",
-    "StoreStats",
-    "new_secret",
-    "StagingArea",
-    "Expect",
-    "StoreServer",
-    "serve_store",
-    "HeldStoreClient",
-    "StagingClient",
-    "LookupOutcome",
 ]

@@ -1,4 +1,5 @@
-"""Inline tensor codec and reassembly, shared by both planes.
+"""Wire form <-> Python values, shared by both sides and both planes: the inline tensor codec, reassembly,
+request inputs, and the metric label of each slot role.
 
 Decoding treats every byte as untrusted: the dtype, the dims, the element and byte counts and the exact payload
 length are checked before anything is materialized, so a malformed message costs an InvalidPayload, never an
@@ -7,15 +8,16 @@ out-of-bounds read or a huge allocation.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._types import MultimodalInput
 
 # The allow-list, one place for both planes: wire enum <-> torch dtype.
-DTYPE_TO_WIRE: dict[torch.dtype, int] = {
+DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {
     torch.float32: pb.FLOAT32,
     torch.float16: pb.FLOAT16,
     torch.bfloat16: pb.BFLOAT16,
@@ -29,6 +31,9 @@ DTYPE_TO_WIRE: dict[torch.dtype, int] = {
 }
 WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(DTYPE_TO_WIRE)
+
+# The ``role`` label of tensorwire_mm_bytes_total for each slot role; ROLE_UNSPECIFIED has none (it is rejected).
+ROLE_LABELS: dict[int, str] = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 2**31 - 1  # one protobuf message cannot be larger
@@ -107,12 +112,12 @@ def assemble(
         if rows != total:
             raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split(splits))
+        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split_with_sizes(splits))
     if extra_inputs and len(extra_inputs) != len(splits):
         raise InvalidPayload(f"extra_input count {len(extra_inputs)} != {len(splits)} items",
                              reason=Reason.ASSEMBLY_MISMATCH)
     # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
-    embs = [embedding] if len(splits) == 1 else list(embedding.split(splits))
+    embs = [embedding] if len(splits) == 1 else list(embedding.split_with_sizes(splits))
     return embs, pos_parts, list(extra_inputs)
 
 
@@ -125,11 +130,34 @@ def decode_inline_receipt(
     extras = [decode_tensor(t, f"extra_inputs[{i}]") for i, t in enumerate(receipt.extra_inputs)]
     splits = [int(s) for s in receipt.split_sizes]
     embs, pos_parts, extra_list = assemble(embedding, splits, pos, extras)
-    nbytes = len(receipt.embedding.data) + len(receipt.position_ids.data) + sum(len(t.data) for t in receipt.extra_inputs)
+    nbytes = (len(receipt.embedding.data) + len(receipt.position_ids.data)
+              + sum(len(t.data) for t in receipt.extra_inputs))
     return embs, splits, pos_parts, extra_list, nbytes
 
 
+def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | None = None) -> pb.EncodeRequest:
+    """The EncodeRequest carrying ``inputs`` (added to ``request`` when given)."""
+    req = request if request is not None else pb.EncodeRequest()
+    for item in inputs:
+        m = req.inputs.add()
+        m.data = bytes(item.data)
+        m.kind = item.kind
+        for k, v in dict(item.params).items():
+            m.params[str(k)] = str(v)
+        m.timeout_ms = int(item.timeout_ms)
+    return req
+
+
+def inputs_from_pb(request: pb.EncodeRequest) -> list[MultimodalInput]:
+    """The inputs an EncodeRequest carries (an empty kind reads as "image", the proto's documented default)."""
+    return [MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
+            for i in request.inputs]
+
+
 __all__ = [
+    "ROLE_LABELS",
+    "inputs_to_pb",
+    "inputs_from_pb",
     "DTYPE_TO_WIRE",
     "WIRE_TO_DTYPE",
     "SUPPORTED_DTYPES",

@@ -1,5 +1,6 @@
 """BackgroundInit: build a provider object (exporter or reader) off the request path, retrying transient
-failures with bounded exponential backoff; ``get()`` never blocks.
+failures with bounded exponential backoff; ``get()`` never blocks. ``is_permanent`` is the one rule for which
+start-up failures are not retried (both sides use it).
 
 States: STARTING -> READY | DISABLED (permanent failure: one WARNING, inline for the process's life);
 any -> CLOSED. A transient failure logs a WARNING per attempt and retries after ``backoff`` (doubling up to
@@ -12,11 +13,26 @@ import enum
 import logging
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+from tensorwire.errors import ConfigError, Reason, TensorwireError
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+T = TypeVar("T", bound=Closable)
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """No provider or a bad config will not get better by retrying; anything else might."""
+    if isinstance(exc, ConfigError):
+        return True
+    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
 
 
 class InitState(str, enum.Enum):
@@ -56,11 +72,16 @@ class BackgroundInit(Generic[T]):
             self._thread = threading.Thread(target=self._loop, name=f"tensorwire-mm-{self._what}-init", daemon=True)
             self._thread.start()
 
+    def _closed(self) -> bool:
+        # Called under the lock; close() may have run on another thread since the last look, so this reads the
+        # state afresh where a comparison inline would be (wrongly) narrowed by the earlier one.
+        return self.state is InitState.CLOSED
+
     def _loop(self) -> None:
         delay_s = self._backoff_s
         while True:
             with self._lock:
-                if self.state is InitState.CLOSED:
+                if self._closed():
                     return
                 self.attempts += 1
             try:
@@ -72,7 +93,7 @@ class BackgroundInit(Generic[T]):
                     self._on_failure(exc, permanent)
                 if permanent:
                     with self._lock:
-                        if self.state is not InitState.CLOSED:
+                        if not self._closed():
                             self.state = InitState.DISABLED
                     log.warning("RDMA %s unavailable (%s); encoder output uses inline bytes for the lifetime of "
                                 "this process", self._what, exc)
@@ -84,7 +105,7 @@ class BackgroundInit(Generic[T]):
                 delay_s = min(delay_s * 2, self._backoff_max_s)
                 continue
             with self._lock:
-                closed = self.state is InitState.CLOSED
+                closed = self._closed()
                 if not closed:
                     self._obj = obj
                     self.state = InitState.READY
@@ -124,8 +145,8 @@ class BackgroundInit(Generic[T]):
             self._thread.join(5.0)
 
 
-def _quiet_close(obj: object) -> None:
+def _quiet_close(obj: Closable) -> None:
     try:
-        obj.close()  # type: ignore[attr-defined]
+        obj.close()
     except Exception as exc:  # close failures are isolated
         log.warning("closing %s failed: %r", type(obj).__name__, exc)

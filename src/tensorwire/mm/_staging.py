@@ -23,19 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from tensorwire.errors import ClosedError, InvalidPayload, ProtocolError, ReadError, Reason
 from tensorwire.mm._codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, decode_tensor
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.rdma import Descriptor, TensorReader
+from tensorwire.rdma import Descriptor, Reader
 
 log = logging.getLogger(__name__)
 
-ReaderFactory = Callable[[], TensorReader]
+ReaderFactory = Callable[[], Reader]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class StagingArea:
         self._clock = clock
         self._lock = threading.Lock()
         self._reader_lock = threading.Lock()
-        self._reader: TensorReader | None = None
+        self._reader: Reader | None = None
         self._reader_error: BaseException | None = None
         self._closed = False
         self._items: dict[str, tuple[tuple[torch.Tensor, ...], int, float]] = {}
@@ -189,7 +189,7 @@ class StagingArea:
 
     # -- internals --
 
-    def _get_reader(self) -> TensorReader:
+    def _get_reader(self) -> Reader:
         with self._reader_lock:
             if self._closed:
                 raise ClosedError("StagingArea is closed")

@@ -37,13 +37,13 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, Reason
-from tensorwire.rdma import Descriptor, TensorExporter
+from tensorwire.rdma import Descriptor, Exporter
 
 log = logging.getLogger(__name__)
 
@@ -122,21 +122,19 @@ class StoreStats:
 
 
 class HeldStore:
-    """Keyed held outputs over one ``TensorExporter`` (or inline host copies when ``exporter`` is None).
+    """Keyed held outputs over one ``Exporter`` (or inline host copies when ``exporter`` is None).
 
-    ``ttl_s``: items and pending grants older than this are dropped (default: the exporter's
-    ``slot_gc_timeout_ms``, which reclaims the slots anyway; 60 s without an exporter). The store does not own
+    ``ttl_s``: items and pending grants older than this are dropped; give it the exporter's
+    ``slot_gc_timeout_ms`` (which reclaims the slots at that age anyway). The store does not own
     the exporter: ``close()`` releases the leases it holds but leaves the exporter open. ``on_change(items,
     bytes)`` is called (outside the lock) after the held set grew or shrank, for gauges.
     """
 
-    def __init__(self, exporter: TensorExporter | None, *, ttl_s: float | None = None,
+    def __init__(self, exporter: Exporter | None, *, ttl_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_change: Callable[[int, int], None] | None = None) -> None:
         self._exporter = exporter
         self._on_change = on_change
-        if ttl_s is None:
-            ttl_s = exporter.config.slot_gc_timeout_ms / 1000.0 if exporter is not None else 60.0
         if not ttl_s > 0:
             raise InvalidPayload(f"HeldStore ttl_s={ttl_s!r}: must be > 0", reason=Reason.INVALID_CONFIG)
         self._ttl_s = float(ttl_s)

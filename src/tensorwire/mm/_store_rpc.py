@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,9 +37,9 @@ from tensorwire.mm import wire
 from tensorwire.mm._codec import encode_tensor
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
+from tensorwire.mm._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
 from tensorwire.mm._staging import Expect, StagingArea
 from tensorwire.mm._store import HeldItem, HeldStore
-from tensorwire.mm.service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,8 @@ class _Client:
             raise ClosedError(f"{type(self).__name__} for {self.address} is closed")
         if timeout_s <= 0:
             raise DeadlineExceeded(f"{what} on {self.address}: no time left", reason=Reason.BUDGET_EXHAUSTED)
-        call = self._channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
+            method, request_serializer=None, response_deserializer=None)
         try:
             raw = call(request.SerializeToString(), timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -271,7 +273,7 @@ class HeldStoreClient(_Client):
             raise ProtocolError(f"Lookup on {self.address}: {len(resp.results)} results for {len(grants)} grants",
                                 reason=Reason.PROTOCOL_ERROR)
         out = []
-        for (key, _), r in zip(grants, resp.results):
+        for (key, _), r in zip(grants, resp.results, strict=True):
             if r.key != key:
                 raise ProtocolError(f"Lookup on {self.address}: result for {r.key[:64]!r} where {key[:64]!r} was "
                                     "asked", reason=Reason.PROTOCOL_ERROR)

@@ -1,4 +1,5 @@
-"""What every peer of the EncoderService agrees on: method paths, message limits, and the status table.
+"""What every peer of the EncoderService agrees on: method paths, message limits, the status table, and the
+per-request budget formula (:func:`rpc_budget_ms`; the client's fetch budget and the proxy's per-attempt budget).
 
 The proxy (``tensorwire.service``) and the encoder client both import these names, so a path or a status
 mapping is written once. gRPC methods are registered through generic handlers with explicit serializers (no
@@ -14,6 +15,7 @@ same table as the unary path, so one failure raises the same class with the same
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -81,6 +83,13 @@ def _varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def rpc_budget_ms(item_timeouts_ms: Iterable[int], *, worker_timeout_ms: int, margin_ms: int) -> int:
+    """A request's budget: max over its items of (item timeout if > 0, else ``worker_timeout_ms``) + ``margin_ms``;
+    ``worker_timeout_ms + margin_ms`` with no items. Python ints: no overflow."""
+    worker = max((int(t) if int(t) > 0 else worker_timeout_ms for t in item_timeouts_ms), default=worker_timeout_ms)
+    return worker + margin_ms
 
 
 def channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -171,13 +180,25 @@ def _details_for(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def trailing_pairs(exc: grpc.RpcError) -> list[tuple[str, str | bytes]]:
+    """The trailing metadata of a failed call as (key, value) pairs; empty when the error carries none.
+
+    Raises TypeError/ValueError when an entry is not a pair. grpc-stubs types ``RpcError.trailing_metadata()`` as
+    objects with ``.key``/``.value``; grpc returns (key, value) tuples (namedtuples from its C core), and so do
+    the errors our tests and relays build, so entries are unpacked, never read by attribute.
+    """
+    read = getattr(exc, "trailing_metadata", None)  # a bare RpcError (raised by hand) has none
+    entries: Iterable[tuple[str, str | bytes]] = (read() if read is not None else None) or ()
+    return [(key, value) for key, value in entries]
+
+
 def reason_from_rpc(exc: grpc.RpcError) -> Reason | None:
     """The ``tensorwire-reason`` the server attached to a failed call, if any (and if it is a known value)."""
     try:
-        for key, value in exc.trailing_metadata() or ():  # type: ignore[attr-defined]
+        for key, value in trailing_pairs(exc):
             if key == REASON_METADATA_KEY:
                 return Reason(value)
-    except (AttributeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         return None
     return None
 
@@ -185,21 +206,21 @@ def reason_from_rpc(exc: grpc.RpcError) -> Reason | None:
 def is_stream_refusal(exc: grpc.RpcError) -> bool:
     """True when the encoder refused to open an EncodeStream (over its cap): no message on it was handled."""
     try:
-        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+        if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
             return False
-        return any((k, v) == STREAM_REFUSED_METADATA for k, v in exc.trailing_metadata() or ())  # type: ignore[attr-defined]
+        return any(pair == STREAM_REFUSED_METADATA for pair in trailing_pairs(exc))
     except (AttributeError, TypeError, ValueError):
         return False
 
 
-def error_from_status(code: grpc.StatusCode | None, details: str, reason: Reason | None,
+def error_from_status(code: grpc.StatusCode | None, details: str | None, reason: Reason | None,
                       what: str) -> TensorwireError:
     """The tensorwire exception for a status code, its details and the server's reason (None: not sent)."""
+    code = code if code is not None else grpc.StatusCode.UNKNOWN
     cls = _STATUS_TO_CLASS.get(code, ProtocolError if code == grpc.StatusCode.INTERNAL else ControlPlaneError)
     if reason is None:
         reason = _STATUS_DEFAULT_REASON.get(code, Reason.PROTOCOL_ERROR if cls is ProtocolError else Reason.UNKNOWN)
-    name = code.name if code is not None else "UNKNOWN"
-    return cls(f"{what} failed with {name}: {details}", reason=reason)
+    return cls(f"{what} failed with {code.name}: {details}", reason=reason)
 
 
 def error_from_rpc(exc: grpc.RpcError, what: str) -> TensorwireError:
@@ -241,9 +262,11 @@ __all__ = [
     "STREAM_ERROR_FIELD",
     "stream_frame",
     "channel_options",
+    "rpc_budget_ms",
     "status_for",
     "abort_with",
     "stream_error_for",
+    "trailing_pairs",
     "reason_from_rpc",
     "is_stream_refusal",
     "error_from_status",

@@ -16,52 +16,46 @@ Reader side::
 ``has_rdma()`` / ``available_providers()`` say whether a real provider exists; with provider "none" (or "auto"
 without NIXL) constructing an exporter/reader raises ``ExportError``/``ReadError`` with reason
 ``PROVIDER_UNAVAILABLE`` so callers fall back. Contracts: ``docs/rdma.md``; generation protocol: ``_pool``.
+
+Public API: the names in ``__all__`` (pinned by tests/unit/rdma/test_rdma_public_api.py). ``Exporter`` and
+``Reader`` are the protocols callers type against (``TensorExporter``/``TensorReader`` implement them);
+``stats()`` returns ``ExporterStats``/``ReaderStats`` (``as_dict()`` for JSON). Exceptions live in
+``tensorwire.errors`` only. Every module here starts with ``_`` except ``providers``, the provider interface for
+third-party providers: ``providers.base`` (``Provider`` and its contract) and the registry in ``providers``; the
+built-in providers (``providers._nixl``, ``providers._none``) are chosen by name in ``RdmaConfig.provider``, never
+imported.
 """
 
 from __future__ import annotations
 
-from tensorwire.errors import (
-    ClosedError,
-    ConfigError,
-    ExportError,
-    InvalidDescriptor,
-    LeaseExpired,
-    PoolExhausted,
-    ReadError,
-    ReadTimeout,
-    Reason,
-    TensorwireError,
-)
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
 from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
 from tensorwire.rdma._exporter import Lease, TensorExporter
+from tensorwire.rdma._protocols import Exporter, Reader
 from tensorwire.rdma._reader import TensorReader
+from tensorwire.rdma._stats import ExporterStats, PoolStats, ProviderStats, ReaderStats
 from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
 from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu as is_staged_gpu_transport
 
 __all__ = [
     "RdmaConfig",
+    "TensorExporter",
+    "TensorReader",
+    "Exporter",
+    "Reader",
     "Descriptor",
     "TensorMeta",
     "Owner",
     "Lease",
-    "TensorExporter",
-    "TensorReader",
+    "ExporterStats",
+    "ReaderStats",
+    "PoolStats",
+    "ProviderStats",
     "SUPPORTED_DTYPES",
     "available_providers",
     "has_rdma",
     "known_providers",
     "register_provider",
     "is_staged_gpu_transport",
-    "Reason",
-    "TensorwireError",
-    "ConfigError",
-    "ClosedError",
-    "InvalidDescriptor",
-    "ExportError",
-    "PoolExhausted",
-    "ReadError",
-    "ReadTimeout",
-    "LeaseExpired",
 ]

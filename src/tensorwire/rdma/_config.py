@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tensorwire.errors import ConfigError
 
@@ -22,10 +23,11 @@ class RdmaConfig:
     """Settings shared by :class:`TensorExporter` and :class:`TensorReader`; validated on construction.
 
     ``provider``: ``"auto"`` (nixl when importable, else none), ``"nixl"``, ``"none"`` (never available, so
-    callers fall back), or a name added with ``register_provider``. ``device``: ``"cpu"`` or ``"cuda:N"``; a bare ``"cuda"`` is refused so no process silently
-    lands on GPU 0. ``bind_ip``/``port``: the owner's metadata listener (``""`` = all interfaces, port 0 = any);
-    ``advertise_host`` is the host written into descriptors (``""``: ``bind_ip`` when it is a specific address,
-    else this host's resolved address). ``read_timeout_ms`` caps one ``read()`` when the call gives no timeout.
+    callers fall back), or a name added with ``register_provider``. ``device``: ``"cpu"`` or ``"cuda:N"``; a bare
+    ``"cuda"`` is refused so no process silently lands on GPU 0. ``bind_ip``/``port``: the owner's metadata
+    listener (``""`` = all interfaces, port 0 = any); ``advertise_host`` is the host written into descriptors
+    (``""``: ``bind_ip`` when it is a specific address, else this host's resolved address). ``read_timeout_ms``
+    caps one ``read()`` when the call gives no timeout.
     ``slot_gc_timeout_ms``: leases not released within this are reclaimed. ``max_slot_bytes`` bounds one slot on
     export and every descriptor on read; ``pool_cap_bytes`` bounds all pool-owned memory of one exporter (and,
     separately, one reader's pooled read buffers); ``slot_align`` is the manifest offset alignment (a power of 2).
@@ -52,10 +54,13 @@ class RdmaConfig:
 
         known = ("auto", *known_providers())
         if self.provider not in known:
-            raise ConfigError(f"RdmaConfig.provider={self.provider!r}: unknown rdma provider; known: {', '.join(known)}")
+            raise ConfigError(
+                f"RdmaConfig.provider={self.provider!r}: unknown rdma provider; known: {', '.join(known)}"
+            )
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError(
-                f"RdmaConfig.device={self.device!r}: expected 'cpu' or 'cuda:N' (an explicit index; never implicit cuda:0)"
+                f"RdmaConfig.device={self.device!r}: expected 'cpu' or 'cuda:N' "
+                "(an explicit index; never implicit cuda:0)"
             )
         if self.bind_ip:
             _check_ip("bind_ip", self.bind_ip)

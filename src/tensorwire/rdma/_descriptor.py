@@ -17,9 +17,10 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from google.protobuf.message import DecodeError
@@ -142,10 +143,12 @@ class Descriptor:
         for i, e in enumerate(msg.manifest):
             dtype = _dtypes.from_wire(e.dtype)
             if dtype is None:
-                raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
+                raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}",
+                                        reason=Reason.UNSUPPORTED_DTYPE)
             if len(e.shape) > MAX_DIMS:
                 raise InvalidDescriptor(f"manifest[{i}]: {len(e.shape)} dims, over {MAX_DIMS}")
-            entries.append(TensorMeta(shape=tuple(int(d) for d in e.shape), dtype=dtype, offset=e.offset, nbytes=e.nbytes))
+            entries.append(TensorMeta(shape=tuple(int(d) for d in e.shape), dtype=dtype, offset=e.offset,
+                                      nbytes=e.nbytes))
         mem_type = _MEM_FROM_WIRE.get(msg.mem_type)
         if mem_type is None:
             raise InvalidDescriptor(f"unknown mem_type value {msg.mem_type}")
@@ -235,7 +238,8 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         for dim in m.shape:
             nbytes *= dim
             if nbytes >= _INT63:
-                raise InvalidDescriptor(f"manifest[{i}]: shape {m.shape} overflows int64 bytes", reason=Reason.SIZE_OVERFLOW)
+                raise InvalidDescriptor(f"manifest[{i}]: shape {m.shape} overflows int64 bytes",
+                                        reason=Reason.SIZE_OVERFLOW)
         if not _u64(m.nbytes) or not _u64(m.offset):
             raise InvalidDescriptor(f"manifest[{i}]: offset/nbytes are not uint64")
         if m.nbytes != nbytes:
@@ -255,7 +259,7 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         if m.nbytes:
             spans.append((m.offset, m.offset + m.nbytes, i))
     spans.sort()
-    for (_, end_a, ia), (start_b, _, ib) in zip(spans, spans[1:]):
+    for (_, end_a, ia), (start_b, _, ib) in itertools.pairwise(spans):
         if start_b < end_a:
             raise InvalidDescriptor(f"manifest[{ia}] and manifest[{ib}] overlap", reason=Reason.OVERLAPPING_TENSORS)
 
@@ -296,7 +300,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]], slot_align: int) -> tuple[list[TensorMeta], int]:
+def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
+           slot_align: int) -> tuple[list[TensorMeta], int]:
     """Manifest entries packed at ``slot_align`` offsets, in order, and the payload size (>= 1 byte)."""
     entries: list[TensorMeta] = []
     offset = 0

@@ -9,12 +9,13 @@ registration kept. ``close`` voids every lease.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -23,6 +24,7 @@ from tensorwire.rdma import _dtypes
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, layout, views
 from tensorwire.rdma._pool import GenerationTable, Slot, SlotPool
+from tensorwire.rdma._stats import ExporterStats, PoolStats, ProviderStats, Tally
 from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider
 
@@ -61,17 +63,7 @@ class TensorExporter:
         self._leases: dict[str, Lease] = {}
         self._counter = 0
         self._prefix = uuid.uuid4().hex
-        self._count_lock = threading.Lock()
-        self._counts = {
-            "exports": 0,
-            "export_failures": 0,
-            "batch_rollbacks": 0,
-            "releases": 0,
-            "unknown_releases": 0,
-            "gc_reclaims": 0,
-            "allocations": 0,
-            "exported_bytes": 0,
-        }
+        self._tally = Tally(ExporterStats())  # counters only; stats() fills in the gauges
         self._gc_stop = threading.Event()
         self._gc_thread: threading.Thread | None = None
         self._provider: Provider | None = None
@@ -131,7 +123,8 @@ class TensorExporter:
             self._copy_in(lease, inputs)
             return self._publish(lease)
         except BaseException:
-            self._count("export_failures", 1)
+            with self._tally.locked() as c:
+                c.export_failures += 1
             self._end_lease(lease.lease_id)
             raise
 
@@ -143,12 +136,14 @@ class TensorExporter:
                 done.append(self.export(group))
         except BaseException:
             if done:
-                self._count("batch_rollbacks", 1)
+                with self._tally.locked() as c:
+                    c.batch_rollbacks += 1
                 self.release([d.lease_id for d in done])
             raise
         return done
 
-    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[Lease, list[torch.Tensor]]:
+    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
+                 ) -> tuple[Lease, list[torch.Tensor]]:
         """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``.
 
         The tensors are views of pooled memory: valid until the lease is released or reclaimed (after that the slot
@@ -171,7 +166,8 @@ class TensorExporter:
             raise ExportError("allocate needs at least one tensor", reason=Reason.EMPTY_EXPORT)
         manifest, payload = self._layout(specs)
         lease = self._new_lease(manifest, payload)
-        self._count("allocations", 1)
+        with self._tally.locked() as c:
+            c.allocations += 1
         return lease, views(lease.slot.tensor, manifest, lease.slot.typed)
 
     def export_allocated(self, lease: Lease) -> Descriptor:
@@ -190,14 +186,20 @@ class TensorExporter:
     # -- release / GC --
 
     def release(self, lease_ids: Iterable[str]) -> None:
-        """End these leases (idempotent). Unknown ids are counted in ``stats()["unknown_releases"]``."""
+        """End these leases (idempotent). Unknown ids are counted in ``stats().unknown_releases``."""
         if isinstance(lease_ids, str):
             lease_ids = [lease_ids]
-        for lease_id in lease_ids:
-            if self._end_lease(lease_id):
-                self._count("releases", 1)
-            else:
-                self._count("unknown_releases", 1)
+        ended = unknown = 0
+        try:
+            for lease_id in lease_ids:
+                if self._end_lease(lease_id):
+                    ended += 1
+                else:
+                    unknown += 1
+        finally:
+            with self._tally.locked() as c:
+                c.releases += ended
+                c.unknown_releases += unknown
 
     def collect_garbage(self, now: float | None = None) -> int:
         """Reclaim leases older than ``slot_gc_timeout_ms``; the GC thread calls this. Returns the count."""
@@ -207,7 +209,8 @@ class TensorExporter:
             expired = [lid for lid, lease in self._leases.items() if now - lease.created_s >= ttl]
         reclaimed = sum(1 for lid in expired if self._end_lease(lid))
         if reclaimed:
-            self._count("gc_reclaims", reclaimed)
+            with self._tally.locked() as c:
+                c.gc_reclaims += reclaimed
             log.warning("rdma GC reclaimed %d lease(s) older than %d ms; are readers releasing?",
                         reclaimed, self._cfg.slot_gc_timeout_ms)
         return reclaimed
@@ -223,15 +226,18 @@ class TensorExporter:
 
     # -- introspection / lifecycle --
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> ExporterStats:
+        """Counters since construction, leases and pool now, and the provider's stats; works after ``close``."""
         with self._lock:
-            out: dict[str, Any] = {"provider": self.provider_name, "device": self._cfg.device,
-                                   "live_leases": len(self._leases), **self._counts}
-        if self._pool is not None:
-            out.update(self._pool.stats())
-        if self._provider is not None:
-            out.update(self._provider.stats())
-        return out
+            live = len(self._leases)
+        return dataclasses.replace(
+            self._tally.snapshot(),
+            provider=self.provider_name,
+            device=self._cfg.device,
+            live_leases=live,
+            pool=self._pool.stats() if self._pool is not None else PoolStats(),
+            provider_stats=self._provider.stats() if self._provider is not None else ProviderStats(),
+        )
 
     def close(self) -> None:
         """Stop GC and the metadata endpoint, void every lease, deregister everything. Idempotent."""
@@ -262,10 +268,6 @@ class TensorExporter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._count_lock:  # counters are bumped from many threads
-            self._counts[name] += n
 
     # -- internals --
 
@@ -330,7 +332,7 @@ class TensorExporter:
         dests = views(lease.slot.tensor, lease.manifest, lease.slot.typed)
         if self._device.type == "cuda":
             with torch.cuda.device(self._device):
-                for v, t in zip(dests, inputs):
+                for v, t in zip(dests, inputs, strict=True):
                     v.copy_(t)
                 # The copies run on the caller's current stream after the producer's work; waiting for them
                 # here is the "visible before the descriptor exists" contract.
@@ -338,7 +340,7 @@ class TensorExporter:
         else:
             # Plain memcpy (inputs are contiguous host tensors): torch's parallel copy wakes an OpenMP pool,
             # which costs milliseconds on a small busy host.
-            for v, t, m in zip(dests, inputs, lease.manifest):
+            for v, t, m in zip(dests, inputs, lease.manifest, strict=True):
                 if m.nbytes:
                     ctypes.memmove(v.data_ptr(), t.data_ptr(), m.nbytes)
 
@@ -366,8 +368,9 @@ class TensorExporter:
             manifest=lease.manifest,
         )
         lease.descriptor = desc
-        self._count("exports", 1)
-        self._count("exported_bytes", desc.nbytes)
+        with self._tally.locked() as c:
+            c.exports += 1
+            c.exported_bytes += desc.nbytes
         return desc
 
 

@@ -36,6 +36,7 @@ be, and it is registered until ``close``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import mmap
 import threading
@@ -47,6 +48,7 @@ import torch
 
 from tensorwire.errors import ClosedError, ExportError, PoolExhausted, Reason, TensorwireError
 from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._stats import BucketStats, PoolStats, Tally
 from tensorwire.rdma.providers.base import Provider, Registration
 
 log = logging.getLogger(__name__)
@@ -132,23 +134,12 @@ class Slot:
     # buffer queued): kernels reading it may still be queued, so the next READ into the slot waits for it first.
     ready: Any = field(default=None, repr=False)
     event: Any = field(default=None, repr=False)  # the CUDA event ``ready`` reuses (one per device slot)
-    typed: dict = field(default_factory=dict, repr=False)  # ``tensor`` reinterpreted per dtype (_descriptor.views)
+    # ``tensor`` reinterpreted per dtype (_descriptor.views)
+    typed: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def addr(self) -> int:
         return int(self.tensor.data_ptr())
-
-
-@dataclass
-class _Counters:
-    allocations: int = 0
-    reuses: int = 0
-    shrinks: int = 0
-    shrunk_slots: int = 0
-    shrunk_bytes: int = 0
-    exhausted: int = 0
-    alloc_failures: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 class SlotPool:
@@ -177,7 +168,7 @@ class SlotPool:
         self._total_bytes = 0
         self._lock = threading.RLock()
         self._closed = False
-        self.counters = _Counters()
+        self._tally = Tally(PoolStats(pool_cap_bytes=self._cap))
 
     @property
     def mem_type(self) -> str:
@@ -196,16 +187,18 @@ class SlotPool:
             free = self._free.get(size)
             if free:
                 slot = free.pop()
-                self.counters.reuses += 1
+                with self._tally.locked() as c:
+                    c.slot_reuses += 1
                 return self._mark_busy(slot)
             errors: list[str] = []
             for step in (None, 0.5, 1.0):
                 if step is not None:
                     self._shrink_locked(step)
-                slot = self._try_new(size, errors)
-                if slot is not None:
-                    return self._mark_busy(slot)
-            self.counters.exhausted += 1
+                new = self._try_new(size, errors)
+                if new is not None:
+                    return self._mark_busy(new)
+            with self._tally.locked() as c:
+                c.pool_exhausted += 1
             busy_bytes = sum(s.nbytes for s in self._busy)
             raise PoolExhausted(
                 f"no slot of {size} bytes after shrinking every idle slot ({busy_bytes}/{self._cap} "
@@ -232,29 +225,22 @@ class SlotPool:
         with self._lock:
             return self._shrink_locked(fraction)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PoolStats:
         with self._lock:
-            buckets: dict[int, dict[str, int]] = {}
+            buckets: dict[int, BucketStats] = {}
             for size, slots in self._free.items():
-                buckets.setdefault(size, {"idle": 0, "busy": 0})["idle"] += len(slots)
+                buckets[size] = BucketStats(idle=len(slots), busy=0)
             for s in self._busy:
-                buckets.setdefault(s.nbytes, {"idle": 0, "busy": 0})["busy"] += 1
-            c = self.counters
-            return {
-                "pool_bytes": self._total_bytes,
-                "pool_cap_bytes": self._cap,
-                "busy_bytes": sum(s.nbytes for s in self._busy),
-                "idle_slots": sum(len(v) for v in self._free.values()),
-                "busy_slots": len(self._busy),
-                "buckets": {str(k): v for k, v in sorted(buckets.items())},
-                "slot_allocations": c.allocations,
-                "slot_reuses": c.reuses,
-                "shrinks": c.shrinks,
-                "shrunk_slots": c.shrunk_slots,
-                "shrunk_bytes": c.shrunk_bytes,
-                "pool_exhausted": c.exhausted,
-                "alloc_failures": c.alloc_failures,
-            }
+                idle, busy = buckets.get(s.nbytes, BucketStats(0, 0))
+                buckets[s.nbytes] = BucketStats(idle, busy + 1)
+            return dataclasses.replace(
+                self._tally.snapshot(),
+                pool_bytes=self._total_bytes,
+                busy_bytes=sum(s.nbytes for s in self._busy),
+                idle_slots=sum(len(v) for v in self._free.values()),
+                busy_slots=len(self._busy),
+                buckets=dict(sorted(buckets.items())),
+            )
 
     def close(self) -> int:
         """Deregister and free idle slots; busy ones are freed when released. Returns the busy count."""
@@ -304,7 +290,8 @@ class SlotPool:
             else:
                 tensor = self._allocate(size)
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            self.counters.alloc_failures += 1
+            with self._tally.locked() as c:
+                c.alloc_failures += 1
             errors.append(f"allocation failed: {exc}")
             if self._gens is not None:
                 self._gens.give_back(gen_index)
@@ -318,9 +305,11 @@ class SlotPool:
         except Exception as exc:
             if self._gens is not None:
                 self._gens.give_back(gen_index)
-            raise ExportError(f"registering a {size}-byte slot failed: {exc}", reason=Reason.REGISTRATION_FAILED) from exc
+            raise ExportError(f"registering a {size}-byte slot failed: {exc}",
+                              reason=Reason.REGISTRATION_FAILED) from exc
         self._total_bytes += size
-        self.counters.allocations += 1
+        with self._tally.locked() as c:
+            c.slot_allocations += 1
         return Slot(nbytes=size, tensor=tensor, reg=reg, gen_index=gen_index, array=array)
 
     def _allocate(self, size: int) -> torch.Tensor:
@@ -340,9 +329,10 @@ class SlotPool:
             self._free[slot.nbytes].remove(slot)
             freed += slot.nbytes
             self._destroy(slot)
-        self.counters.shrinks += 1
-        self.counters.shrunk_slots += len(victims)
-        self.counters.shrunk_bytes += freed
+        with self._tally.locked() as c:
+            c.shrinks += 1
+            c.shrunk_slots += len(victims)
+            c.shrunk_bytes += freed
         log.info("slot pool shrank %d idle slots (%d bytes) of %d idle", len(victims), freed, len(idle))
         return freed
 

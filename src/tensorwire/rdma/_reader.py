@@ -21,12 +21,14 @@ quarantined pooled buffer is never handed out again before that, and a fresh ten
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,6 +44,7 @@ from tensorwire.errors import (
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, views
 from tensorwire.rdma._pool import Slot, SlotPool
+from tensorwire.rdma._stats import PoolStats, ProviderStats, ReaderStats, Tally
 from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provider, Range, Registration
 
@@ -56,10 +59,14 @@ _GEN_CELLS = 4096
 
 @dataclass(eq=False)
 class _Quarantined:
+    """A timed-out batch's destinations, held until ``pending.poll()``: the engine may still write into them."""
+
     pending: PendingTransfer
-    slots: list[tuple[SlotPool, Slot]] = field(default_factory=list)
-    regs: list[Registration] = field(default_factory=list)
-    keep: list[Any] = field(default_factory=list)
+    slots: list[tuple[SlotPool, Slot]] = field(default_factory=list)  # pooled buffers: released when done
+    regs: list[Registration] = field(default_factory=list)  # per-read registrations: deregistered when done
+    cells: list[int] = field(default_factory=list)  # generation scratch cells: given back when done
+    results: list[torch.Tensor] = field(default_factory=list)  # fresh result tensors: kept alive, never returned
+    loans: list[Any] = field(default_factory=list)  # loan objects: kept, so their slots are not given back early
 
 
 class _GenScratch:
@@ -76,7 +83,8 @@ class _GenScratch:
     def take(self, n: int) -> list[int]:
         with self._lock:
             if len(self._free) < n:
-                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR)
+                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader",
+                                reason=Reason.RDMA_READ_ERROR)
             # LIFO: the same few cells recur, so the provider can repost its prepared generation READs.
             cells = self._free[len(self._free) - n:]
             del self._free[len(self._free) - n:]
@@ -100,9 +108,7 @@ class TensorReader:
         self._closed = False
         self._lock = threading.Lock()
         self._quarantine: list[_Quarantined] = []
-        self._count_lock = threading.Lock()
-        self._counts = {"reads": 0, "read_descriptors": 0, "read_bytes": 0, "read_errors": 0, "read_timeouts": 0,
-                        "stale_generations": 0, "invalid_descriptors": 0, "quarantined": 0, "quarantine_freed": 0}
+        self._tally = Tally(ReaderStats())  # counters only; stats() fills in the gauges
         self._provider: Provider | None = None
         self._pool: SlotPool | None = None
         self._loans: SlotPool | None = None
@@ -168,30 +174,33 @@ class TensorReader:
         try:
             out = self._read_batch(descs, deadline)
         except ReadTimeout:
-            self._count("read_timeouts", 1)
+            with self._tally.locked() as c:
+                c.read_timeouts += 1
             raise
         except LeaseExpired:
-            self._count("stale_generations", 1)
+            with self._tally.locked() as c:
+                c.stale_generations += 1
             raise
         except ReadError:
-            self._count("read_errors", 1)
+            with self._tally.locked() as c:
+                c.read_errors += 1
             raise
-        self._count("reads", 1)
-        self._count("read_descriptors", len(descs))
+        with self._tally.locked() as c:
+            c.reads += 1
+            c.read_descriptors += len(descs)
         return out
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"provider": self.provider_name, "device": self._cfg.device, **self._counts,
-                               "quarantine_live": len(self._quarantine), "transport": self.transport()}
-        if self._pool is not None:
-            out.update({f"buffer_{k}": v for k, v in self._pool.stats().items()})
-        if self._loans is not None:
-            loans = self._loans.stats()
-            out.update({"loan_pool_bytes": loans["pool_bytes"], "loaned_slots": loans["busy_slots"],
-                        "loan_idle_slots": loans["idle_slots"]})
-        if self._provider is not None:
-            out.update(self._provider.stats())
-        return out
+    def stats(self) -> ReaderStats:
+        """Counters since construction, buffers and loans now, and the provider's stats; works after ``close``."""
+        return dataclasses.replace(
+            self._tally.snapshot(),
+            provider=self.provider_name,
+            device=self._cfg.device,
+            quarantine_live=len(self._quarantine),
+            buffers=self._pool.stats() if self._pool is not None else PoolStats(),
+            loans=self._loans.stats() if self._loans is not None else PoolStats(),
+            provider_stats=self._provider.stats() if self._provider is not None else ProviderStats(),
+        )
 
     def close(self) -> None:
         """Release buffers and the provider; idempotent. Transfers still in flight are abandoned first."""
@@ -227,27 +236,25 @@ class TensorReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._count_lock:  # counters are bumped from many threads
-            self._counts[name] += n
-
     # -- internals --
 
     def _validate(self, descriptors: Sequence[Descriptor | bytes]) -> list[Descriptor]:
         if isinstance(descriptors, (Descriptor, bytes, bytearray)):
-            descriptors = [descriptors]  # type: ignore[list-item]
+            descriptors = [descriptors]
         out = []
         try:
             for d in descriptors:
                 if isinstance(d, (bytes, bytearray, memoryview)):
-                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
+                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes,
+                                              slot_align=self._cfg.slot_align)
                 elif isinstance(d, Descriptor):
                     d.validate(max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
                 else:
                     raise InvalidDescriptor(f"expected a Descriptor or bytes, got {type(d).__name__}")
                 out.append(d)
         except InvalidDescriptor:
-            self._count("invalid_descriptors", 1)
+            with self._tally.locked() as c:
+                c.invalid_descriptors += 1
             raise
         if not out:
             raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
@@ -262,7 +269,7 @@ class TensorReader:
         out: list[torch.Tensor] = []
         finished = False
         try:
-            for d, cell in zip(descs, cells):
+            for d, cell in zip(descs, cells, strict=True):
                 dests.append(self._destination(d, cell))
             for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
                 local = [r for x in group for r in x.local]
@@ -281,23 +288,25 @@ class TensorReader:
             for x in dests:
                 if x.slot is not None:
                     srcs = views(x.slot.tensor, x.d.manifest, x.slot.typed)
-                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest)]
+                    x.results = [self._clone_out(src, m, x.staged) for src, m in zip(srcs, x.d.manifest, strict=True)]
                     if not x.staged and self._device.type == "cuda":
                         self._mark_ready(x.slot)  # the clones are queued, not done, when the slot goes back
                 _check_results(x.d, x.results)
                 out.extend(x.results)
-                self._count("read_bytes", x.d.nbytes)
+                with self._tally.locked() as c:
+                    c.read_bytes += x.d.nbytes
             finished = True
             return out
         except ReadTimeout as exc:
             pending = getattr(exc, "pending", None)
             if pending is not None:
                 # Which transfer is still writing is not worth tracking: every destination of the batch waits.
-                self._count("quarantined", 1)
+                with self._tally.locked() as c:
+                    c.quarantined += 1
                 q = _Quarantined(pending=pending,
                                  slots=[(x.pool, x.slot) for x in dests if x.slot is not None and x.pool is not None],
-                                 regs=[r for x in dests for r in x.regs],
-                                 keep=[[t for x in dests for t in x.results], list(cells), [x.loan for x in dests]])
+                                 regs=[r for x in dests for r in x.regs], cells=list(cells),
+                                 results=[t for x in dests for t in x.results], loans=[x.loan for x in dests])
                 with self._lock:
                     self._quarantine.append(q)
                 for x in dests:
@@ -329,10 +338,10 @@ class TensorReader:
         dev = self._cfg.device_index
         loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
-        if wrapped is not None:
+        if loaned is not None and wrapped is not None:
             base, x.loan = wrapped
             x.results = views(base, d.manifest)
-            x.local.append((loaned.addr, d.payload_bytes, dev))  # type: ignore[union-attr]
+            x.local.append((loaned.addr, d.payload_bytes, dev))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         elif host and d.payload_bytes >= LARGE_READ_BYTES:  # loans exhausted: fresh tensors, registered once
             for m in d.manifest:
@@ -394,7 +403,7 @@ class TensorReader:
             # cost two more driver calls. Uses never overlap: the next READ into the slot waited for it (_ready).
             event = slot.event
             if event is None:
-                event = slot.event = torch.cuda.Event()
+                event = slot.event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
             event.record(torch.cuda.current_stream(self._device))
             slot.ready = event
         except Exception:  # no event, no ordering: wait for the device instead of risking an overwrite
@@ -429,15 +438,16 @@ class TensorReader:
             still = []
             for q in live:
                 if q.pending.poll():
-                    self._count("quarantine_freed", 1)
+                    with self._tally.locked() as c:
+                        c.quarantine_freed += 1
                     for owner_pool, s in q.slots:
                         owner_pool.release(s)
                     for r in q.regs:
                         assert self._provider is not None
                         self._provider.deregister(r)
-                    for c in q.keep[1]:
+                    if q.cells:
                         assert self._scratch is not None
-                        self._scratch.give_back([c])
+                        self._scratch.give_back(q.cells)
                 else:
                     still.append(q)
             with self._lock:
@@ -464,14 +474,30 @@ class _Dest:
     remote: list[Range] = field(default_factory=list)
 
 
-def _groups(dests: list[_Dest], *, by_memory: bool) -> list[tuple[Owner, str, str, list[_Dest]]]:
+class _GroupKey(NamedTuple):
+    agent_name: str
+    local_mem: str  # "" when grouping by owner only
+    remote_mem: str
+
+
+class _Group(NamedTuple):
+    """Destinations READ in one transfer: one owner and one (local, remote) memory pair."""
+
+    owner: Owner
+    local_mem: str
+    remote_mem: str
+    dests: list[_Dest]
+
+
+def _groups(dests: list[_Dest], *, by_memory: bool) -> list[_Group]:
     """Destinations grouped per owner agent (and memory pair), in first-seen order; each group's Owner is the one
     with the newest registration epoch, so the provider refreshes stale metadata once for the whole group."""
-    groups: dict[tuple[str, str, str], list[_Dest]] = {}
+    groups: dict[_GroupKey, list[_Dest]] = {}
     for x in dests:
-        key = (x.d.owner.agent_name, x.local_mem, x.d.mem_type) if by_memory else (x.d.owner.agent_name, "", "")
+        key = _GroupKey(x.d.owner.agent_name, x.local_mem, x.d.mem_type) if by_memory else \
+            _GroupKey(x.d.owner.agent_name, "", "")
         groups.setdefault(key, []).append(x)
-    return [(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k[1], k[2], g)
+    return [_Group(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k.local_mem, k.remote_mem, g)
             for k, g in groups.items()]
 
 
@@ -503,7 +529,7 @@ def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
     if len(results) != len(d.manifest):
         raise ReadError(f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
                         reason=Reason.RESULT_MISMATCH)
-    for i, (t, m) in enumerate(zip(results, d.manifest)):
+    for i, (t, m) in enumerate(zip(results, d.manifest, strict=True)):
         if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.numel() * t.element_size() != m.nbytes:
             raise ReadError(f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says "
                             f"{m.shape}/{m.dtype}", reason=Reason.RESULT_MISMATCH)

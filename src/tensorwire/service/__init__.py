@@ -4,7 +4,9 @@
   (``tensorwire serve-encoder``);
 - ``EncoderProxy(ProxyConfig)``: spreads Encode over workers with retry, routes ReleaseLeases to the lease's
   owner (``tensorwire serve-proxy``); ``RouteTable`` is its pure routing logic;
-- ``MetricsServer``, ``print_ready``/``parse_ready``, ``wait_for_signal``: the process plumbing the CLI uses.
+- ``MetricsServer``, ``print_ready``/``parse_ready``, ``wait_for_signal``: the process plumbing the CLI uses
+  (``_runtime``, also ``stdout_to_stderr`` and ``drain_releases``); ``_child``: the CLI subprocesses the demo and
+  the integration tests start (``Child``, ``LoopbackDeployment``).
 
 grpc, torch and the encoders are imported when a name is first used, so ``import tensorwire.service`` is cheap.
 """

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 _TYPES = {int: int, float: float, str: str}
 
@@ -18,8 +19,8 @@ _TYPES = {int: int, float: float, str: str}
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 
@@ -40,7 +41,7 @@ class WorkerInfo:
     version: str
 
     @classmethod
-    def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> "WorkerInfo":
+    def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> WorkerInfo:
         return cls(address=address, worker_id=msg.worker_id, hostname=msg.hostname, pid=msg.pid, mode=msg.mode,
                    rdma_provider=msg.rdma_provider, rdma_bind_ip=msg.rdma_bind_ip, rdma_port=msg.rdma_port,
                    slot_gc_timeout_ms=msg.slot_gc_timeout_ms, model=msg.model, device=msg.device,
@@ -60,7 +61,8 @@ def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericR
     })
 
 
-def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str, hidden_size: int) -> pb.WorkerInfoResponse:
+def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str,
+              hidden_size: int) -> pb.WorkerInfoResponse:
     """The answer of a worker built from its ``RdmaConfig`` (``rdma``) and encoder."""
     import tensorwire
 

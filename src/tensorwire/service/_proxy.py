@@ -21,17 +21,18 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
-from tensorwire.mm import wire
-from tensorwire.mm.config import TransportConfig
+from tensorwire.mm import TransportConfig, wire
+from tensorwire.mm._host import GrpcHost
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
 from tensorwire.service._routes import RouteTable, route_ttl_s
@@ -156,8 +157,8 @@ class _Worker:
     index: int
     address: str
     channel: grpc.Channel
-    encode: Any
-    release: Any
+    encode: grpc.UnaryUnaryMultiCallable[bytes, bytes]
+    release: grpc.UnaryUnaryMultiCallable[wire.ReleaseLeasesRequest, wire.ReleaseLeasesResponse]
     info: WorkerInfo | None = None
 
 
@@ -192,14 +193,13 @@ class EncoderProxy:
         self._lock = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=max(2, len(self._workers)),
                                                 thread_name_prefix="proxy-release")
-        self._server: grpc.Server | None = None
-        self._health: Any = None
+        self._host: GrpcHost | None = None
         self._closed = False
         self.port: int | None = None
 
     # ---- lifecycle
     def start(self, address: str = "127.0.0.1:0") -> int:
-        if self._server is not None:
+        if self._host is not None:
             raise RuntimeError("proxy already started")
         if self.config.check_workers:
             infos = self._ask_workers()
@@ -207,26 +207,15 @@ class EncoderProxy:
             ttl = route_ttl_s(max(i.slot_gc_timeout_ms for i in infos))
             self.routes = RouteTable(ttl, clock=self._clock)
         self._metrics = _Metrics(self._registry, self.routes, len(self._workers))
-        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.server_threads,
-                                                        thread_name_prefix="proxy"),
-                             options=wire.channel_options())
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
+        host = GrpcHost("proxy", (grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
             "Encode": grpc.unary_unary_rpc_method_handler(self._encode),  # raw bytes both ways
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
                 self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
                 response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
-        }),))
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        port = server.add_insecure_port(address)
-        if port == 0:
-            raise ConfigError(f"cannot bind the proxy to {address}")
-        server.start()
-        for name in ("", wire.SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server, self.port = server, port
+        }),), threads=self.config.server_threads, thread_prefix="proxy")
+        port = host.bind(address)
+        host.start()
+        self._host, self.port = host, port
         log.info("proxy serving on port %d for %d workers (route TTL %.1f s)", port, len(self._workers),
                  self.routes.ttl_s)
         return port
@@ -248,31 +237,30 @@ class EncoderProxy:
         if self._closed:
             return
         self._closed = True
-        if self._health is not None:
-            self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1.0)
+        if self._host is not None:
+            self._host.stop(grace_s)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for w in self._workers:
             w.channel.close()
 
     close = stop
 
-    def __enter__(self) -> "EncoderProxy":
+    def __enter__(self) -> EncoderProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def wait(self) -> None:
-        if self._server is not None:
-            self._server.wait_for_termination()
+        if self._host is not None:
+            self._host.wait()
 
     # ---- Encode
     def _attempt_budget_s(self, request: Any) -> float:
-        items = [t if t > 0 else self.config.worker_timeout_ms for t in (i.timeout_ms for i in request.inputs)]
-        worker_ms = max(items) if items else self.config.worker_timeout_ms
-        return (worker_ms + self.config.rpc_timeout_margin_ms) / 1000.0
+        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in request.inputs),
+                                       worker_timeout_ms=self.config.worker_timeout_ms,
+                                       margin_ms=self.config.rpc_timeout_margin_ms)
+        return budget_ms / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         assert self._metrics is not None
@@ -280,7 +268,7 @@ class EncoderProxy:
         start = time.monotonic()
         try:
             request = wire.EncodeRequest.FromString(raw)
-        except Exception:  # noqa: BLE001 - any parse failure is the caller's malformed request
+        except Exception:  # any parse failure is the caller's malformed request
             m.requests.labels("invalid").inc()
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeRequest does not parse")
@@ -328,8 +316,8 @@ class EncoderProxy:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
-            md = [(k, v) for k, v in (exc.trailing_metadata() or ()) if k == wire.REASON_METADATA_KEY]
-        except AttributeError:
+            md = [(k, v) for k, v in wire.trailing_pairs(exc) if k == wire.REASON_METADATA_KEY]
+        except (TypeError, ValueError):
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))
@@ -339,7 +327,7 @@ class EncoderProxy:
         assert self._metrics is not None
         try:
             msg = wire.EncodeResponse.FromString(response)
-        except Exception:  # noqa: BLE001 - the client will reject it too; the proxy only cannot route it
+        except Exception:  # the client will reject it too; the proxy only cannot route it
             self._metrics.bad_receipts.inc()
             log.warning("worker %s sent a response that does not parse", worker.address)
             return

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 ROUTE_GC_SAFETY_S = 5.0
 

@@ -1,4 +1,5 @@
-"""Process plumbing shared by the serve commands: the /metrics endpoint, the READY line, signal-driven shutdown."""
+"""Process plumbing shared by the CLI commands: the /metrics endpoint, the READY line, signal-driven shutdown,
+stdout kept for results, and waiting out a client's release queue before it closes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Iterator
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tensorwire.mm import RemoteOutputTransport
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +97,18 @@ def stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
+def drain_releases(transport: RemoteOutputTransport, timeout_s: float) -> bool:
+    """Waits until the async release queue has sent everything (close() would abandon queued ids to the GC)."""
+    deadline = time.monotonic() + timeout_s
+    while transport.release_queue.pending and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return not transport.release_queue.pending
+
+
 def fail(message: str, code: int = 1) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 
 
-__all__ = ["MetricsServer", "fail", "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]
+__all__ = ["MetricsServer", "drain_releases", "fail", "parse_ready", "print_ready", "stdout_to_stderr",
+           "wait_for_signal"]

@@ -3,23 +3,26 @@
 One gRPC server carries three services: ``tensorwire.mm.v1.EncoderService`` (Encode, ReleaseLeases), the
 standard ``grpc.health.v1.Health``, and ``tensorwire.service.v1.WorkerInfo`` (what a proxy checks at start-up).
 ``mm.serve_encoder`` builds the first two on a server of its own; the worker needs the third on the same port,
-so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` the same way.
+so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` on mm's ``GrpcHost``,
+the one place that binds, starts and stops a gRPC server.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent import futures
 from typing import Any
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
-from tensorwire.mm import EncoderOutput, EncoderService, MultimodalInput, OutputTransport, TransportConfig
-from tensorwire.mm import wire
-from tensorwire.mm.metrics import TransportMetrics
+from tensorwire.mm import (
+    EncoderOutput,
+    EncoderService,
+    MultimodalInput,
+    OutputTransport,
+    TransportConfig,
+    TransportMetrics,
+)
+from tensorwire.mm._host import GrpcHost
 from tensorwire.service._info import info_handler, make_info
 
 log = logging.getLogger(__name__)
@@ -57,8 +60,7 @@ class EncoderWorker:
         self.model = model
         self.transport = OutputTransport(config, metrics=metrics)
         self.service = EncoderService(make_encode_fn(encoder), self.transport)
-        self._server: grpc.Server | None = None
-        self._health: health.HealthServicer | None = None
+        self._host: GrpcHost | None = None
         self._stopped = False
         self.port: int | None = None
         self.host = ""
@@ -72,32 +74,22 @@ class EncoderWorker:
         return f"{self.host}:{self.port}"
 
     def start(self, address: str = "127.0.0.1:0") -> int:
-        if self._server is not None:
+        if self._host is not None:
             raise RuntimeError("worker already started")
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.server_threads,
-                                                        thread_name_prefix="tensorwire-encoder"),
-                             options=wire.channel_options())
         info = make_info(worker_id=self.worker_id, mode=self.config.mode, rdma=self.config.rdma, model=self.model,
                          device=str(self.encoder.device), hidden_size=self.encoder.hidden_size)
-        server.add_generic_rpc_handlers((self.service.handler(), info_handler(lambda: info)))
-        self._health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        host = GrpcHost("encoder", (self.service.handler(), info_handler(lambda: info)),
+                        threads=self.config.server_threads, thread_prefix="tensorwire-encoder")
         try:
-            port = server.add_insecure_port(address)
-        except RuntimeError as exc:
-            port = 0
-            log.debug("bind failed: %s", exc)
-        if port == 0:
+            port = host.bind(address)
+        except ConfigError:
             self.transport.close()
-            raise ConfigError(f"cannot bind the encoder to {address!r}; is the port in use?")
-        self.host = address.rsplit(":", 1)[0] or "127.0.0.1"
-        self.port = port
+            raise
+        self.host, self.port = host.host, port
         self.transport.worker_address = self.address
         self.transport.start()
-        server.start()
-        for name in ("", wire.SERVICE_NAME):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
+        host.start()
+        self._host = host
         log.info("encoder worker %s on %s: model %s, mode %s, rdma port %d", self.worker_id, self.address,
                  self.encoder.describe(), self.config.mode, self.config.rdma.port)
         return port
@@ -111,12 +103,8 @@ class EncoderWorker:
             return
         self._stopped = True
         try:
-            if self._health is not None:
-                self._health.enter_graceful_shutdown()
-            if self._server is not None:
-                stopped = self._server.stop(grace_s)
-                self.service.close_streams()  # idle EncodeStreams would hold the stop for all of grace_s
-                stopped.wait(grace_s + 5.0)
+            if self._host is not None:
+                self._host.stop(grace_s, drain=self.service.close_streams)
         finally:
             try:
                 self.transport.close()
@@ -125,7 +113,7 @@ class EncoderWorker:
 
     close = stop
 
-    def __enter__(self) -> "EncoderWorker":
+    def __enter__(self) -> EncoderWorker:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -36,10 +36,9 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
 
     logging.getLogger("tensorwire").setLevel(env.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR"))
 
-    from tensorwire.cli.fetch import drain_releases
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
-    from tensorwire.service._runtime import stdout_to_stderr
+    from tensorwire.service._runtime import drain_releases, stdout_to_stderr
     from tensorwire.soak._corpus import output_digest
     from tensorwire.soak._sample import sample, thread_names
 
@@ -87,7 +86,7 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
                 out = transport.fetch(inputs, timeout_ms=budget_ms)
             except TensorwireError as exc:
                 res.update(outcome="error", kind=type(exc).__name__, reason=exc.reason.value, msg=str(exc)[:200])
-            except Exception as exc:  # noqa: BLE001 - an untyped error is a finding; count it, keep going
+            except Exception as exc:  # an untyped error is a finding; count it, keep going
                 res.update(outcome="untyped", kind=type(exc).__name__, reason="untyped", msg=repr(exc)[:300])
             else:
                 digest = output_digest(out.embeddings, out.position_ids)
@@ -143,8 +142,8 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             drained = drain_releases(transport, 5.0)
         time.sleep(0.2)  # the last batch's RPC may still be in flight after pending reached 0
         end = sample()
-        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung), "drained": drained,
-                        "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
+        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung),
+                        "drained": drained, "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
                         "release_queue_dropped": _dropped(transport)}))
     except (EOFError, BrokenPipeError):
         pass
@@ -160,7 +159,7 @@ def _dropped(transport: Any) -> float:
                 if s.name.endswith("_total"):
                     total += s.value
         return total
-    except Exception:  # noqa: BLE001 - a number for the report only
+    except Exception:  # a number for the report only
         return -1.0
 
 

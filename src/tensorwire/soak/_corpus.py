@@ -14,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import io
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 # (width, height) of the generated images: 4 to 192 output tokens (32 KiB to 1.5 MiB of float32 at 2048 wide),
 # so requests span one small slot to a few hundred KiB per slot while staying cheap on a 2-core machine.
@@ -42,6 +43,7 @@ def make_images(seed: int) -> list[bytes]:
     for i, (w, h) in enumerate(IMAGE_SIZES):
         img = Image.new("RGB", (w, h))
         px = img.load()
+        assert px is not None, "a new image is loaded"
         a, b, c = rng.randrange(256), rng.randrange(256), rng.randrange(256)
         for y in range(h):
             for x in range(w):

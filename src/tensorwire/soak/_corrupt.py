@@ -10,7 +10,8 @@ data) can make a reader deliver wrong bytes, and only TLS/mTLS on the control pl
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
+from typing import cast
 
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.rdma._proto import descriptor_pb2 as dpb
@@ -91,7 +92,7 @@ def _inline_shape(resp: pb.EncodeResponse, rng: random.Random) -> bool:
 def _inline_dtype(resp: pb.EncodeResponse, rng: random.Random) -> bool:
     if not resp.HasField("embedding"):
         return False
-    resp.embedding.dtype = rng.choice((pb.DTYPE_UNSPECIFIED, 99))
+    resp.embedding.dtype = rng.choice((pb.DTYPE_UNSPECIFIED, cast(pb.DType, 99)))  # 99: no such enum value
     return True
 
 

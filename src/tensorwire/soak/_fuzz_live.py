@@ -19,9 +19,16 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import TensorwireError
+
+if TYPE_CHECKING:
+    import grpc
+
+
+def _identity(data: bytes) -> bytes:
+    return data
 
 
 class LiveEncoder:
@@ -37,26 +44,27 @@ class LiveEncoder:
         cfg = TransportConfig(mode="auto", worker_id="fuzz-worker", rdma=RdmaConfig(slot_gc_timeout_ms=2000))
         self.worker = WorkerProcess(cfg, dict(env or {}))
         self._channel = grpc.insecure_channel(self.worker.address, options=wire.channel_options())
-        ident = lambda b: b  # noqa: E731
-        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=ident,
-                                                 response_deserializer=ident)
-        self._release = self._channel.unary_unary(wire.RELEASE_METHOD, request_serializer=ident,
-                                                  response_deserializer=ident)
+        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=_identity,
+                                                 response_deserializer=_identity)
+        self._release = self._channel.unary_unary(wire.RELEASE_METHOD, request_serializer=_identity,
+                                                  response_deserializer=_identity)
         self._wire = wire
 
-    def _call(self, method: Any, data: bytes) -> tuple[str, bytes | None]:
+    def _call(self, method: grpc.UnaryUnaryMultiCallable[bytes, bytes], data: bytes) -> tuple[str, bytes]:
+        """(outcome, the answer's bytes: empty unless the outcome is "ok")."""
         import grpc
 
         try:
             return "ok", method(data, timeout=self.timeout_s)
         except grpc.RpcError as exc:
             code = exc.code()
-            for key, value in exc.trailing_metadata() or ():
+            for key, value in self._wire.trailing_pairs(exc):
                 if key == self._wire.REASON_METADATA_KEY:
-                    return f"typed:{value}", None
+                    text = value if isinstance(value, str) else value.decode(errors="replace")
+                    return f"typed:{text}", b""
             if code == grpc.StatusCode.DEADLINE_EXCEEDED or not self.worker.alive():
-                return "dead", None
-            return f"untyped:{code.name}", None
+                return "dead", b""
+            return f"untyped:{code.name}", b""
 
     def encode(self, data: bytes) -> str:
         outcome, raw = self._call(self._encode, data)
@@ -130,7 +138,7 @@ def hello_live(data: bytes, timeout_s: float = 1.0) -> str:
             result["out"] = "ok"
         except TensorwireError as exc:
             result["out"] = f"typed:{exc.reason.value}"
-        except BaseException as exc:  # noqa: BLE001 - a crash is what we count
+        except BaseException as exc:  # a crash is what we count
             result["out"] = f"crash:{type(exc).__name__}: {exc}"
 
     t = threading.Thread(target=rank0, daemon=True)

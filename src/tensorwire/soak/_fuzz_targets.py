@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import random
 import socket
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from tensorwire.errors import TensorwireError
+
+if TYPE_CHECKING:
+    from tensorwire.rdma import ReaderStats
 
 Target = Callable[[bytes], str]
 
@@ -88,6 +92,36 @@ class _MemReader:
                 out.append(torch.zeros(m.shape, dtype=m.dtype))
         return out
 
+    def transport(self, descriptor: Any = None) -> str:
+        return "memory"
+
+    def stats(self) -> ReaderStats:
+        from tensorwire.rdma import ReaderStats
+
+        return ReaderStats(provider="fuzz-memory")
+
+    def close(self) -> None:
+        pass
+
+
+class _StubGrpcChannel:
+    """A grpc.Channel stand-in whose unary Encode answers the queued bytes: the real GrpcControlChannel logic (the
+    budget check, the receipt parse and its ProtocolError) runs around it. Streams are off in the harness."""
+
+    def __init__(self, responses: list[bytes]) -> None:
+        self.responses = responses
+
+    def unary_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None) -> Any:
+        from tensorwire.mm import wire
+        from tensorwire.mm._proto import encoder_pb2 as pb
+
+        if method == wire.RELEASE_METHOD:
+            return lambda req, timeout=None: pb.ReleaseLeasesResponse(released=len(req.lease_ids))
+        return lambda _req, timeout=None: self.responses.pop(0) if self.responses else b""
+
+    def stream_stream(self, *_a: Any, **_k: Any) -> Any:
+        return None  # never called: control_stream is off
+
     def close(self) -> None:
         pass
 
@@ -96,31 +130,22 @@ class ReceiptHarness:
     """A RemoteOutputTransport whose control plane answers a given receipt's bytes. Build once, reuse."""
 
     def __init__(self) -> None:
+        import grpc
         from prometheus_client import CollectorRegistry
 
-        from tensorwire.mm import RemoteOutputTransport, TransportConfig
-        from tensorwire.mm.client import _Control
-        from tensorwire.mm.metrics import TransportMetrics
+        from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
+        from tensorwire.mm._grpc_channel import GrpcControlChannel
 
-        cfg = TransportConfig(mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9)
-        self.transport = RemoteOutputTransport("fuzz:1", cfg, reader_factory=lambda _c: _MemReader(),
-                                               metrics=TransportMetrics(CollectorRegistry()))
-        assert self.transport.wait_ready(10.0)
+        cfg = TransportConfig(mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9,
+                              control_stream=False)
+        metrics = TransportMetrics(CollectorRegistry())
         self.responses: list[bytes] = []
-        ctl = object.__new__(_Control)  # the real _Control.encode/release logic around a stub channel
-        ctl.endpoint = "fuzz:1"
-
-        def encode(_req: Any, timeout: float | None = None) -> bytes:
-            return self.responses.pop(0) if self.responses else b""
-
-        def release(req: Any, timeout: float | None = None) -> Any:
-            from tensorwire.mm._proto import encoder_pb2 as pb
-
-            return pb.ReleaseLeasesResponse(released=len(req.lease_ids))
-
-        ctl._encode, ctl._release, ctl.close = encode, release, lambda: None  # type: ignore[method-assign]
-        self.transport._control.close()
-        self.transport._control = ctl
+        # Duck-typed: with control_stream off the control channel calls only unary_unary and close.
+        stub = cast(grpc.Channel, _StubGrpcChannel(self.responses))
+        channel = GrpcControlChannel("fuzz:1", cfg, metrics, grpc_channel=stub)
+        self.transport = RemoteOutputTransport("fuzz:1", cfg, channel=channel, reader_factory=lambda _c: _MemReader(),
+                                               metrics=metrics)
+        assert self.transport.wait_ready(10.0)
 
     def __call__(self, data: bytes) -> str:
         from tensorwire.mm import MultimodalInput
@@ -132,7 +157,7 @@ class ReceiptHarness:
         except TensorwireError as exc:
             return _typed(exc)
         assert len(out.embeddings) == len(out.split_sizes), "one embedding per item"
-        for e, s in zip(out.embeddings, out.split_sizes):
+        for e, s in zip(out.embeddings, out.split_sizes, strict=True):
             assert e.shape[0] == s, "embedding rows differ from the split size"
         if out.position_ids is not None:
             assert [p.shape[0] for p in out.position_ids] == list(out.split_sizes)

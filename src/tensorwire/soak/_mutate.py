@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf.message import Message
 
 INTERESTING = (b"\x00", b"\xff", b"\x7f", b"\x80", b"\xff\xff\xff\xff\xff\xff\xff\xff\x01",
                b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", b"\x08\x00", b"\x12\x00")
@@ -110,11 +113,11 @@ def mutate_message(msg: Any, rng: random.Random, depth: int = 0) -> bool:
     return True
 
 
-def mutate_proto(data: bytes, cls: Any, rng: random.Random) -> bytes:
+def mutate_proto(data: bytes, cls: type[Message], rng: random.Random) -> bytes:
     """Parse ``data`` as ``cls``, apply 1-3 field mutations, serialize; falls back to byte mutation."""
     try:
         msg = cls.FromString(data)
-    except Exception:  # noqa: BLE001 - not a parseable seed: byte-level instead
+    except Exception:  # not a parseable seed: byte-level instead
         return mutate(data, rng)
     for _ in range(rng.randint(1, 3)):
         mutate_message(msg, rng)

@@ -115,11 +115,12 @@ class FaultRelay:
             response, rpc = call.with_call(request, timeout=timeout, metadata=_forwardable(context))
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-            trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+            trailing = wire.trailing_pairs(exc)
             if trailing:
                 context.set_trailing_metadata(tuple((k, v) for k, v in trailing if not k.startswith("grpc-")))
             self._count(f"upstream_{code.name.lower() if code else 'unknown'}")
-            context.abort(code or grpc.StatusCode.UNKNOWN, exc.details() if hasattr(exc, "details") else str(exc))
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            context.abort(code or grpc.StatusCode.UNKNOWN, details or "")
         if method == wire.ENCODE_METHOD and self._roll(self.corrupt_p):
             with self._lock:
                 seed = self._rng.getrandbits(64)
@@ -150,7 +151,7 @@ class _Handler(grpc.GenericRpcHandler):
     def __init__(self, relay: FaultRelay) -> None:
         self._relay = relay
 
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[bytes, bytes] | None:
         method = details.method
         if method == wire.ENCODE_STREAM_METHOD:
             # A unary relay cannot carry a stream: UNIMPLEMENTED, as from an encoder or proxy that predates it,

@@ -6,12 +6,18 @@ from typing import Any
 
 
 def _kv(d: dict[str, Any]) -> str:
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1] if isinstance(kv[1], int) else 0)) or "none"
+    def count_first(kv: tuple[str, Any]) -> int:
+        return -kv[1] if isinstance(kv[1], int) else 0
+
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=count_first)) or "none"
+
+
+def _mark(ok: bool) -> str:
+    return "ok" if ok else "FAIL"
 
 
 def format_report(r: dict[str, Any]) -> str:
     cfg = r["config"]
-    mark = lambda ok: "ok" if ok else "FAIL"  # noqa: E731
     lines = [
         f"soak: {r['duration_s']} s, concurrency {cfg['concurrency']} over {cfg['client_processes']} client processes, "
         f"{cfg['workers']} workers behind the proxy, seed {cfg['seed']}, faults: {', '.join(cfg['faults']) or 'none'}",
@@ -20,18 +26,20 @@ def format_report(r: dict[str, Any]) -> str:
         f"  fallbacks by reason   {_kv(r['fallbacks_by_reason'])}",
         f"  clean errors          {_kv(r['errors_by_reason'])}",
         f"  killed in flight      {r['aborted_by_reader_kill']}  (requests of reader processes SIGKILLed mid-read)",
-        f"  untyped errors        {r['untyped_errors']}  [{mark(r['untyped_errors'] == 0)}]",
-        f"  wrong outputs         {r['wrong_outputs']}  [{mark(r['wrong_outputs'] == 0)}]",
-        f"  hung requests         {r['hung_requests']}  [{mark(r['hung_requests'] == 0)}]",
+        f"  untyped errors        {r['untyped_errors']}  [{_mark(r['untyped_errors'] == 0)}]",
+        f"  wrong outputs         {r['wrong_outputs']}  [{_mark(r['wrong_outputs'] == 0)}]",
+        f"  hung requests         {r['hung_requests']}  [{_mark(r['hung_requests'] == 0)}]",
         f"  leases outstanding    {r['leases_outstanding_after_gc']} after the GC window; busy slots "
         f"{r['busy_slots_after_gc']}, busy bytes {r['pool_busy_bytes_after_gc']}  "
-        f"[{mark(r['leases_outstanding_after_gc'] == 0 and r['busy_slots_after_gc'] == 0)}]",
-        "  pool bytes            " + ", ".join(f"worker{i} {v['start']} -> {v['end']}" for i, v in r["pool_bytes"].items()),
+        f"[{_mark(r['leases_outstanding_after_gc'] == 0 and r['busy_slots_after_gc'] == 0)}]",
+        "  pool bytes            "
+        + ", ".join(f"worker{i} {v['start']} -> {v['end']}" for i, v in r["pool_bytes"].items()),
         f"  GC reclaimed leases   {_kv({f'worker{i}': v for i, v in r['gc_reclaimed'].items()})}",
-        f"  fds back              [{mark(r['fds_back'])}]  threads back [{mark(r['threads_back'])}]",
+        f"  fds back              [{_mark(r['fds_back'])}]  threads back [{_mark(r['threads_back'])}]",
     ]
     for name, p in r["processes"].items():
-        lines.append(f"  {'*' if p.get('judged') else ' '} {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  threads {p['threads'][0]} -> {p['threads'][1]}"
+        lines.append(f"  {'*' if p.get('judged') else ' '} {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  "
+                     f"threads {p['threads'][0]} -> {p['threads'][1]}"
                      f" (pool threads grown {p['pool_threads_grown']}, leaked {p['threads_leaked']})  "
                      f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB"
                      + (f"  fd growth {p['fd_growth_by_kind']}" if p.get('fd_growth_by_kind') else ""))

@@ -23,7 +23,8 @@ import statistics
 import threading
 import time
 from collections import Counter, defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensorwire.soak import _client_proc
 from tensorwire.soak._config import SoakConfig
@@ -44,8 +45,9 @@ class _Client:
         ctx = mp.get_context("spawn")
         self.slot, self.mode, self.threads = slot, mode, threads
         self.conn, child = ctx.Pipe(duplex=False)
-        spec = {"endpoint": runner.front.address, "mode": mode, "threads": threads, "seed": runner.cfg.seed * 100 + slot,
-                "images": list(runner.corpus.images), "digests": runner.corpus.digests,
+        spec = {"endpoint": runner.front.address, "mode": mode, "threads": threads,
+                "seed": runner.cfg.seed * 100 + slot, "images": list(runner.corpus.images),
+                "digests": runner.corpus.digests,
                 "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
                 "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
                 "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s}
@@ -141,9 +143,9 @@ class SoakRunner:
         self.say(f"starting {self.cfg.workers} workers ...")
         self.worker_gen = [0] * self.cfg.workers
         self.worker_started = [time.monotonic()] * self.cfg.workers
-        self.workers = [self._start_worker(i) for i in range(self.cfg.workers)]
-        self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i)  # type: ignore[union-attr]
-                       for i, w in enumerate(self.workers)]
+        started = [self._start_worker(i) for i in range(self.cfg.workers)]
+        self.workers = [*started]
+        self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i) for i, w in enumerate(started)]
         from prometheus_client import CollectorRegistry
 
         self.proxy = EncoderProxy(ProxyConfig(workers=tuple(r.address for r in self.relays),
@@ -186,7 +188,7 @@ class SoakRunner:
                     continue
                 try:
                     msg = c.conn.recv()
-                except (EOFError, OSError, Exception):  # noqa: BLE001 - a child killed mid-send
+                except (EOFError, OSError, Exception):  # a child killed mid-send
                     self._client_died(c)
                     continue
                 self._on_message(c, msg)
@@ -279,7 +281,7 @@ class SoakRunner:
                     self.relays[i].retarget(new.address)
                     self.workers[i] = new
                     last_restart = time.monotonic()
-            except Exception:  # noqa: BLE001 - a fault that could not be injected is logged, the soak goes on
+            except Exception:  # a fault that could not be injected is logged, the soak goes on
                 log.exception("injecting %s failed", kind)
                 self.faults[f"{kind}_inject_failed"] += 1
 
@@ -300,7 +302,7 @@ class SoakRunner:
                 continue
             try:
                 st = w.stats(timeout_s=5.0)
-            except Exception:  # noqa: BLE001 - the worker may be mid-restart
+            except Exception:  # the worker may be mid-restart
                 continue
             if i not in self.worker_baseline and \
                     time.monotonic() - max(self.worker_started[i], self.t_start) >= self.ramp_s:
@@ -367,7 +369,8 @@ class SoakRunner:
             stuck = [c for c in self.clients if not c.dead and c.final is None]
         for c in stuck:  # a client that never reported: every request it had in flight is hung
             base = c.slot * _client_proc.FIELDS
-            self.hung_reports += max(1, self.counters[base + _client_proc.STARTED] - self.counters[base + _client_proc.FINISHED])
+            in_flight = self.counters[base + _client_proc.STARTED] - self.counters[base + _client_proc.FINISHED]
+            self.hung_reports += max(1, in_flight)
         self.say(f"waiting out the GC window ({cfg.slot_gc_timeout_ms} ms) and reading the workers ...")
         return self._account(soak_s, stuck)
 
@@ -397,13 +400,13 @@ class SoakRunner:
             procs["soak+proxy+relays"] = _delta(self.self_baseline, self_end, self.self_baseline_names, self_end_names)
         else:
             unchecked.append("soak+proxy+relays")
-        for i, st in workers.items():
-            gen = self.worker_gen[int(i)]
-            base = self.worker_baseline.get(int(i))
+        for key, st in workers.items():
+            gen = self.worker_gen[int(key)]
+            base = self.worker_baseline.get(int(key))
             if base is None:
-                unchecked.append(f"worker{i}")
+                unchecked.append(f"worker{key}")
             else:
-                procs[f"worker{i}" + (f"(restart {gen})" if gen else "")] = _delta(
+                procs[f"worker{key}" + (f"(restart {gen})" if gen else "")] = _delta(
                     base["process"], st["process"], base["thread_names"], st["thread_names"],
                     native_per_pool_thread=int(st["exporter"].get("torch_threads", 1)) - 1)
         for c in self.clients:
@@ -448,7 +451,8 @@ class SoakRunner:
             "gc_reclaimed": {i: s["exporter"].get("gc_reclaims", 0) for i, s in workers.items()},
             "worker_exporter_end": {i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)}
                                     for i, s in workers.items()},
-            "processes": procs, "processes_unchecked": unchecked, "ramp_s": self.ramp_s, "fds_back": fds_ok, "threads_back": threads_ok,
+            "processes": procs, "processes_unchecked": unchecked, "ramp_s": self.ramp_s, "fds_back": fds_ok,
+            "threads_back": threads_ok,
             "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
                                                 if c.final is not None),
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
@@ -508,7 +512,8 @@ def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end
             "fd_growth_by_kind": {k: v for k, v in fd_growth.items() if v},
             "threads": [base["threads"], end["threads"]], "threads_delta": threads_delta,
             "pool_threads_grown": pool_growth, "threads_leaked": max(0, threads_delta - pool_growth),
-            "new_thread_names": other, "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)]}
+            "new_thread_names": other,
+            "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)]}
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
@@ -527,7 +532,8 @@ def _timeline_growth(timeline: list[dict[str, Any]], ramp_s: float) -> dict[str,
         return {"rss_mb": [round(a["rss_bytes"] / 2**20, 1), round(b["rss_bytes"] / 2**20, 1)],
                 "threads": [a["threads"], b["threads"]], "fds": [a["fds"], b["fds"]]}
 
-    out: dict[str, Any] = {"window_s": [first["t_s"], last["t_s"]], "soak+proxy+relays": row(first["self"], last["self"])}
+    out: dict[str, Any] = {"window_s": [first["t_s"], last["t_s"]],
+                           "soak+proxy+relays": row(first["self"], last["self"])}
     for kind in ("workers", "clients"):
         for key, b in last[kind].items():
             a = first[kind].get(key)

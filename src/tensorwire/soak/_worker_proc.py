@@ -36,7 +36,7 @@ def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
             cmd = conn.recv()
             if cmd == "stats":
                 exporter = worker.transport._holder.get()  # the soak's view into the worker; not an API
-                stats = dict(exporter.stats()) if exporter is not None else {}
+                stats = exporter.stats().as_dict() if exporter is not None else {}
                 import torch
 
                 stats["torch_threads"] = torch.get_num_threads()

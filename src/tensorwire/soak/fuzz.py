@@ -20,7 +20,8 @@ import sys
 import time
 import traceback
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # In-process targets get these shares of the inputs; the live ones get fixed budgets (they cost ms each).
 WEIGHTS = {"descriptor": 0.25, "inline_tensor": 0.15, "receipt": 0.30, "frame_header": 0.10, "frame_table": 0.10,
@@ -45,7 +46,7 @@ class _Tally:
             self.inconsistent += 1
             self._example("inconsistent", data, exc)
             out = "inconsistent"
-        except Exception as exc:  # noqa: BLE001 - what we are counting
+        except Exception as exc:  # what we are counting
             self.crashes += 1
             self._example("crash", data, exc)
             out = "crash"
@@ -182,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     live = args.live_inputs if args.live_inputs is not None else min(20_000, args.inputs // 50)
     hs = args.handshake_inputs if args.handshake_inputs is not None else max(20, min(200, args.inputs // 10_000))
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     result = run_fuzz(args.inputs, args.seed, live, hs, args.canary_every, say)
     if args.save is not None:
         from tensorwire.bench._common import write_result
@@ -194,8 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, t in result["targets"].items():
             print(f"{name:<15} {t['inputs']:>9} inputs  {t['crashes']} crashes  {t['inconsistent']} inconsistent  "
                   f"{t['us_per_input']:>8} us/input  {dict(list(t['outcomes'].items())[:4])}")
+        live = {k: v for k, v in result.items() if k.startswith(("canar", "server"))}
         print(f"total {result['inputs']} inputs, {result['crashes']} crashes, {result['inconsistent']} inconsistent, "
-              f"{result['wall_s']} s; live server: {({k: v for k, v in result.items() if k.startswith(('canar', 'server'))})}")
+              f"{result['wall_s']} s; live server: {live}")
         print("PASSED" if result["passed"] else "FAILED")
     return 0 if result["passed"] else 1
 

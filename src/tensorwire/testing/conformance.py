@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -79,7 +79,7 @@ def check_round_trip_every_dtype(config: RdmaConfig) -> None:
     with TensorExporter(config) as exp, TensorReader(config) as rd:
         out = rd.read([exp.export(inputs)])
         assert len(out) == len(inputs)
-        for a, b in zip(inputs, out):
+        for a, b in zip(inputs, out, strict=True):
             assert same_bytes(a, b.cpu()), (a.dtype, a.shape)
 
 
@@ -93,7 +93,7 @@ def check_ordering(config: RdmaConfig) -> None:
         out = rd.read(list(reversed(descs)))
         want = [t for g in reversed(groups) for t in g]
         assert len(out) == len(want)
-        for a, b in zip(want, out):
+        for a, b in zip(want, out, strict=True):
             assert same_bytes(a, b.cpu())
 
 
@@ -121,7 +121,7 @@ def check_release_idempotent(config: RdmaConfig) -> None:
         exp.release([d.lease_id])
         exp.release([d.lease_id, "unknown-lease"])
         st = exp.stats()
-        assert st["live_leases"] == 0 and st["releases"] == 1 and st["unknown_releases"] == 2
+        assert st.live_leases == 0 and st.releases == 1 and st.unknown_releases == 2
 
 
 def check_stale_generation(config: RdmaConfig) -> None:
@@ -183,14 +183,14 @@ def check_concurrency(config: RdmaConfig) -> None:
                 for r in range(25):
                     i = (k + r) % len(descs)
                     assert same_bytes(rd.read([descs[i]])[0].cpu(), stable[i][0])
-            except BaseException as exc:  # noqa: BLE001 - collected
+            except BaseException as exc:  # collected
                 errors.append(exc)
 
         def churn() -> None:
             try:
                 while time.monotonic() < stop and any(t.is_alive() for t in threads):
                     exp.release([exp.export([torch.ones(64)]).lease_id])
-            except BaseException as exc:  # noqa: BLE001 - collected
+            except BaseException as exc:  # collected
                 errors.append(exc)
 
         threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -14,13 +14,12 @@ def make_tensor(shape: Sequence[int], dtype: torch.dtype | str, seed: int, devic
 
     Floats may hold NaN bit patterns: compare with :func:`same_bytes`, never ``torch.equal``. Bools are 0/1.
     """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dt: torch.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shape = tuple(int(d) for d in shape)
     numel = 1
     for d in shape:
         numel *= d
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = torch.empty(0, dtype=dt).element_size()
     nbytes = numel * itemsize
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, 256, (_BLOCK,), dtype=torch.uint8, generator=g)
@@ -30,9 +29,9 @@ def make_tensor(shape: Sequence[int], dtype: torch.dtype | str, seed: int, devic
         salt = torch.arange(blocks, dtype=torch.int64).remainder(251).to(torch.uint8).repeat_interleave(_BLOCK)
         raw.add_(salt)
     raw = raw[:nbytes]
-    if dtype == torch.bool:
+    if dt == torch.bool:
         raw = raw.bitwise_and(1)
-    t = raw.view(dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
+    t = raw.view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt)
     return t.to(device) if device != "cpu" else t
 
 

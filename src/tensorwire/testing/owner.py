@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._stats import ExporterStats
 
 Spec = tuple[Sequence[int], str, int]  # (shape, dtype name, seed) -> tensorwire.testing.make_tensor
 
@@ -70,10 +71,10 @@ def _child(conn: Any, config: RdmaConfig, env: dict[str, str]) -> None:
                 elif cmd == "gc":
                     conn.send(("ok", exp.collect_garbage()))
                 elif cmd == "shrink":
-                    conn.send(("ok", exp._pool.shrink(args[0]) if exp._pool else 0))  # noqa: SLF001 - test hook
+                    conn.send(("ok", exp._pool.shrink(args[0]) if exp._pool else 0))  # test hook
                 elif cmd == "overwrite":
                     # Scribble over a leased slot in place (tests: a reader must never see a new tenant's bytes).
-                    lease = exp._leases[args[0]]  # noqa: SLF001 - test hook
+                    lease = exp._leases[args[0]]  # test hook
                     lease.slot.tensor.fill_(args[1])
                     conn.send(("ok", None))
                 else:
@@ -108,16 +109,19 @@ class OwnerProcess:
         return value
 
     def export(self, specs: Sequence[Spec]) -> tuple[bytes, float]:
-        return self.call("export", list(specs))
+        raw_and_seconds: tuple[bytes, float] = self.call("export", list(specs))
+        return raw_and_seconds
 
     def export_batch(self, groups: Sequence[Sequence[Spec]]) -> list[bytes]:
-        return self.call("export_batch", [list(g) for g in groups])
+        raws: list[bytes] = self.call("export_batch", [list(g) for g in groups])
+        return raws
 
     def release(self, lease_ids: Sequence[str]) -> None:
         self.call("release", list(lease_ids))
 
-    def stats(self) -> dict[str, Any]:
-        return self.call("stats")
+    def stats(self) -> ExporterStats:
+        stats: ExporterStats = self.call("stats")
+        return stats
 
     def idle_cpu(self, seconds: float) -> float:
         """Fraction of one core the owner used while idle for ``seconds``."""
@@ -127,7 +131,7 @@ class OwnerProcess:
 
     def kill(self) -> None:
         if self._proc.is_alive():
-            os.kill(self._proc.pid, signal.SIGKILL)
+            self._proc.kill()  # SIGKILL
         self._proc.join(timeout=10)
 
     @property

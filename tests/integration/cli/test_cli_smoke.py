@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tensorwire.cli.demo import Child
 from tensorwire.encoder import sample_paths
 from tensorwire.rdma import has_rdma
+from tensorwire.service._child import Child
 
 
 def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

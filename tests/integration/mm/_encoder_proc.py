@@ -61,7 +61,7 @@ def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: 
 
         def stats() -> dict[str, Any]:
             exporter = transport._holder.get()
-            return dict(exporter.stats()) if exporter is not None else {}
+            return exporter.stats().as_dict() if exporter is not None else {}
 
         deadline = time.monotonic() + 120
         while not stop.wait(0.01) and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from tensorwire.mm import (
     TransportMetrics,
     serve_encoder,
 )
+from tensorwire.mm._grpc_channel import GrpcControlChannel
 
 G = torch.Generator().manual_seed(1234)
 EMB = torch.randn(9, 16, generator=G).to(torch.bfloat16)
@@ -71,6 +72,11 @@ class Env:
             assert c.wait_ready(5)
         return c
 
+    def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
+        """A client built on a control channel the test holds (to look at its streams and watchdog)."""
+        channel = GrpcControlChannel(address, cfg or TransportConfig(), self.metrics)
+        return self.client(address, cfg, channel=channel, **kw), channel
+
     def names(self) -> list[str]:
         return [e for e, _ in self.events]
 
@@ -89,4 +95,4 @@ def check_output(out) -> None:  # type: ignore[no-untyped-def]
     assert out.split_sizes == [4, 5]
     assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
     assert torch.equal(torch.cat(out.position_ids), POS)
-    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS)) and len(out.extra_inputs) == 2
+    assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS, strict=True)) and len(out.extra_inputs) == 2

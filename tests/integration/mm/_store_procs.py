@@ -15,11 +15,12 @@ import torch
 
 
 def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    from tensorwire.mm import HeldStore, serve_store
+    from tensorwire.mm._store import HeldStore
+    from tensorwire.mm._store_rpc import serve_store
     from tensorwire.rdma import RdmaConfig, TensorExporter
 
     exporter = TensorExporter(RdmaConfig(device=device, slot_gc_timeout_ms=30000))
-    store = HeldStore(exporter)
+    store = HeldStore(exporter, ttl_s=30)
     server = serve_store("127.0.0.1:0", store=store)
     conn.send(server.address)
     while True:
@@ -32,7 +33,7 @@ def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtyp
             store.hold(key, [t])
             conn.send(t.cpu())
         elif msg[0] == "stats":
-            conn.send((store.stats().held_items, exporter.stats()["live_leases"]))
+            conn.send((store.stats().held_items, exporter.stats().live_leases))
         else:
             break
     server.stop(0)
@@ -41,7 +42,8 @@ def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def rank_main(conn: Any, sock: str, device: str) -> None:
-    from tensorwire.mm import StagingArea, serve_store
+    from tensorwire.mm._staging import StagingArea
+    from tensorwire.mm._store_rpc import serve_store
     from tensorwire.rdma import RdmaConfig, TensorReader
 
     if device.startswith("cuda"):
@@ -76,7 +78,7 @@ class StoreProcs:
         self.ranks: list[Any] = []
         self.socks = [str(tmp / f"r{i}.sock") for i in range(len(rank_devices))]
         self.devices = rank_devices
-        for sock, dev in zip(self.socks, rank_devices):
+        for sock, dev in zip(self.socks, rank_devices, strict=True):
             parent, child = ctx.Pipe()
             self.ranks.append(parent)
             self.procs.append(ctx.Process(target=rank_main, args=(child, sock, dev), daemon=True))

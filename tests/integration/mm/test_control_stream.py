@@ -48,8 +48,9 @@ def stream_events(env: Env, event: str, side: str = "llm") -> float:
 
 def same_bits(a: Any, b: Any) -> bool:
     assert a.split_sizes == b.split_sizes and len(a.extra_inputs) == len(b.extra_inputs)
-    pairs = [*zip(a.embeddings, b.embeddings), *zip(a.position_ids or [], b.position_ids or []),
-             *zip(a.extra_inputs, b.extra_inputs)]
+    pairs = [*zip(a.embeddings, b.embeddings, strict=True),
+             *zip(a.position_ids or [], b.position_ids or [], strict=True),
+             *zip(a.extra_inputs, b.extra_inputs, strict=True)]
     return all(x.dtype == y.dtype and x.shape == y.shape and
                torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in pairs)
 
@@ -79,7 +80,7 @@ class Held:
 @pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
 def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str) -> None:
     srv = env.server()
-    on = env.client(srv.address, TransportConfig(mode=mode))  # type: ignore[arg-type]
+    on, on_channel = env.client_with_channel(srv.address, TransportConfig(mode=mode))  # type: ignore[arg-type]
     off = env.client(srv.address, TransportConfig(mode=mode, control_stream=False))  # type: ignore[arg-type]
     plane = Plane.RDMA if mode == "auto" else Plane.INLINE
     for _ in range(3):
@@ -90,7 +91,7 @@ def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str)
     assert rpcs(env, "stream") == 3 and rpcs(env, "unary") == 3
     assert [d["path"] for e, d in env.events if e == "request"] == ["stream", "unary"] * 3
     assert stream_events(env, "opened") == 1  # one stream, reused
-    assert on._streams.open_streams == 1 and srv.service.open_streams == 1
+    assert on_channel.open_streams == 1 and srv.service.open_streams == 1
     assert env.sample("tensorwire_mm_encoder_control_streams") == 1
 
 
@@ -167,14 +168,14 @@ def test_slow_encoder_hits_the_budget_on_the_stream_and_releases_what_it_exporte
 
 def test_server_over_its_stream_cap_serves_the_rest_over_unary(env: Env) -> None:
     srv = env.server(TransportConfig(worker_id="worker-1", server_threads=4, server_stream_cap=1))
-    a, b = env.client(srv.address), env.client(srv.address)
+    a, (b, b_channel) = env.client(srv.address), env.client_with_channel(srv.address)
     check_output(a.fetch(INPUTS))  # a holds the only stream
     check_output(b.fetch(INPUTS))  # b's stream is refused; the same fetch goes over unary
     check_output(b.fetch(INPUTS))  # and b does not ask again for open_seconds
     check_output(a.fetch(INPUTS))
     assert stream_events(env, "refused") == 1 and stream_events(env, "refused", side="encoder") == 1
     assert rpcs(env, "stream") == 2 and rpcs(env, "unary") == 2
-    assert srv.service.open_streams == 1 and b._streams.open_streams == 0
+    assert srv.service.open_streams == 1 and b_channel.open_streams == 0
     wait_for(lambda: not env.fabric.live())  # both release paths released everything
 
 
@@ -290,7 +291,7 @@ def test_sixteen_threads_fetch_at_once_each_getting_its_own_answer(env: Env) -> 
         return EncoderOutput(embeddings=[torch.full((3, 8), tag)], position_ids=torch.full((3, 2), int(tag)))
 
     srv = env.server(TransportConfig(worker_id="worker-1", server_threads=24, server_stream_cap=16), fn=tagged)
-    c = env.client(srv.address, TransportConfig(control_stream_pool=8))
+    c, channel = env.client_with_channel(srv.address, TransportConfig(control_stream_pool=8))
     barrier = threading.Barrier(16)
 
     def run(thread: int) -> int:
@@ -306,7 +307,7 @@ def test_sixteen_threads_fetch_at_once_each_getting_its_own_answer(env: Env) -> 
     with futures.ThreadPoolExecutor(16) as pool:
         assert sorted(pool.map(run, range(16))) == list(range(16))
     assert rpcs(env, "stream") + rpcs(env, "unary") == 320
-    assert rpcs(env, "stream") >= 20 and c._streams.open_streams <= 8
+    assert rpcs(env, "stream") >= 20 and channel.open_streams <= 8
     assert stream_events(env, "opened") <= 8 and stream_events(env, "closed") == 0
     wait_for(lambda: not env.fabric.live())
 
@@ -358,10 +359,10 @@ def test_malformed_stream_messages_get_typed_errors_and_the_server_keeps_serving
 
 def test_close_flushes_and_ends_the_streams_and_leaves_no_thread(env: Env) -> None:
     srv = env.server()
-    c = env.client(srv.address)
+    c, channel = env.client_with_channel(srv.address)
     with futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda _: check_output(c.fetch(INPUTS)), range(16)))
-    assert c._streams.open_streams >= 1 and control_threads()
+    assert channel.open_streams >= 1 and control_threads()
     c.close()
     c.close()  # idempotent
     assert not env.fabric.live()  # nothing left leased: every release reached the encoder
@@ -372,12 +373,11 @@ def test_close_flushes_and_ends_the_streams_and_leaves_no_thread(env: Env) -> No
 
 def test_the_deadline_watchdog_sleeps_through_a_steady_state(env: Env) -> None:
     srv = env.server()
-    c = env.client(srv.address)
+    c, channel = env.client_with_channel(srv.address)
     for _ in range(100):
         c.fetch(INPUTS, timeout_ms=60_000)
-    watchdog = c._streams.watchdog
-    assert watchdog.wakeups == 0  # multi-second budgets: the thread slept through 100 requests
-    assert len(watchdog._heap) <= 2  # answered entries do not pile up
+    assert channel.watchdog.wakeups == 0  # multi-second budgets: the thread slept through 100 requests
+    assert channel.watchdog.pending <= 2  # answered entries do not pile up
 
 
 class EndingContext:

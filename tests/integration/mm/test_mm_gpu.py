@@ -54,7 +54,7 @@ def _encoder(q: Any, stop: Any) -> None:
         q.put((server.port, transport.wait_ready(60)))
         stop.wait(240)
         exporter = transport._holder.get()
-        q.put(dict(exporter.stats()) if exporter is not None else {})
+        q.put(exporter.stats().as_dict() if exporter is not None else {})
     finally:
         server.stop(0)
 

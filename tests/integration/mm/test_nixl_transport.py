@@ -41,7 +41,7 @@ def check(out: Any, seed: int, rows: list[int], cols: int) -> None:
     assert same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
     assert same_bits(torch.cat(out.position_ids), ref.position_ids)  # type: ignore[arg-type]
     assert len(out.extra_inputs) == len(rows)
-    assert all(same_bits(a, b) for a, b in zip(out.extra_inputs, ref.extra_inputs))
+    assert all(same_bits(a, b) for a, b in zip(out.extra_inputs, ref.extra_inputs, strict=True))
 
 
 def client(port: int, cfg: TransportConfig, events: list[str], reg: CollectorRegistry,
@@ -67,7 +67,7 @@ def test_rdma_success_path_over_nixl(stream: bool) -> None:
     release, path = ("release_stream", "stream") if stream else ("release_async", "unary")
     try:
         with client(port, cfg, events, reg) as c:
-            for i in range(3):
+            for _ in range(3):
                 events.clear()
                 out = c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])
                 assert out.plane is Plane.RDMA and out.worker_id == "nixl-w0"

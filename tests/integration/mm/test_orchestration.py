@@ -16,12 +16,29 @@ from _env import INPUTS, Env, check_output, encode_fn, wait_for
 from fakes import FakeExporter, FakeReader, make_read_error
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tensorwire.errors import (DeadlineExceeded, ExportError, InvalidPayload, PeerUnavailable, ProtocolError,
-                               ReadError, ReadTimeout, Reason)
-from tensorwire.mm import (BreakerState, EncoderOutput, MultimodalInput, OutputTransport, Plane,
-                           RemoteOutputTransport, TransportConfig, serve_encoder, wire)
+from tensorwire.errors import (
+    DeadlineExceeded,
+    ExportError,
+    InvalidPayload,
+    PeerUnavailable,
+    ProtocolError,
+    ReadError,
+    ReadTimeout,
+    Reason,
+)
+from tensorwire.mm import (
+    EncoderOutput,
+    MultimodalInput,
+    OutputTransport,
+    Plane,
+    RemoteOutputTransport,
+    TransportConfig,
+    serve_encoder,
+    wire,
+)
+from tensorwire.mm._breaker import BreakerState
 from tensorwire.mm._init import InitState
-from tensorwire.rdma import RdmaConfig
+from tensorwire.rdma import ExporterStats, RdmaConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -365,12 +382,12 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
     import logging
 
     class GcExporter(FakeExporter):
-        def stats(self):  # type: ignore[no-untyped-def]
-            return {"gc_reclaims": 7, "live_leases": 0}
+        def stats(self) -> ExporterStats:
+            return ExporterStats(provider="fake", gc_reclaims=7)
 
     srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
     c = env.client(srv.address)
-    with caplog.at_level(logging.INFO, logger="tensorwire.mm.client"):
+    with caplog.at_level(logging.INFO, logger="tensorwire.mm._client"):
         for _ in range(3):
             assert c.fetch(INPUTS).plane is Plane.RDMA
     hits = [r for r in caplog.records if "[MM-RDMA-HIT]" in r.getMessage()]

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-
 from _store_procs import StoreProcs
 from test_store_processes import fetcher_for, wait_until
+
 from tensorwire.integrations._vllm_ec.params import ItemGrant
-from tensorwire.mm import Expect, new_secret
+from tensorwire.mm._staging import Expect
+from tensorwire.mm._store import new_secret
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 SHAPE = (2880, 4096)  # ~23.6 MB of bf16: a few large images' embeddings
@@ -44,7 +45,7 @@ def test_vram_item_reaches_every_rank_gpu_and_the_lease_ends(procs: StoreProcs) 
         res = fetcher.start(grant, "k", Expect(SHAPE, torch.bfloat16)).result(timeout=120)
         elapsed = time.perf_counter() - t0
         assert res.ok and res.plane == "rdma", res
-        for r, dev in zip(procs.ranks, procs.devices):
+        for r, dev in zip(procs.ranks, procs.devices, strict=True):
             where, got = procs.ask(r, "get", "k")
             assert where == dev and torch.equal(got, want)
         wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds the item")

@@ -6,7 +6,7 @@ test_nixl_transport.py.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def transport() -> Iterator[OutputTransport]:
 def live(t: OutputTransport) -> int:
     exporter = t._holder.get()
     assert exporter is not None
-    return int(exporter.stats()["live_leases"])
+    return exporter.stats().live_leases
 
 
 def fill(b: OutputBuffers) -> OutputBuffers:

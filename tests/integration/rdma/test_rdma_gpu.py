@@ -56,11 +56,11 @@ def test_vram_export_read_release_bytes(owner: OwnerProcess, reader: TensorReade
     d = Descriptor.from_bytes(raw)
     assert d.mem_type == "VRAM"
     out = reader.read([d])
-    for t, (shape, dt, seed) in zip(out, specs):
+    for t, (shape, dt, seed) in zip(out, specs, strict=True):
         assert t.device == torch.device(reader.config.device)
         assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
     owner.release([d.lease_id])
-    assert owner.stats()["live_leases"] == 0
+    assert owner.stats().live_leases == 0
 
 
 def test_transport_is_cuda_ipc_not_tcp(owner: OwnerProcess, reader: TensorReader) -> None:
@@ -131,9 +131,9 @@ def test_vram_stale_generation_and_gc(gpu_cfgs: tuple[RdmaConfig, RdmaConfig], r
             reader.read([old])
         assert info.value.reason is Reason.STALE_GENERATION
         end = time.monotonic() + 20
-        while own.stats()["live_leases"] and time.monotonic() < end:
+        while own.stats().live_leases and time.monotonic() < end:
             time.sleep(0.1)
-        assert own.stats()["gc_reclaims"] >= 1
+        assert own.stats().gc_reclaims >= 1
         with pytest.raises(LeaseExpired):
             reader.read([new])
 
@@ -146,7 +146,7 @@ def test_vram_pool_shrink_and_exhaustion(gpu_cfgs: tuple[RdmaConfig, RdmaConfig]
         exp.release([d.lease_id for d in small])
         big = exp.export([torch.ones(64 * MIB, dtype=torch.uint8, device=dev)])
         st = exp.stats()
-        assert st["shrinks"] >= 1 and st["idle_slots"] == 0 and st["busy_slots"] == 1
+        assert st.pool.shrinks >= 1 and st.pool.idle_slots == 0 and st.pool.busy_slots == 1
         with pytest.raises(PoolExhausted):
             exp.export([torch.ones(1, dtype=torch.uint8, device=dev)])
         exp.release([big.lease_id])
@@ -158,7 +158,7 @@ def test_host_owner_gpu_reader(reader: TensorReader) -> None:
     with OwnerProcess(host_cfg, env=ENV) as own:
         specs = [((1000, 33), "bfloat16", 3), ((5 * MIB,), "uint8", 4)]
         out = reader.read([own.export(specs)[0]])
-        for t, (shape, dt, seed) in zip(out, specs):
+        for t, (shape, dt, seed) in zip(out, specs, strict=True):
             assert t.device == torch.device(reader.config.device)
             assert same_bytes(t.cpu(), make_tensor(shape, dt, seed))
 
@@ -169,7 +169,7 @@ def test_gpu_owner_host_reader(owner: OwnerProcess) -> None:
         specs = [((1000, 33), "float16", 5), ((5 * MIB,), "uint8", 6)]
         raw, _ = owner.export(specs)
         out = rd.read([raw])
-        for t, (shape, dt, seed) in zip(out, specs):
+        for t, (shape, dt, seed) in zip(out, specs, strict=True):
             assert t.device.type == "cpu"
             assert same_bytes(t, make_tensor(shape, dt, seed))
         owner.release([Descriptor.from_bytes(raw).lease_id])
@@ -183,15 +183,15 @@ def test_large_vram_reads_are_loaned_and_come_back(owner: OwnerProcess, reader: 
     specs = [((8 * MIB,), "uint8", 11)]
     raw, _ = owner.export(specs)
     d = Descriptor.from_bytes(raw)
-    before = reader.stats()["loaned_slots"]
+    before = reader.stats().loans.busy_slots
     (t,) = reader.read([d])
-    assert reader.stats()["loaned_slots"] == before + 1
+    assert reader.stats().loans.busy_slots == before + 1
     assert t.device == torch.device(reader.config.device)
     assert same_bytes(t.cpu(), make_tensor((8 * MIB,), "uint8", 11))
     owner.release([d.lease_id])
     del t
     gc.collect()
-    assert reader.stats()["loaned_slots"] == before
+    assert reader.stats().loans.busy_slots == before
     raw2, _ = owner.export([((8 * MIB,), "uint8", 12)])
     (t2,) = reader.read([raw2])
     assert same_bytes(t2.cpu(), make_tensor((8 * MIB,), "uint8", 12))

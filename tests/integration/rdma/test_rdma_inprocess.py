@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from _nixl_stats import nixl_stats
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, PoolExhausted, ReadError, ReadTimeout, Reason
 from tensorwire.rdma import SUPPORTED_DTYPES, Descriptor, RdmaConfig, TensorExporter, TensorReader
@@ -39,7 +40,7 @@ def test_every_dtype_round_trips_byte_for_byte(exporter: TensorExporter, reader:
     assert all(m.offset % CFG.slot_align == 0 for m in d.manifest)
     out = reader.read([Descriptor.from_bytes(d.to_bytes())])
     assert len(out) == len(inputs)
-    for a, b in zip(inputs, out):
+    for a, b in zip(inputs, out, strict=True):
         assert same_bytes(a, b)
 
 
@@ -64,7 +65,7 @@ def test_flattened_in_descriptor_then_manifest_order(exporter: TensorExporter, r
     descs = exporter.export_batch(groups)
     out = reader.read(descs)
     assert len(out) == 9
-    for got, want in zip(out, [t for g in groups for t in g]):
+    for got, want in zip(out, [t for g in groups for t in g], strict=True):
         assert same_bytes(got, want)
 
 
@@ -82,14 +83,14 @@ def test_results_outlive_lease_and_reader(exporter: TensorExporter) -> None:
 
 def test_loaned_buffers_return_when_results_die(exporter: TensorExporter, reader: TensorReader) -> None:
     d = exporter.export([make_tensor((6 << 20,), "uint8", seed=5)])
-    before = reader.stats()["loaned_slots"]
+    before = reader.stats().loans.busy_slots
     out = reader.read([d])
-    assert reader.stats()["loaned_slots"] == before + 1
+    assert reader.stats().loans.busy_slots == before + 1
     del out
-    assert reader.stats()["loaned_slots"] == before
-    allocs = reader.stats()["loan_pool_bytes"]
+    assert reader.stats().loans.busy_slots == before
+    allocs = reader.stats().loans.pool_bytes
     reader.read([d])
-    assert reader.stats()["loan_pool_bytes"] == allocs  # reused, not reallocated
+    assert reader.stats().loans.pool_bytes == allocs  # reused, not reallocated
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,7 @@ def test_bad_inputs_are_rejected_with_a_reason(exporter: TensorExporter, tensors
     with pytest.raises(ExportError) as info:
         exporter.export(tensors)
     assert info.value.reason is reason
-    assert exporter.stats()["live_leases"] == 0
+    assert exporter.stats().live_leases == 0
 
 
 def test_wrong_device_rejected(exporter: TensorExporter) -> None:
@@ -130,12 +131,13 @@ def test_batch_rolls_back_when_the_middle_group_fails(exporter: TensorExporter) 
     with pytest.raises(ExportError):
         exporter.export_batch(groups)
     st = exporter.stats()
-    assert st["live_leases"] == 0 and st["busy_slots"] == 0 and st["batch_rollbacks"] == 1
+    assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.batch_rollbacks == 1
 
 
-def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls = {"n": 0}
-    original = exporter._copy_in  # noqa: SLF001
+    original = exporter._copy_in
 
     def flaky(lease, inputs):  # type: ignore[no-untyped-def]
         calls["n"] += 1
@@ -147,7 +149,7 @@ def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter,
     with pytest.raises(KeyboardInterrupt):
         exporter.export_batch([[torch.ones(4)], [torch.ones(4)], [torch.ones(4)]])
     st = exporter.stats()
-    assert st["live_leases"] == 0 and st["busy_slots"] == 0 and st["releases"] == 1
+    assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.releases == 1
 
 
 def test_release_is_idempotent_and_counts_unknown(exporter: TensorExporter) -> None:
@@ -156,7 +158,7 @@ def test_release_is_idempotent_and_counts_unknown(exporter: TensorExporter) -> N
     exporter.release([d.lease_id, "never-issued"])
     exporter.release(d.lease_id)  # a bare string is one id, not characters
     st = exporter.stats()
-    assert st["releases"] == 1 and st["unknown_releases"] == 3 and st["live_leases"] == 0
+    assert st.releases == 1 and st.unknown_releases == 3 and st.live_leases == 0
 
 
 def test_lease_ids_are_unique(exporter: TensorExporter) -> None:
@@ -181,14 +183,14 @@ def test_gc_reclaims_unreleased_leases(reader: TensorReader) -> None:
     with TensorExporter(CFG.replace(slot_gc_timeout_ms=200)) as exp:
         d = exp.export([torch.ones(64)])
         end = time.monotonic() + 10
-        while exp.stats()["gc_reclaims"] == 0 and time.monotonic() < end:
+        while exp.stats().gc_reclaims == 0 and time.monotonic() < end:
             time.sleep(0.05)
         st = exp.stats()
-        assert st["gc_reclaims"] == 1 and st["live_leases"] == 0 and st["busy_slots"] == 0
+        assert st.gc_reclaims == 1 and st.live_leases == 0 and st.pool.busy_slots == 0
         with pytest.raises(LeaseExpired):
             reader.read([d])
         exp.release([d.lease_id])
-        assert exp.stats()["unknown_releases"] == 1
+        assert exp.stats().unknown_releases == 1
 
 
 def test_shrink_sequence_and_pool_exhausted_through_the_exporter() -> None:
@@ -197,14 +199,14 @@ def test_shrink_sequence_and_pool_exhausted_through_the_exporter() -> None:
         small = [exp.export([torch.zeros(16 << 10, dtype=torch.uint8)]) for _ in range(8)]  # 128 KiB
         exp.release([d.lease_id for d in small])
         held = exp.export([torch.zeros(128 << 10, dtype=torch.uint8)])  # fits beside the idle ones
-        assert exp.stats()["shrinks"] == 0
+        assert exp.stats().pool.shrinks == 0
         exp.release([held.lease_id])
         big = exp.export([torch.zeros(256 << 10, dtype=torch.uint8)])  # needs every idle slot gone
         st = exp.stats()
-        assert st["shrinks"] == 2 and st["idle_slots"] == 0
+        assert st.pool.shrinks == 2 and st.pool.idle_slots == 0
         with pytest.raises(PoolExhausted):
             exp.export([torch.zeros(1, dtype=torch.uint8)])
-        assert exp.stats()["pool_exhausted"] == 1
+        assert exp.stats().pool.pool_exhausted == 1
         with TensorReader(cfg) as rd:  # the busy slot was never touched
             assert rd.read([big])[0].shape == (256 << 10,)
 
@@ -234,7 +236,7 @@ def test_concurrent_reads_from_threads(exporter: TensorExporter, reader: TensorR
             for r in range(20):
                 i = (k + r) % len(descs)
                 assert same_bytes(reader.read([descs[i]])[0], inputs[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -290,7 +292,7 @@ def test_read_timeout_zero(exporter: TensorExporter, reader: TensorReader) -> No
 def test_transport_is_reported(exporter: TensorExporter, reader: TensorReader) -> None:
     d = exporter.export([torch.ones(1)])
     reader.read([d])
-    assert reader.stats()["transport"] != ""
+    assert reader.stats().provider_stats.transport != ""
     # On this CPU machine UCX reads host memory with CMA; elsewhere it may differ, but it must be detected.
     assert reader.transport(d) != "unknown"
 
@@ -341,11 +343,11 @@ def test_idle_owners_are_forgotten(exporter: TensorExporter) -> None:
         da, db = exporter.export([torch.ones(4)]), other.export([torch.full((4,), 2.0)])
         rd.read([da])
         rd.read([db])
-        assert rd.stats()["known_owners"] == 2
+        assert nixl_stats(rd).known_owners == 2
         time.sleep(0.8)  # both idle past 2 x 150 ms; the next read sweeps (every <= 0.3 s)
         rd.read([db])
-        st = rd.stats()
-        assert st["known_owners"] == 1 and st["idle_owners_forgotten"] == 1
-        fetches = st["metadata_fetches"]
+        st = nixl_stats(rd)
+        assert st.known_owners == 1 and st.idle_owners_forgotten == 1
+        fetches = st.metadata_fetches
         assert torch.equal(rd.read([da])[0], torch.ones(4))
-        assert rd.stats()["metadata_fetches"] == fetches + 1
+        assert nixl_stats(rd).metadata_fetches == fetches + 1

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from _nixl_stats import nixl_stats
 
 from tensorwire.errors import ExportError, LeaseExpired, ReadError, Reason
 from tensorwire.rdma import SUPPORTED_DTYPES, Descriptor, RdmaConfig, TensorReader
@@ -52,12 +53,12 @@ def test_every_dtype_byte_for_byte(owner: OwnerProcess, reader: TensorReader) ->
     raw, _ = owner.export(specs)
     out = reader.read([raw])
     assert [t.dtype for t in out] == list(SUPPORTED_DTYPES)
-    for t, (shape, dt, seed) in zip(out, specs):
+    for t, (shape, dt, seed) in zip(out, specs, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed)), dt
     # Large multi-tensor payload (loaned-buffer path) keeps manifest order and offsets.
     big = [((3 * MIB + 17,), "uint8", 1), ((1000, 1000), "bfloat16", 2), ((5,), "int64", 3)]
     out = reader.read([owner.export(big)[0]])
-    for t, (shape, dt, seed) in zip(out, big):
+    for t, (shape, dt, seed) in zip(out, big, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed))
 
 
@@ -73,7 +74,7 @@ def test_concurrent_reads_from_threads(owner: OwnerProcess, reader: TensorReader
                 (t,) = reader.read([raws[i]])
                 shape, dt, seed = specs[i][0]
                 assert same_bytes(t, make_tensor(shape, dt, seed))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:  # reported below
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -105,8 +106,8 @@ def test_export_batch_rollback_in_the_owner(owner: OwnerProcess) -> None:
         owner.export_batch([[((8,), "float32", 1)], [((8,), "complex64", 2)], [((8,), "float32", 3)]])
     assert info.value.reason is Reason.UNSUPPORTED_DTYPE
     after = owner.stats()
-    assert after["live_leases"] == before["live_leases"]
-    assert after["batch_rollbacks"] == before["batch_rollbacks"] + 1
+    assert after.live_leases == before.live_leases
+    assert after.batch_rollbacks == before.batch_rollbacks + 1
 
 
 def test_owner_killed_before_first_contact(reader: TensorReader) -> None:
@@ -166,10 +167,10 @@ def test_reader_killed_mid_read_leaks_nothing_on_the_owner() -> None:
                 proc.join(timeout=10)
         # The reader never released: only the GC can end the lease (gc_reclaims == 1 below proves it did).
         end = time.monotonic() + 20
-        while own.stats()["live_leases"] and time.monotonic() < end:
+        while own.stats().live_leases and time.monotonic() < end:
             time.sleep(0.1)
         st = own.stats()
-        assert st["live_leases"] == 0 and st["busy_slots"] == 0 and st["gc_reclaims"] == 1
+        assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.gc_reclaims == 1
         # The owner keeps serving other readers.
         raw2, _ = own.export([((1000,), "float64", 4)])
         with TensorReader(cfg) as rd:
@@ -184,7 +185,7 @@ def test_idle_owner_uses_little_cpu(owner: OwnerProcess) -> None:
 def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reader: TensorReader) -> None:
     """Completed READ requests are posted again for recurring (slot, slot) pairs: each read must still fetch the
     slot's current bytes, and a stale descriptor must still fail its generation check."""
-    before = reader.stats()
+    before = nixl_stats(reader)
     seen_slots = set()
     stale = None
     for seed in range(6):
@@ -196,8 +197,8 @@ def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reade
         owner.release([d.lease_id])
         stale = d
     assert len(seen_slots) < 6  # the owner's pool reused a slot, so some requests recurred
-    after = reader.stats()
-    assert after["xfer_reposts"] > before["xfer_reposts"]
+    after = nixl_stats(reader)
+    assert after.xfer_reposts > before.xfer_reposts
     assert stale is not None
     with pytest.raises(LeaseExpired):
         reader.read([stale])
@@ -208,13 +209,13 @@ def test_batched_read_uses_one_payload_and_one_generation_transfer(owner: OwnerP
     raws = owner.export_batch(specs)
 
     def transfers() -> int:
-        s = reader.stats()
-        return int(s["xfer_reposts"]) + int(s["xfer_preps"])
+        s = nixl_stats(reader)
+        return s.xfer_reposts + s.xfer_preps
 
     before = transfers()
     out = reader.read(raws)
     assert transfers() - before == 2  # five descriptors, one owner: one payload READ, then one generation READ
-    for t, [(shape, dt, seed)] in zip(out, specs):
+    for t, [(shape, dt, seed)] in zip(out, specs, strict=True):
         assert same_bytes(t, make_tensor(shape, dt, seed))
     # One stale descriptor fails the whole batch, and nothing of the batch stays borrowed.
     owner.release([Descriptor.from_bytes(raws[2]).lease_id])
@@ -222,5 +223,5 @@ def test_batched_read_uses_one_payload_and_one_generation_transfer(owner: OwnerP
     with pytest.raises(LeaseExpired):
         reader.read(raws)
     stats = reader.stats()
-    assert stats["buffer_busy_slots"] == 0 and stats["loaned_slots"] == 0
+    assert stats.buffers.busy_slots == 0 and stats.loans.busy_slots == 0
     owner.release([Descriptor.from_bytes(r).lease_id for r in raws])

@@ -9,10 +9,10 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tensorwire.cli.demo import Child
 from tensorwire.encoder import BuiltinEncoder, sample_paths
 from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for
 from tensorwire.rdma import has_rdma
+from tensorwire.service._child import Child
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
 

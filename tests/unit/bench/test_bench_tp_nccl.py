@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_latency_is_to_the_last_reader() -> None:
 def test_round_marker_is_never_zero_and_changes_every_round() -> None:
     marks = [tp_nccl.round_marker(c) for c in range(1, 2000)]
     assert 0 not in marks and all(0 < m < 256 for m in marks)
-    assert all(a != b for a, b in zip(marks, marks[1:]))
+    assert all(a != b for a, b in itertools.pairwise(marks))
 
 
 def test_summarize_median_and_p99() -> None:

@@ -1,4 +1,4 @@
-"""``python -m tensorwire.bench transfer`` argument handling and stage accounting (the runs themselves are benchmarks)."""
+"""``python -m tensorwire.bench transfer``: argument handling and stage accounting (the runs are benchmarks)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ def test_encode_shapes_positions_and_determinism(encoder: BuiltinEncoder) -> Non
     data = [p.read_bytes() for p in sample_paths()]
     out = encoder.encode(data)
     assert len(out) == len(data)
-    for item, raw in zip(out, data):
+    for item, raw in zip(out, data, strict=True):
         with Image.open(io.BytesIO(raw)) as im:
             w, h = im.size
         rows, cols = item.grid

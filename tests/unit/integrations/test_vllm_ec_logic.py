@@ -11,9 +11,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,18 +22,20 @@ from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mm"))
 
-from fakes import FakeExporter, FakeFabric, FakeReader  # noqa: E402
+from fakes import FakeExporter, FakeFabric, FakeReader
 
-from tensorwire.errors import ConfigError, InvalidPayload, Reason  # noqa: E402
-from tensorwire.integrations._vllm_ec.config import ECConfig  # noqa: E402
-from tensorwire.integrations._vllm_ec.consumer import ConsumerScheduler, ConsumerWorker  # noqa: E402
-from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RankCountdown  # noqa: E402
-from tensorwire.integrations._vllm_ec.metrics import ECMetrics  # noqa: E402
-from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for, parse_params  # noqa: E402
-from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerWorker  # noqa: E402
-from tensorwire.integrations._vllm_ec.version import check_version  # noqa: E402
-from tensorwire.mm import HeldStore, StagingArea, new_secret, serve_store  # noqa: E402
-from tensorwire.rdma import RdmaConfig  # noqa: E402
+from tensorwire.errors import ConfigError, InvalidPayload, Reason
+from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.integrations._vllm_ec.consumer import ConsumerScheduler, ConsumerWorker
+from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RankCountdown
+from tensorwire.integrations._vllm_ec.metrics import ECMetrics
+from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for, parse_params
+from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerWorker
+from tensorwire.integrations._vllm_ec.version import check_version
+from tensorwire.mm._staging import StagingArea
+from tensorwire.mm._store import HeldStore, new_secret
+from tensorwire.mm._store_rpc import serve_store
+from tensorwire.rdma import RdmaConfig
 
 ROWS, WIDTH = 4, 8
 
@@ -91,9 +94,9 @@ def test_connector_module_fails_clearly_without_vllm() -> None:
     if spec is not None and spec.origin not in (None, "namespace"):  # tests/vllm is a namespace package here
         pytest.skip("vLLM is installed here")
     with pytest.raises(ImportError, match="needs vLLM >=0.32.0,<0.33.0"):
-        import tensorwire.integrations.vllm  # noqa: F401
+        import tensorwire.integrations.vllm
     import tensorwire
-    import tensorwire.integrations._vllm_ec.consumer  # noqa: F401  (the logic never needs vLLM)
+    import tensorwire.integrations._vllm_ec.consumer
 
     assert tensorwire.__version__
 
@@ -187,8 +190,8 @@ def _rig(cfg: ECConfig | None = None, ranks: int = 1, reader: Callable[[FakeFabr
     server = serve_store("127.0.0.1:0", store=store)
     producer = ProducerScheduler(lambda: server.address, metrics, dtype=torch.float32, width=lambda m: WIDTH,
                                  ttl_ms=60000)
-    areas = [StagingArea((lambda: reader(fabric)) if reader else (lambda: FakeReader(fabric, RdmaConfig(provider="none"))))
-             for _ in range(ranks)]
+    make = reader or (lambda fabric: FakeReader(fabric, RdmaConfig(provider="none")))
+    areas = [StagingArea(lambda: make(fabric)) for _ in range(ranks)]
     fetcher = Fetcher(cfg, [LocalStager(a, f"rank{i}") for i, a in enumerate(areas)], metrics)
     consumer = ConsumerScheduler(cfg, fetcher, metrics, has_media=lambda f: f.data is not None,
                                  retire_grace_s=retire_grace_s)

@@ -2,7 +2,9 @@
 
 It mints real ``tensorwire.rdma.Descriptor`` objects (so the real wire form and validation run) but keeps the
 bytes in a process-local table instead of registered memory; it claims nothing about NIXL. Failure knobs let a
-test make export or read fail in a chosen way.
+test make export or read fail in a chosen way. Both implement the whole ``tensorwire.rdma.Exporter`` /
+``Reader`` protocol; the exporter has no registered slots to write into, so ``allocate`` raises as a real
+exporter does when it cannot allocate (callers then take the copy path).
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from tensorwire.errors import ExportError, LeaseExpired, ReadError, Reason
-from tensorwire.rdma import Descriptor, Owner, RdmaConfig
+from tensorwire.rdma import Descriptor, ExporterStats, Lease, Owner, RdmaConfig, ReaderStats
 from tensorwire.rdma._descriptor import layout
 
 
@@ -74,8 +77,17 @@ class FakeExporter:
                 if self.fabric.slots.pop(lid, None) is not None:
                     self.fabric.released.append(lid)
 
-    def stats(self) -> dict[str, Any]:
-        return {"gc_reclaims": 0, "live_leases": len(self.fabric.slots)}
+    def allocate(
+        self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]
+    ) -> tuple[Lease, list[torch.Tensor]]:
+        raise ExportError("the fake exporter has no registered slots to allocate", reason=Reason.PROVIDER_UNAVAILABLE)
+
+    def export_allocated(self, lease: Lease) -> Descriptor:
+        raise ExportError(f"lease {lease.lease_id} is not from this exporter", reason=Reason.LEASE_EXPIRED)
+
+    def stats(self) -> ExporterStats:
+        with self.fabric.lock:
+            return ExporterStats(provider="fake", live_leases=len(self.fabric.slots))
 
     def close(self) -> None:
         self.closed = True
@@ -100,6 +112,12 @@ class FakeReader:
         if self.fabric.read_hook is not None:
             out = self.fabric.read_hook(out)
         return out
+
+    def transport(self, descriptor: Descriptor | None = None) -> str:
+        return "unknown"
+
+    def stats(self) -> ReaderStats:
+        return ReaderStats(provider="fake", reads=len(self.fabric.reads))
 
     def close(self) -> None:
         pass

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from tensorwire.mm import BreakerBoard, BreakerState, TransportMetrics
+from tensorwire.mm import TransportMetrics
+from tensorwire.mm._breaker import BreakerBoard, BreakerState
 
 
 class Clock:

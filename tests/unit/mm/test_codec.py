@@ -16,7 +16,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", [(), (0,), (3,), (2, 5), (4, 0, 3), (2, 3, 4)])
 def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(1)
-    src = (torch.randn(shape, generator=g) * 50).to(dtype) if dtype != torch.bool else torch.rand(shape, generator=g) > 0.5
+    if dtype == torch.bool:
+        src = torch.rand(shape, generator=g) > 0.5
+    else:
+        src = (torch.randn(shape, generator=g) * 50).to(dtype)
     msg = pb.Tensor.FromString(_codec.encode_tensor(src).SerializeToString())
     out = _codec.decode_tensor(msg)
     assert out.dtype == dtype and tuple(out.shape) == shape

@@ -6,7 +6,7 @@ import pytest
 
 from tensorwire.errors import ConfigError
 from tensorwire.mm import MODES, TransportConfig
-from tensorwire.mm.config import fields_for_cli
+from tensorwire.mm._config import fields_for_cli
 from tensorwire.rdma import RdmaConfig
 
 

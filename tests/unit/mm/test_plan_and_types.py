@@ -5,8 +5,8 @@ import torch
 
 from tensorwire.errors import ExportError, InvalidPayload, Reason
 from tensorwire.mm import EncoderOutput
+from tensorwire.mm._encoder_side import plan_slots
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm.encoder_side import plan_slots
 
 
 def footprint(tensors: list[torch.Tensor], align: int) -> int:
@@ -26,7 +26,7 @@ def test_plan_splits_whole_rows_under_the_cap(rows: int, cols: int, max_slot: in
     n_emb = flat_roles.count(pb.EMBEDDING)
     # embedding chunks first, in row order, then POS_ID, then extras in order
     assert flat_roles == [pb.EMBEDDING] * n_emb + [pb.POS_ID, pb.EXTRA_INPUT, pb.EXTRA_INPUT]
-    chunks = [t for ts, rs in groups for t, r in zip(ts, rs) if r == pb.EMBEDDING]
+    chunks = [t for ts, rs in groups for t, r in zip(ts, rs, strict=True) if r == pb.EMBEDDING]
     assert torch.equal(torch.cat(chunks), emb)
     assert all(c.is_contiguous() for c in chunks)
 

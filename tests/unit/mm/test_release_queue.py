@@ -7,7 +7,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import PeerUnavailable
-from tensorwire.mm import ReleaseQueue, TransportMetrics
+from tensorwire.mm import TransportMetrics
+from tensorwire.mm._release import ReleaseQueue
 
 
 class Sender:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fakes import FakeExporter, FakeFabric, FakeReader
+
 from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm import Expect, HeldStore, StagingArea, new_secret
+from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm._store import HeldStore, new_secret
 from tensorwire.mm._store_rpc import receipt_for
 from tensorwire.rdma import RdmaConfig
 

@@ -10,8 +10,17 @@ import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import tensorwire.mm as mm
-from tensorwire.errors import (ConfigError, ControlPlaneError, DeadlineExceeded, InvalidPayload, LeaseExpired,
-                               PeerUnavailable, PoolExhausted, ProtocolError, Reason)
+from tensorwire.errors import (
+    ConfigError,
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    LeaseExpired,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+)
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 
@@ -188,3 +197,11 @@ def test_old_peers_interoperate_inline() -> None:
     new_resp.encoder_stage_us["encode"] = 5
     back = LegacyResponse.FromString(new_resp.SerializeToString())
     assert list(back.split_sizes) == [1, 2] and back.embedding.data == old_resp.embedding.data
+
+
+def test_rpc_budget_formula_is_the_one_the_client_and_the_proxy_use() -> None:
+    budget = lambda ts: wire.rpc_budget_ms(ts, worker_timeout_ms=1_000, margin_ms=50)  # noqa: E731
+    assert budget([]) == 1_050  # no items: the worker default
+    assert budget([0, -5]) == 1_050  # <= 0: the worker default
+    assert budget([0, 3_000, 200]) == 3_050  # the largest item budget wins
+    assert budget([200]) == 250  # an item may ask for less than the default

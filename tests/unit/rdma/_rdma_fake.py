@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tensorwire.errors import ReadTimeout, Reason
 from tensorwire.rdma import Owner, RdmaConfig
-from tensorwire.rdma.providers.base import PendingTransfer, Provider, Range, Registration
+from tensorwire.rdma.providers.base import PendingTransfer, Provider, ProviderStats, Range, Registration
 
 
 class FakePending(PendingTransfer):
@@ -21,6 +22,11 @@ class FakePending(PendingTransfer):
 
     def abandon(self) -> None:
         self.abandoned = True
+
+
+@dataclass
+class FakeStats(ProviderStats):
+    live_registrations: int = 0
 
 
 class FakeProvider(Provider):
@@ -69,12 +75,12 @@ class FakeProvider(Provider):
             err = ReadTimeout("fake hang", reason=Reason.READ_TIMEOUT)
             err.pending = pending  # type: ignore[attr-defined]
             raise err
-        for (laddr, n, _), (raddr, rn, _) in zip(local, remote):
+        for (laddr, n, _), (raddr, rn, _) in zip(local, remote, strict=True):
             assert n == rn
             ctypes.memmove(laddr, raddr, n)
 
     def close(self) -> None:
         self.events.append(("close", 0, 0))
 
-    def stats(self) -> dict[str, Any]:
-        return {"live_registrations": len(self.live)}
+    def stats(self) -> FakeStats:
+        return FakeStats(transport=self.transport(), live_registrations=len(self.live))

@@ -54,7 +54,8 @@ def test_round_trip_every_dtype() -> None:
     assert Descriptor.from_bytes(d.to_bytes()).manifest == tuple(entries)
 
 
-def m(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, offset: int = 0, nbytes: int | None = None) -> TensorMeta:
+def m(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, offset: int = 0,
+      nbytes: int | None = None) -> TensorMeta:
     if nbytes is None:
         n = torch.empty(0, dtype=dtype).element_size()
         for s in shape:
@@ -91,7 +92,8 @@ CASES = [
     ("misaligned offset", {"manifest": (m((2,), offset=100),)}, Reason.MISALIGNED_OFFSET),
     ("past payload", {"manifest": (m((2 * ALIGN,), torch.uint8, offset=2 * ALIGN),)}, Reason.OUT_OF_BOUNDS),
     ("offset past payload", {"manifest": (m((0,), offset=4 * ALIGN),)}, Reason.OUT_OF_BOUNDS),
-    ("overlap", {"manifest": (m((2 * ALIGN,), torch.uint8, 0), m((8,), torch.uint8, ALIGN))}, Reason.OVERLAPPING_TENSORS),
+    ("overlap", {"manifest": (m((2 * ALIGN,), torch.uint8, 0), m((8,), torch.uint8, ALIGN))},
+     Reason.OVERLAPPING_TENSORS),
     ("dim not int", {"manifest": (TensorMeta((2.0,), torch.float32, 0, 8),)}, Reason.DESCRIPTOR_MALFORMED),  # type: ignore[arg-type]
 ]
 
@@ -203,7 +205,7 @@ def test_views_match_slicing_for_every_dtype_and_offset(typed):
     buf = torch.arange(payload + 64, dtype=torch.int64).to(torch.uint8)[:payload]
     for _ in range(2):  # the second pass goes through the cached reinterpretations
         got = views(buf, manifest, typed)
-        for t, m in zip(got, manifest):
+        for t, m in zip(got, manifest, strict=True):
             want = buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
             assert t.shape == want.shape and t.dtype == want.dtype and t.data_ptr() == want.data_ptr()
             assert t.is_contiguous()

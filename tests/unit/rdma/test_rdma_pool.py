@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from _rdma_fake import FakeProvider
 
 from tensorwire.errors import ExportError, PoolExhausted, Reason
 from tensorwire.rdma import RdmaConfig
 from tensorwire.rdma._pool import MIN_BUCKET_BYTES, GenerationTable, SlotPool, bucket_bytes
-
-from _rdma_fake import FakeProvider
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -39,7 +38,7 @@ def test_release_keeps_registration_and_reuses() -> None:
     assert again is s
     assert len(prov.events) == registered  # no deregister/register on reuse
     st = pool.stats()
-    assert st["slot_reuses"] == 1 and st["busy_slots"] == 1 and st["pool_bytes"] == 8192
+    assert st.slot_reuses == 1 and st.busy_slots == 1 and st.pool_bytes == 8192
 
 
 def test_generation_bumps_on_release_and_never_repeats() -> None:
@@ -64,21 +63,21 @@ def test_cap_triggers_shrink_half_then_all_then_exhausted() -> None:
     small = [pool.acquire(4 * KIB) for _ in range(8)]  # 32 KiB in 8 slots
     for s in small:
         pool.release(s)
-    assert pool.stats()["idle_slots"] == 8
+    assert pool.stats().idle_slots == 8
     big = pool.acquire(32 * KIB)  # 32 + 32 = cap: fits without shrinking
-    assert pool.stats()["shrinks"] == 0
+    assert pool.stats().shrinks == 0
     pool.release(big)
     # 64 KiB needs everything idle gone: the 50% shrink is not enough, the full shrink is.
     huge = pool.acquire(64 * KIB)
     st = pool.stats()
-    assert st["shrinks"] == 2 and st["idle_slots"] == 0 and st["pool_bytes"] == 64 * KIB
+    assert st.shrinks == 2 and st.idle_slots == 0 and st.pool_bytes == 64 * KIB
     assert huge.busy
     with pytest.raises(PoolExhausted) as info:
         pool.acquire(4 * KIB)
     assert info.value.reason is Reason.POOL_EXHAUSTED
     assert "pool_cap_bytes" in str(info.value)
     assert huge.busy and huge.tensor.numel() == 64 * KIB  # the busy slot was never touched
-    assert pool.stats()["pool_exhausted"] == 1
+    assert pool.stats().pool_exhausted == 1
 
 
 def test_a_shrunk_slot_keeps_no_reference_to_its_memory() -> None:
@@ -103,7 +102,7 @@ def test_half_shrink_suffices_when_it_can() -> None:
         pool.release(s)  # 4 idle x 8 KiB, 4 busy x 8 KiB: full
     pool.acquire(16 * KIB)  # needs 16 KiB: shrinking half of the idle (2 slots) is enough
     st = pool.stats()
-    assert st["shrinks"] == 1 and st["shrunk_slots"] == 2 and st["idle_slots"] == 2
+    assert st.shrinks == 1 and st.shrunk_slots == 2 and st.idle_slots == 2
     assert all(s.busy for s in slots[4:])
 
 
@@ -117,7 +116,7 @@ def test_registration_failure_is_export_error_and_rolls_back() -> None:
     with pytest.raises(ExportError) as info:
         pool.acquire(100)
     assert info.value.reason is Reason.REGISTRATION_FAILED
-    assert pool.stats()["pool_bytes"] == 0
+    assert pool.stats().pool_bytes == 0
 
 
 def test_close_deregisters_everything() -> None:

@@ -7,7 +7,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -71,9 +71,9 @@ def server() -> _metadata.MetadataServer:
 def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
     assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2) == (5, b"md-bytes")
     end = time.monotonic() + 2  # counted by the handler thread just after it answered
-    while server.served != 1 and time.monotonic() < end:
+    while server.stats().served != 1 and time.monotonic() < end:
         time.sleep(0.01)
-    assert server.served == 1
+    assert server.stats().served == 1
 
 
 def test_wrong_agent_is_refused(server: _metadata.MetadataServer) -> None:

@@ -1,31 +1,70 @@
 from __future__ import annotations
 
+import importlib
+import inspect
 import pickle
+import pkgutil
 
 import pytest
 
 import tensorwire.rdma as rdma
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 
+RDMA_ALL = [
+    "RdmaConfig", "TensorExporter", "TensorReader", "Exporter", "Reader", "Descriptor", "TensorMeta", "Owner",
+    "Lease", "ExporterStats", "ReaderStats", "PoolStats", "ProviderStats", "SUPPORTED_DTYPES",
+    "available_providers", "has_rdma", "known_providers", "register_provider", "is_staged_gpu_transport",
+]
+PROVIDERS_ALL = [
+    "ROLE_EXPORTER", "ROLE_READER", "PendingTransfer", "Provider", "ProviderStats", "Range", "Registration",
+    "available_providers", "create_provider", "has_rdma", "known_providers", "provider_class", "register_provider",
+    "resolve_name",
+]
+BASE_ALL = ["ROLE_EXPORTER", "ROLE_READER", "PendingTransfer", "Provider", "ProviderStats", "Range", "Registration"]
 
-def test_all_lists_the_contract_names() -> None:
-    expected = {
-        "RdmaConfig", "Descriptor", "TensorMeta", "Owner", "Lease", "TensorExporter", "TensorReader",
-        "SUPPORTED_DTYPES", "available_providers", "has_rdma", "known_providers", "register_provider", "Reason",
-        "TensorwireError", "ConfigError", "ClosedError", "InvalidDescriptor", "ExportError", "PoolExhausted",
-        "ReadError", "ReadTimeout", "LeaseExpired", "is_staged_gpu_transport",
+
+@pytest.mark.parametrize(("module", "expected"), [
+    ("tensorwire.rdma", RDMA_ALL),
+    ("tensorwire.rdma.providers", PROVIDERS_ALL),
+    ("tensorwire.rdma.providers.base", BASE_ALL),
+])
+def test_all_is_exactly_the_public_api(module: str, expected: list[str]) -> None:
+    mod = importlib.import_module(module)
+    assert sorted(mod.__all__) == sorted(expected)
+    assert len(set(mod.__all__)) == len(mod.__all__)
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None
+
+
+def test_only_the_provider_interface_is_a_public_module() -> None:
+    """Every module of tensorwire.rdma starts with ``_`` but the provider SPI (``providers``, ``providers.base``)."""
+    public = {
+        info.name for info in pkgutil.walk_packages(rdma.__path__, "tensorwire.rdma.")
+        if not any(part.startswith("_") for part in info.name.split(".")[2:])
     }
-    assert set(rdma.__all__) == expected
-    for name in rdma.__all__:
-        assert getattr(rdma, name) is not None
+    assert public == {"tensorwire.rdma.providers", "tensorwire.rdma.providers.base"}
 
 
-def test_exceptions_are_the_shared_hierarchy() -> None:
+def test_errors_are_not_re_exported() -> None:
+    """One home for exceptions: tensorwire.errors (tensorwire.mm and tensorwire.tp do the same)."""
     import tensorwire.errors as errors
 
-    for name in ("InvalidDescriptor", "ExportError", "ReadError", "ReadTimeout", "PoolExhausted", "LeaseExpired"):
-        assert getattr(rdma, name) is getattr(errors, name)
-        assert issubclass(getattr(rdma, name), errors.TensorwireError)
+    for name in errors.__all__:
+        assert not hasattr(rdma, name) or name in RDMA_ALL, name
+
+
+@pytest.mark.parametrize(("protocol", "cls"), [
+    (rdma.Exporter, rdma.TensorExporter),
+    (rdma.Reader, rdma.TensorReader),
+])
+def test_the_real_classes_implement_the_protocols(protocol: type, cls: type) -> None:
+    """Same methods, same parameter names and kinds (mypy checks the types where the classes are used)."""
+    members = [n for n in vars(protocol) if not n.startswith("_") and callable(getattr(protocol, n))]
+    assert members
+    for name in members:
+        want = inspect.signature(getattr(protocol, name)).parameters
+        got = inspect.signature(getattr(cls, name)).parameters
+        assert [(p.name, p.kind) for p in got.values()] == [(p.name, p.kind) for p in want.values()], name
 
 
 def test_none_provider_is_never_available() -> None:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 import torch
@@ -49,7 +49,7 @@ class FakeWorker:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> "FakeWorker":
+    def start(self) -> FakeWorker:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=wire.channel_options())
         server.add_generic_rpc_handlers((
             grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -15,7 +15,7 @@ from PIL import Image
 from prometheus_client import CollectorRegistry
 
 from tensorwire.encoder import BuiltinEncoder, ImageEmbedding, PreprocessConfig, sample_paths
-from tensorwire.errors import InvalidPayload, Reason
+from tensorwire.errors import InvalidPayload, PeerUnavailable, Reason
 from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig, metrics_for
 from tensorwire.service._info import fetch_info
 from tensorwire.service._worker import EncoderWorker
@@ -64,10 +64,10 @@ def test_fetch_matches_local_encoder(worker: EncoderWorker) -> None:
         out = client.fetch([MultimodalInput(b) for b in images])
     local = BuiltinEncoder(preprocess=SMALL).encode(images)
     assert out.worker_id == worker.worker_id and out.split_sizes == [r.embedding.shape[0] for r in local]
-    for got, ref in zip(out.embeddings, local):
+    for got, ref in zip(out.embeddings, local, strict=True):
         torch.testing.assert_close(got, ref.embedding)
     assert out.position_ids is not None
-    for got, ref in zip(out.position_ids, local):
+    for got, ref in zip(out.position_ids, local, strict=True):
         assert torch.equal(got, ref.position_ids)
     assert out.stage_ms["encoder.encode"] > 0
 
@@ -121,7 +121,7 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
         with _client(w) as client:
             try:
                 result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
-            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+            except Exception as exc:  # recorded for the assertion
                 result["error"] = exc
 
     t = threading.Thread(target=call)
@@ -138,7 +138,7 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
     assert result["out"].embeddings[0].shape == (4, 2048)
     assert stopped_after < 5.0  # drained when the call finished, not at the grace deadline
     assert enc._closed  # the encoder (and the transport) were closed after the drain
-    with _client(w) as client, pytest.raises(Exception):
+    with _client(w) as client, pytest.raises(PeerUnavailable):
         client.fetch([MultimodalInput(_png(56, 56))], timeout_ms=2000)
     w.stop()  # idempotent
 

@@ -42,7 +42,8 @@ class _TorchvisionOnCpuTorch(importlib.abc.MetaPathFinder):
                 raise OSError("no _C extension")
             torch.ops.load_library(str(ext[0]))
         except OSError:
-            lib = torch.library.Library("torchvision", "FRAGMENT")  # noqa: TID251 (kept alive below)
+            # Kept alive in _KEEP: a Library that is garbage-collected unregisters what it defined.
+            lib = torch.library.Library("torchvision", "FRAGMENT")
             for schema in _SCHEMAS.values():
                 lib.define(schema)
             _KEEP.append(lib)

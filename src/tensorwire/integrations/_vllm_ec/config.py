@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tensorwire.errors import ConfigError
 

@@ -25,19 +25,19 @@ import enum
 import itertools
 import logging
 import time
+from collections.abc import Callable, Iterable, MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, MutableMapping
+from typing import Any
 
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm import Expect, StagingArea
-
 from tensorwire.integrations._vllm_ec.config import ECConfig
-from tensorwire.integrations._vllm_ec.fetch import FetchResult, Fetcher
+from tensorwire.integrations._vllm_ec.fetch import Fetcher, FetchResult
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, parse_params
+from tensorwire.mm._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
 

@@ -23,17 +23,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from tensorwire.errors import DeadlineExceeded, ReadTimeout, Reason, TensorwireError
-from tensorwire.mm import BreakerBoard, Expect, HeldStoreClient, StagingArea, StagingClient
-from tensorwire.mm._proto import encoder_pb2 as pb
-
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
+from tensorwire.mm._breaker import BreakerBoard
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm._store_rpc import HeldStoreClient, StagingClient
 
 log = logging.getLogger(__name__)
 
@@ -300,11 +302,11 @@ class Fetcher:
             return FetchResult(True, key, plane=plane, nbytes=nbytes, seconds=self._clock() - t0)
         if staged:
             self.drop_async([key])  # the ranks that have it must not keep it
-        rank, exc = errors[0]
-        reason = exc.reason if isinstance(exc, TensorwireError) else Reason.UNKNOWN
-        if isinstance(exc, TimeoutError) and not isinstance(exc, TensorwireError):
+        rank, first = errors[0]
+        reason = first.reason if isinstance(first, TensorwireError) else Reason.UNKNOWN
+        if isinstance(first, TimeoutError) and not isinstance(first, TensorwireError):
             reason = Reason.READ_TIMEOUT
-        return self._failed(key, t0, reason, f"rank {self._stagers[rank].name}: {exc}", plane=plane)
+        return self._failed(key, t0, reason, f"rank {self._stagers[rank].name}: {first}", plane=plane)
 
     def _judge(self, endpoint: str, reason: Reason) -> None:
         if reason in _NEUTRAL:

@@ -21,8 +21,9 @@ validated (:func:`parse_entry`) and a malformed entry is treated as "not availab
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tensorwire.errors import InvalidPayload, Reason
 
@@ -60,7 +61,8 @@ class ItemGrant:
         return out
 
     def __repr__(self) -> str:  # never print the secret
-        return f"ItemGrant(endpoint={self.endpoint!r}, key={self.key[:16]!r}..., shape={self.shape}, dtype={self.dtype})"
+        return (f"ItemGrant(endpoint={self.endpoint!r}, key={self.key[:16]!r}..., shape={self.shape}, "
+                f"dtype={self.dtype})")
 
 
 def entry_for(grant: ItemGrant, vllm_entry: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -81,7 +83,8 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
     if tw.get("v") != VERSION:
         raise _bad(mm_hash, f"version {tw.get('v')!r} is not {VERSION}")
     endpoint, key, secret = tw.get("endpoint"), tw.get("key"), tw.get("secret")
-    if not isinstance(endpoint, str) or not _HOST_PORT.match(endpoint) or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+    if (not isinstance(endpoint, str) or not _HOST_PORT.match(endpoint)
+            or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536):
         raise _bad(mm_hash, f"endpoint {str(endpoint)[:80]!r} is not host:port")
     if key != mm_hash:
         raise _bad(mm_hash, "key does not match the entry's mm_hash")

@@ -25,16 +25,16 @@ Only the first tensor-parallel rank exports (every rank computes the same encode
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
 from tensorwire.errors import Reason, TensorwireError
-from tensorwire.mm import HeldStore, new_secret
-
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for
+from tensorwire.mm._store import HeldStore, new_secret
 
 log = logging.getLogger(__name__)
 

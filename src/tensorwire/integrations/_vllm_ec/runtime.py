@@ -23,14 +23,15 @@ import re
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from tensorwire.errors import ConfigError, ExportError, Reason
-from tensorwire.mm import HeldStore, StagingArea, StoreServer, serve_store
-from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
-
 from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.mm._staging import StagingArea
+from tensorwire.mm._store import HeldStore
+from tensorwire.mm._store_rpc import StoreServer, serve_store
+from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def runtime_dir(cfg: ECConfig) -> Path:
     st = path.stat()
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise ConfigError(f"runtime_dir {path} must be owned by uid {os.getuid()} with mode 0700 (it holds the "
-                          "connector's sockets); set ec_connector_extra_config.runtime_dir", reason=Reason.INSECURE_PATH)
+                          "connector's sockets); set ec_connector_extra_config.runtime_dir",
+                          reason=Reason.INSECURE_PATH)
     return path
 
 

@@ -1,21 +1,36 @@
-"""Provider registry: ``nixl`` and ``none`` by name; ``auto`` picks nixl when it is importable.
+"""Provider registry and the provider interface (SPI), public for third-party providers.
 
-Providers are imported only when chosen, so ``tensorwire.rdma`` never imports NIXL unless it is used.
+Public: this package's ``__all__`` and ``base`` (the ``Provider`` contract a third-party provider subclasses, with
+``PendingTransfer``, ``Registration``, ``Range``, ``ProviderStats`` and the role names), run against
+``tensorwire.testing.conformance``. Private: the built-in providers ``_nixl`` and ``_none`` (chosen by name
+through ``RdmaConfig.provider``, never imported by callers) and their helpers (``_metadata``, ``_ucx_env``,
+``_ucx_probe``, ``_xfer_cache``).
+
+Registry: ``nixl`` and ``none`` by name, more with ``register_provider``; ``auto`` picks nixl when it is
+importable. Providers are imported only when chosen, so ``tensorwire.rdma`` never imports NIXL unless it is used.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
+from tensorwire.rdma.providers.base import (
+    ROLE_EXPORTER,
+    ROLE_READER,
+    PendingTransfer,
+    Provider,
+    ProviderStats,
+    Range,
+    Registration,
+)
 
 # name -> "module:Class"; entries are resolved lazily. register_provider() adds third-party ones.
 _REGISTRY: dict[str, str | Callable[[], type[Provider]]] = {
-    "nixl": "tensorwire.rdma.providers.nixl:NixlProvider",
-    "none": "tensorwire.rdma.providers.none:NoneProvider",
+    "nixl": "tensorwire.rdma.providers._nixl:NixlProvider",
+    "none": "tensorwire.rdma.providers._none:NoneProvider",
 }
 _AUTO_ORDER = ("nixl",)
 
@@ -39,7 +54,8 @@ def provider_class(name: str) -> type[Provider]:
     if callable(target):
         return target()
     module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)  # type: ignore[no-any-return]
+    cls: type[Provider] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 def _is_available(name: str) -> bool:
@@ -84,8 +100,11 @@ def create_provider(config: RdmaConfig, *, role: str) -> Provider:
 
 
 __all__ = [
+    "ROLE_EXPORTER",
+    "ROLE_READER",
     "PendingTransfer",
     "Provider",
+    "ProviderStats",
     "Range",
     "Registration",
     "available_providers",

@@ -19,9 +19,12 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from tensorwire.errors import ReadError, Reason
+from tensorwire.rdma._stats import Tally
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,12 @@ STATUS_WRONG_AGENT = 1
 
 #: Returns (agent name, registration epoch, metadata) atomically.
 Snapshot = Callable[[], tuple[str, int, bytes]]
+
+
+@dataclass
+class ServerStats:
+    served: int = 0  # requests answered
+    rejected: int = 0  # connections dropped: over MAX_CLIENTS, a bad request, or an I/O error or timeout
 
 
 class MetadataServer:
@@ -59,8 +68,7 @@ class MetadataServer:
         self._stop = threading.Event()
         # select() sleeps on the listener and this pair; close() writes one byte so shutdown is immediate.
         self._wake_r, self._wake_w = socket.socketpair()
-        self.served = 0
-        self.rejected = 0
+        self._tally = Tally(ServerStats())  # bumped by the per-connection threads
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self._thread = threading.Thread(target=self._loop, name="tensorwire-rdma-md", daemon=True)
         self._thread.start()
@@ -80,7 +88,8 @@ class MetadataServer:
             # One short-lived thread per connection, at most MAX_CLIENTS at once, so a slow or silent client
             # (bounded by the io timeout) never delays the others; beyond the cap the connection is dropped.
             if not self._slots.acquire(blocking=False):
-                self.rejected += 1
+                with self._tally.locked() as c:
+                    c.rejected += 1
                 conn.close()
                 continue
             threading.Thread(target=self._handle, args=(conn,), name="tensorwire-rdma-md-conn", daemon=True).start()
@@ -91,7 +100,8 @@ class MetadataServer:
                 conn.settimeout(self._io_timeout_s)
                 self._serve(conn)
         except (OSError, ValueError) as exc:
-            self.rejected += 1
+            with self._tally.locked() as c:
+                c.rejected += 1
             log.debug("metadata request failed: %s", exc)
         finally:
             self._slots.release()
@@ -105,8 +115,13 @@ class MetadataServer:
         status = STATUS_OK if wanted == name else STATUS_WRONG_AGENT
         body = md if status == STATUS_OK else b""
         raw_name = name.encode()
-        conn.sendall(_RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name)) + raw_name + _U32.pack(len(body)) + body)
-        self.served += 1
+        head = _RESP_HEAD.pack(MAGIC, VERSION, status, epoch, len(raw_name))
+        conn.sendall(head + raw_name + _U32.pack(len(body)) + body)
+        with self._tally.locked() as c:
+            c.served += 1
+
+    def stats(self) -> ServerStats:
+        return self._tally.snapshot()
 
     def close(self) -> None:
         if self._stop.is_set():

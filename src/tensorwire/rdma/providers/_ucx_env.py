@@ -21,7 +21,7 @@ def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
     try:
         return bool(torch is not None and torch.cuda.is_initialized())
-    except Exception:  # noqa: BLE001 - a broken CUDA install counts as "not in use"
+    except Exception:  # a broken CUDA install counts as "not in use"
         return False
 
 

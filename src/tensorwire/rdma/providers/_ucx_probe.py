@@ -16,7 +16,8 @@ import re
 import sys
 import tempfile
 import threading
-from typing import Iterator
+from collections.abc import Iterator
+from typing import NamedTuple
 
 _LOCK = threading.Lock()
 # "... into host memory from host", "... into cuda/GPU0 from cuda/dev[1]" (UCX 1.23 on an H200)
@@ -34,6 +35,13 @@ except OSError:  # pragma: no cover - no libc symbols (unusual interpreters)
 def _flush_c_stdio() -> None:
     if _libc is not None:
         _libc.fflush(None)
+
+
+class MemPair(NamedTuple):
+    """The memory types of a READ: where it lands and where it reads from ("DRAM"/"VRAM")."""
+
+    local: str
+    remote: str
 
 
 class Capture:
@@ -70,10 +78,10 @@ def capture_stdout() -> Iterator[Capture]:
             os.write(1, "".join(rest).encode())
 
 
-def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
+def parse_read_tables(text: str) -> dict[MemPair, str]:
     """{(local mem, remote mem): "tl/dev[+tl/dev]"} for every READ table in ``text``. "DRAM"/"VRAM" names."""
-    out: dict[tuple[str, str], str] = {}
-    current: tuple[str, str] | None = None
+    out: dict[MemPair, str] = {}
+    current: MemPair | None = None
     found: list[str] = []
     emulated = False
     for line in text.splitlines():
@@ -84,7 +92,7 @@ def parse_read_tables(text: str) -> dict[tuple[str, str], str]:
         if m:
             if current and found:
                 out[current] = _name(found, emulated)
-            current = (_mem_name(m.group(1)), _mem_name(m.group(2)))
+            current = MemPair(_mem_name(m.group(1)), _mem_name(m.group(2)))
             found, emulated = [], False
             continue
         if current is None:

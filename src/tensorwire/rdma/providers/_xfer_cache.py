@@ -16,6 +16,8 @@ Contract:
 - Entries that failed or timed out are never given back (the caller releases them or hands them to a pending
   transfer).
 - At most ``capacity`` entries; the least recently used is released first. Thread-safe.
+- Keys are ``XferKey``s: the local ranges name the memory a deregistration invalidates, the owner and epoch the
+  metadata a reload invalidates.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, NamedTuple
+
+from tensorwire.rdma._stats import Tally
+from tensorwire.rdma.providers.base import Range
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,23 @@ def release_quietly(*handles: Any) -> None:
             log.debug("releasing a NIXL handle failed", exc_info=True)
 
 
+class XferKey(NamedTuple):
+    """What makes two READ requests the same request."""
+
+    owner: str  # the remote agent's name
+    epoch: int  # the owner's registration epoch the request was prepared under
+    local_mem: str
+    local: tuple[Range, ...]
+    remote_mem: str
+    remote: tuple[Range, ...]
+
+
+@dataclass
+class XferStats:
+    reposts: int = 0  # take() found a prepared request
+    preps: int = 0  # take() found none: the caller prepares one
+
+
 @dataclass(eq=False)
 class XferEntry:
     xfer: Any
@@ -52,25 +75,25 @@ class XferEntry:
 class XferCache:
     def __init__(self, capacity: int = 256) -> None:
         self._capacity = capacity
-        self._entries: OrderedDict[Hashable, XferEntry] = OrderedDict()
+        self._entries: OrderedDict[XferKey, XferEntry] = OrderedDict()
         self._lock = threading.Lock()
         self._token = 0
-        self.hits = 0
-        self.misses = 0
+        self._tally = Tally(XferStats())
 
     def token(self) -> int:
         return self._token
 
-    def take(self, key: Hashable) -> XferEntry | None:
+    def take(self, key: XferKey) -> XferEntry | None:
         with self._lock:
             entry = self._entries.pop(key, None)
+        with self._tally.locked() as c:
             if entry is None:
-                self.misses += 1
+                c.preps += 1
             else:
-                self.hits += 1
-            return entry
+                c.reposts += 1
+        return entry
 
-    def put(self, key: Hashable, entry: XferEntry, token: int) -> None:
+    def put(self, key: XferKey, entry: XferEntry, token: int) -> None:
         drop: list[XferEntry] = []
         with self._lock:
             if token != self._token or key in self._entries:
@@ -82,7 +105,7 @@ class XferCache:
         for e in drop:
             e.release()
 
-    def invalidate(self, pred: Callable[[Any], bool]) -> int:
+    def invalidate(self, pred: Callable[[XferKey], bool]) -> int:
         with self._lock:
             self._token += 1
             keys = [k for k in self._entries if pred(k)]
@@ -93,6 +116,9 @@ class XferCache:
 
     def clear(self) -> None:
         self.invalidate(lambda _k: True)
+
+    def stats(self) -> XferStats:
+        return self._tally.snapshot()
 
     def __len__(self) -> int:
         return len(self._entries)

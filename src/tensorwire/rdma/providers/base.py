@@ -6,7 +6,8 @@ the reader and the pool above it). Methods per side:
 - both sides: ``register`` / ``deregister`` memory, ``close``;
 - owner side: ``serve`` (publish the metadata a reader needs; returns the ``Owner`` identity), plus the
   ``registration_epoch`` counter;
-- reader side: ``read`` (one-sided READ of remote ranges into registered local ranges), ``transport``.
+- reader side: ``read`` (one-sided READ of remote ranges into registered local ranges), ``transport``;
+- optional, with defaults: ``supports_device_memory``, ``transport``, ``stats`` (a ``ProviderStats``).
 
 Contract every provider honours (``tensorwire.testing.conformance`` checks it):
 
@@ -31,11 +32,13 @@ Errors: only ``tensorwire.errors`` exceptions leave a provider: ``ReadTimeout`` 
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
+from tensorwire.rdma._stats import ProviderStats
 
 #: (address, length in bytes, device id), the plain form of one memory range (never NIXL's pickled lists).
 Range = tuple[int, int, int]
@@ -62,7 +65,7 @@ class PendingTransfer(abc.ABC):
     def poll(self) -> bool:
         """True once the engine will never write the destination again (finished, failed or cancelled)."""
 
-    def abandon(self) -> None:
+    def abandon(self) -> None:  # noqa: B027 - an optional hook: a documented no-op unless the engine can cancel
         """Called at close when ``poll()`` stayed False: cancel what can be cancelled. Default: nothing."""
 
 
@@ -125,10 +128,17 @@ class Provider(abc.ABC):
         or "unknown" when not detectable."""
         return "unknown"
 
-    def stats(self) -> dict[str, Any]:
-        """Provider counters merged into the exporter/reader ``stats()``. Default: none."""
-        return {}
+    def stats(self) -> ProviderStats:
+        """This provider's statistics, nested in the exporter's and reader's ``stats()`` as ``provider_stats``.
+
+        May run on any thread, concurrently with everything but ``close``, and after ``close``. A provider with
+        counters of its own returns a ``ProviderStats`` subclass and changes them under one lock (a ``Tally``,
+        as the nixl provider does). Default: the transport only."""
+        return ProviderStats(transport=self.transport())
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release the engine; idempotent. Registered memory must have been deregistered or is abandoned."""
+
+
+__all__ = ["ROLE_EXPORTER", "ROLE_READER", "PendingTransfer", "Provider", "ProviderStats", "Range", "Registration"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, cast
 
 from tensorwire.errors import ConfigError
 from tensorwire.rdma import RdmaConfig
@@ -106,7 +107,9 @@ class TransportConfig:
         return self.server_stream_cap or self.server_threads // 2
 
     def with_mode(self, mode: str) -> TransportConfig:
-        return dataclasses.replace(self, mode=mode)  # type: ignore[arg-type]
+        """This config with ``mode`` (a CLI or environment string: ``__post_init__`` raises ConfigError unless it
+        is one of ``MODES``)."""
+        return dataclasses.replace(self, mode=cast(Mode, mode))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> TransportConfig:
@@ -141,8 +144,8 @@ class TransportConfig:
 def _default_of(cls: type, f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
     return None
 
 

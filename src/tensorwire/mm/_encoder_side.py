@@ -29,34 +29,25 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from tensorwire.errors import ConfigError, ExportError, Reason, TensorwireError
+from tensorwire.errors import ExportError, Reason, TensorwireError
 from tensorwire.mm import _codec
-from tensorwire.mm._init import BackgroundInit, InitState
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
+from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.config import MODE_AUTO, TransportConfig
-from tensorwire.mm.metrics import TransportMetrics, metrics_for
-from tensorwire.mm.types import EncoderOutput
+from tensorwire.mm._types import EncoderOutput
+from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 
 log = logging.getLogger(__name__)
 
-ROLE_LABEL = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", pb.EXTRA_INPUT: "extra_input"}
 
-
-class Exporter(Protocol):
-    """What OutputTransport needs from ``tensorwire.rdma.TensorExporter``."""
-
-    def export_batch(self, groups: list[list[torch.Tensor]]) -> list[Any]: ...
-    def release(self, lease_ids: Sequence[str]) -> Any: ...
-    def close(self) -> None: ...
-
-
-ExporterFactory = Callable[[Any], Exporter]
+ExporterFactory = Callable[[RdmaConfig], Exporter]
 
 
 @dataclass(eq=False)
@@ -70,7 +61,7 @@ class OutputBuffers:
 
     embedding: torch.Tensor
     position_ids: torch.Tensor | None
-    lease: Any
+    lease: Lease
     thread: int = 0  # the allocating thread: its next transfer() ends this allocation if it is not the output
     allocate_us: int = 0  # what allocate_output took: transport work inside the encoder's compute time
 
@@ -88,33 +79,22 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.device == b.device and a.is_contiguous())
 
 
-def _default_exporter_factory(rdma_config: Any) -> Exporter:
+def _default_exporter_factory(rdma_config: RdmaConfig) -> Exporter:
     from tensorwire.rdma import TensorExporter
 
-    return TensorExporter(rdma_config)  # type: ignore[no-any-return]
+    return TensorExporter(rdma_config)
 
 
 ExporterState = InitState
 
 
-def _is_permanent(exc: BaseException) -> bool:
-    """No provider or a bad config will not get better by retrying; anything else might."""
-    if isinstance(exc, ConfigError):
-        return True
-    return isinstance(exc, TensorwireError) and exc.reason in (Reason.PROVIDER_UNAVAILABLE, Reason.INVALID_CONFIG)
-
-
-def _gc_reader(exporter: Any) -> Callable[[], float]:
+def _gc_reader(exporter: Exporter) -> Callable[[], float]:
     def reclaimed() -> float:
         try:
-            s = exporter.stats()
-            items = s.items() if isinstance(s, dict) else vars(s).items()
-            for k, v in items:
-                if ("gc" in k or "reclaim" in k) and isinstance(v, (int, float)):
-                    return float(v)
-        except Exception:
-            pass
-        return 0.0
+            return float(exporter.stats().gc_reclaims)
+        except Exception:  # a scrape must not fail because of the exporter
+            log.debug("exporter stats for the GC gauge failed", exc_info=True)
+            return 0.0
 
     return reclaimed
 
@@ -129,7 +109,7 @@ def plan_slots(
     extra_inputs: Sequence[torch.Tensor],
     max_slot_bytes: int,
     align: int,
-) -> list[tuple[list[torch.Tensor], list[int]]]:
+) -> list[tuple[list[torch.Tensor], list[pb.Role]]]:
     """Groups of (tensors, roles), one per slot, in reassembly order; no slot's aligned footprint exceeds
     ``max_slot_bytes``. The embedding is split along dim 0 into whole-row chunks. ExportError(SLOT_TOO_LARGE)
     when one embedding row or one other tensor cannot fit in a slot."""
@@ -145,7 +125,7 @@ def plan_slots(
     if rows_per_slot <= 0:
         raise ExportError(f"one embedding row is {row_bytes} bytes; max_slot_bytes={max_slot_bytes} "
                           f"(aligned to {align}) cannot hold it", reason=Reason.SLOT_TOO_LARGE)
-    groups: list[tuple[list[torch.Tensor], list[int]]] = []
+    groups: list[tuple[list[torch.Tensor], list[pb.Role]]] = []
     footprints: list[int] = []
     for start in range(0, rows, rows_per_slot):
         n = min(rows_per_slot, rows - start)
@@ -157,7 +137,7 @@ def plan_slots(
     for t, role in tail:
         fp = _align_up(t.numel() * t.element_size(), align)
         if fp > max_slot_bytes:
-            raise ExportError(f"a {ROLE_LABEL[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
+            raise ExportError(f"a {_codec.ROLE_LABELS[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
                               f"max_slot_bytes={max_slot_bytes}", reason=Reason.SLOT_TOO_LARGE)
         if footprints[-1] + fp <= max_slot_bytes:
             groups[-1][0].append(t)
@@ -189,14 +169,13 @@ class OutputTransport:
 
         def on_ready(exporter: Exporter) -> None:
             self.metrics.exporter_ready.set(1)
-            if hasattr(exporter, "stats"):
-                self.metrics.watch_gc(_gc_reader(exporter))
+            self.metrics.watch_gc(_gc_reader(exporter))
 
         def on_failure(exc: BaseException, permanent: bool) -> None:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
 
         self._holder: BackgroundInit[Exporter] = BackgroundInit(
-            "exporter", lambda: factory(cfg.rdma), _is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "exporter", lambda: factory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
         self._rl = RateLimitedLog(log)
         self._closed = False
@@ -220,13 +199,13 @@ class OutputTransport:
         """Tensors for the encoder to write its output into, inside one registered slot (no export copy later).
 
         ``None`` when that cannot help (mode grpc, exporter not built, closed, the output needs more than one slot,
-        an exporter without ``allocate``, or the allocation failed): then produce the output as usual.
+        or the allocation failed): then produce the output as usual.
         """
         t0 = time.perf_counter()
         if self.config.mode != MODE_AUTO or self._closed:
             return None
         exporter = self._holder.get()
-        if exporter is None or not hasattr(exporter, "allocate"):
+        if exporter is None:
             return None
         specs: list[tuple[tuple[int, ...], torch.dtype]] = [((int(rows), int(hidden)), dtype)]
         if position_cols:
@@ -344,7 +323,7 @@ class OutputTransport:
                 return None, Reason.EMPTY_EXPORT.value
         return exporter, None
 
-    def _try_publish(self, exporter: Any, buffers: OutputBuffers, emb: torch.Tensor,
+    def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, emb: torch.Tensor,
                      pos: torch.Tensor | None) -> list[pb.RdmaSlot] | None:
         """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
         try:
@@ -370,7 +349,7 @@ class OutputTransport:
 
     def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
                     extras: list[torch.Tensor]) -> list[pb.RdmaSlot] | None:
-        descs: list[Any] = []
+        descs: list[Descriptor] = []
         try:
             emb = emb.contiguous()
             pos = pos.to(emb.device).contiguous() if pos is not None else None
@@ -382,18 +361,19 @@ class OutputTransport:
                 raise ExportError(f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
                                   reason=Reason.RESULT_MISMATCH)
             slots = []
-            for desc, (tensors, roles) in zip(descs, groups):
+            for desc, (tensors, roles) in zip(descs, groups, strict=True):
                 if len(desc.manifest) != len(roles):
                     raise ExportError(f"descriptor manifest has {len(desc.manifest)} entries for {len(roles)} "
                                       "tensors", reason=Reason.RESULT_MISMATCH)
                 slot = pb.RdmaSlot(descriptor=desc.to_bytes())
                 slot.roles.extend(roles)
                 slots.append(slot)
-                for t, role in zip(tensors, roles):
-                    self.metrics.child(self.metrics.bytes, "encoder", "rdma", ROLE_LABEL[role]).inc(t.numel() * t.element_size())
+                for t, role in zip(tensors, roles, strict=True):
+                    counter = self.metrics.child(self.metrics.bytes, "encoder", "rdma", _codec.ROLE_LABELS[role])
+                    counter.inc(t.numel() * t.element_size())
             return slots
         except Exception as exc:
-            lease_ids = [d.lease_id for d in descs if getattr(d, "lease_id", "")]
+            lease_ids = [d.lease_id for d in descs if d.lease_id]
             if lease_ids:
                 try:
                     exporter.release(lease_ids)
@@ -408,8 +388,6 @@ class OutputTransport:
         ids = []
         for slot in receipt.rdma_slots:
             try:
-                from tensorwire.rdma import Descriptor
-
                 ids.append(Descriptor.from_bytes(slot.descriptor).lease_id)
             except Exception:
                 continue  # not parseable here: the TTL GC reclaims it

@@ -20,10 +20,10 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from tensorwire.mm.metrics import TransportMetrics
+from tensorwire.mm._metrics import TransportMetrics
 
 log = logging.getLogger(__name__)
 

@@ -22,19 +22,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
+from tensorwire.rdma._stats import ProviderStats, Tally
 from tensorwire.rdma.providers import _metadata, _ucx_env, _ucx_probe
-from tensorwire.rdma.providers._xfer_cache import XferCache, XferEntry, release_quietly
+from tensorwire.rdma.providers._ucx_probe import MemPair
+from tensorwire.rdma.providers._xfer_cache import XferCache, XferEntry, XferKey, release_quietly
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, PendingTransfer, Provider, Range, Registration
 
 log = logging.getLogger(__name__)
@@ -46,9 +51,24 @@ _SPIN_S = 0.0005  # busy-poll this long before sleeping between state checks (su
 
 def _api() -> Any:
     _ucx_env.quiet_nixl()
-    import nixl._api as api  # noqa: PLC0415 - heavy, only when the provider is used
+    import nixl._api as api  # heavy, only when the provider is used
 
     return api
+
+
+@dataclass
+class NixlStats(ProviderStats):
+    """The nixl provider's ``stats()``: counters since the agent was created, and owners and transport now."""
+
+    metadata_fetches: int = 0  # owner metadata fetched and loaded (first contact, newer epoch, reconnect)
+    peer_disconnects: int = 0  # READs that found their owner gone (NIXL_ERR_REMOTE_DISCONNECT)
+    nixl_read_errors: int = 0  # READs NIXL failed for any other reason
+    idle_owners_forgotten: int = 0  # owners dropped after 2 x slot_gc_timeout_ms unused
+    known_owners: int = 0
+    xfer_reposts: int = 0  # READs posted from a prepared request (_xfer_cache)
+    xfer_preps: int = 0  # READs that prepared a new request
+    metadata_served: int = 0  # owner side: metadata requests answered
+    metadata_rejected: int = 0  # owner side: metadata connections dropped (bad request, I/O error, over the cap)
 
 
 class _Remote:
@@ -58,7 +78,7 @@ class _Remote:
         self.name = name
         self.epoch = -1
         self.lock = threading.Lock()
-        self.probed: set[tuple[str, str]] = set()  # (local mem, remote mem) pairs whose first READ was captured
+        self.probed: set[MemPair] = set()  # memory pairs whose first READ was captured
         self.busy = 0  # READs in progress or pending past their deadline (guarded by the provider's remotes lock)
         self.last_used = time.monotonic()
 
@@ -110,14 +130,14 @@ class NixlProvider(Provider):
         self._server: _metadata.MetadataServer | None = None
         self._remotes: dict[str, _Remote] = {}
         self._remotes_lock = threading.Lock()
-        self._transports: dict[tuple[str, str], str] = {}
+        self._transports: dict[MemPair, str] = {}
         # Owners unused for twice the lease TTL hold no valid lease any more: their metadata and UCX endpoints
         # (sockets, up to qp_count per owner) are dropped, so restarted or retired owners do not leak in a
         # long-lived reader. A forgotten owner that is still alive only costs a metadata fetch on its next read.
         self._idle_forget_s = 2 * config.slot_gc_timeout_ms / 1000.0
         self._next_sweep = time.monotonic() + min(self._idle_forget_s, 10.0)
         self._closed = False
-        self._counts = {"metadata_fetches": 0, "peer_disconnects": 0, "nixl_read_errors": 0, "idle_owners_forgotten": 0}
+        self._tally = Tally(NixlStats())  # counters only; stats() fills in the rest. Bumped by many reader threads
         self._xfers = XferCache()
         log.info("NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
                  self._agent_name, role, config.device, config.progress_delay_us, env)
@@ -164,7 +184,7 @@ class NixlProvider(Provider):
             return
         # Requests naming this memory (as local side) must go before the registration does.
         lo, hi = reg.addr, reg.addr + reg.nbytes
-        self._xfers.invalidate(lambda key: any(lo < a + n and a < hi for a, n, _dev in key[3]))
+        self._xfers.invalidate(lambda key: any(lo < a + n and a < hi for a, n, _dev in key.local))
         with self._reg_lock:
             self._agent.deregister_memory(reg.handle)
 
@@ -174,7 +194,8 @@ class NixlProvider(Provider):
         self._check_open()
         if self._server is None:
             try:
-                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port, self._snapshot)
+                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port,
+                                                        self._snapshot)
             except OSError as exc:
                 raise ExportError(f"metadata endpoint {self.config.bind_ip or '0.0.0.0'}:{self.config.port} "
                                   f"could not listen: {exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
@@ -204,7 +225,7 @@ class NixlProvider(Provider):
 
     def _read_from(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
                    remote: Sequence[Range], deadline: float) -> None:
-        key = (local_mem, remote_mem)
+        key = MemPair(local_mem, remote_mem)
         if key not in rem.probed:
             # UCX prints its READ protocol table on the first READ of each memory-type pair (per endpoint config).
             with _ucx_probe.capture_stdout() as cap:
@@ -226,8 +247,9 @@ class NixlProvider(Provider):
                     if r.name != keep and r.busy == 0 and now - r.last_used > self._idle_forget_s]
         for name in idle:
             self._forget(name)
-            self._counts["idle_owners_forgotten"] += 1
         if idle:
+            with self._tally.locked() as c:
+                c.idle_owners_forgotten += len(idle)
             log.info("forgot %d owner(s) idle for over %.0f s", len(idle), self._idle_forget_s)
 
     def _remote(self, owner: Owner, deadline: float) -> _Remote:
@@ -248,7 +270,8 @@ class NixlProvider(Provider):
             raise ReadTimeout(f"no time left to fetch metadata of {owner.agent_name}", reason=Reason.READ_TIMEOUT)
         epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, timeout_s=remaining,
                                     connect_timeout_s=self.config.connect_timeout_ms / 1000.0)
-        self._counts["metadata_fetches"] += 1
+        with self._tally.locked() as c:
+            c.metadata_fetches += 1
         try:
             loaded = self._agent.add_remote_agent(md)
         except Exception as exc:
@@ -261,12 +284,12 @@ class NixlProvider(Provider):
                             reason=Reason.METADATA_UNAVAILABLE)
         # An epoch below the descriptor's (a forged or racing descriptor) is kept as is: the next such read refetches.
         rem.epoch = epoch
-        self._xfers.invalidate(lambda key: key[0] == rem.name and key[1] != epoch)
+        self._xfers.invalidate(lambda key: key.owner == rem.name and key.epoch != epoch)
 
     def _transfer(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
                   remote: Sequence[Range], deadline: float) -> None:
         agent = self._agent
-        key = (rem.name, rem.epoch, local_mem, tuple(map(tuple, local)), remote_mem, tuple(map(tuple, remote)))
+        key = XferKey(rem.name, rem.epoch, local_mem, _ranges(local), remote_mem, _ranges(remote))
         token = self._xfers.token()
         cached = self._xfers.take(key)
         handles: list[Any] = cached.handles if cached is not None else []
@@ -294,9 +317,10 @@ class NixlProvider(Provider):
                         rem.busy += 1  # until NIXL is done with it: the owner must not be swept meanwhile
                     pending = _NixlPending(agent, xfer, handles, lambda: self._unbusy(rem))
                     xfer, handles = None, []
-                    err = ReadTimeout(f"READ from {owner.agent_name} ({sum(r[1] for r in remote)} bytes) missed its "
-                                      "deadline; destination quarantined until NIXL finishes", reason=Reason.READ_TIMEOUT)
-                    err.pending = pending  # type: ignore[attr-defined]
+                    err = ReadTimeout(f"READ from {owner.agent_name} ({sum(n for _, n, _ in remote)} bytes) missed its "
+                                      "deadline; destination quarantined until NIXL finishes",
+                                      reason=Reason.READ_TIMEOUT)
+                    err.pending = pending
                     raise err
                 if now >= spin_until:
                     time.sleep(min(sleep_s, max(deadline - now, 0)))
@@ -305,7 +329,8 @@ class NixlProvider(Provider):
             if state != "DONE":
                 # Reconnect from fresh metadata next time: an errored endpoint may stay unusable in UCX.
                 self._forget(rem.name)
-                self._counts["nixl_read_errors"] += 1
+                with self._tally.locked() as c:
+                    c.nixl_read_errors += 1
                 raise ReadError(f"READ from {owner.agent_name} failed (state {state})", reason=Reason.RDMA_READ_ERROR)
             self._xfers.put(key, XferEntry(xfer, handles), token)  # completed: may be posted again
             xfer, handles = None, []
@@ -324,16 +349,18 @@ class NixlProvider(Provider):
 
     def _translate(self, exc: Exception, rem: _Remote, owner: Owner) -> ReadError:
         if _is(exc, "RemoteDisconnect"):
-            self._counts["peer_disconnects"] += 1
+            with self._tally.locked() as c:
+                c.peer_disconnects += 1
             self._forget(rem.name)
             return ReadError(f"owner {owner.agent_name} at {owner.endpoint} disconnected (dead or restarted)",
                              reason=Reason.PEER_DISCONNECTED)
-        self._counts["nixl_read_errors"] += 1
+        with self._tally.locked() as c:
+            c.nixl_read_errors += 1
         return ReadError(f"NIXL READ from {owner.agent_name} failed: {type(exc).__name__}: {exc}",
                          reason=Reason.RDMA_READ_ERROR)
 
     def _forget(self, name: str) -> None:
-        self._xfers.invalidate(lambda key: key[0] == name)
+        self._xfers.invalidate(lambda key: key.owner == name)
         with self._remotes_lock:
             self._remotes.pop(name, None)
         try:
@@ -344,31 +371,37 @@ class NixlProvider(Provider):
     def _learn_transport(self, text: str, owner: Owner, local_mem: str, remote_mem: str) -> None:
         found = _ucx_probe.parse_read_tables(text)
         if not found and "memory read" in text:
-            log.info("could not parse the UCX READ protocol table: %r", [ln for ln in text.splitlines() if "|" in ln][:12])
-        for key, transport in found.items():
-            if self._transports.get(key) != transport:
-                self._transports[key] = transport
-                if "VRAM" in key and _ucx_probe.is_slow_for_gpu(transport):
+            log.info("could not parse the UCX READ protocol table: %r",
+                     [ln for ln in text.splitlines() if "|" in ln][:12])
+        for pair, transport in found.items():
+            if self._transports.get(pair) != transport:
+                self._transports[pair] = transport
+                if "VRAM" in pair and _ucx_probe.is_slow_for_gpu(transport):
                     log.warning("GPU READ (%s <- %s) from %s goes over %s, not cuda_ipc/RDMA: expect ~1000x lower "
                                 "bandwidth; check UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_TLS",
-                                key[0], key[1], owner.agent_name, transport)
+                                pair.local, pair.remote, owner.agent_name, transport)
                 else:
-                    log.info("rdma READ %s <- %s from %s uses UCX transport %s", key[0], key[1], owner.agent_name, transport)
+                    log.info("rdma READ %s <- %s from %s uses UCX transport %s", pair.local, pair.remote,
+                             owner.agent_name, transport)
 
     def transport(self, local_mem: str | None = None, remote_mem: str | None = None) -> str:
-        key = (local_mem or ("VRAM" if self.config.is_cuda else "DRAM"), remote_mem or local_mem or
-               ("VRAM" if self.config.is_cuda else "DRAM"))
-        return self._transports.get(key, "unknown")
+        own = "VRAM" if self.config.is_cuda else "DRAM"
+        return self._transports.get(MemPair(local_mem or own, remote_mem or local_mem or own), "unknown")
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self._counts)
-        out["transport"] = self.transport()
-        out["known_owners"] = len(self._remotes)
-        out["xfer_reposts"] = self._xfers.hits
-        out["xfer_preps"] = self._xfers.misses
-        if self._server is not None:
-            out["metadata_served"] = self._server.served
-        return out
+    def stats(self) -> NixlStats:
+        xfers = self._xfers.stats()
+        served = self._server.stats() if self._server is not None else _metadata.ServerStats()
+        with self._remotes_lock:
+            owners = len(self._remotes)
+        return dataclasses.replace(
+            self._tally.snapshot(),
+            transport=self.transport(),
+            known_owners=owners,
+            xfer_reposts=xfers.reposts,
+            xfer_preps=xfers.preps,
+            metadata_served=served.served,
+            metadata_rejected=served.rejected,
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -426,6 +459,11 @@ def _advertise_host(config: RdmaConfig) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def _ranges(ranges: Sequence[Range]) -> tuple[Range, ...]:
+    """Ranges as a hashable tuple of plain (addr, length, device) tuples (callers may pass lists)."""
+    return tuple((a, n, d) for a, n, d in ranges)
 
 
 def _is(exc: BaseException, fragment: str) -> bool:

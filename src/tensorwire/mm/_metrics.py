@@ -12,7 +12,8 @@ instance registered in prometheus_client's default registry. Tests pass their ow
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 

@@ -15,43 +15,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tensorwire.errors import ConfigError, InvalidPayload, Reason
-from tensorwire.mm import wire
+from tensorwire.mm import _codec, wire
+from tensorwire.mm._config import TransportConfig
+from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
+from tensorwire.mm._host import GrpcHost
+from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.config import TransportConfig
-from tensorwire.mm.encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm.metrics import TransportMetrics
-from tensorwire.mm.types import EncoderOutput, MultimodalInput
+from tensorwire.mm._types import EncoderOutput, MultimodalInput
 
 log = logging.getLogger(__name__)
 
 EncodeFn = Callable[[list[MultimodalInput]], EncoderOutput]
 MAX_RELEASE_IDS = 65_536
-
-
-def inputs_from_pb(request: pb.EncodeRequest) -> list[MultimodalInput]:
-    return [MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
-            for i in request.inputs]
-
-
-def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | None = None) -> pb.EncodeRequest:
-    req = request if request is not None else pb.EncodeRequest()
-    for item in inputs:
-        m = req.inputs.add()
-        m.data = bytes(item.data)
-        m.kind = item.kind
-        for k, v in dict(item.params).items():
-            m.params[str(k)] = str(v)
-        m.timeout_ms = int(item.timeout_ms)
-    return req
 
 
 def _parse_or_abort(message: Any, raw: bytes, context: grpc.ServicerContext) -> Any:
@@ -119,7 +102,7 @@ class EncoderService:
         Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
         the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
         """
-        inputs = inputs_from_pb(request)
+        inputs = _codec.inputs_from_pb(request)
         t0 = time.perf_counter()
         try:
             output = self._encode_fn(inputs)
@@ -209,11 +192,12 @@ class EncoderService:
                     continue
                 with stream.lock:
                     stream.busy = True
+                receipt: pb.EncodeResponse | None = None
                 try:
-                    receipt: pb.EncodeResponse | None = self.run_encode(msg.encode, context.is_active)
-                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, receipt.SerializeToString())
+                    encoded = self.run_encode(msg.encode, context.is_active)
+                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, encoded.SerializeToString())
+                    receipt = encoded
                 except Exception as exc:
-                    receipt = None
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
                                              wire.stream_error_for(exc).SerializeToString())
                 if not context.is_active():
@@ -267,18 +251,16 @@ class EncoderService:
 class EncoderServer:
     """A running encoder: ``port``, ``address``, ``stop(grace)``, ``wait(timeout)``; a context manager.
 
-    ``stop`` stops accepting, ends idle EncodeStreams, lets in-flight calls finish within ``grace`` seconds, then
-    closes the transport (even when the server stop raises). Idempotent.
+    ``stop`` runs the ``GrpcHost`` stop sequence (stops accepting, ends idle EncodeStreams, lets in-flight calls
+    finish within ``grace`` seconds), then closes the transport (even when the server stop raises). Idempotent.
     """
 
-    def __init__(self, server: grpc.Server, port: int, host: str, service: EncoderService,
-                 health_servicer: health.HealthServicer) -> None:
-        self._server = server
-        self.port = port
-        self.host = host
+    def __init__(self, host: GrpcHost, service: EncoderService) -> None:
+        self._host = host
+        self.port = host.port
+        self.host = host.host
         self.service = service
         self.transport = service.transport
-        self._health = health_servicer
         self._stopped = False
 
     @property
@@ -290,16 +272,13 @@ class EncoderServer:
             return
         self._stopped = True
         try:
-            self._health.enter_graceful_shutdown()
-            stopped = self._server.stop(grace)  # no new calls from here on
-            self.service.close_streams()  # idle streams would otherwise hold the stop for all of ``grace``
-            stopped.wait(None if grace is None else grace + 5.0)
+            self._host.stop(grace, drain=self.service.close_streams)
         finally:
             self.transport.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops (True) or ``timeout`` passes (False)."""
-        return bool(self._server.wait_for_termination(timeout))
+        return self._host.wait(timeout)
 
     def __enter__(self) -> EncoderServer:
         return self
@@ -315,35 +294,25 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     """Starts a gRPC server with EncoderService and grpc.health.v1 on ``address`` ("host:0" picks a port).
 
     The exporter starts building now, in the background (``transport.wait_ready`` waits for it). Raises
-    ConfigError when the address cannot be bound.
+    ConfigError when the address cannot be bound (the transport is closed then).
     """
     cfg = config if config is not None else TransportConfig()
     transport = transport if transport is not None else OutputTransport(cfg, exporter_factory=exporter_factory,
                                                                         metrics=metrics)
     service = EncoderService(encode_fn, transport)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.server_threads,
-                                                    thread_name_prefix="tensorwire-mm-encoder"),
-                         options=wire.channel_options() + list(extra_options))
-    server.add_generic_rpc_handlers((service.handler(),))
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host = GrpcHost("encoder server", (service.handler(),), threads=cfg.server_threads,
+                    thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
     try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
+        host.bind(address)
+    except ConfigError:
         transport.close()
-        raise ConfigError(f"cannot bind encoder server to {address!r}: {exc}") from exc
-    if port == 0:
-        transport.close()
-        raise ConfigError(f"cannot bind encoder server to {address!r}; is the port in use?")
-    host = address.rsplit(":", 1)[0] or "127.0.0.1"
-    transport.worker_address = f"{host}:{port}"
+        raise
+    transport.worker_address = host.address
     transport.start()
-    server.start()
-    for name in ("", wire.SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("encoder service on %s:%d (worker %s, mode %s, rdma device %s)", host, port, transport.worker_id,
+    host.start()
+    log.info("encoder service on %s (worker %s, mode %s, rdma device %s)", host.address, transport.worker_id,
              cfg.mode, getattr(cfg.rdma, "device", "?"))
-    return EncoderServer(server, port, host, service, health_servicer)
+    return EncoderServer(host, service)
 
 
-__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn", "inputs_to_pb", "inputs_from_pb"]
+__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn"]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 
@@ -98,8 +98,8 @@ class EncoderOutput:
         return emb, splits, pos, extras
 
 
-def _is_empty_seq(x: object) -> bool:
-    return not isinstance(x, torch.Tensor) and len(x) == 0  # type: ignore[arg-type]
+def _is_empty_seq(x: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    return not isinstance(x, torch.Tensor) and len(x) == 0
 
 
 @dataclass
@@ -109,8 +109,9 @@ class MultimodalOutput:
     plane: which plane delivered the tensors. fallback_reason: set when an RDMA attempt failed and the inline
     plane delivered instead. stage_ms: client-side stage times (``request``, ``read``, ``decode``, ``release``,
     ``fallback_request``, ``total``) plus the encoder's own (``encoder.encode``, ``encoder.export``,
-    ``encoder.serialize``, and ``encoder.allocate``: the part of ``encoder.encode`` spent in ``allocate_output``). Position ids are on the host; embeddings and extra inputs stay on the device the
-    plane delivered them to (the reader's device for RDMA, the host for inline).
+    ``encoder.serialize``, and ``encoder.allocate``: the part of ``encoder.encode`` spent in ``allocate_output``).
+    Position ids are on the host; embeddings and extra inputs stay on the device the plane delivered them to (the
+    reader's device for RDMA, the host for inline).
     """
 
     embeddings: list[torch.Tensor]

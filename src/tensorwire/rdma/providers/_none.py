@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NoReturn
 
 from tensorwire.errors import ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider
+from tensorwire.rdma._descriptor import Owner
+from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider, Range, Registration
 
 
 class NoneProvider(Provider):
@@ -14,7 +16,7 @@ class NoneProvider(Provider):
 
     name = "none"
 
-    def __init__(self, config: RdmaConfig, *, role: str) -> None:  # noqa: D107
+    def __init__(self, config: RdmaConfig, *, role: str) -> None:
         msg = "rdma provider 'none' is never available; use the inline path"
         if role == ROLE_EXPORTER:
             raise ExportError(msg, reason=Reason.PROVIDER_UNAVAILABLE)
@@ -25,19 +27,25 @@ class NoneProvider(Provider):
         return False
 
     # Unreachable: construction always raises. Present so the class is concrete like any other provider.
-    agent_name = property(lambda self: _unreachable())  # type: ignore[assignment]
-    registration_epoch = property(lambda self: _unreachable())  # type: ignore[assignment]
-
-    def register(self, addr, nbytes, mem_type, device_id):  # type: ignore[no-untyped-def]
+    @property
+    def agent_name(self) -> str:
         _unreachable()
 
-    def deregister(self, reg):  # type: ignore[no-untyped-def]
+    @property
+    def registration_epoch(self) -> int:
         _unreachable()
 
-    def serve(self):  # type: ignore[no-untyped-def]
+    def register(self, addr: int, nbytes: int, mem_type: str, device_id: int) -> Registration:
         _unreachable()
 
-    def read(self, owner, local_mem, local, remote_mem, remote, *, deadline):  # type: ignore[no-untyped-def]
+    def deregister(self, reg: Registration) -> None:
+        _unreachable()
+
+    def serve(self) -> Owner:
+        _unreachable()
+
+    def read(self, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str, remote: Sequence[Range],
+             *, deadline: float) -> None:
         _unreachable()
 
     def close(self) -> None:

@@ -17,11 +17,11 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from tensorwire.errors import TensorwireError
+from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm.metrics import TransportMetrics
 
 log = logging.getLogger(__name__)
 

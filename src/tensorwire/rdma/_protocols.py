@@ -1,0 +1,70 @@
+"""``Exporter`` and ``Reader``: the parts of ``TensorExporter`` / ``TensorReader`` that callers build on.
+
+Callers above the rdma layer (``tensorwire.mm``) type their exporter and reader with these, so a test double
+stands in without subclassing and without the caller probing for optional methods: a double implements every
+method below (one that cannot do something raises the ``tensorwire.errors`` exception the real class raises
+for it, e.g. ``ExportError`` from ``allocate``). Contracts (ownership, ordering, threads, errors) are those of
+the real classes: their docstrings and ``docs/rdma.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from tensorwire.rdma._descriptor import Descriptor
+from tensorwire.rdma._exporter import Lease
+from tensorwire.rdma._stats import ExporterStats, ReaderStats
+
+
+class Exporter(Protocol):
+    """The owner side as ``tensorwire.mm`` uses it (``TensorExporter`` implements it). Thread-safe."""
+
+    def export_batch(self, groups: Sequence[Sequence[torch.Tensor]]) -> list[Descriptor]:
+        """One descriptor per group, in order; all or nothing (ExportError, PoolExhausted)."""
+        ...
+
+    def allocate(
+        self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]
+    ) -> tuple[Lease, list[torch.Tensor]]:
+        """A lease plus tensors inside its slot, to be written in place and then ``export_allocated``."""
+        ...
+
+    def export_allocated(self, lease: Lease) -> Descriptor:
+        """Publish an allocated lease (ExportError if it was released, reclaimed or already exported)."""
+        ...
+
+    def release(self, lease_ids: Iterable[str]) -> None:
+        """End these leases; idempotent, unknown ids are counted, never raised."""
+        ...
+
+    def stats(self) -> ExporterStats:
+        """A consistent copy of the counters; never raises, also after ``close``."""
+        ...
+
+    def close(self) -> None:
+        """Void every lease and release the provider; idempotent."""
+        ...
+
+
+class Reader(Protocol):
+    """The reader side as ``tensorwire.mm`` uses it (``TensorReader`` implements it). Thread-safe."""
+
+    def read(self, descriptors: Sequence[Descriptor], timeout_ms: int | None = None) -> list[torch.Tensor]:
+        """Every descriptor's tensors, in descriptor x manifest order (InvalidDescriptor, ReadTimeout,
+        LeaseExpired, ReadError). ``TensorReader.read`` also takes descriptor bytes."""
+        ...
+
+    def transport(self, descriptor: Descriptor | None = None) -> str:
+        """The transport the last READ (from ``descriptor``'s owner) used, or "unknown"; a cached lookup."""
+        ...
+
+    def stats(self) -> ReaderStats:
+        """A consistent copy of the counters; never raises, also after ``close``."""
+        ...
+
+    def close(self) -> None:
+        """Release buffers and the provider; idempotent."""
+        ...
