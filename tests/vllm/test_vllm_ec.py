@@ -186,24 +186,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     runtime = tmp_path_factory.mktemp("rt")
     common = {"host": "127.0.0.1", "runtime_dir": str(runtime)}
     t0 = time.monotonic()
-    # vLLM's CPU workers pin themselves (and every thread they start, the connector's included) to cores; left
-    # to "auto", every instance on this 2-core box would take core 0. The encoder instance gets core 1, the
-    # others core 0, one OpenMP thread each (the same kernels everywhere: bit-identical results).
+    # vLLM's CPU workers pin themselves (and every thread they start, the connector's gRPC and NIXL threads
+    # included) to cores; left to "auto", every instance on this 2-core box takes core 0, and a store server
+    # pinned next to another instance's busy worker can stall for seconds. Unpinned, one OpenMP thread each: the
+    # same kernels everywhere, so the results stay bit-identical, and the OS spreads the load.
+    cpu = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    uniproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     insts = {
-        # The baseline runs as the first LLM instance does (one process; vLLM starts no EngineCore or worker).
-        "baseline": Instance("baseline", work, model, env={"VLLM_CPU_OMP_THREADS_BIND": "0",
-                                                           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
+        # The baseline runs as the first LLM instance does (one process: vLLM starts no EngineCore or worker).
+        "baseline": Instance("baseline", work, model, env={**cpu, **uniproc}),
         "producer": Instance("producer", work, model, extra=dict(common, lease_ttl_ms=120000),
                              args=("--connector-module", "tampering", "--connector-class", "TamperingECConnector"),
-                             env={"TW_TAMPER_FILE": str(tamper), "VLLM_CPU_OMP_THREADS_BIND": "1"}),
+                             env={**cpu, "TW_TAMPER_FILE": str(tamper)}),
         # No processor cache on the LLM instance: a request without its image (metadata only) must reach the
         # scheduler as such instead of missing in the engine's receiver cache.
         "consumer": Instance("consumer", work, model, extra=dict(common, **CONSUMER_BUDGETS),
-                             args=("--no-mm-cache",),
-                             env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-        "consumer_tp2": Instance("consumer_tp2", work, model, role="consumer", extra=dict(common, **CONSUMER_BUDGETS),
-                                 args=("--tp", "2", "--enable-mm-embeds"),
-                                 env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}),
+                             args=("--no-mm-cache",), env={**cpu, **uniproc}),
+        "consumer_tp2": Instance("consumer_tp2", work, model, role="consumer",
+                                 extra=dict(common, **CONSUMER_BUDGETS), args=("--tp", "2", "--enable-mm-embeds"),
+                                 env=cpu),
     }
     try:
         deadline = time.monotonic() + START_TIMEOUT_S

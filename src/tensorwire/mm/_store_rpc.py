@@ -2,7 +2,8 @@
 
 ``HeldOutputs`` serves a :class:`HeldStore` (Lookup by grant -> receipt, Release grants); ``Staging`` serves a
 :class:`StagingArea` (Stage a receipt -> answered once the tensors are local, Drop keys). Either or both run
-in one :class:`StoreServer` on ``host:port`` or ``unix:/path``. Methods are registered through generic handlers
+in one :class:`StoreServer` (``GrpcHost``: the encoder server's bind / health / stop sequence) on ``host:port``
+or ``unix:/path``. Methods are registered through generic handlers
 (raw bytes in and out, as ``EncoderService``): a malformed message is INVALID_ARGUMENT with a reason and the
 server keeps serving. Errors cross as status + ``tensorwire-reason`` (``tensorwire.mm.wire``); per-grant lookup
 failures are fields of the answer (one bad grant does not fail the others). ``grpc.RpcError`` never leaves here.
@@ -11,15 +12,12 @@ failures are fields of the answer (one bad grant does not fail the others). ``gr
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tensorwire.errors import (
     ClosedError,
@@ -35,6 +33,7 @@ from tensorwire.errors import (
 )
 from tensorwire.mm import wire
 from tensorwire.mm._codec import encode_tensor
+from tensorwire.mm._host import GrpcHost
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
 from tensorwire.mm._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
@@ -149,27 +148,19 @@ class StagingServicer:
 
 
 class StoreServer:
-    """A running gRPC server with HeldOutputs and/or Staging (and grpc.health.v1). ``stop`` is idempotent.
+    """A running gRPC server with HeldOutputs and/or Staging (and grpc.health.v1), on ``GrpcHost``.
 
-    ``address`` is what clients dial: ``host:port`` (the bound port) or ``unix:/path``. The server does not own
-    the store or the area; their owner closes them after ``stop``.
+    ``address`` is what clients dial: ``host:port`` (the bound port) or ``unix:/path``. ``stop`` is idempotent.
+    The server does not own the store or the area; their owner closes them after ``stop``.
     """
 
-    def __init__(self, server: grpc.Server, address: str, port: int, health_servicer: health.HealthServicer) -> None:
-        self._server = server
+    def __init__(self, host: GrpcHost, address: str, port: int) -> None:
+        self._host = host
         self.address = address
         self.port = port
-        self._health = health_servicer
-        self._stopped = False
-        self._lock = threading.Lock()
 
     def stop(self, grace: float | None = 1.0) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-        self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait(None if grace is None else grace + 5.0)
+        self._host.stop(grace)
 
     def __enter__(self) -> StoreServer:
         return self
@@ -187,33 +178,23 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
     """
     if store is None and staging is None:
         raise ConfigError("serve_store needs a store, a staging area, or both")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tensorwire-store"),
-                         options=wire.channel_options())
-    names = [""]
+    handlers: list[grpc.GenericRpcHandler] = []
+    names: list[str] = []
     if store is not None:
-        server.add_generic_rpc_handlers((HeldStoreServicer(store).handler(),))
+        handlers.append(HeldStoreServicer(store).handler())
         names.append(HELD_SERVICE)
     if staging is not None:
-        server.add_generic_rpc_handlers((StagingServicer(staging).handler(),))
+        handlers.append(StagingServicer(staging).handler())
         names.append(STAGING_SERVICE)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        port = server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise ConfigError(f"cannot bind the store server to {address!r}: {exc}") from exc
-    if port == 0:
-        raise ConfigError(f"cannot bind the store server to {address!r}; is it in use?")
-    server.start()
-    for name in names:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = GrpcHost("store server", handlers, threads=threads, thread_prefix="tensorwire-store", serving=names)
+    port = host.bind(address)
+    host.start()
     if address.startswith("unix:"):
         dial = address
     else:
-        host = advertise_host or address.rsplit(":", 1)[0] or "127.0.0.1"
-        dial = f"{host}:{port}"
-    log.info("store server on %s (%s)", dial, ", ".join(n for n in names if n))
-    return StoreServer(server, dial, port, health_servicer)
+        dial = f"{advertise_host or host.host}:{port}"
+    log.info("store server on %s (%s)", dial, ", ".join(names))
+    return StoreServer(host, dial, port)
 
 
 @dataclass(frozen=True)
