@@ -4,6 +4,7 @@ Grouped by what the caller does next::
 
     TensorwireError                      base; .reason is a Reason (its value doubles as a metric label)
     ├── ConfigError (ValueError)         a setting is invalid; fix the configuration
+    │   └── UnsafeWeights                a model directory holds only pickled weights; convert to safetensors
     ├── ClosedError                      the object was closed; build a new one
     ├── InvalidDescriptor (ValueError)   untrusted descriptor bytes or fields failed validation
     ├── ExportError                      the owner could not export (bad input, registration failure)
@@ -39,8 +40,10 @@ class Reason(str, enum.Enum):
     UNKNOWN = "unknown"
     # configuration and lifecycle
     INVALID_CONFIG = "invalid_config"
+    UNSAFE_WEIGHTS = "unsafe_weights"
     CLOSED = "closed"
     PROVIDER_UNAVAILABLE = "provider_unavailable"
+    BIND_FAILED = "bind_failed"
     # descriptor validation
     DESCRIPTOR_MALFORMED = "descriptor_malformed"
     UNSUPPORTED_DTYPE = "unsupported_dtype"
@@ -122,6 +125,12 @@ class ConfigError(TensorwireError, ValueError):
     """A configuration value is invalid; the message names the field and the accepted range."""
 
     default_reason = Reason.INVALID_CONFIG
+
+
+class UnsafeWeights(ConfigError):
+    """A model directory offers only pickled weights (``pytorch_model.bin``, ...); only safetensors are loaded."""
+
+    default_reason = Reason.UNSAFE_WEIGHTS
 
 
 class ClosedError(TensorwireError):
@@ -242,6 +251,7 @@ __all__ = [
     "Reason",
     "TensorwireError",
     "ConfigError",
+    "UnsafeWeights",
     "ClosedError",
     "InvalidDescriptor",
     "ExportError",

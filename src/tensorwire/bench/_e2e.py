@@ -25,6 +25,45 @@ if TYPE_CHECKING:
 
 SEED_IMAGE = "scene_2048x1365.jpg"
 
+# ``tensorwire fetch --json``: one object, also on failure. The version goes up when a key changes meaning or
+# goes away; new keys may appear without it.
+FETCH_SCHEMA = "tensorwire.fetch"
+FETCH_SCHEMA_VERSION = 1
+FETCH_JSON_HELP = f"""\
+--json output: one JSON object on stdout, schema "{FETCH_SCHEMA}" version {FETCH_SCHEMA_VERSION}.
+  always:     schema (str), schema_version (int), ok (bool), endpoint (str)
+  ok=true:    plane ("rdma" | "inline"), fallback_reason (str | null: why RDMA fell back to inline),
+              worker_id (str), items (list, one per image: image, shape, dtype, device,
+              position_ids_shape), encoder_ms, transfer_ms (total minus the encoder's forward),
+              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int)
+  ok=false:   error: {{type (exception class, e.g. "PeerUnavailable"), reason (a stable
+              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int)}}
+"""
+
+
+def fetch_document(result: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """:func:`fetch_result` inside the ``--json`` envelope (``FETCH_JSON_HELP``)."""
+    return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": True, "endpoint": endpoint,
+            **result}
+
+
+def fetch_error_document(exc: BaseException, exit_code: int, endpoint: str) -> dict[str, Any]:
+    """The ``--json`` object of a failed fetch: the exception's class, its reason (``invalid_request`` for an
+    unreadable file or a bad argument, ``unknown`` otherwise when it is not a tensorwire error), a message
+    without the exception's repr, the exit code."""
+    from tensorwire.errors import Reason, TensorwireError
+
+    if isinstance(exc, TensorwireError):
+        reason = exc.reason
+    else:
+        reason = Reason.INVALID_REQUEST if exit_code == 2 else Reason.UNKNOWN
+    message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    if isinstance(exc, OSError) and exc.filename:
+        message = f"{exc.filename}: {message}"
+    return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": False, "endpoint": endpoint,
+            "error": {"type": type(exc).__name__, "reason": reason.value, "message": message,
+                      "exit_code": exit_code}}
+
 
 def stage_split_ms(stage_ms: Mapping[str, float]) -> tuple[float, float, float]:
     """(encoder compute, output transfer, total) of one fetch, in ms, as defined in the module docstring."""

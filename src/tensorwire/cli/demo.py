@@ -5,7 +5,9 @@ OS), then sends the sample images shipped in the package through the proxy twice
 plane (``mode=auto``) and once inline (``mode=grpc``). Prints the seed's table (encoder compute, output
 transfer, total; mean ± sd per plane) for the 2048x1365 image, a line per other image, and checks that both
 planes delivered the same tensors. ``--json`` prints the numbers instead; ``--save`` also writes them under
-benchmarks/results/. Every child runs in its own process group and is killed in ``finally`` (also on Ctrl-C).
+benchmarks/results/. Every child runs in its own process group and is stopped in ``finally`` (also on Ctrl-C or
+SIGTERM: all at once, SIGTERM then SIGKILL after a bounded wait; a second Ctrl-C does not cut that short); a demo
+killed without that chance (SIGKILL) takes its children with it through their lifeline (``tensorwire._lifeline``).
 
 The children are ``tensorwire.service._child.LoopbackDeployment``; what is measured and how the table reads
 (the stage definitions) is ``tensorwire.bench._e2e``. Exit codes: 0 done, 1 the demo failed (the children's last
@@ -55,12 +57,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: not files: {missing}", file=sys.stderr)
         return 2
     t_start = time.monotonic()
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     def interrupted(signum: int, _frame: object) -> None:
+        for sig in stops:  # one interruption: a second Ctrl-C must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children.
-    previous = {s: signal.signal(s, interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, interrupted) for s in stops}
     log_dir = Path(tempfile.mkdtemp(prefix="tensorwire-demo-"))
     deployment = LoopbackDeployment(args.workers, args.device, log_dir)
 
@@ -88,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- last lines of {c.name} ({c.log_path}):\n{c.tail()}", file=sys.stderr)
         return 1
     finally:
-        codes = deployment.stop(grace_s=10.0)
+        for sig in stops:
+            signal.signal(sig, signal.SIG_IGN)
+        codes = deployment.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     result["child_exit_codes"] = codes

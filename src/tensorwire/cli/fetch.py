@@ -1,9 +1,9 @@
 """``tensorwire fetch --endpoint HOST:PORT [--json] IMAGE...``: the LLM side, for trying a deployment by hand.
 
 Sends all images in one request through ``RemoteOutputTransport`` (RDMA when both sides can, inline otherwise)
-and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json``
-prints one object: ``plane``, ``fallback_reason``, ``worker_id``, ``items`` (shapes, dtypes), ``encoder_ms``,
-``transfer_ms`` (total minus the encoder's forward), ``total_ms``, ``stage_ms``, ``payload_bytes``.
+and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json`` prints
+one object, also on failure; its keys are in ``EPILOG`` (``tensorwire fetch --help``), in
+``tensorwire.bench._e2e`` (which builds it) and in docs/deployment.md.
 Exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files.
 """
 
@@ -16,14 +16,19 @@ import os
 import sys
 from pathlib import Path
 
+from tensorwire.bench._e2e import FETCH_JSON_HELP
+
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
+EPILOG = FETCH_JSON_HELP + "exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.mm import MODES
 
-    parser.add_argument("--endpoint", required=True, help="HOST:PORT of a serve-encoder or serve-proxy")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--endpoint", required=True,
+                        help="HOST:PORT of a serve-encoder or serve-proxy (the port is required)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object instead of text, also on failure (keys below)")
     parser.add_argument("--mode", choices=MODES, default=None,
                         help="auto (RDMA when possible) or grpc (inline only); default: MM_TRANSPORT_MODE or auto")
     parser.add_argument("--device", default=None, help="where RDMA reads land: cpu or cuda:N (default: cpu)")
@@ -34,37 +39,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (JPEG, PNG, ...)")
 
 
+def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
+    """Reports a failure: one JSON object with ``--json``, else one ``error:`` line on stderr."""
+    from tensorwire.bench._e2e import fetch_error_document
+    from tensorwire.errors import TensorwireError
+
+    doc = fetch_error_document(exc, code, args.endpoint)
+    if args.json:
+        print(json.dumps(doc))
+        return code
+    err = doc["error"]
+    what = f"{err['type']} ({err['reason']}): " if isinstance(exc, TensorwireError) else ""
+    print(f"error: {what}{err['message']}", file=sys.stderr)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
-    from tensorwire.bench._e2e import fetch_lines, fetch_result
+    from tensorwire.bench._e2e import fetch_document, fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
+    from tensorwire.service._endpoint import parse_endpoint
     from tensorwire.service._runtime import drain_releases, stdout_to_stderr
 
     try:
+        endpoint = str(parse_endpoint(args.endpoint, "--endpoint"))
         data = [Path(p).read_bytes() for p in args.images]
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
         cfg = TransportConfig.from_env(os.environ)
         if args.mode:
             cfg = cfg.with_mode(args.mode)
         if args.device:
             cfg = dataclasses.replace(cfg, rdma=cfg.rdma.replace(device=args.device))
-    except (TensorwireError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (TensorwireError, ValueError, OSError) as exc:
+        return _error(args, exc, 2)
     names = [os.path.basename(p) for p in args.images]
     try:
-        with stdout_to_stderr(), RemoteOutputTransport(args.endpoint, cfg) as transport:
+        with stdout_to_stderr(), RemoteOutputTransport(endpoint, cfg) as transport:
             if cfg.mode == "auto" and not transport.wait_ready(args.wait_reader_s):
                 print(f"warning: RDMA reader not ready after {args.wait_reader_s:.0f} s; fetching inline",
                       file=sys.stderr)
             out = transport.fetch([MultimodalInput(d) for d in data], timeout_ms=args.timeout_ms)
             drain_releases(transport, cfg.release_timeout_ms / 1000.0 + 1.0)
     except TensorwireError as exc:
-        print(f"error: {type(exc).__name__} ({exc.reason.value}): {exc}", file=sys.stderr)
-        return 1
+        return _error(args, exc, 1)
     result = fetch_result(out, names)
-    print(json.dumps(result) if args.json else "\n".join(fetch_lines(result)))
+    print(json.dumps(fetch_document(result, endpoint)) if args.json else "\n".join(fetch_lines(result)))
     return 0

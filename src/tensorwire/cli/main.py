@@ -1,6 +1,8 @@
 """``tensorwire`` entry point. Each subcommand lives in its own module ``tensorwire.cli.<name>`` exposing::
 
     HELP: str                                    one line for ``tensorwire --help``
+    EPILOG: str (optional)                       text after the flags in ``tensorwire <command> --help``
+    FAST_EXIT: bool (optional)                   skip interpreter finalization after ``run`` (servers)
     def add_arguments(parser) -> None            its flags
     def run(args) -> int                         the exit code
 
@@ -38,13 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd, mod in _available().items():
         module = importlib.import_module(f"tensorwire.cli.{mod}")
-        p = sub.add_parser(cmd, help=getattr(module, "HELP", ""), description=getattr(module, "HELP", ""))
+        p = sub.add_parser(cmd, help=getattr(module, "HELP", ""), description=getattr(module, "HELP", ""),
+                           epilog=getattr(module, "EPILOG", None), formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
         p.set_defaults(_module=module)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tensorwire._lifeline import arm_from_env
+
+    arm_from_env()  # started by a tensorwire parent (the demo): die with it, however it dies
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
@@ -52,9 +58,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        return int(args._module.run(args) or 0)
+        code = int(args._module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    if getattr(args._module, "FAST_EXIT", False):
+        from tensorwire.service._runtime import exit_now
+
+        exit_now(code)  # a stopped server has nothing left to finalize (see exit_now)
+    return code
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 Transport flags come from ``TransportConfig``'s fields and RDMA flags (``--rdma-*``) from ``RdmaConfig``'s, so
 defaults live in the dataclasses; precedence is flag > environment (``MM_TRANSPORT_MODE``,
-``TENSORWIRE_MM_*``, ``TENSORWIRE_MM_RDMA_*``) > default. Prints ``READY grpc=HOST:PORT metrics=HOST:PORT
-worker_id=ID mode=MODE`` once serving; SIGTERM/SIGINT stop accepting, finish in-flight calls within
-``--grace-s``, then close the exporter.
+``TENSORWIRE_MM_*``, ``TENSORWIRE_MM_RDMA_*``) > default.
+
+Start-up: the port is bound first (a port in use is exit code 3 before any model is loaded), health answers
+NOT_SERVING while the model loads, then SERVING, and ``READY grpc=HOST:PORT metrics=HOST:PORT worker_id=ID
+mode=MODE`` is printed. SIGTERM/SIGINT: NOT_SERVING for ``--drain-s``, then new Encodes are refused, in-flight ones
+finish and their exported leases are released (readers can still read them) within ``--grace-s``, then the exporter
+closes. A second signal ends the process at once. Exit codes: ``tensorwire.service._runtime``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ if TYPE_CHECKING:
     from tensorwire.mm import TransportConfig
 
 HELP = "run a vision-encoder worker (gRPC EncoderService, health, Prometheus /metrics)"
+
+FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (service._runtime.exit_now)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ _RDMA_HELP = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.mm import MODES, TransportConfig
     from tensorwire.rdma import RdmaConfig
-    from tensorwire.service._flags import add_flags
+    from tensorwire.service._flags import add_flags, add_stop_flags
 
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
@@ -51,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", default=None, help="/metrics bind address (default: --host)")
     parser.add_argument("--device", default="cpu", help="encoder device: cpu or cuda:N (default: cpu)")
     parser.add_argument("--model", default="builtin",
-                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory (default: builtin)")
-    parser.add_argument("--grace-s", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish on SIGTERM (default: 10)")
+                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
+                             "weights and its preprocessor_config.json, never downloaded (default: builtin)")
+    add_stop_flags(parser)
     parser.add_argument("--wait-exporter-s", type=float, default=0.0,
                         help="before READY, wait this long for the RDMA exporter (default: 0, build in background)")
     transport = parser.add_argument_group("transport (TransportConfig)")
@@ -83,36 +89,42 @@ def build_config(args: argparse.Namespace) -> TransportConfig:
 def run(args: argparse.Namespace) -> int:
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError
-    from tensorwire.service._runtime import MetricsServer, fail, print_ready, wait_for_signal
+    from tensorwire.service._flags import stop_config
+    from tensorwire.service._runtime import EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready, wait_for_signal
     from tensorwire.service._worker import EncoderWorker
 
     try:
         config = build_config(args)
-        encoder = load_encoder(args.model, device=args.device)
+        stop = stop_config(args)
     except (TensorwireError, ValueError) as exc:
-        return fail(str(exc), 2)
+        return fail(str(exc), EXIT_USAGE)
     log.info("effective config: %s", config)
     # What the RDMA plane advertises (and the warnings when other hosts could not reach it) is shown by default.
     endpoint_log = logging.getLogger("tensorwire.rdma.endpoint")
     if endpoint_log.getEffectiveLevel() > logging.INFO:
         endpoint_log.setLevel(logging.INFO)
     metrics = None
-    worker = EncoderWorker(encoder, config, model=args.model)
+    served = False  # the drain period is for peers that saw us SERVING; a failed start has none
+    worker = EncoderWorker.loading(lambda: load_encoder(args.model, device=args.device), config,
+                                   device=args.device, model=args.model, reuse_port=args.reuse_port)
     try:
         try:
             worker.start(f"{args.host}:{args.port}")
             if args.metrics_port >= 0:
                 metrics = MetricsServer(args.metrics_port, args.metrics_host or args.host)
-        except (TensorwireError, OSError) as exc:
-            return fail(str(exc), 1)
+            log.info("listening on %s, NOT_SERVING while model %s loads", worker.address, args.model)
+            worker.load()
+        except (TensorwireError, ValueError, OSError) as exc:
+            return fail(str(exc), exit_code_for(exc))
         if args.wait_exporter_s > 0 and not worker.wait_ready(args.wait_exporter_s):
             log.warning("RDMA exporter not ready after %.1f s; serving inline until it is", args.wait_exporter_s)
         print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",
                     worker_id=worker.worker_id, mode=config.mode, model=args.model)
+        served = True
         got = wait_for_signal()
-        log.info("%s: stopping (grace %.1f s)", got, args.grace_s)
+        log.info("%s: stopping (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)
     finally:
-        worker.stop(args.grace_s)
+        worker.stop(stop.grace_s, drain_s=stop.drain_s if served else 0.0)
         if metrics is not None:
             metrics.close()
     return 0

@@ -4,6 +4,11 @@ At start-up the proxy asks every worker for ``WorkerInfo`` (waiting up to ``--wo
 start when two workers on one host share a fixed ``--rdma-port`` (only one could bind it); the route TTL is
 the workers' largest ``slot_gc_timeout_ms`` + 5 s. ``--no-check-workers`` skips this (TTL from
 ``--slot-gc-timeout-ms``). Prints ``READY grpc=HOST:PORT metrics=HOST:PORT workers=N``.
+
+Health: SERVING while at least one worker answers its health probe with SERVING (``--probe-*``); per-worker
+state in ``tensorwire_proxy_worker_up``. SIGTERM/SIGINT: NOT_SERVING for ``--drain-s``, then new Encodes are
+refused while ReleaseLeases is still routed, in-flight calls finish within ``--grace-s``. Exit codes:
+``tensorwire.service._runtime`` (3: the port is in use).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import logging
 
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
+FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (service._runtime.exit_now)
+
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tensorwire.service._flags import add_flags
+    from tensorwire.service._flags import add_flags, add_stop_flags
     from tensorwire.service._proxy import ProxyConfig
 
     parser.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
@@ -26,39 +33,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
-    parser.add_argument("--grace-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
+    add_stop_flags(parser)
     add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
-        "max_attempts": "workers tried per Encode; 0 = every worker once",
+        "max_attempts": "attempts per Encode, in rounds over the workers; 0 = three rounds of every worker",
         "check_workers": "ask workers for WorkerInfo at start-up (RDMA port check, route TTL)",
         "slot_gc_timeout_ms": "workers' lease GC timeout, for the route TTL when workers are not asked",
+        "probe_interval_s": "seconds between health probes of each worker",
+        "probe_timeout_s": "how long one health probe waits for its answer",
+        "probe_failures": "unanswered probes in a row before a worker counts as DOWN",
+        "check_receipts": "check each receipt as a reader would; a broken one is retried on another worker",
     })
 
 
 def run(args: argparse.Namespace) -> int:
     from tensorwire.errors import TensorwireError
-    from tensorwire.service._flags import flag_values
+    from tensorwire.service._flags import flag_values, stop_config
     from tensorwire.service._proxy import EncoderProxy, ProxyConfig
-    from tensorwire.service._runtime import MetricsServer, fail, print_ready, wait_for_signal
+    from tensorwire.service._runtime import EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready, wait_for_signal
 
     try:
         config = ProxyConfig(workers=tuple(args.worker), **flag_values(args, ProxyConfig))
+        stop = stop_config(args)
     except (TensorwireError, ValueError, TypeError) as exc:
-        return fail(str(exc), 2)
-    proxy = EncoderProxy(config)
+        return fail(str(exc), EXIT_USAGE)
+    proxy = EncoderProxy(config, reuse_port=args.reuse_port)
     metrics = None
+    served = False  # the drain period is for peers that saw us SERVING; a failed start has none
     try:
         try:
             proxy.start(f"{args.host}:{args.port}")
             if args.metrics_port >= 0:
                 metrics = MetricsServer(args.metrics_port, args.host)
         except (TensorwireError, OSError) as exc:
-            return fail(str(exc), 1)
+            return fail(str(exc), exit_code_for(exc))
         print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
                     workers=len(config.workers))
+        served = True
         got = wait_for_signal()
-        log.info("%s: stopping proxy (grace %.1f s)", got, args.grace_s)
+        log.info("%s: stopping proxy (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)
     finally:
-        proxy.stop(args.grace_s)
+        proxy.stop(stop.grace_s, drain_s=stop.drain_s if served else 0.0)
         if metrics is not None:
             metrics.close()
     return 0

@@ -11,8 +11,10 @@ from tensorwire.errors import ConfigError
 class PreprocessConfig:
     """Input limits and the resize policy shared by every encoder.
 
-    The resize follows Qwen2-VL's dynamic resolution: keep the aspect ratio, make both sides a multiple of
-    ``patch_size * merge_size`` and keep ``min_pixels <= h * w <= max_pixels``. The limits run before decoding
+    The built-in encoder's resize follows Qwen2-VL's dynamic resolution: keep the aspect ratio, make both sides a
+    multiple of ``patch_size * merge_size`` and keep ``min_pixels <= h * w <= max_pixels``, then ``mean``/``std``.
+    A Hugging Face model (``--model DIR``) uses only the limits here; its resize and normalization come from its
+    own image processor configuration. The limits run before decoding
     (``max_image_bytes``) and right after reading the header (``max_image_pixels``), so a decompression bomb
     is refused without allocating its pixels.
     """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ from tensorwire.errors import InvalidPayload, Reason
 
 if TYPE_CHECKING:
     from PIL import Image
+
+_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
 
 _FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 
@@ -39,8 +42,11 @@ def check_request(images: list[bytes], cfg: PreprocessConfig) -> None:
         )
 
 
-def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image.Image:
-    """Decode JPEG/PNG (and a few other Pillow formats) into RGB, enforcing the byte and pixel limits."""
+def open_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image.Image:
+    """Decode JPEG/PNG (and a few other Pillow formats), enforcing the byte and pixel limits; mode as stored.
+
+    The pixel limit is checked on the header, before the pixels are allocated.
+    """
     from PIL import Image
 
     if not data:
@@ -58,12 +64,31 @@ def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image
                     f"image {index}: {w}x{h} = {w * h} pixels > max_image_pixels={cfg.max_image_pixels}"
                 )
             img.load()
-            return img.convert("RGB")
+            return img
     except InvalidPayload:
         raise
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         # Pillow reports truncated/unknown data as OSError (UnidentifiedImageError) or SyntaxError.
-        raise InvalidPayload(f"image {index}: cannot decode {len(data)} bytes as an image ({exc})") from exc
+        raise InvalidPayload(f"image {index}: cannot decode {len(data)} bytes as an image ({_no_repr(exc)})") from exc
+
+
+def _no_repr(exc: BaseException) -> str:
+    """Pillow's message without the object reprs it embeds ("cannot identify image file <_io.BytesIO object at
+    0x7f...>"): the address means nothing to the caller, and it makes every message unique to alerting."""
+    return _REPR.sub("the data", str(exc)) or type(exc).__name__
+
+
+def to_rgb(img: Image.Image, *, index: int = 0) -> Image.Image:
+    """Pillow's plain RGB conversion (alpha dropped); ``InvalidPayload`` for a mode it cannot convert."""
+    try:
+        return img.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise InvalidPayload(f"image {index}: cannot convert mode {img.mode} to RGB ({exc})") from exc
+
+
+def decode_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image.Image:
+    """``open_image`` converted to RGB, what the built-in encoder feeds its tower."""
+    return to_rgb(open_image(data, cfg, index=index), index=index)
 
 
 def smart_resize(height: int, width: int, unit: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -100,12 +125,11 @@ def to_tensor(img: Image.Image, size: tuple[int, int], cfg: PreprocessConfig) ->
     return arr.sub_(mean).div_(std)
 
 
-def prepare(data: bytes, cfg: PreprocessConfig, unit: int, *, index: int = 0,
-            fixed_size: tuple[int, int] | None = None) -> Prepared:
-    """Decode, resize onto a grid of ``unit``-pixel tokens (or to ``fixed_size``), normalize."""
+def prepare(data: bytes, cfg: PreprocessConfig, unit: int, *, index: int = 0) -> Prepared:
+    """Decode, resize onto a grid of ``unit``-pixel tokens (dynamic resolution), normalize."""
     img = decode_image(data, cfg, index=index)
     original = (img.size[1], img.size[0])
-    size = fixed_size or smart_resize(original[0], original[1], unit, cfg.min_pixels, cfg.max_pixels)
+    size = smart_resize(original[0], original[1], unit, cfg.min_pixels, cfg.max_pixels)
     pixels = to_tensor(img, size, cfg)
     return Prepared(pixels=pixels, original_size=original, grid=(size[0] // unit, size[1] // unit))
 

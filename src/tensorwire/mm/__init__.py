@@ -24,8 +24,9 @@ Public names (``__all__``, pinned by tests/unit/mm/test_mm_public_api.py):
 
 ``tensorwire.mm.wire`` is public too: the protocol every peer of the EncoderService shares (method paths, message
 limits, the status table, the budget formula), used by the proxy. Every other module is private. Sibling packages
-import the few internals they need explicitly from their module: ``_host.GrpcHost`` (``tensorwire.service``),
-``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
+import the few internals they need explicitly from their module: ``_host.GrpcHost``, ``_receipt.check_receipt``
+and ``_ratelog.RateLimitedLog`` (``tensorwire.service``), ``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``,
+the fuzz harness).
 """
 
 from __future__ import annotations

@@ -114,18 +114,26 @@ class _RdmaAttempt:
         req.deadline_ms = max(0, int(budget.remaining_ms()))
         return req
 
-    def withdraw(self) -> _InlineAttempt:
-        return _InlineAttempt(self.inputs)
+    def withdraw(self, failed_worker: str = "") -> _InlineAttempt:
+        """The inline retry; it names the worker whose receipt could not be read, so that a proxy in between sends
+        the retry to another worker when it can (the worker may have died with its slots)."""
+        avoid = (*self.excluded_workers, failed_worker) if failed_worker else self.excluded_workers
+        return _InlineAttempt(self.inputs, avoid)
 
 
 @dataclass(frozen=True)
 class _InlineAttempt:
-    """A request that cannot advertise RDMA (it has no such field); its answer goes to the terminal decoder."""
+    """A request that cannot advertise RDMA (it has no such field); its answer goes to the terminal decoder.
+
+    ``avoid``: worker ids sent in ``rdma_excluded_workers``; without ``support_rdma`` they only tell a proxy to
+    ask other workers first."""
 
     inputs: tuple[MultimodalInput, ...]
+    avoid: tuple[str, ...] = ()
 
     def to_pb(self, budget: Budget) -> pb.EncodeRequest:
         req = _codec.inputs_to_pb(self.inputs)
+        req.rdma_excluded_workers.extend(self.avoid)
         req.deadline_ms = max(0, int(budget.remaining_ms()))
         return req
 
@@ -374,7 +382,7 @@ class RemoteOutputTransport:
                                    reason=Reason.BUDGET_EXHAUSTED) from result.error
         self._rl.log(logging.WARNING, "fallback-" + reason.value,
                      "RDMA consume from %s failed (%s); falling back to inline once", self.endpoint, result.error)
-        return self._fetch_inline(attempt.withdraw(), budget, stages, session, fallback_from=reason)
+        return self._fetch_inline(attempt.withdraw(worker), budget, stages, session, fallback_from=reason)
 
     def _fetch_inline(self, attempt: _InlineAttempt, budget: Budget, stages: _Stages, session: ControlSession,
                       fallback_from: Reason | None) -> MultimodalOutput:

@@ -167,33 +167,54 @@ def assemble(
     extra_inputs: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
     """Splits wire-form tensors per item after checking the invariants (ASSEMBLY_MISMATCH otherwise)."""
-    splits = [int(s) for s in split_sizes]
+    splits = check_layout(None if embedding is None else embedding.shape, split_sizes,
+                          None if position_ids is None else position_ids.shape, len(extra_inputs))
     if embedding is None:
-        if splits or position_ids is not None or extra_inputs:
+        return [], None, []
+    pos_parts: list[torch.Tensor] | None = None
+    if position_ids is not None:
+        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split_with_sizes(splits))
+    # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
+    embs = [embedding] if len(splits) == 1 else list(embedding.split_with_sizes(splits))
+    return embs, pos_parts, list(extra_inputs)
+
+
+def check_layout(embedding_shape: Sequence[int] | None, split_sizes: Sequence[int],
+                 position_shape: Sequence[int] | None, n_extras: int) -> list[int]:
+    """The reassembly invariants on shapes alone (ASSEMBLY_MISMATCH otherwise); returns the split sizes."""
+    splits = [int(s) for s in split_sizes]
+    if embedding_shape is None:
+        if splits or position_shape is not None or n_extras:
             raise InvalidPayload("receipt has split sizes, position ids or extra inputs but no embedding",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        return [], None, []
-    if embedding.dim() == 0:
+        return splits
+    if len(embedding_shape) == 0:
         raise InvalidPayload("embedding is a scalar; it needs a row dimension", reason=Reason.ASSEMBLY_MISMATCH)
     if any(s < 0 for s in splits):
         raise InvalidPayload(f"negative split size in {splits}", reason=Reason.ASSEMBLY_MISMATCH)
     total = sum(splits)
-    if not splits or total != embedding.shape[0]:
-        raise InvalidPayload(f"split sizes {splits} sum to {total}; the embedding has {embedding.shape[0]} rows",
+    if not splits or total != embedding_shape[0]:
+        raise InvalidPayload(f"split sizes {splits} sum to {total}; the embedding has {embedding_shape[0]} rows",
                              reason=Reason.ASSEMBLY_MISMATCH)
-    pos_parts: list[torch.Tensor] | None = None
-    if position_ids is not None:
-        rows = position_ids.shape[0] if position_ids.dim() else -1
+    if position_shape is not None:
+        rows = position_shape[0] if len(position_shape) else -1
         if rows != total:
             raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
                                  reason=Reason.ASSEMBLY_MISMATCH)
-        pos_parts = [position_ids] if len(splits) == 1 else list(position_ids.split_with_sizes(splits))
-    if extra_inputs and len(extra_inputs) != len(splits):
-        raise InvalidPayload(f"extra_input count {len(extra_inputs)} != {len(splits)} items",
-                             reason=Reason.ASSEMBLY_MISMATCH)
-    # One item: the tensor itself (a split would only make a view of all of it, one more torch call per fetch).
-    embs = [embedding] if len(splits) == 1 else list(embedding.split_with_sizes(splits))
-    return embs, pos_parts, list(extra_inputs)
+    if n_extras and n_extras != len(splits):
+        raise InvalidPayload(f"extra_input count {n_extras} != {len(splits)} items", reason=Reason.ASSEMBLY_MISMATCH)
+    return splits
+
+
+def check_inline_receipt(receipt: pb.EncodeResponse) -> None:
+    """What ``decode_inline_receipt`` checks, without copying a byte: InvalidPayload when it would fail."""
+    emb = (check_tensor(receipt.embedding, len(receipt.embedding.data), "embedding")[1]
+           if receipt.HasField("embedding") else None)
+    pos = (check_tensor(receipt.position_ids, len(receipt.position_ids.data), "position_ids")[1]
+           if receipt.HasField("position_ids") else None)
+    for i, t in enumerate(receipt.extra_inputs):
+        check_tensor(t, len(t.data), f"extra_inputs[{i}]")
+    check_layout(emb, receipt.split_sizes, pos, len(receipt.extra_inputs))
 
 
 def decode_inline_receipt(
@@ -245,6 +266,8 @@ __all__ = [
     "encode_tensor",
     "check_tensor",
     "decode_tensor",
+    "check_layout",
+    "check_inline_receipt",
     "assemble",
     "decode_inline_receipt",
 ]

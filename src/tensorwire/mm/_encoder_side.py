@@ -434,6 +434,29 @@ class OutputTransport:
         self.metrics.child(self.metrics.exported_leases_released, "ok").inc(len(ids))
         return len(ids)
 
+    def live_leases(self) -> int:
+        """Exported leases not yet released or reclaimed (0 without an exporter)."""
+        exporter = self._holder.get()
+        if exporter is None:
+            return 0
+        try:
+            return int(exporter.stats().live_leases)
+        except Exception:  # a closed exporter holds nothing
+            return 0
+
+    def wait_released(self, deadline: float, poll_s: float = 0.05) -> int:
+        """Waits until every exported lease is released (or reclaimed) or ``deadline`` (time.monotonic) passes;
+        returns how many are still out. A stopping server calls this before ``close()``, so that readers of
+        receipts it already sent can still read them."""
+        left = self.live_leases()
+        if left:
+            log.info("waiting up to %.1f s for %d exported lease(s) to be released",
+                     max(0.0, deadline - time.monotonic()), left)
+        while left and time.monotonic() < deadline:
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            left = self.live_leases()
+        return left
+
     def close(self) -> None:
         self._closed = True
         self._holder.close()

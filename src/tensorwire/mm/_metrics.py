@@ -16,8 +16,28 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+# Encoder compute: a small image on a GPU takes milliseconds, a large batch on a CPU tens of seconds.
+_COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _CountFromSource:
+    """A Counter whose value is read from ``source()`` at scrape time (a count kept elsewhere, e.g. the
+    exporter's GC reclaims): prometheus_client's Counter has no ``set_function``, and a cumulative count exported
+    as a Gauge breaks ``rate()``."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.source: Callable[[], float] = lambda: 0.0
+        registry.register(self)
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.source())
+
+    def describe(self) -> Any:
+        yield CounterMetricFamily(self.name, self.documentation)
 
 
 class TransportMetrics:
@@ -51,8 +71,16 @@ class TransportMetrics:
         self.exported_leases_released = Counter("tensorwire_mm_encoder_released_total",
                                                 "Lease ids released on the encoder by ReleaseLeases",
                                                 ["outcome"], registry=reg)
-        self.gc_reclaimed = Gauge("tensorwire_mm_encoder_gc_reclaimed_leases",
-                                  "Leases the encoder's TTL GC reclaimed (never released by a reader)", registry=reg)
+        self.gc_reclaimed = _CountFromSource("tensorwire_mm_encoder_gc_reclaimed_leases",
+                                             "Leases the encoder's TTL GC reclaimed (never released by a reader)",
+                                             reg)  # exposed as ..._total
+        self.encoder_compute_seconds = Histogram("tensorwire_mm_encoder_compute_seconds",
+                                                 "The encoder's forward pass per Encode (encode_fn), on the encoder",
+                                                 buckets=_COMPUTE_BUCKETS, registry=reg)
+        self.encoder_request_seconds = Histogram("tensorwire_mm_encoder_request_seconds",
+                                                 "Encode on the encoder from the parsed request to the receipt "
+                                                 "(compute + export or serialization), by the receipt's plane",
+                                                 ["plane"], buckets=_COMPUTE_BUCKETS, registry=reg)
         self.exporter_ready = Gauge("tensorwire_mm_encoder_exporter_ready",
                                     "1 when the encoder's RDMA exporter is built", registry=reg)
         self.breaker_open = Gauge("tensorwire_mm_breaker_open", "Circuit breakers not closed, by scope",
@@ -73,7 +101,6 @@ class TransportMetrics:
         self.encoder_streams_open = Gauge("tensorwire_mm_encoder_control_streams",
                                           "EncodeStream calls open on the encoder (each holds a server thread)",
                                           registry=reg)
-        self._gc_source: Callable[[], float] | None = None
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, family: Any, *values: str) -> Any:
@@ -87,7 +114,7 @@ class TransportMetrics:
 
     def watch_gc(self, source: Callable[[], float]) -> None:
         """Reads the exporter's GC reclaim count at scrape time."""
-        self.gc_reclaimed.set_function(source)
+        self.gc_reclaimed.source = source
 
 
 _lock = threading.Lock()

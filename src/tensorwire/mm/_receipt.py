@@ -118,10 +118,39 @@ def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeRe
                             plane=Plane.RDMA, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
 
 
+def check_receipt(receipt: pb.EncodeResponse, parse: DescriptorParser) -> tuple[list[str], Exception | None]:
+    """(lease ids, the first problem or None): every check a reader makes before it reads or decodes (slots,
+    roles, reassembly layout from the manifests; inline dtypes, sizes and layout), reading no memory. For a hop
+    in the middle (the proxy), which can ask another worker when a receipt is broken; the ids are what it must
+    release on the worker that sent it."""
+    if not receipt.rdma_slots:
+        try:
+            _codec.check_inline_receipt(receipt)
+        except InvalidPayload as exc:
+            return [], exc
+        return [], None
+    parsed = parse_slots(receipt, parse)
+    ids = lease_ids(parsed)
+    try:
+        descs, roles = validate_slots(receipt, parsed)
+        metas = [m for d in descs for m in d.manifest]
+        emb = [m.shape for m, r in zip(metas, roles, strict=True) if r == pb.EMBEDDING]
+        pos = [m.shape for m, r in zip(metas, roles, strict=True) if r == pb.POS_ID]
+        if not emb or len(pos) > 1 or any(len(e) == 0 for e in emb):
+            raise InvalidPayload(f"receipt has {len(emb)} embedding chunk(s) and {len(pos)} POS_ID tensor(s)",
+                                 reason=Reason.ASSEMBLY_MISMATCH)
+        rows = (sum(int(e[0]) for e in emb), *emb[0][1:])
+        _codec.check_layout(rows, receipt.split_sizes, pos[0] if pos else None,
+                            sum(1 for r in roles if r == pb.EXTRA_INPUT))
+    except Exception as exc:  # InvalidDescriptor, ProtocolError, InvalidPayload
+        return ids, exc
+    return ids, None
+
+
 def encoder_stages(receipt: pb.EncodeResponse) -> dict[str, float]:
     """The encoder's own stage times, in ms, under ``encoder.<stage>``."""
     return {f"encoder.{k}": v / 1000.0 for k, v in receipt.encoder_stage_us.items()}
 
 
 __all__ = ["MAX_SLOTS_PER_RECEIPT", "DescriptorParser", "parse_slots", "lease_ids", "validate_slots", "check_read",
-           "role_bytes", "assemble", "encoder_stages"]
+           "role_bytes", "assemble", "check_receipt", "encoder_stages"]

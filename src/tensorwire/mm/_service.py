@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from tensorwire.errors import ConfigError, InvalidPayload, Reason
+from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reason
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm._host import GrpcHost
+from tensorwire.mm._host import Admission, GrpcHost
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
@@ -46,6 +46,11 @@ def _parse_or_abort(message: Any, raw: bytes, context: grpc.ServicerContext) -> 
         wire.abort_with(context, InvalidPayload(f"{message.__name__} does not parse: {exc}",
                                                 reason=Reason.INVALID_REQUEST))
         raise  # unreachable: abort raises
+
+
+def _draining() -> PeerUnavailable:
+    return PeerUnavailable("encoder is draining (shutting down); send the request to another worker",
+                           reason=Reason.PEER_UNAVAILABLE)
 
 
 class _OpenStream:
@@ -78,9 +83,14 @@ class EncoderService:
 
     Streams: every open EncodeStream holds a server worker thread for its whole life, so at most
     ``max_streams`` (default ``config.effective_server_stream_cap``) are open at once; one more is refused with
-    RESOURCE_EXHAUSTED before any of its messages is read (its client then uses the unary Encode). A server
-    that stops calls ``close_streams()`` after ``grpc.Server.stop`` so that idle streams end at once instead of
-    holding the stop for its whole grace period; a stream in the middle of an Encode answers it first.
+    RESOURCE_EXHAUSTED before any of its messages is read (its client then uses the unary Encode).
+
+    Stopping (the ``GrpcHost`` stop sequence): ``quiesce()`` refuses every later Encode and EncodeStream with
+    UNAVAILABLE (reason ``peer_unavailable``: a proxy retries it on another worker); ReleaseLeases keeps working,
+    on open streams too. ``settle(deadline)`` then waits for the Encodes in flight and for every exported lease
+    to be released (readers still read them), at most until ``deadline``. Last, after ``grpc.Server.stop``,
+    ``close_streams()`` ends idle streams at once instead of letting them hold the stop for the rest of the
+    grace; a stream in the middle of an Encode answers it first.
     """
 
     def __init__(self, encode_fn: EncodeFn, transport: OutputTransport, *, max_streams: int | None = None) -> None:
@@ -89,7 +99,9 @@ class EncoderService:
         self.max_streams = transport.config.effective_server_stream_cap if max_streams is None else max_streams
         self._streams: set[_OpenStream] = set()
         self._streams_lock = threading.Lock()
-        self._stopping = False
+        self._stopping = False  # quiesced: no new Encode or EncodeStream
+        self._closing = False  # streams end after their current answer
+        self._encodes = Admission()
         self._rl = RateLimitedLog(log)
 
     @property
@@ -104,6 +116,15 @@ class EncoderService:
         the export (the caller gave up), the receipt's leases are released at once: nobody will read them. An
         inline receipt views the output's bytes: the caller serializes it before anything else runs.
         """
+        if not self._encodes.enter():
+            raise _draining()
+        try:
+            return self._run_encode(request, is_active)
+        finally:
+            self._encodes.exit()
+
+    def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
+        metrics = self.transport.metrics
         inputs = _codec.inputs_from_pb(request)
         t0 = time.perf_counter()
         try:
@@ -112,13 +133,16 @@ class EncoderService:
             self.transport.release_pending()  # output buffers the encoder allocated before failing
             self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
             raise
-        encode_us = int((time.perf_counter() - t0) * 1e6)
+        compute_s = time.perf_counter() - t0
+        metrics.encoder_compute_seconds.observe(compute_s)
         try:
             receipt = self.transport.transfer(request, output)
         except Exception as exc:
             self._count_failure(exc, "transfer failed: %r", exc)
             raise
-        receipt.message.encoder_stage_us["encode"] = encode_us
+        receipt.message.encoder_stage_us["encode"] = int(compute_s * 1e6)
+        plane = "rdma" if receipt.message.rdma_slots else "inline"
+        metrics.child(metrics.encoder_request_seconds, plane).observe(time.perf_counter() - t0)
         if receipt.message.rdma_slots and not is_active():
             # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
             released = self.transport.discard(receipt)
@@ -156,7 +180,7 @@ class EncoderService:
                 self._streams.add(stream)
         metrics = self.transport.metrics
         if stopping:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "encoder is stopping")
+            wire.abort_with(context, _draining())
         if full:
             metrics.control_streams.labels("encoder", "refused").inc()
             self._rl.log(logging.INFO, "stream-refused", "refused an EncodeStream: %d open (server_stream_cap); "
@@ -210,7 +234,7 @@ class EncoderService:
                 with stream.lock:  # resumed: gRPC sent it, the leases belong to the caller now
                     stream.unsent = None
                     stream.busy = False
-                if self._stopping:
+                if self._closing:
                     return
         except grpc.RpcError:
             return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
@@ -231,15 +255,40 @@ class EncoderService:
             released = self.transport.discard(receipt)
             log.info("EncodeStream ended while its receipt was being sent; released %d lease(s) at once", released)
 
-    def close_streams(self) -> None:
-        """Ends idle EncodeStreams now and busy ones after their current answer; refuses new ones. Idempotent."""
+    def quiesce(self) -> None:
+        """Refuses every later Encode and EncodeStream (UNAVAILABLE); open streams still carry releases."""
+        self._encodes.close()
         with self._streams_lock:
             self._stopping = True
+
+    def close_streams(self) -> None:
+        """Refuses new Encodes and EncodeStreams; ends idle streams now and busy ones after their current answer.
+        Idempotent."""
+        self._encodes.close()
+        with self._streams_lock:
+            self._stopping = self._closing = True
             streams = list(self._streams)
         for stream in streams:
             with stream.lock:
                 if not stream.busy:
                     stream.context.cancel()  # wakes the handler blocked on the next request
+
+    @property
+    def in_flight(self) -> int:
+        """Encodes running now (both control paths)."""
+        return self._encodes.running
+
+    def settle(self, deadline: float) -> None:
+        """After ``quiesce()``: waits until no Encode runs and every exported lease is released, or ``deadline``
+        (time.monotonic) passes."""
+        running = self._encodes.wait_idle(deadline)
+        if running:
+            log.warning("%d Encode call(s) still running at the end of the grace; they are cancelled", running)
+            return
+        left = self.transport.wait_released(deadline)
+        if left:
+            log.warning("%d exported lease(s) still unreleased at the end of the grace; readers of them will fail",
+                        left)
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
@@ -252,8 +301,9 @@ class EncoderService:
 class EncoderServer:
     """A running encoder: ``port``, ``address``, ``stop(grace)``, ``wait(timeout)``; a context manager.
 
-    ``stop`` runs the ``GrpcHost`` stop sequence (stops accepting, ends idle EncodeStreams, lets in-flight calls
-    finish within ``grace`` seconds), then closes the transport (even when the server stop raises). Idempotent.
+    ``stop`` runs the ``GrpcHost`` stop sequence (NOT_SERVING, refuses new Encodes, ends idle EncodeStreams, lets
+    in-flight calls finish and exported leases be released within ``grace`` seconds), then closes the transport
+    (even when the server stop raises). Idempotent.
     """
 
     def __init__(self, host: GrpcHost, service: EncoderService) -> None:
@@ -273,7 +323,8 @@ class EncoderServer:
             return
         self._stopped = True
         try:
-            self._host.stop(grace, drain=self.service.close_streams)
+            self._host.stop(grace, drain=self.service.close_streams, quiesce=self.service.quiesce,
+                            settle=self.service.settle)
         finally:
             self.transport.close()
 

@@ -3,6 +3,8 @@
 ``Child`` starts ``python -m tensorwire.cli.main ARGV`` in its own process group (stdout piped for the READY
 line, stderr to ``<log_dir>/<name>.log``); ``ready()`` waits for the READY line and ``terminate()`` stops the
 whole group: SIGTERM, a grace period, then SIGKILL of every straggler, even when the leader already exited.
+``stop_children`` does that for several at once, with one deadline. Every child holds this process's lifeline
+(``tensorwire._lifeline``): it dies with its parent, however the parent dies.
 ``LoopbackDeployment`` is the demo's layout: encoder workers and a proxy in front of them, ports from the OS.
 """
 
@@ -18,7 +20,10 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tensorwire._lifeline import parent_lifeline
 from tensorwire.service._runtime import parse_ready
+
+CHILD_GRACE_S = 5.0  # the deployment's children get --grace-s this; stop() waits that + 5 s before SIGKILL
 
 
 class Child:
@@ -35,9 +40,12 @@ class Child:
         child_env = dict(os.environ if env is None else env)
         child_env.setdefault("NIXL_LOG_LEVEL", "WARN")
         child_env["PYTHONUNBUFFERED"] = "1"
+        # start_new_session: the terminal's Ctrl-C reaches only the parent, which stops its children in order; the
+        # lifeline kills them when the parent dies without that chance (SIGKILL). A prefix (``ip netns exec``)
+        # execs the command in the same process, so the lifeline reaches it.
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
                                      stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-                                     env=child_env, start_new_session=True)
+                                     start_new_session=True, **parent_lifeline().popen_kwargs(child_env))
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, name=f"child-{name}-stdout", daemon=True).start()
 
@@ -72,19 +80,35 @@ class Child:
 
     def terminate(self, grace_s: float) -> int | None:
         """SIGTERM the group, wait up to grace_s, then SIGKILL it. Returns the exit code."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        _signal_group(self.proc.pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
+        return stop_children([self], grace_s)[self.name]
+
+
+def stop_children(children: Sequence[Child], grace_s: float) -> dict[str, int | None]:
+    """SIGTERM every child's group at once, wait up to ``grace_s`` for all of them together, SIGKILL the rest.
+
+    At most ``grace_s`` + 5 s however many children there are (one after the other, a busy host made that add up).
+    Returns each child's exit code (None: it did not even die of SIGKILL within 5 s).
+    """
+    for c in children:
+        if c.proc.poll() is None:
+            _signal_group(c.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for c in children:
         try:
-            code = self.proc.wait(5)
+            c.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            code = None
-        self._log.close()
-        return code
+            pass
+    for c in children:
+        _signal_group(c.proc.pid, signal.SIGKILL)  # stragglers in the group, even if the leader exited
+    codes: dict[str, int | None] = {}
+    kill_deadline = time.monotonic() + 5.0
+    for c in children:
+        try:
+            codes[c.name] = c.proc.wait(max(0.0, kill_deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            codes[c.name] = None
+        c._log.close()
+    return codes
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -110,19 +134,24 @@ class LoopbackDeployment:
         self.proxy_address = ""
 
     def start(self, startup_timeout_s: float) -> None:
-        encoders = [Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",
-                                           "--worker-id", f"{self.worker_id_prefix}-{i}", "--wait-exporter-s", "20",
-                                           "--device", self.device], self.log_dir)
-                    for i in range(self.workers)]
-        self.children += encoders
+        # --drain-s 0: only this process talks to them, so they need no NOT_SERVING period before they stop.
+        stop_flags = ["--drain-s", "0", "--grace-s", str(CHILD_GRACE_S)]
+        encoders = []
+        for i in range(self.workers):  # appended one by one: a failed start still stops what did start
+            encoders.append(Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",
+                                                   "--worker-id", f"{self.worker_id_prefix}-{i}",
+                                                   "--wait-exporter-s", "20", "--device", self.device, *stop_flags],
+                                  self.log_dir))
+            self.children.append(encoders[-1])
         self.worker_addresses = [c.ready(startup_timeout_s)["grpc"] for c in encoders]
-        proxy = Child("proxy", ["serve-proxy", "--metrics-port", "-1",
+        proxy = Child("proxy", ["serve-proxy", "--metrics-port", "-1", *stop_flags,
                                 *[a for addr in self.worker_addresses for a in ("--worker", addr)]], self.log_dir)
         self.children.append(proxy)
         self.proxy_address = proxy.ready(startup_timeout_s)["grpc"]
 
-    def stop(self, grace_s: float) -> dict[str, int | None]:
-        return {c.name: c.terminate(grace_s=grace_s) for c in reversed(self.children)}
+    def stop(self, grace_s: float = CHILD_GRACE_S + 5.0) -> dict[str, int | None]:
+        """Stops every child at once (``stop_children``), the proxy listed first."""
+        return stop_children(list(reversed(self.children)), grace_s)
 
 
-__all__ = ["Child", "LoopbackDeployment"]
+__all__ = ["CHILD_GRACE_S", "Child", "LoopbackDeployment", "stop_children"]

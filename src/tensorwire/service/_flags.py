@@ -61,4 +61,24 @@ def flag_values(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[s
     return out
 
 
-__all__ = ["add_flags", "flag_values"]
+def add_stop_flags(parser: argparse.ArgumentParser | Any) -> None:
+    """``--drain-s``, ``--grace-s`` (``StopConfig``) and ``--reuse-port`` for a serve command."""
+    from tensorwire.service._runtime import StopConfig
+
+    add_flags(parser, StopConfig, help_extra={
+        "drain_s": "on SIGTERM, seconds health says NOT_SERVING before new requests are refused",
+        "grace_s": "then, seconds in-flight requests (and leases they exported) get to finish",
+    })
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="let other processes listen on the same port (SO_REUSEPORT; they split the "
+                             "connections). Off: a port in use is an error (exit code 3)")
+
+
+def stop_config(args: argparse.Namespace) -> Any:
+    """The ``StopConfig`` of the parsed flags."""
+    from tensorwire.service._runtime import StopConfig
+
+    return StopConfig(**flag_values(args, StopConfig))
+
+
+__all__ = ["add_flags", "add_stop_flags", "flag_values", "stop_config"]

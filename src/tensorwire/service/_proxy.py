@@ -1,8 +1,12 @@
 """The encoder proxy: one ``EncoderService`` endpoint in front of several encoder workers.
 
-Per ``Encode``: pick workers round-robin, forward the request bytes unchanged, retry on the next worker when the
-failure is about the worker (UNAVAILABLE, INTERNAL, ...) rather than about the request (INVALID_ARGUMENT...),
-within the caller's deadline and ``max_attempts``. A successful receipt's lease ids are recorded in the
+Per ``Encode``: pick workers round-robin (those that can serve first, see ``_workers.WorkerHealth``; those the
+request's ``rdma_excluded_workers`` names last), forward the request bytes unchanged, retry on the next worker
+when the failure is about the worker (UNAVAILABLE, INTERNAL, ...) rather than about the request
+(INVALID_ARGUMENT...), within the caller's deadline and ``max_attempts`` (by default three rounds over all). A
+receipt that fails the checks a reader would make before reading (``_receipt.check_receipt``: descriptors, roles,
+layout, inline sizes) is a worker failure too: its leases are released on that worker and the next one is asked;
+only the last attempt's receipt is forwarded as it is. A successful receipt's lease ids are recorded in the
 ``RouteTable`` under the worker the proxy called (not the identity the receipt claims), and the response
 bytes go back unchanged. Per ``ReleaseLeases``: group the ids by owner and forward one batch per worker,
 concurrently; a route is dropped only after its worker confirmed the release.
@@ -12,7 +16,14 @@ call timed out or the connection broke). Their lease ids never reach a reader; t
 them after ``slot_gc_timeout_ms``. Each such attempt is logged with the worker and counted in
 ``tensorwire_proxy_slots_possibly_orphaned_total``; size the workers' pool for it (docs/deployment.md).
 
-Metric labels are bounded: ``worker`` is the worker's index in ``--worker`` order, ``code`` a gRPC status name.
+Health: the proxy probes every worker's ``grpc.health.v1`` (``HealthProber``) and answers SERVING itself only
+while at least one worker is UP; ``tensorwire_proxy_worker_up{worker}`` shows each one.
+
+Stop (``GrpcHost`` sequence): NOT_SERVING for ``drain_s``, then new Encodes are refused with UNAVAILABLE while
+ReleaseLeases is still routed; in-flight Encodes finish and routed leases get released within the grace.
+
+Metric labels are bounded: ``worker`` is the worker's index in ``--worker`` order, ``code`` a gRPC status name
+(or ``BAD_RECEIPT``).
 """
 
 from __future__ import annotations
@@ -27,15 +38,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
-from tensorwire.mm import TransportConfig, wire
-from tensorwire.mm._host import GrpcHost
+from tensorwire.mm import TransportConfig, _receipt, wire
+from tensorwire.mm._host import Admission, GrpcHost
+from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.rdma import RdmaConfig
+from tensorwire.service._endpoint import parse_endpoint
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
 from tensorwire.service._routes import RouteTable, route_ttl_s
+from tensorwire.service._workers import HealthProber, WorkerHealth, health_check
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +78,8 @@ class ProxyConfig:
     """Settings of ``serve-proxy``. Timeouts default to the transport's, so proxy and workers agree."""
 
     workers: tuple[str, ...] = ()
-    # 0: try every worker once. Attempts also stop when the caller's deadline is spent.
+    # Attempts per Encode, in rounds over the workers (UP ones first); 0: three rounds of every worker. Attempts
+    # also stop when the caller's deadline is spent.
     max_attempts: int = 0
     worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
     rpc_timeout_margin_ms: int = _DEFAULT_TRANSPORT.rpc_timeout_margin_ms
@@ -75,6 +90,12 @@ class ProxyConfig:
     check_workers: bool = True
     worker_wait_s: float = 30.0
     server_threads: int = 16
+    # Worker health probes (grpc.health.v1 Check): period, per-probe timeout, unanswered probes before DOWN.
+    probe_interval_s: float = 1.0
+    probe_timeout_s: float = 1.0
+    probe_failures: int = 2
+    # Check every receipt as a reader would before forwarding it; a broken one is retried on another worker.
+    check_receipts: bool = True
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -82,21 +103,34 @@ class ProxyConfig:
         if len(set(self.workers)) != len(self.workers):
             raise ConfigError(f"--worker lists a worker twice: {list(self.workers)}")
         for w in self.workers:
-            host, sep, port = w.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"--worker {w!r}: expected HOST:PORT")
+            parse_endpoint(w, "--worker")
         for name in ("max_attempts",):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
         for name in ("worker_timeout_ms", "release_timeout_ms", "slot_gc_timeout_ms", "server_threads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.worker_wait_s <= 0:
-            raise ConfigError(f"worker_wait_s={self.worker_wait_s} must be > 0")
+        for name in ("worker_wait_s", "probe_interval_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.probe_failures < 1:
+            raise ConfigError(f"probe_failures={self.probe_failures} must be >= 1")
 
     @property
     def attempts(self) -> int:
-        return min(self.max_attempts, len(self.workers)) if self.max_attempts else len(self.workers)
+        return self.max_attempts or ROUNDS * len(self.workers)
+
+
+# Default rounds over the workers per Encode: a request can outlive one worker's fault and meet the next one
+# (the worker it retried on dies while the first is back), so later rounds ask the recovered one again; and with
+# one worker left, a transient fault on its path (a broken receipt) can hit twice in a row.
+ROUNDS = 3
+ROUND_PAUSE_S = 0.05  # between rounds, so that nothing spins when every worker fails at once
+
+
+# The proxy adds well under a millisecond to a call on a LAN; a worker's compute can take seconds.
+_LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0)
 
 
 class _Metrics:
@@ -104,7 +138,13 @@ class _Metrics:
         self.requests = Counter("tensorwire_proxy_requests_total", "Encode requests by outcome",
                                 ["outcome"], registry=registry)
         self.seconds = Histogram("tensorwire_proxy_request_seconds", "Encode latency through the proxy",
-                                 registry=registry)
+                                 buckets=_LATENCY_BUCKETS, registry=registry)
+        self.worker_up = Gauge("tensorwire_proxy_worker_up",
+                               "1 while a worker is UP (probes and calls say it can serve), 0 while DOWN",
+                               ["worker"], registry=registry)
+        self.worker_downs = Counter("tensorwire_proxy_worker_down_total",
+                                    "Times a worker went from UP to DOWN (failed call, NOT_SERVING or unanswered "
+                                    "probes)", ["worker"], registry=registry)
         self.worker_errors = Counter("tensorwire_proxy_worker_errors_total",
                                      "Failed worker calls by worker index and gRPC status", ["worker", "code"],
                                      registry=registry)
@@ -123,6 +163,8 @@ class _Metrics:
                                     "Worker responses the proxy could not parse for lease ids", registry=registry)
         for i in range(n_workers):
             self.orphaned.labels(str(i))
+            self.worker_downs.labels(str(i))
+            self.worker_up.labels(str(i)).set(1)
         registry.register(_RouteCollector(routes))
 
 
@@ -160,18 +202,19 @@ class _Worker:
     encode: grpc.UnaryUnaryMultiCallable[bytes, bytes]
     release: grpc.UnaryUnaryMultiCallable[wire.ReleaseLeasesRequest, wire.ReleaseLeasesResponse]
     info: WorkerInfo | None = None
+    worker_id: str | None = None  # from WorkerInfo, then from its latest receipt (a restarted worker has a new one)
 
 
 class EncoderProxy:
-    """The proxy server; ``start(address)`` binds and returns the port, ``stop(grace_s)`` drains and closes.
+    """The proxy server; ``start(address)`` binds and returns the port, ``stop(grace_s, drain_s)`` drains and closes.
 
     Lifecycle: ``start`` once (it first asks every worker for ``WorkerInfo`` unless ``check_workers`` is off,
-    raising ``ConfigError`` or ``PeerUnavailable`` before binding anything); ``stop`` is idempotent and closes
-    the worker channels after in-flight calls finished or the grace ran out.
+    raising ``ConfigError`` or ``PeerUnavailable`` before binding anything), then probes the workers' health;
+    ``stop`` is idempotent and closes the worker channels after in-flight calls finished or the grace ran out.
     """
 
     def __init__(self, config: ProxyConfig, *, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, reuse_port: bool = False) -> None:
         self.config = config
         self._clock = clock
         opts = wire.channel_options()
@@ -195,6 +238,13 @@ class EncoderProxy:
                                                 thread_name_prefix="proxy-release")
         self._host: GrpcHost | None = None
         self._closed = False
+        self._reuse_port = reuse_port
+        self.health = WorkerHealth(len(self._workers), probe_failures=config.probe_failures, clock=clock,
+                                   on_change=self._worker_changed)
+        self._prober = HealthProber([health_check(w.channel, wire.SERVICE_NAME) for w in self._workers],
+                                    self.health, interval_s=config.probe_interval_s, timeout_s=config.probe_timeout_s)
+        self._rl = RateLimitedLog(log)
+        self._encodes = Admission()
         self.port: int | None = None
 
     # ---- lifecycle
@@ -212,13 +262,31 @@ class EncoderProxy:
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
                 self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
                 response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
-        }),), threads=self.config.server_threads, thread_prefix="proxy")
+        }),), threads=self.config.server_threads, thread_prefix="proxy", reuse_port=self._reuse_port)
         port = host.bind(address)
-        host.start()
         self._host, self.port = host, port
+        host.start(serving=self.health.any_up())
+        self._prober.start()
         log.info("proxy serving on port %d for %d workers (route TTL %.1f s)", port, len(self._workers),
                  self.routes.ttl_s)
         return port
+
+    def _worker_changed(self, index: int, up: bool) -> None:
+        w = self._workers[index]
+        state = self.health.snapshot()[index]  # the state now: two changes racing must not leave a stale gauge
+        if self._metrics is not None:
+            self._metrics.worker_up.labels(str(index)).set(1 if state.up else 0)
+            if not up:
+                self._metrics.worker_downs.labels(str(index)).inc()
+        if up:
+            log.info("worker %s is UP again", w.address)
+        else:
+            log.warning("worker %s is DOWN (%s); requests go to the other workers", w.address, state.cause)
+        if self._host is not None:
+            any_up = self.health.any_up()
+            self._host.set_serving(any_up)
+            if not any_up:
+                log.error("no worker can serve: the proxy reports NOT_SERVING")
 
     def _ask_workers(self) -> list[WorkerInfo]:
         pending = {self._pool.submit(fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s): w
@@ -226,6 +294,7 @@ class EncoderProxy:
         infos = []
         for fut, w in pending.items():
             w.info = fut.result()  # raises PeerUnavailable naming the worker
+            w.worker_id = w.info.worker_id
             infos.append(w.info)
         return infos
 
@@ -233,15 +302,31 @@ class EncoderProxy:
     def worker_infos(self) -> list[WorkerInfo | None]:
         return [w.info for w in self._workers]
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, drain_s: float = 0.0) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._host is not None:
-            self._host.stop(grace_s)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for w in self._workers:
-            w.channel.close()
+        try:
+            if self._host is not None:
+                self._host.stop(grace_s, drain_s=drain_s, quiesce=self._quiesce, settle=self._settle)
+        finally:
+            self._prober.close()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            for w in self._workers:
+                w.channel.close()
+
+    def _quiesce(self) -> None:
+        self._encodes.close()
+
+    def _settle(self, deadline: float) -> None:
+        """Waits for in-flight Encodes, then for the routed leases to be released (readers release through the
+        proxy), until ``deadline``."""
+        self._encodes.wait_idle(deadline)
+        while len(self.routes) and time.monotonic() < deadline:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        if len(self.routes):
+            log.info("proxy stopping with %d lease route(s) not released; the workers' GC reclaims them",
+                     len(self.routes))
 
     close = stop
 
@@ -263,6 +348,15 @@ class EncoderProxy:
         return budget_ms / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        if not self._encodes.enter():
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PEER_UNAVAILABLE.value),))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "proxy is draining (shutting down); use another proxy")
+        try:
+            return self._route(raw, context)
+        finally:
+            self._encodes.exit()
+
+    def _route(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         assert self._metrics is not None
         m = self._metrics
         start = time.monotonic()
@@ -276,10 +370,19 @@ class EncoderProxy:
         budget_s = self._attempt_budget_s(request)
         caller_left = _remaining_s(context)
         end = start + caller_left if caller_left is not None else None
-        first = next(self._rr)
-        order = [self._workers[(first + k) % len(self._workers)] for k in range(len(self._workers))]
+        first = next(self._rr) % len(self._workers)
+        avoid = set(request.rdma_excluded_workers)  # the caller's hint: ask these last (see encoder.proto)
         last_error: grpc.RpcError | None = None
-        for attempt, worker in enumerate(order[: self.config.attempts]):
+        tried: list[str] = []  # "<worker index>:<outcome>" per attempt, for the error a failed request gets
+        attempts = self.config.attempts
+        order: list[_Worker] = []
+        for attempt in range(attempts):
+            if not order:  # a new round, in the order health says now
+                if attempt:
+                    time.sleep(min(ROUND_PAUSE_S, max(0.0, (end or float("inf")) - time.monotonic())))
+                order = [self._workers[i] for i in self.health.order(first)]
+                order = [w for w in order if w.worker_id not in avoid] + [w for w in order if w.worker_id in avoid]
+            worker = order.pop(0)
             left = budget_s if end is None else min(budget_s, end - time.monotonic())
             if left <= 0 or not context.is_active():
                 break
@@ -290,7 +393,9 @@ class EncoderProxy:
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
                 m.worker_errors.labels(str(worker.index), code.name).inc()
+                self.health.call_failed(worker.index, code)
                 last_error = exc
+                tried.append(f"{worker.index}:{code.name}")
                 if may_have_orphaned(code, request.support_rdma):
                     m.orphaned.labels(str(worker.index)).inc()
                     log.warning("worker %s failed with %s after it may have exported RDMA slots; they are "
@@ -299,7 +404,10 @@ class EncoderProxy:
                     break
                 log.info("worker %s failed with %s; trying another worker", worker.address, code.name)
                 continue
-            self._record(worker, response)
+            self.health.call_ok(worker.index)
+            if not self._accept(worker, response, last=attempt == attempts - 1):
+                tried.append(f"{worker.index}:BAD_RECEIPT")
+                continue
             m.requests.labels("ok").inc()
             m.seconds.observe(time.monotonic() - start)
             return response
@@ -308,11 +416,11 @@ class EncoderProxy:
         if last_error is None:
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.DEADLINE_EXCEEDED.value),))
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left to call an encoder worker")
-        self._forward_error(last_error, context)
+        self._forward_error(last_error, context, tried)
         raise AssertionError("unreachable")  # context.abort raises
 
     @staticmethod
-    def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext) -> None:
+    def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext, tried: Sequence[str] = ()) -> None:
         code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
         details = exc.details() if hasattr(exc, "details") else str(exc)
         try:
@@ -321,26 +429,44 @@ class EncoderProxy:
             md = []
         if md:
             context.set_trailing_metadata(tuple(md))
-        context.abort(code, f"via proxy: {details}")
+        attempts = f" after {len(tried)} attempt(s) [{' '.join(tried[:8])}]" if tried else ""
+        context.abort(code, f"via proxy{attempts}: {details}")
 
-    def _record(self, worker: _Worker, response: bytes) -> None:
+    def _accept(self, worker: _Worker, response: bytes, *, last: bool) -> bool:
+        """Records the receipt's routes and returns True, or (a broken receipt, another worker left to ask)
+        releases what it leased on ``worker`` and returns False."""
         assert self._metrics is not None
         try:
             msg = wire.EncodeResponse.FromString(response)
-        except Exception:  # the client will reject it too; the proxy only cannot route it
+        except Exception:  # the client would reject it too
             self._metrics.bad_receipts.inc()
             log.warning("worker %s sent a response that does not parse", worker.address)
-            return
+            return last
+        if msg.worker.worker_id:
+            worker.worker_id = msg.worker.worker_id
+        ids, problem = _receipt.check_receipt(msg, self._parse) if self.config.check_receipts else ([], None)
+        if problem is not None and not last:
+            self._metrics.bad_receipts.inc()
+            self._metrics.worker_errors.labels(str(worker.index), "BAD_RECEIPT").inc()
+            self._rl.log(logging.WARNING, f"bad-receipt-{worker.index}", "worker %s sent a receipt a reader would "
+                         "reject (%s); releasing its %d lease(s) there and asking another worker", worker.address,
+                         problem, len(ids))
+            if ids:
+                self._pool.submit(self._release_on, worker, ids, self.config.release_timeout_ms / 1e3)
+            return False
+        self._record(worker, msg)
+        return True
+
+    def _record(self, worker: _Worker, msg: Any) -> None:
+        assert self._metrics is not None
         if not msg.rdma_slots:
             return
         from tensorwire.errors import InvalidDescriptor
-        from tensorwire.rdma import Descriptor
 
         lease_ids = []
         for slot in msg.rdma_slots:
             try:
-                # The proxy reads no memory; it only needs the lease id, so the slot size cap is not its concern.
-                desc = Descriptor.from_bytes(slot.descriptor, max_slot_bytes=1 << 48)
+                desc = self._parse(slot.descriptor)
             except InvalidDescriptor as exc:
                 self._metrics.bad_receipts.inc()
                 log.warning("worker %s sent an invalid descriptor (%s); its lease is not routed", worker.address, exc)
@@ -356,6 +482,13 @@ class EncoderProxy:
                 by_worker.setdefault(w, []).append(lease)
             for w, ids in by_worker.items():
                 self._pool.submit(self._release_on, self._by_address(w), ids, self.config.release_timeout_ms / 1e3)
+
+    @staticmethod
+    def _parse(data: bytes) -> Any:
+        from tensorwire.rdma import Descriptor
+
+        # The proxy reads no memory; it only needs the lease id, so the slot size cap is not its concern.
+        return Descriptor.from_bytes(data, max_slot_bytes=1 << 48)
 
     def _check_owner(self, worker: _Worker, endpoint: str) -> None:
         with self._lock:

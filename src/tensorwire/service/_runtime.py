@@ -1,10 +1,17 @@
 """Process plumbing shared by the CLI commands: the /metrics endpoint, the READY line, signal-driven shutdown,
-stdout kept for results, and waiting out a client's release queue before it closes."""
+stdout kept for results, waiting out a client's release queue before it closes, the stop settings and the exit
+codes.
+
+Exit codes of every ``tensorwire`` command: ``EXIT_OK`` 0; ``EXIT_FAILED`` 1 (it ran and failed: a fetch, a
+worker that did not answer); ``EXIT_USAGE`` 2 (bad arguments or configuration, unreadable files);
+``EXIT_BIND`` 3 (a server could not listen: port in use, address not on this host); 130 after Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -12,10 +19,31 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tensorwire.mm import RemoteOutputTransport
+
+from tensorwire.errors import ConfigError, Reason
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BIND = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class StopConfig:
+    """How a server stops on SIGTERM/SIGINT (the ``GrpcHost`` stop sequence); flags ``--drain-s``, ``--grace-s``."""
+
+    # Health says NOT_SERVING this long before new work is refused, so proxies and load balancers move away
+    # (the proxy probes every second by default).
+    drain_s: float = 2.0
+    # Then in-flight calls get this long to finish and their exported leases to be released.
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("drain_s", "grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +54,12 @@ class MetricsServer:
     def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None) -> None:
         from prometheus_client import REGISTRY, start_http_server
 
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+        except OSError as exc:
+            why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+            raise ConfigError(f"cannot listen on {host}:{port} for /metrics: {why} (pick another --metrics-port, "
+                              "or -1 for none)", reason=Reason.BIND_FAILED) from exc
         self.host = host
         self.port = int(self._server.server_address[1])
         self._closed = False
@@ -105,10 +138,31 @@ def drain_releases(transport: RemoteOutputTransport, timeout_s: float) -> bool:
     return not transport.release_queue.pending
 
 
-def fail(message: str, code: int = 1) -> int:
+def fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 
 
-__all__ = ["MetricsServer", "drain_releases", "fail", "parse_ready", "print_ready", "stdout_to_stderr",
-           "wait_for_signal"]
+def exit_now(code: int) -> None:
+    """Flush logs and stdio, then ``os._exit(code)``: skip the interpreter's finalization.
+
+    A server that has stopped has closed everything it owns; what is left at interpreter exit is native teardown
+    (UCX, NIXL, torch's thread pools) that took 2-7 s on a 2-core host, which only delays a restart or a
+    rollout (measured: SIGTERM to exit 2.3 s -> 0.2 s for an idle ``serve-encoder`` with ``--drain-s 0``).
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """``EXIT_BIND`` for a listen failure, ``EXIT_USAGE`` for other configuration errors, else ``EXIT_FAILED``."""
+    if isinstance(exc, ConfigError):
+        return EXIT_BIND if exc.reason is Reason.BIND_FAILED else EXIT_USAGE
+    return EXIT_FAILED
+
+
+__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "StopConfig", "drain_releases",
+           "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]

@@ -5,15 +5,20 @@ standard ``grpc.health.v1.Health``, and ``tensorwire.service.v1.WorkerInfo`` (wh
 ``mm.serve_encoder`` builds the first two on a server of its own; the worker needs the third on the same port,
 so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` on mm's ``GrpcHost``,
 the one place that binds, starts and stops a gRPC server.
+
+Health follows what the worker can do: NOT_SERVING while the model loads (``EncoderWorker.loading``: the port is
+bound and answers health and WorkerInfo at once, Encode gets UNAVAILABLE), SERVING once it is loaded, NOT_SERVING
+again from the first moment of a stop (the drain period, see ``GrpcHost``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from tensorwire.encoder import VisionEncoder
-from tensorwire.errors import ConfigError, InvalidPayload, Reason
+from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reason
 from tensorwire.mm import (
     EncoderOutput,
     EncoderService,
@@ -49,21 +54,39 @@ def make_encode_fn(encoder: VisionEncoder) -> Any:
 
 
 class EncoderWorker:
-    """``start(address) -> port``; ``stop(grace_s)`` stops accepting, lets in-flight calls finish within the grace,
-    then closes the transport (its exporter) and the encoder. ``stop`` is idempotent; a context manager.
+    """``start(address) -> port``; ``stop(grace_s, drain_s)`` runs the ``GrpcHost`` stop sequence (NOT_SERVING for
+    ``drain_s``, then refuses new Encodes, lets in-flight ones finish and their leases be released within the
+    grace), then closes the transport (its exporter) and the encoder. ``stop`` is idempotent; a context manager.
+
+    ``EncoderWorker(encoder, config)`` serves a loaded encoder. ``EncoderWorker.loading(load, config, device=)``
+    binds and serves health before the model exists: ``start`` reports NOT_SERVING, ``load()`` (on the calling
+    thread) builds the encoder and then reports SERVING.
     """
 
-    def __init__(self, encoder: VisionEncoder, config: TransportConfig, *, model: str = "builtin",
-                 metrics: TransportMetrics | None = None) -> None:
-        self.encoder = encoder
+    def __init__(self, encoder: VisionEncoder | None, config: TransportConfig, *, model: str = "builtin",
+                 metrics: TransportMetrics | None = None, reuse_port: bool = False,
+                 load: Callable[[], VisionEncoder] | None = None, device: str = "cpu") -> None:
+        if (encoder is None) == (load is None):
+            raise ConfigError("EncoderWorker needs an encoder or a loader (EncoderWorker.loading), not both")
+        self.encoder: VisionEncoder | None = encoder
+        self._load = load
+        self._device = str(encoder.device) if encoder is not None else device
+        self._encode_fn = make_encode_fn(encoder) if encoder is not None else None
         self.config = config
         self.model = model
+        self.reuse_port = reuse_port
         self.transport = OutputTransport(config, metrics=metrics)
-        self.service = EncoderService(make_encode_fn(encoder), self.transport)
+        self.service = EncoderService(self._encode, self.transport)
         self._host: GrpcHost | None = None
         self._stopped = False
         self.port: int | None = None
         self.host = ""
+
+    @classmethod
+    def loading(cls, load: Callable[[], VisionEncoder], config: TransportConfig, *, device: str = "cpu",
+                **kwargs: Any) -> EncoderWorker:
+        """A worker whose encoder ``load()`` builds after ``start``; health says NOT_SERVING until then."""
+        return cls(None, config, load=load, device=device, **kwargs)
 
     @property
     def worker_id(self) -> str:
@@ -73,13 +96,31 @@ class EncoderWorker:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def loaded(self) -> bool:
+        return self._encode_fn is not None
+
+    def _encode(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        fn = self._encode_fn
+        if fn is None:
+            raise PeerUnavailable(f"encoder {self.worker_id} is still loading its model; retry shortly or send the "
+                                  "request to another worker", reason=Reason.PEER_UNAVAILABLE)
+        return fn(inputs)  # type: ignore[no-any-return]
+
+    def _info(self) -> Any:
+        enc = self.encoder
+        return make_info(worker_id=self.worker_id, mode=self.config.mode, rdma=self.config.rdma, model=self.model,
+                         device=str(enc.device) if enc is not None else self._device,
+                         hidden_size=enc.hidden_size if enc is not None else 0)
+
     def start(self, address: str = "127.0.0.1:0") -> int:
+        """Binds ``address`` (``ConfigError`` with reason ``BIND_FAILED`` when it cannot) and serves; SERVING when
+        the encoder is loaded, NOT_SERVING until ``load()`` otherwise."""
         if self._host is not None:
             raise RuntimeError("worker already started")
-        info = make_info(worker_id=self.worker_id, mode=self.config.mode, rdma=self.config.rdma, model=self.model,
-                         device=str(self.encoder.device), hidden_size=self.encoder.hidden_size)
-        host = GrpcHost("encoder", (self.service.handler(), info_handler(lambda: info)),
-                        threads=self.config.server_threads, thread_prefix="tensorwire-encoder")
+        host = GrpcHost("encoder", (self.service.handler(), info_handler(self._info)),
+                        threads=self.config.server_threads, thread_prefix="tensorwire-encoder",
+                        reuse_port=self.reuse_port)
         try:
             port = host.bind(address)
         except ConfigError:
@@ -88,28 +129,43 @@ class EncoderWorker:
         self.host, self.port = host.host, port
         self.transport.worker_address = self.address
         self.transport.start()
-        host.start()
+        host.start(serving=self.loaded)
         self._host = host
-        log.info("encoder worker %s on %s: model %s, mode %s, rdma port %d", self.worker_id, self.address,
-                 self.encoder.describe(), self.config.mode, self.config.rdma.port)
+        log.info("encoder worker %s on %s: %s, mode %s, rdma port %d", self.worker_id, self.address,
+                 self.encoder.describe() if self.encoder is not None else f"loading model {self.model}",
+                 self.config.mode, self.config.rdma.port)
         return port
+
+    def load(self) -> VisionEncoder:
+        """Builds the encoder with the loader (no-op when it is loaded) and reports SERVING."""
+        if self.encoder is None:
+            assert self._load is not None
+            encoder = self._load()
+            self.encoder = encoder
+            self._encode_fn = make_encode_fn(encoder)
+            log.info("encoder worker %s loaded %s", self.worker_id, encoder.describe())
+        if self._host is not None and not self._stopped:
+            self._host.set_serving(True)
+        return self.encoder
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Waits for the RDMA exporter (False in mode grpc or when no provider can be built)."""
         return self.transport.wait_ready(timeout_s)
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = 5.0, drain_s: float = 0.0) -> None:
         if self._stopped:
             return
         self._stopped = True
         try:
             if self._host is not None:
-                self._host.stop(grace_s, drain=self.service.close_streams)
+                self._host.stop(grace_s, drain=self.service.close_streams, drain_s=drain_s,
+                                quiesce=self.service.quiesce, settle=self.service.settle)
         finally:
             try:
                 self.transport.close()
             finally:
-                self.encoder.close()
+                if self.encoder is not None:
+                    self.encoder.close()
 
     close = stop
 

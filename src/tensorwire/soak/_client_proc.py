@@ -33,6 +33,9 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
 
         enter(spec["netns"])
     os.environ.update(env)
+    from tensorwire._lifeline import follow_parent
+
+    follow_parent()  # a SIGKILLed soak leaves no client behind
     os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import dataclasses
@@ -82,10 +85,11 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             key = keys[rng.randrange(len(keys))]
             inputs = [MultimodalInput(images[i]) for i in key]
             with inflight_lock:  # += on a RawArray is not atomic across threads
-                inflight[tid] = time.monotonic()
+                inflight[tid] = started = time.monotonic()
                 counters[base + STARTED] += 1
             t0 = time.perf_counter()
-            res: dict[str, Any] = {"key": key}
+            # t0/t1 are CLOCK_MONOTONIC, the parent's clock too (one host): it places each result in its fault windows.
+            res: dict[str, Any] = {"key": key, "t0": started}
             try:
                 out = transport.fetch(inputs, timeout_ms=budget_ms)
             except TensorwireError as exc:
@@ -103,6 +107,7 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
                     inflight.pop(tid, None)
                     counters[base + FINISHED] += 1
             res["latency_ms"] = (time.perf_counter() - t0) * 1e3
+            res["t1"] = time.monotonic()
             return res
 
         # Warm-up: fetches of every request shape; the parent checks them (before any fault for the first clients).

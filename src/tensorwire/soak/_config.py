@@ -63,11 +63,16 @@ class SoakConfig:
     breaker_open_s: float = 2.0    # short, so an opened breaker is probed again within the soak
     fault_interval_s: tuple[float, float] = (0.5, 2.0)
     worker_restart_min_gap_s: float = 8.0
+    # At most one worker faulted (restarting or cut off) at a time, so one healthy worker can always serve; the
+    # availability figure (docs/reliability.md) is about that case. Client-side cuts may overlap anything.
+    one_worker_fault: bool = True
     release_drop_p: float = 0.05
     release_delay_p: float = 0.05
     corrupt_p: float = 0.05
     planes: tuple[str, ...] = ("auto",)  # client modes, assigned round-robin to the client processes
     progress_s: float = 5.0
+    # A worker's start (model + RDMA exporter) and the clients' warm-up, each; minutes on a crowded 2-core host.
+    startup_timeout_s: float = 600.0
     sample_s: float = 1.0          # resource timeline period
     warmup: int = 18               # fetches per client process before the baseline (all shapes, both workers)
     extra: dict[str, str] = field(default_factory=dict)

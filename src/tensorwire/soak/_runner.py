@@ -31,6 +31,7 @@ from tensorwire.soak._config import SoakConfig
 from tensorwire.soak._corpus import Corpus, build_corpus
 from tensorwire.soak._relay import FaultRelay
 from tensorwire.soak._sample import sample, thread_names
+from tensorwire.soak._windows import WORKER_KINDS, FaultWindows, Outcome
 from tensorwire.soak._worker_proc import WorkerProcess
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,11 @@ class _Client:
                 "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
                 "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s,
                 "netns": runner.cfg.topology.client_netns if runner.cfg.topology else ""}
+        from tensorwire._lifeline import parent_lifeline
+
+        env = {**runner.env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
         self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
-                                args=(child, runner.counters, slot, spec, runner.stop_flag, runner.env))
+                                args=(child, runner.counters, slot, spec, runner.stop_flag, env))
         self.proc.start()
         child.close()
         self.received = 0
@@ -98,6 +102,8 @@ class SoakRunner:
         self.faults: Counter[str] = Counter()
         self.aborted_by_kill = 0
         self.timeline: list[dict[str, Any]] = []
+        self.windows = FaultWindows()
+        self.outcomes: list[Outcome] = []
         self.phase = "start-up"
         self._stop_faults = threading.Event()
         # Baselines are taken after a ramp at full load, not at start: thread pools, lazily opened channels and
@@ -122,7 +128,8 @@ class SoakRunner:
 
     def _start_worker(self, index: int) -> WorkerProcess:
         topo = self.cfg.topology
-        w = WorkerProcess(self._worker_config(index), self.env, netns=topo.worker_netns[index] if topo else "",
+        w = WorkerProcess(self._worker_config(index), self.env, start_timeout_s=self.cfg.startup_timeout_s,
+                          netns=topo.worker_netns[index] if topo else "",
                           host=topo.worker_hosts[index] if topo else "127.0.0.1")
         if not w.rdma_ready:
             log.warning("worker %d: RDMA exporter not ready; it serves inline", index)
@@ -162,7 +169,7 @@ class SoakRunner:
         self.say(f"starting {n} client processes ({self.cfg.concurrency} fetch threads) ...")
         for i, threads in enumerate(per):
             self._start_client(self.cfg.planes[i % len(self.cfg.planes)], threads)
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
         for c in list(self.clients):
             left = deadline - time.monotonic()
             if not c.conn.poll(max(0.0, left)):
@@ -213,6 +220,9 @@ class SoakRunner:
 
     def _on_result(self, r: dict[str, Any]) -> None:
         self.results[r["outcome"]] += 1
+        ok = r["outcome"] == "ok"
+        why = "" if ok else f"{r['kind']}:{r['reason']}" if r["outcome"] == "error" else r["outcome"]
+        self.outcomes.append(Outcome(r["t0"], r["t1"], ok, why, "" if ok else str(r.get("msg", ""))[:300]))
         if r["outcome"] in ("ok", "wrong"):
             self.planes[r["plane"]] += 1
             self.latency[r["plane"]].append(r["latency_ms"])
@@ -266,11 +276,22 @@ class SoakRunner:
                         self.faults["reader_kill"] += 1
                 elif kind == "unavailable":
                     relay = self.rng.choice([self.front, *self.relays])
-                    relay.unavailable_for(self.rng.uniform(0.5, 3.0))
+                    seconds = self.rng.uniform(0.5, 3.0)
+                    now = time.monotonic()
+                    if relay is not self.front and self._worker_faulted(now):
+                        self.faults["skipped_second_worker_fault"] += 1
+                        continue
+                    relay.unavailable_for(seconds)
+                    self.windows.add("client_cut" if relay is self.front else "worker_cut", relay.name, now,
+                                     now + seconds)
                     self.faults[f"unavailable_{relay.name}"] += 1
                 elif kind == "worker_restart" and time.monotonic() - last_restart >= cfg.worker_restart_min_gap_s:
+                    if self._worker_faulted(time.monotonic()):
+                        self.faults["skipped_second_worker_fault"] += 1
+                        continue
                     # Worker 0 is the sentinel (never restarted): its fds/threads/pool are checked over the whole run.
                     i = self.rng.randrange(1, len(self.workers)) if len(self.workers) > 1 else 0
+                    window = self.windows.open("worker_restart", f"w{i}", time.monotonic())
                     old = self.workers[i]
                     self.workers[i] = None
                     if old is not None:
@@ -279,15 +300,22 @@ class SoakRunner:
                     time.sleep(self.rng.uniform(0.2, 1.0))
                     self.worker_gen[i] += 1
                     self.worker_baseline.pop(i, None)
-                    new = self._start_worker(i)
-                    self.worker_started[i] = time.monotonic()
-                    self.restart_times.append(self.worker_started[i])
-                    self.relays[i].retarget(new.address)
-                    self.workers[i] = new
+                    try:
+                        new = self._start_worker(i)
+                        self.worker_started[i] = time.monotonic()
+                        self.restart_times.append(self.worker_started[i])
+                        self.relays[i].retarget(new.address)
+                        self.workers[i] = new
+                    finally:
+                        self.windows.close(window, time.monotonic())
                     last_restart = time.monotonic()
             except Exception:  # a fault that could not be injected is logged, the soak goes on
                 log.exception("injecting %s failed", kind)
                 self.faults[f"{kind}_inject_failed"] += 1
+
+    def _worker_faulted(self, now: float) -> bool:
+        """One worker faulted at a time: the availability claim is that a healthy worker serves meanwhile."""
+        return bool(self.windows.open_at(now, WORKER_KINDS)) if self.cfg.one_worker_fault else False
 
     def _progress(self, t_start: float) -> None:
         elapsed = time.monotonic() - t_start
@@ -428,7 +456,7 @@ class SoakRunner:
         judged = {k: v for k, v in procs.items() if k in ("soak+proxy+relays", "worker0", "client0")}
         for k, v in procs.items():
             v["judged"] = k in judged
-        fds_ok = bool(judged) and all(p["fds_delta"] <= 0 for p in judged.values())
+        fds_ok = bool(judged) and all(_fds_back(name, p) for name, p in judged.items())
         threads_ok = bool(judged) and all(p["threads_leaked"] <= 0 for p in judged.values())
         requests = sum(self.results.values()) + self.aborted_by_kill
         relay_counts: Counter[str] = Counter()
@@ -437,6 +465,9 @@ class SoakRunner:
         report: dict[str, Any] = {
             "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
                        "client_processes": cfg.processes},
+            # The host's 1/5/15-minute load averages at the end: on a shared machine they say how much CPU the
+            # soak really had (its latencies and its worker restart times follow them).
+            "load_average": [round(x, 1) for x in os.getloadavg()],
             "duration_s": round(soak_s, 1), "setup_s": round(self.setup_s, 1),
             "requests": requests,
             "successes": self.results["ok"],
@@ -460,6 +491,7 @@ class SoakRunner:
             "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
                                                 if c.final is not None),
             "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
+            "availability": self.windows.summarize(self.outcomes, end=time.monotonic(), origin=self.t_start),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
             "timeline_growth": _timeline_growth(self.timeline, self.ramp_s),
@@ -493,6 +525,19 @@ class SoakRunner:
         for w in self.workers:
             if w is not None:
                 w.stop()
+
+
+def _fds_back(name: str, p: dict[str, Any]) -> bool:
+    """No fd grew, except on the sentinel client: sockets, at most one UCX endpoint per UCX worker (qp_count) for
+    each worker restart after its baseline (a restarted owner's endpoints are opened lazily, after the baseline;
+    docs/reliability.md, Findings 1)."""
+    if not name.startswith("client"):
+        return int(p["fds_delta"]) <= 0
+    from tensorwire.rdma import RdmaConfig
+
+    grown = {k: v for k, v in p.get("fd_growth_by_kind", {}).items() if v > 0}
+    allowed = RdmaConfig().qp_count * int(p.get("worker_restarts_after_baseline", 0))
+    return set(grown) <= {"socket"} and grown.get("socket", 0) <= allowed
 
 
 def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end_names: list[str],

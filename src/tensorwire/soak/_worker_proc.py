@@ -21,6 +21,9 @@ def _child(conn: Any, config: Any, env: dict[str, str], netns: str = "", host: s
 
         enter(netns)
     os.environ.update(env)
+    from tensorwire._lifeline import follow_parent
+
+    follow_parent()  # a SIGKILLed soak leaves no worker behind
     os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's Ctrl-C is handled by the parent
     import logging
@@ -64,8 +67,11 @@ class WorkerProcess:
 
     def __init__(self, config: Any, env: dict[str, str], start_timeout_s: float = 90.0, *, netns: str = "",
                  host: str = "127.0.0.1") -> None:
+        from tensorwire._lifeline import parent_lifeline
+
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        env = {**env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
         self.proc = ctx.Process(target=_child, args=(child, config, env, netns, host), daemon=True,
                                 name="soak-worker")
         self.proc.start()

@@ -29,6 +29,9 @@ def cpu_seconds(pid: int) -> float:
 
 def _child(conn: Any, config: RdmaConfig, env: dict[str, str]) -> None:
     os.environ.update(env)
+    from tensorwire._lifeline import follow_parent
+
+    follow_parent()  # a SIGKILLed parent leaves no exporter behind
     import torch
 
     from tensorwire.rdma import TensorExporter
@@ -89,7 +92,10 @@ class OwnerProcess:
     def __init__(self, config: RdmaConfig, *, env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._proc = ctx.Process(target=_child, args=(child_conn, config, dict(env or {})), daemon=True)
+        from tensorwire._lifeline import parent_lifeline
+
+        child_env = {**(env or {}), **parent_lifeline().child_env()}
+        self._proc = ctx.Process(target=_child, args=(child_conn, config, child_env), daemon=True)
         self._proc.start()
         child_conn.close()
         info = self._call_result(start_timeout_s)

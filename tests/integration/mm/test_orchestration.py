@@ -103,6 +103,8 @@ def test_read_failure_path_in_exact_order(env: Env) -> None:
     check_output(out)
     assert env.names() == ["request", "read", "release_sync", "request", "decode_inline"]
     assert [d["support_rdma"] for e, d in env.events if e == "request"] == [True, False]
+    # The retry names the worker whose receipt failed, so a proxy in between asks another one (issue 16).
+    assert [d["excluded"] for e, d in env.events if e == "request"] == [[], [out.worker_id]] and out.worker_id
     assert live_at_second_request[1] == set()  # released before the retry went out
     assert out.plane is Plane.INLINE and out.fallback_reason is Reason.RDMA_READ_ERROR
     assert env.sample("tensorwire_mm_fallbacks_total", {"side": "llm", "reason": "rdma_read_error"}) == 1
@@ -394,5 +396,5 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
     bw = [r for r in caplog.records if "[RDMA-BW]" in r.getMessage()]
     assert len(hits) == 1 and "1 slot(s)" in hits[0].getMessage()
     assert len(bw) == 1 and "GB/s" in bw[0].getMessage()
-    assert env.sample("tensorwire_mm_encoder_gc_reclaimed_leases") == 7
+    assert env.sample("tensorwire_mm_encoder_gc_reclaimed_leases_total") == 7
     assert env.sample("tensorwire_mm_encoder_exporter_ready") == 1

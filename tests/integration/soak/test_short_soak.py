@@ -87,3 +87,20 @@ def test_fds_and_threads_back(report: dict) -> None:
             assert grown.get("socket", 0) <= allowed, (name, p)
         else:
             assert p["fds_delta"] <= 0, (name, p)
+
+
+@pytest.mark.timeout(420)
+def test_a_faulted_worker_costs_no_request_a_healthy_one_could_serve(report: dict) -> None:
+    """Issue 16 finding 8: with one worker faulted at a time, requests outside client-side cuts succeed (the
+    3-minute soak's target is 99.9 %, benchmarks/results/soak-availability-cpu2.json; 45 s of traffic on a busy
+    2-core host allow two failures or 0.5 % here). Every failure is listed with the windows it overlapped."""
+    av = report["availability"]
+    out = av["outside_client_cuts"]
+    assert out["requests"] > 100, out
+    assert out["failed"] <= max(2, int(0.005 * out["requests"])), av["failures_outside_client_cuts"]
+    assert set(av["by_fault"]) == {"client_cut", "worker_restart", "worker_cut", "none"}
+    assert av["windows"].get("worker_restart", 0) >= 1 and av["windows"].get("client_cut", 0) + \
+        av["windows"].get("worker_cut", 0) >= 1
+    # One worker at a time: no two worker-fault windows overlap.
+    worker = sorted((w for w in av["window_list"] if w["kind"] != "client_cut"), key=lambda w: w["start_s"])
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(worker, worker[1:], strict=False)), worker

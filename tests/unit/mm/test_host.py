@@ -95,7 +95,7 @@ def test_a_stop_before_start_drains_nothing_and_refuses_a_later_start() -> None:
 
 def test_an_address_that_cannot_be_bound_is_a_config_error_naming_it() -> None:
     host = GrpcHost("proxy", (), threads=1, thread_prefix="test-host")
-    with pytest.raises(ConfigError, match="cannot bind the proxy to '256.1.1.1:0'"):
+    with pytest.raises(ConfigError, match="cannot listen on 256.1.1.1:0 for the proxy"):
         host.bind("256.1.1.1:0")
     assert host.state is HostState.NEW
     host.stop(0)
@@ -103,3 +103,105 @@ def test_an_address_that_cannot_be_bound_is_a_config_error_naming_it() -> None:
 
 def test_stop_slack_is_bounded() -> None:
     assert 0 < STOP_SLACK_S <= 10  # a stop never waits unboundedly past its grace
+
+
+# ---- issue 16: health phases, the drain period, Watch, port sharing
+
+def _watch(address: str, name: str = SERVICE) -> tuple[grpc.Channel, list[object], threading.Thread]:
+    """A Watch on ``name`` followed by a thread; the list gets each status, then ("end", code)."""
+    ch = grpc.insecure_channel(address)
+    seen: list[object] = []
+    stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=name), timeout=30)
+
+    def follow() -> None:
+        try:
+            for msg in stream:
+                seen.append(int(msg.status))
+        except grpc.RpcError as exc:
+            seen.append(("end", exc.code()))
+        else:
+            seen.append(("end", grpc.StatusCode.OK))
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+    return ch, seen, t
+
+
+def _wait(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_start_not_serving_until_set_serving() -> None:
+    host = GrpcHost("test", (Echo().handler(),), threads=2, thread_prefix="test-host", serving=(SERVICE,))
+    host.bind("127.0.0.1:0")
+    host.start(serving=False)  # a worker whose model is still loading: reachable, but not ready
+    try:
+        assert health_of(host.address, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+        host.set_serving(True)
+        assert health_of(host.address, "") == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        host.stop(0)
+
+
+def test_stop_is_not_serving_for_the_drain_period_then_drains_settles_and_ends_watches() -> None:
+    echo = Echo()
+    host = GrpcHost("test", (echo.handler(),), threads=4, thread_prefix="test-host", serving=(SERVICE,))
+    host.bind("127.0.0.1:0")
+    host.start()
+    events: list[str] = []
+    seen_during_drain: list[int] = []
+    ch, watched, follower = _watch(host.address)
+    try:
+        assert _wait(lambda: watched == [health_pb2.HealthCheckResponse.SERVING])
+        stopper = threading.Thread(target=host.stop, args=(10.0,), kwargs={
+            "drain": lambda: events.append("drain"), "drain_s": 1.5, "quiesce": lambda: events.append("quiesce"),
+            "settle": lambda deadline: events.append(f"settle {deadline - time.monotonic():.0f}")})
+        t0 = time.monotonic()
+        stopper.start()
+        # The drain period: Check already says NOT_SERVING (the old host flipped it only together with the stop)
+        # while calls are still served and nothing was drained yet.
+        assert _wait(lambda: health_of(host.address, SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+        seen_during_drain.append(health_of(host.address, ""))
+        with grpc.insecure_channel(host.address) as c2:
+            assert c2.unary_unary(f"/{SERVICE}/Echo")(b"still served", timeout=5) == b"still served"
+        assert events == []
+        stopper.join(20)
+        elapsed = time.monotonic() - t0
+        follower.join(10)
+    finally:
+        ch.close()
+    assert seen_during_drain == [health_pb2.HealthCheckResponse.NOT_SERVING]
+    # After the drain period: stop taking work, wait for it (the whole grace still ahead), then end idle streams.
+    assert events == ["quiesce", "settle 10", "drain"]
+    # The open Watch saw NOT_SERVING and then ended (OK) at the stop: it did not hold the stop for the 10 s grace.
+    assert watched == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING,
+                       ("end", grpc.StatusCode.OK)]
+    assert 1.5 <= elapsed < 6.0
+
+
+def test_a_port_in_use_is_refused_unless_both_ask_to_share_it() -> None:
+    first = GrpcHost("first", (), threads=1, thread_prefix="test-host")
+    port = first.bind("127.0.0.1:0")
+    first.start()
+    try:
+        second = GrpcHost("encoder", (), threads=1, thread_prefix="test-host")
+        # gRPC's default (SO_REUSEPORT on) let a second server share the port and take half its connections.
+        with pytest.raises(ConfigError, match=f"port {port} is in use") as info:
+            second.bind(f"127.0.0.1:{port}")
+        assert info.value.reason.value == "bind_failed"
+        second.stop(0)
+    finally:
+        first.stop(0)
+    a = GrpcHost("a", (), threads=1, thread_prefix="test-host", reuse_port=True)
+    b = GrpcHost("b", (), threads=1, thread_prefix="test-host", reuse_port=True)
+    try:
+        shared = a.bind("127.0.0.1:0")
+        assert b.bind(f"127.0.0.1:{shared}") == shared  # asked for explicitly: allowed
+    finally:
+        a.stop(0)
+        b.stop(0)

@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from tensorwire.mm import wire
+from tensorwire.mm._health import SERVING, HealthService
 from tensorwire.rdma import Descriptor, Owner, TensorMeta
 from tensorwire.service._info import info_handler
 from tensorwire.service._proto import service_pb2
@@ -36,6 +37,8 @@ class FakeWorker:
     slot_gc_timeout_ms: int = 60_000
     # Called per Encode; returns the lease ids to put in the receipt or raises via context.abort.
     on_encode: Callable[[wire.EncodeRequest, grpc.ServicerContext], list[str]] | None = None
+    # Called on each receipt before it is sent (to break it on purpose).
+    on_receipt: Callable[[wire.EncodeResponse], None] | None = None
     release_failures: int = 0  # fail this many ReleaseLeases calls with UNAVAILABLE first
     encodes: int = 0
     releases: list[list[str]] = field(default_factory=list)
@@ -44,6 +47,7 @@ class FakeWorker:
     lock: threading.Lock = field(default_factory=threading.Lock)
     server: grpc.Server | None = None
     port: int = 0
+    health: HealthService = field(default_factory=lambda: HealthService(("", wire.SERVICE_NAME), SERVING))
 
     @property
     def address(self) -> str:
@@ -64,7 +68,8 @@ class FakeWorker:
                 worker_id=self.name, hostname=self.hostname, mode="auto", rdma_provider="auto",
                 rdma_port=self.rdma_port, slot_gc_timeout_ms=self.slot_gc_timeout_ms)),
         ))
-        self.port = server.add_insecure_port("127.0.0.1:0")
+        self.health.add_to(server)
+        self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         server.start()
         self.server = server
         return self
@@ -88,6 +93,8 @@ class FakeWorker:
             resp.embedding.dtype = 1
             resp.embedding.shape.extend([4, 8])
             resp.embedding.data = b"\0" * 128
+        if self.on_receipt is not None:
+            self.on_receipt(resp)
         return resp
 
     def _release(self, request: wire.ReleaseLeasesRequest, context: grpc.ServicerContext) -> wire.ReleaseLeasesResponse:

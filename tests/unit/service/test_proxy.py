@@ -231,3 +231,170 @@ def test_expired_routes_are_not_forwarded(make) -> None:
     assert h.workers[0].releases == []  # the worker's GC has reclaimed it by now; nothing to forward
     assert h.metric("tensorwire_proxy_release_ids_total", outcome="unknown") == 1
     assert h.metric("tensorwire_proxy_routes_expired_total") == 1
+
+
+# ---- health, routing around sick workers, broken receipts (issue 16)
+
+def _proxy_health(h: Harness) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stub = health_pb2_grpc.HealthStub(h.channel)
+    return int(stub.Check(health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME), timeout=5).status)
+
+
+def _until(cond, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_proxy_health_says_whether_any_worker_can_serve(make) -> None:
+    from tensorwire.mm._health import NOT_SERVING, SERVING
+
+    h = make([FakeWorker("w0"), FakeWorker("w1")], probe_interval_s=0.05, probe_timeout_s=1.0)
+    assert _proxy_health(h) == SERVING
+    assert h.metric("tensorwire_proxy_worker_up", worker="0") == 1
+    # One worker says NOT_SERVING (loading, draining): it is DOWN, the proxy still serves through the other.
+    h.workers[0].health.set_all(NOT_SERVING)
+    assert _until(lambda: h.metric("tensorwire_proxy_worker_up", worker="0") == 0)
+    assert _proxy_health(h) == SERVING
+    assert {h.encode().worker.worker_id for _ in range(6)} == {"w1"}
+    # Both down (the second one dead): NOT_SERVING, where the old proxy answered SERVING forever.
+    h.workers[1].stop()
+    assert _until(lambda: _proxy_health(h) == NOT_SERVING)
+    assert h.metric("tensorwire_proxy_worker_up", worker="1") == 0
+    assert h.metric("tensorwire_proxy_worker_down_total", worker="1") == 1
+    # A worker back to SERVING is probed back UP, and so is the proxy.
+    h.workers[0].health.set_all(SERVING)
+    assert _until(lambda: _proxy_health(h) == SERVING)
+    assert h.encode().worker.worker_id == "w0"
+
+
+def test_a_failed_worker_gets_no_new_requests_until_probed_back(make) -> None:
+    dead = _dead_address()
+    h = make([FakeWorker("w0")], extra=(dead,), check_workers=False, probe_interval_s=30.0)
+    for _ in range(10):
+        assert h.encode().worker.worker_id == "w0"
+    # The old round robin sent every other request to the dead worker first (5 failed attempts); now the first
+    # failure takes it out of the rotation and nobody waits on it again.
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker="1", code="UNAVAILABLE") <= 1
+    assert h.metric("tensorwire_proxy_worker_up", worker="1") == 0
+
+
+def test_every_worker_is_tried_even_when_all_look_down(make) -> None:
+    from tensorwire.mm._health import NOT_SERVING
+
+    workers = [FakeWorker("w0"), FakeWorker("w1")]
+    for w in workers:  # both say NOT_SERVING (wrongly: they still answer Encode): the first probes find both DOWN
+        w.health.set_all(NOT_SERVING)
+    h = make(workers, probe_interval_s=30.0)
+    assert _until(lambda: not h.proxy.health.any_up())
+    assert h.encode().worker.worker_id in ("w0", "w1")  # a last resort, not a refusal
+    assert h.proxy.health.any_up()  # and the success brings that worker back
+
+
+def _truncate_inline(resp: wire.EncodeResponse) -> None:
+    resp.embedding.data = resp.embedding.data[:-4]
+
+
+def _bad_roles(resp: wire.EncodeResponse) -> None:
+    for slot in resp.rdma_slots:
+        slot.roles[:] = [0]
+
+
+@pytest.mark.parametrize("rdma,breaker", [(False, _truncate_inline), (True, _bad_roles)])
+def test_a_receipt_a_reader_would_reject_is_retried_on_another_worker(make, rdma: bool, breaker) -> None:
+    import time
+
+    h = make([FakeWorker("w0", on_receipt=breaker), FakeWorker("w1")], probe_interval_s=30.0)
+    h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
+    resp = h.encode(rdma=rdma)
+    assert resp.worker.worker_id == "w1"  # the old proxy forwarded w0's broken receipt
+    assert h.metric("tensorwire_proxy_bad_receipts_total") == 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker="0", code="BAD_RECEIPT") == 1
+    if rdma:  # the broken receipt's lease goes back to w0 at once instead of waiting for its GC
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not h.workers[0].releases:
+            time.sleep(0.02)
+        assert h.workers[0].releases == [["w0-1"]]
+        assert h.proxy.routes.lookup("w0-1") is None
+
+
+def test_the_last_workers_broken_receipt_is_forwarded_for_the_client_to_judge(make) -> None:
+    h = make([FakeWorker("w0", on_receipt=_truncate_inline)], probe_interval_s=30.0)
+    resp = h.encode(rdma=False)
+    assert resp.worker.worker_id == "w0" and len(resp.embedding.data) == 124  # the client raises InvalidPayload
+
+
+def test_draining_proxy_refuses_encode_but_still_routes_releases(make) -> None:
+    import threading
+    import time
+
+    h = make([FakeWorker("w0")], probe_interval_s=30.0)
+    ids = _leases(h.encode())
+    stopper = threading.Thread(target=h.proxy.stop, kwargs={"grace_s": 10.0, "drain_s": 2.0})
+    t0 = time.monotonic()
+    stopper.start()
+    try:
+        assert _until(lambda: _proxy_health(h) != 1, 5.0)  # NOT_SERVING at once
+        ids += _leases(h.encode())  # the drain period still serves
+        assert _until(lambda: h.proxy._encodes.closed, 10.0)  # the drain period is over
+        with pytest.raises(grpc.RpcError) as info:
+            h.encode()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+        assert h.release(ids) == 2  # readers of receipts handed out before still release through the proxy
+    finally:
+        stopper.join(15)
+    assert not stopper.is_alive()
+    # Every route was released, so the stop did not wait out its 10 s grace.
+    assert time.monotonic() - t0 < 8.0
+
+
+def test_workers_the_caller_names_are_asked_last(make) -> None:
+    # The client's inline fallback names the worker whose receipt it could not read (it may have died with its
+    # slots, and the proxy may not know yet): the retry goes to another worker, though round robin says w0.
+    h = make([FakeWorker("w0"), FakeWorker("w1")], probe_interval_s=30.0)
+    h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
+    req = wire.EncodeRequest(rdma_excluded_workers=["w0"])
+    req.inputs.add(data=b"img", kind="image")
+    assert h.encode_rpc(req, timeout=10).worker.worker_id == "w1"
+    assert h.workers[0].encodes == 0
+    # Only when nobody else can answer does it go to a named worker.
+    h.workers[1].stop()
+    assert h.encode_rpc(req, timeout=10).worker.worker_id == "w0"
+
+
+def test_a_second_round_asks_a_worker_again_once_the_other_failed_too(make) -> None:
+    # The request meets one worker's fault, retries on the other, which fails in turn (it dies while the first
+    # is back): a second round, 50 ms later, asks the first again instead of failing the request.
+    def fail_first(worker: str):
+        calls = []
+
+        def fn(_request, context):
+            calls.append(1)
+            if len(calls) == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker} restarting")
+            return [f"{worker}-ok"]
+        return fn
+
+    h = make([FakeWorker("w0", on_encode=fail_first("w0")), FakeWorker("w1", on_encode=fail_first("w1"))],
+             probe_interval_s=30.0)
+    assert h.encode().worker.worker_id in ("w0", "w1")
+    assert h.metric("tensorwire_proxy_retries_total") == 2
+    assert h.workers[0].encodes + h.workers[1].encodes == 3
+
+
+def test_a_request_no_worker_could_answer_says_what_each_attempt_met(make) -> None:
+    h = make([FakeWorker("w0")], extra=(_dead_address(),), check_workers=False, probe_interval_s=30.0)
+    h.workers[0].stop()
+    with pytest.raises(grpc.RpcError) as info:
+        h.encode()
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Three rounds over both workers, each attempt named: an operator sees where the time and the failures went.
+    assert "via proxy after 6 attempt(s) [" in info.value.details(), info.value.details()
+    assert info.value.details().count(":UNAVAILABLE") == 6

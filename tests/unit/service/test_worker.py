@@ -58,6 +58,22 @@ def _client(w: EncoderWorker) -> RemoteOutputTransport:
     return RemoteOutputTransport(w.address, INLINE, metrics=metrics_for(CollectorRegistry()))
 
 
+def _fetch_in_background(w: EncoderWorker) -> tuple[threading.Thread, dict]:
+    """One fetch on a thread of its own; the dict gets "out" or "error"."""
+    result: dict = {}
+
+    def call() -> None:
+        with _client(w) as client:
+            try:
+                result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
+            except Exception as exc:  # recorded for the assertion
+                result["error"] = exc
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, result
+
+
 def test_fetch_matches_local_encoder(worker: EncoderWorker) -> None:
     images = [p.read_bytes() for p in sample_paths()[:2]]
     with _client(worker) as client:
@@ -115,17 +131,7 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
     enc = SlowEncoder(delay_s=1.0)
     w = EncoderWorker(enc, INLINE, metrics=metrics_for(CollectorRegistry()))
     w.start("127.0.0.1:0")
-    result: dict = {}
-
-    def call() -> None:
-        with _client(w) as client:
-            try:
-                result["out"] = client.fetch([MultimodalInput(_png(56, 56))])
-            except Exception as exc:  # recorded for the assertion
-                result["error"] = exc
-
-    t = threading.Thread(target=call)
-    t.start()
+    t, result = _fetch_in_background(w)
     try:
         assert enc.started.wait(10), "the request never reached the encoder"
         t0 = time.monotonic()
@@ -161,3 +167,62 @@ def test_stop_does_not_wait_out_the_grace_for_idle_control_streams() -> None:
     finally:
         client.close()
         w.stop()
+
+
+def test_a_loading_worker_is_not_serving_and_refuses_encode_until_loaded() -> None:
+    from tensorwire.errors import PeerUnavailable
+
+    gate = threading.Event()
+
+    def load() -> BuiltinEncoder:
+        gate.wait(20)
+        return BuiltinEncoder(preprocess=SMALL)
+
+    w = EncoderWorker.loading(load, INLINE, metrics=metrics_for(CollectorRegistry()))
+    w.start("127.0.0.1:0")  # bound before the model exists (the old worker loaded first: connection refused)
+    loader = threading.Thread(target=w.load)
+    loader.start()
+    try:
+        with grpc.insecure_channel(w.address) as ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                                   request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            req = health_pb2.HealthCheckRequest(service="tensorwire.mm.v1.EncoderService")
+            assert check(req, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            info = fetch_info(ch, w.address, timeout_s=5)  # a proxy can ask while it loads
+            assert info.worker_id == w.worker_id and info.hidden_size == 0
+            with _client(w) as client, pytest.raises(PeerUnavailable, match="still loading"):
+                client.fetch([MultimodalInput(_png(56, 56))], timeout_ms=5000)
+            gate.set()
+            loader.join(30)
+            assert check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+            assert fetch_info(ch, w.address, timeout_s=5).hidden_size == 2048
+        with _client(w) as client:
+            assert client.fetch([MultimodalInput(_png(56, 56))]).embeddings[0].shape == (4, 2048)
+    finally:
+        gate.set()
+        loader.join(30)
+        w.stop(1.0)
+
+
+def test_stop_refuses_new_encodes_after_the_drain_period_and_lets_the_running_one_finish() -> None:
+    from tensorwire.errors import PeerUnavailable
+
+    enc = SlowEncoder(delay_s=2.0)
+    w = EncoderWorker(enc, INLINE, metrics=metrics_for(CollectorRegistry()))
+    w.start("127.0.0.1:0")
+    t, result = _fetch_in_background(w)
+    stopper = threading.Thread(target=w.stop, kwargs={"grace_s": 10.0, "drain_s": 0.2})
+    try:
+        assert enc.started.wait(10), "the request never reached the encoder"
+        stopper.start()
+        deadline = time.monotonic() + 10
+        while not w.service._stopping and time.monotonic() < deadline:  # the drain period is over
+            time.sleep(0.01)
+        with _client(w) as client, pytest.raises(PeerUnavailable, match="draining"):
+            client.fetch([MultimodalInput(_png(56, 56))], timeout_ms=5000)
+    finally:
+        t.join(15)
+        stopper.join(15)
+    assert "error" not in result, result.get("error")
+    assert result["out"].embeddings[0].shape == (4, 2048)

@@ -1,0 +1,74 @@
+"""The metric names the docs give are the names the code exports (issue 16 finding 9), and the Prometheus
+conventions hold: counters end in ``_total``, a cumulative count is a counter, histograms are ``_seconds``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from tensorwire.mm import TransportMetrics
+from tensorwire.service._proxy import _Metrics
+from tensorwire.service._routes import RouteTable
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+NAME = re.compile(r"`(tensorwire_[a-z0-9_]+)(?![a-z0-9_*])")  # not a glob like tensorwire_mm_*
+
+
+def _exported(registry: CollectorRegistry) -> dict[str, str]:
+    """Exposed name -> type (counters with their ``_total``, as a scrape shows them)."""
+    out = {}
+    for family in registry.collect():
+        name = family.name + "_total" if family.type == "counter" else family.name
+        out[name] = family.type
+    return out
+
+
+def _mm() -> dict[str, str]:
+    return _exported(TransportMetrics(CollectorRegistry()).registry)
+
+
+def _proxy() -> dict[str, str]:
+    reg = CollectorRegistry()
+    _Metrics(reg, RouteTable(1.0), 2)
+    return _exported(reg)
+
+
+def _documented(*files: str) -> set[str]:
+    return {m for f in files for m in NAME.findall((DOCS / f).read_text())}
+
+
+def test_transport_md_lists_exactly_the_mm_metrics() -> None:
+    documented = {n for n in _documented("transport.md") if n.startswith("tensorwire_mm_")}
+    assert documented == set(_mm())
+
+
+def test_deployment_md_lists_exactly_the_proxy_metrics() -> None:
+    documented = {n for n in _documented("deployment.md") if n.startswith("tensorwire_proxy_")}
+    assert documented == set(_proxy())
+
+
+def test_every_metric_any_doc_names_exists() -> None:
+    exported = set(_mm()) | set(_proxy())
+    named = _documented(*(p.name for p in DOCS.glob("*.md")))
+    named |= set(NAME.findall((DOCS.parent / "README.md").read_text()))
+    assert named <= exported, sorted(named - exported)
+
+
+def test_names_follow_the_prometheus_conventions() -> None:
+    for name, kind in {**_mm(), **_proxy()}.items():
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        else:
+            assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
+        if kind == "histogram":
+            assert name.endswith("_seconds"), name
+
+
+def test_latency_histograms_resolve_sub_millisecond_calls() -> None:
+    reg = CollectorRegistry()
+    m = _Metrics(reg, RouteTable(1.0), 1)
+    m.seconds.observe(0.0003)  # a proxy hop on a LAN
+    assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.0005"}) == 1.0
+    assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.00025"}) == 0.0
