@@ -355,8 +355,12 @@ def test_unreachable_endpoint_falls_back_without_hanging(cluster: Any) -> None:
     assert_same(g1, cluster["base"]["refused"], "refused")
     assert_same(g2, cluster["base"]["blackhole"], "blackhole")
     d = diff(before, after)
-    assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=peer_unavailable}") == 1, d
-    assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=deadline_exceeded}") == 1, d
+    # The refused port is peer_unavailable. The mute one ends at the lookup deadline (deadline_exceeded) or, when
+    # gRPC's own connection attempt (20 s without the server's HTTP/2 SETTINGS) gives up first on a loaded box,
+    # as peer_unavailable: both are the fallback this test is about, bounded in time.
+    unavailable = d.get("tensorwire_vllm_ec_fallbacks_total{reason=peer_unavailable}", 0)
+    deadline = d.get("tensorwire_vllm_ec_fallbacks_total{reason=deadline_exceeded}", 0)
+    assert unavailable >= 1 and unavailable + deadline == 2, d
     assert elapsed < 2 * LOOKUP_S + 30.0, f"two unreachable fetches took {elapsed:.1f} s"
     wait_nothing_held(cluster)
 
