@@ -1,6 +1,6 @@
 """Where one fetch's time goes, across both processes: a timeline of wrapped functions (diagnostic, not a bench).
 
-    PYTHONPATH=src python scripts/probe_timeline.py [--device cuda:0] [--iters 40] [--rows 8 13760]
+    PYTHONPATH=src python scripts/probe_timeline.py [--device cuda:0] [--iters 40] [--rows 8 13760] [--channel local]
 
 Starts the transfer bench's encoder (spawned process, real gRPC server and exporter), fetches zero-copy outputs
 through the EncodeStream, and records enter/exit times (CLOCK_MONOTONIC, shared by both processes) of the
@@ -38,6 +38,11 @@ CLIENT = [
     "tensorwire.mm._receipt:check_read",
     "tensorwire.mm._receipt:assemble",
     "tensorwire.mm._grpc_channel:_GrpcSession.release_after_read",
+    "tensorwire.mm._uds_channel:_UdsSession.encode",
+    "tensorwire.mm._uds_channel:_Conn.encode",
+    "tensorwire.mm._uds_channel:_Conn.send_release",
+    "tensorwire.mm._uds_channel:UdsControlChannel.session",
+    "tensorwire.mm._wire_receipt:parse_stream_response",
     "tensorwire.mm._client:_RdmaAttempt.to_pb",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
@@ -62,6 +67,8 @@ SERVER = [
     "tensorwire.rdma._exporter:TensorExporter._publish",
     "tensorwire.rdma._descriptor:Descriptor.to_bytes",
     "tensorwire.mm.wire:stream_frame",
+    "tensorwire.mm._uds_service:LocalControlServer._answer",
+    "tensorwire._unix:send_frame",
 ]
 
 
@@ -119,6 +126,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 13760])
     ap.add_argument("--json", default=None, help="also write the timelines here")
+    ap.add_argument("--channel", choices=["grpc", "local"], default="grpc",
+                    help="the control channel: the EncodeStream, or the same-host channel (issue 18)")
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import torch
@@ -138,7 +147,8 @@ def main() -> int:
     try:
         port, ready = q.get(timeout=120)
         assert ready, "exporter not ready"
-        cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
+        cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000,
+                              local_channel="auto" if args.channel == "local" else "off")
         with RemoteOutputTransport(f"127.0.0.1:{port}", cfg) as t:
             assert t.wait_ready(60)
             for rows in args.rows:

@@ -5,10 +5,12 @@
 Two measurements, each across two processes on loopback, in one run so their ratios share the machine's state:
 
 1. ``echo``: a 200-byte message through a unary method and through a stream-stream method of a plain sync
-   ``grpc.server``: the floor any Python control plane pays per request;
+   ``grpc.server``, and (``local``) as one frame each way on a Unix socket with the same-host channel's framing
+   (``tensorwire._unix``, a thread blocked in ``recv`` on each side): the floor each control path pays;
 2. ``fetch``: ``RemoteOutputTransport.fetch`` of a small inline output (mode ``grpc``: no data plane) with the
-   EncodeStream (``control_stream=True``) and with unary Encode RPCs (``control_stream=False``): the same floor
-   plus tensorwire's client, service and codec.
+   EncodeStream (``control_stream=True``), with unary Encode RPCs (``control_stream=False``), both with
+   ``local_channel="off"``, and over the same-host channel (``local``): the same floor plus tensorwire's client,
+   service and codec.
 
 Each runs back to back (gap 0) and with a sleep between calls: on virtual machines a thread that slept wakes up
 slowly and runs cold for a while, which a hot loop never shows. Writes benchmarks/results/control-<machine>.json.
@@ -61,6 +63,26 @@ def _encoder(q: Any) -> None:
     server.wait()
 
 
+def _uds_echo_server(q: Any) -> None:
+    import socket
+    import tempfile
+    import threading
+
+    from tensorwire import _unix
+
+    path = os.path.join(_unix.ensure_private_dir(tempfile.mkdtemp(prefix="tw-bench-")), "echo.sock")
+    listener = _unix.listen(path)
+    q.put(path)
+
+    def serve(conn: socket.socket) -> None:
+        while (frame := _unix.recv_frame(conn, None, 1 << 20)) is not None:
+            _unix.send_frame(conn, frame, None)
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
 def _timed(fn: Callable[[], Any], n: int, gap_s: float, warmup: int = 30) -> dict[str, float]:
     from tensorwire.bench._common import summarize
 
@@ -76,16 +98,20 @@ def _timed(fn: Callable[[], Any], n: int, gap_s: float, warmup: int = 30) -> dic
     return summarize(samples)
 
 
-def _spawn(target: Callable[[Any], None]) -> tuple[Any, int]:
+def _spawn(target: Callable[[Any], None]) -> tuple[Any, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=target, args=(q,), daemon=True)
     proc.start()
-    return proc, int(q.get(timeout=120))
+    return proc, q.get(timeout=120)
 
 
-def _echo(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
+def _echo(port: int, uds_path: str, n: int, gaps: list[float]) -> dict[str, Any]:
+    import socket
+
     import grpc
+
+    from tensorwire import _unix
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     unary: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{_ECHO_SERVICE}/Unary")
@@ -103,12 +129,22 @@ def _echo(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
         outbox.put(msg)
         next(call)
 
-    out: dict[str, Any] = {"unary": {}, "stream": {}}
-    for gap in gaps:  # the two paths alternate per gap so both see the same background
+    uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    uds.connect(uds_path)
+
+    def on_local() -> None:
+        deadline = time.monotonic() + 10.0  # a deadline on every call, as the channel has
+        _unix.send_frame(uds, msg, deadline)
+        _unix.recv_frame(uds, deadline, 1 << 20)
+
+    out: dict[str, Any] = {"unary": {}, "stream": {}, "local": {}}
+    for gap in gaps:  # the paths alternate per gap so all see the same background
         out["unary"][f"{gap * 1e3:g}ms"] = _timed(lambda: unary(msg), n, gap)
         out["stream"][f"{gap * 1e3:g}ms"] = _timed(on_stream, n, gap)
+        out["local"][f"{gap * 1e3:g}ms"] = _timed(on_local, n, gap)
     outbox.put(None)
     channel.close()
+    uds.close()
     return out
 
 
@@ -117,19 +153,22 @@ def _fetch(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
 
     from tensorwire.mm import MultimodalInput, Plane, RemoteOutputTransport, TransportConfig
 
-    cfg = TransportConfig(mode="grpc")
+    cfg = TransportConfig(mode="grpc", local_channel="off")
     inputs = [MultimodalInput(b"image")]
-    out: dict[str, Any] = {"unary": {}, "stream": {}}
-    with RemoteOutputTransport(f"127.0.0.1:{port}", dataclasses.replace(cfg, control_stream=False)) as unary, \
-            RemoteOutputTransport(f"127.0.0.1:{port}", cfg) as stream:
-        for t in (unary, stream):
+    out: dict[str, Any] = {"unary": {}, "stream": {}, "local": {}}
+    address = f"127.0.0.1:{port}"
+    with RemoteOutputTransport(address, dataclasses.replace(cfg, control_stream=False)) as unary, \
+            RemoteOutputTransport(address, cfg) as stream, \
+            RemoteOutputTransport(address, dataclasses.replace(cfg, local_channel="auto")) as local:
+        for t in (unary, stream, local):
             if t.fetch(inputs).plane is not Plane.INLINE:
                 raise SystemExit("expected the inline plane")
         for gap in gaps:
             out["unary"][f"{gap * 1e3:g}ms"] = _timed(lambda: unary.fetch(inputs), n, gap)
             out["stream"][f"{gap * 1e3:g}ms"] = _timed(lambda: stream.fetch(inputs), n, gap)
+            out["local"][f"{gap * 1e3:g}ms"] = _timed(lambda: local.fetch(inputs), n, gap)
         paths = _counter_values(stream.metrics.control_rpcs)
-    out["control_rpcs_of_both_transports"] = paths  # one registry: the unary and the stream transport share it
+    out["control_rpcs_of_both_transports"] = paths  # one registry: the three transports share it
     return out
 
 
@@ -156,23 +195,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         echo_proc, echo_port = _spawn(_echo_server)
         procs.append(echo_proc)
+        uds_proc, uds_path = _spawn(_uds_echo_server)
+        procs.append(uds_proc)
         enc_proc, enc_port = _spawn(_encoder)
         procs.append(enc_proc)
-        echo = _echo(echo_port, args.n, gaps)
-        fetch = _fetch(enc_port, args.n, gaps)
+        echo = _echo(int(echo_port), str(uds_path), args.n, gaps)
+        fetch = _fetch(int(enc_port), args.n, gaps)
     finally:
         for p in procs:
             p.kill()
             p.join(10)
     print(f"{'ms, median / p99':28}" + "".join(f"{'gap ' + k:>20}" for k in echo["unary"]))
     for name, table in (("echo", echo), ("fetch (inline, tiny)", fetch)):
-        for path in ("unary", "stream"):
+        for path in ("unary", "stream", "local"):
             cells = "".join(f"{v['median_ms']:>11.3f} / {v['p99_ms']:6.3f}" for v in table[path].values())
             print(f"{name + ' ' + path:28}{cells}")
     ratios = {f"{name}_unary_over_stream_gap_{k}": table["unary"][k]["median_ms"] / table["stream"][k]["median_ms"]
               for name, table in (("echo", echo), ("fetch", fetch)) for k in table["unary"]}
+    ratios.update({f"{name}_stream_over_local_gap_{k}": table["stream"][k]["median_ms"] / table["local"][k]["median_ms"]
+                   for name, table in (("echo", echo), ("fetch", fetch)) for k in table["stream"]})
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
-    written = write_result("control", {"n": args.n, "gaps_ms": [g * 1e3 for g in gaps], "echo": echo, "fetch": fetch,
+    load = os.getloadavg()
+    print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+    written = write_result("control", {"n": args.n, "loadavg": list(load), "gaps_ms": [g * 1e3 for g in gaps],
+                                       "echo": echo, "fetch": fetch,
                                        "ratios": ratios}, args.out)
     print(f"wrote {written}")
     return 0

@@ -20,6 +20,10 @@ total), and inline / the copying variant.
 Each size runs the RDMA plane three times: with a copying export, with a zero-copy output (the encoder writes
 into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot), and the zero-copy
 output again with the control messages on unary RPCs instead of the EncodeStream (``control_stream=False``).
+Those (and the inline plane) use the gRPC control plane (``local_channel="off"``). Issue 18: both RDMA runs and
+the inline plane run again, in the same process and run, over the same-host control channel (the worker's Unix
+socket): ``rdma_local``, ``rdma_zero_copy_local``, ``inline_local``, with their p50/p90/p99 and the ratios to
+the gRPC rows; the RDMA runs of both control channels alternate fetch by fetch.
 
 Stages per fetch (client wall clock, medians): ``export`` (encoder copies into registered slots),
 ``control`` (Encode round trip, which contains the export), ``allocate`` (zero-copy only: the encoder's
@@ -161,7 +165,13 @@ def _inputs(rows: int, zero_copy: bool = False) -> list[Any]:
 
 
 def _stats(stages: dict[str, list[float]]) -> dict[str, Any]:
-    return {k: {"median_ms": _median(v), "min_ms": min(v), "max_ms": max(v), "n": len(v)} for k, v in stages.items()}
+    return {k: {"median_ms": _median(v), "p90_ms": _quantile(v, 0.9), "p99_ms": _quantile(v, 0.99), "min_ms": min(v),
+                "max_ms": max(v), "n": len(v)} for k, v in stages.items()}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def _add(stages: dict[str, list[float]], row: dict[str, float]) -> None:
@@ -178,6 +188,20 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
         if i >= warmup:
             _add(stages, row)
     return _stats(stages)
+
+
+def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, plane: str, device: str,
+                     zero_copy: bool = False) -> list[dict[str, Any]]:
+    """``_run_plane`` for several transports, fetch by fetch in turn, so that their ratios share one machine
+    state (this machine may be shared; load drifts within a run)."""
+    inputs = _inputs(rows, zero_copy)
+    stages: list[dict[str, list[float]]] = [{} for _ in transports]
+    for i in range(warmup + iters):
+        for t, st in zip(transports, stages, strict=True):
+            row = _fetch_once(t, inputs, plane, device)
+            if i >= warmup:
+                _add(st, row)
+    return [_stats(st) for st in stages]
 
 
 def _run_inline_and_plain(inline_t: Any, plain: Any, rows: int, iters: int, warmup: int,
@@ -226,10 +250,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
     import torch
+    from prometheus_client import CollectorRegistry
 
     from tensorwire.bench import _plain_grpc as plain_grpc
     from tensorwire.bench._common import write_result
-    from tensorwire.mm import RemoteOutputTransport, TransportConfig
+    from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
     from tensorwire.mm._grpc_channel import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
 
@@ -257,13 +282,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         endpoint = f"127.0.0.1:{port}"
         plain_endpoint = f"127.0.0.1:{plain_q.get(timeout=120)}"
-        rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000)
+        rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000,
+                                   local_channel="off")
+        local_cfg = dataclasses.replace(rdma_cfg, local_channel="auto")
+        local_reg = CollectorRegistry()  # its own: the local channel's counters prove it was used
         control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
         with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
                 RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
                 RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t, \
+                RemoteOutputTransport(endpoint, local_cfg, metrics=TransportMetrics(local_reg)) as local_t, \
+                RemoteOutputTransport(endpoint, local_cfg.with_mode("grpc")) as inline_local_t, \
                 plain_grpc.PlainClient(plain_endpoint, cols) as plain:
-            if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60):
+            if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60) or not local_t.wait_ready(60):
                 print("RDMA reader did not become ready", file=sys.stderr)
                 return 1
             release_rtt = []
@@ -273,15 +303,17 @@ def main(argv: list[str] | None = None) -> int:
                 release_rtt.append((time.perf_counter() - t) * 1e3)
             for rows in rows_list:
                 nbytes = rows * cols * 2
-                r = _run_plane(rdma_t, rows, iters, 2, "rdma", args.device)
-                z = _run_plane(rdma_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
-                zu = _run_plane(unary_t, rows, iters, 2, "rdma", args.device, zero_copy=True)
+                r, rl = _run_alternating([rdma_t, local_t], rows, iters, 2, "rdma", args.device)
+                z, zu, zl = _run_alternating([rdma_t, unary_t, local_t], rows, iters, 2, "rdma", args.device,
+                                             zero_copy=True)
                 slow = nbytes >= SLOW_INLINE_BYTES
                 if plain.prepare(rows) != nbytes:
                     raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
                 _check_same_bytes(rdma_t, plain, rows, args.device)
                 i, p, pc = _run_inline_and_plain(inline_t, plain, rows, 1 if slow else inline_iters,
                                                  0 if slow else 1, args.device)
+                il = _run_plane(inline_local_t, rows, 1 if slow else inline_iters, 0 if slow else 1, "inline",
+                                args.device)
                 mc = _memcpy_ms(nbytes, args.device, 10)
                 mc1 = _memcpy_ms(nbytes, args.device, 10, threads=1) if args.device == "cpu" else mc
                 res = {
@@ -291,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio_rdma_read_over_memcpy_1thread": r["read"]["median_ms"] / mc1,
                     "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
                     "plain_grpc": p, "plain_grpc_server_copy": pc,
+                    "rdma_local": rl, "rdma_zero_copy_local": zl, "inline_local": il,
+                    "ratio_rdma_local_over_grpc_total": rl["total"]["median_ms"] / r["total"]["median_ms"],
+                    "ratio_rdma_zero_copy_local_over_grpc_total": zl["total"]["median_ms"] / z["total"]["median_ms"],
+                    "ratio_inline_local_over_grpc_total": il["total"]["median_ms"] / i["total"]["median_ms"],
+                    "ratio_rdma_zero_copy_local_over_memcpy": zl["transfer"]["median_ms"] / mc,
                     "ratio_inline_over_plain_grpc": i["transfer"]["median_ms"] / p["total"]["median_ms"],
                     "ratio_inline_over_plain_grpc_server_copy": i["transfer"]["median_ms"] / pc["total"]["median_ms"],
                     "ratio_rdma_over_plain_grpc": r["transfer"]["median_ms"] / p["total"]["median_ms"],
@@ -320,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{z['control_overhead']['median_ms']:6.2f} ms | same over unary Encode RPCs: transfer "
                       f"{zu['transfer']['median_ms']:6.2f} ms (control {zu['control']['median_ms']:5.2f} vs stream "
                       f"{z['control']['median_ms']:5.2f})", flush=True)
+                print(f"{'':9}    | same-host control channel: rdma fetch {rl['total']['median_ms']:7.3f} ms "
+                      f"(p99 {rl['total']['p99_ms']:7.3f}, control {rl['control']['median_ms']:6.3f}) vs gRPC stream "
+                      f"{r['total']['median_ms']:7.3f} ms | zero-copy {zl['total']['median_ms']:7.3f} ms (p99 "
+                      f"{zl['total']['p99_ms']:7.3f}) vs {z['total']['median_ms']:7.3f} ms | inline "
+                      f"{il['total']['median_ms']:8.2f} ms vs {i['total']['median_ms']:8.2f} ms", flush=True)
                 print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
                       f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
                       f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
@@ -372,6 +414,22 @@ def main(argv: list[str] | None = None) -> int:
         "meets_control_overhead_smallest": small["rdma"]["control_overhead"]["median_ms"] <= 2.0,
         "meets_control_overhead_seed_excl_export": seed["rdma"]["control_overhead_excl_export"]["median_ms"] <= 2.0,
     }
+    if not local_reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "local"}):
+        raise RuntimeError("the same-host transports never used the local channel (was it discovered?)")
+    one_mib = next((r for r in results if r["bytes"] == 1 << 20), None)
+    targets.update({
+        # Issue 18 (one H200, two processes): the seed's fetch p50 <= 0.8 ms, p99 <= 1.5 ms; 1 MiB p50 <= 0.3 ms.
+        "local_rdma_fetch_p50_ms_seed": seed["rdma_local"]["total"]["median_ms"],
+        "local_rdma_fetch_p99_ms_seed": seed["rdma_local"]["total"]["p99_ms"],
+        "local_rdma_zero_copy_fetch_p50_ms_seed": seed["rdma_zero_copy_local"]["total"]["median_ms"],
+        "local_rdma_zero_copy_fetch_p99_ms_seed": seed["rdma_zero_copy_local"]["total"]["p99_ms"],
+        "grpc_rdma_fetch_p50_ms_seed": seed["rdma"]["total"]["median_ms"],
+        "meets_local_seed_p50_0.8ms": seed["rdma_local"]["total"]["median_ms"] <= 0.8,
+        "meets_local_seed_p99_1.5ms": seed["rdma_local"]["total"]["p99_ms"] <= 1.5,
+    })
+    if one_mib is not None:
+        targets["local_rdma_fetch_p50_ms_1mib"] = one_mib["rdma_local"]["total"]["median_ms"]
+        targets["meets_local_1mib_p50_0.3ms"] = one_mib["rdma_local"]["total"]["median_ms"] <= 0.3
     if args.device.startswith("cuda"):
         # Issue 6 (one H200, two processes): the seed's transfer stage <= 1.0 ms and >= 300x the inline plane.
         for name, plane in (("copy_export", seed["rdma"]), ("zero_copy", seed["rdma_zero_copy"])):

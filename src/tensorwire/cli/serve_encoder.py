@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 # TransportConfig fields only the LLM side reads; an encoder flag for them would do nothing.
 _CLIENT_ONLY = ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "release_timeout_ms",
                 "release_queue_max", "release_shutdown_ms", "failures_to_open", "open_seconds", "control_stream",
-                "control_stream_pool")
+                "control_stream_pool", "local_channel_wait_ms")
 
 _RDMA_HELP = {
     "port": "RDMA metadata listener port; 0 lets the OS pick. Behind a proxy every worker on a host needs its "

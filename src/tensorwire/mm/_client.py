@@ -19,7 +19,8 @@ One fetch, one budget (never reset), shared by every step::
 
 Control path: the policy here talks to the encoder only through a ``ControlChannel`` (``_channel.py``, the
 contract): one ``ControlSession`` per fetch carries its Encode(s) and its success-path release (the default
-``GrpcControlChannel`` puts both on a pooled EncodeStream, else unary RPCs and the release queue);
+``GrpcControlChannel`` puts both on a pooled EncodeStream, else unary RPCs and the release queue; on one host the
+``UdsControlChannel`` puts them on the worker's Unix socket, with the gRPC channel as the way in and the fallback);
 failure-path releases are the channel's answered ``release``. Receipt parsing, validation and reassembly are
 pure functions in ``_receipt.py``; every way the RDMA consume fails is classified in one place,
 ``classify_consume_error``.
@@ -60,7 +61,6 @@ from tensorwire.mm import _codec, _receipt, wire
 from tensorwire.mm._breaker import BreakerBoard, BreakerState
 from tensorwire.mm._channel import Budget, ControlChannel, ControlSession
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
-from tensorwire.mm._grpc_channel import GrpcControlChannel
 from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
@@ -68,6 +68,7 @@ from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._receipt import DescriptorParser
 from tensorwire.mm._release import ReleaseQueue
 from tensorwire.mm._types import MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm._uds_channel import control_channel_for
 from tensorwire.mm._wire_receipt import WireReceipt
 from tensorwire.rdma import RdmaConfig, Reader, is_staged_gpu_transport
 
@@ -216,7 +217,8 @@ def classify_consume_error(exc: BaseException, read: ReadPlan | None) -> Consume
 class RemoteOutputTransport:
     """The LLM-side transport for one encoder endpoint (a worker or a proxy in front of workers).
 
-    Keyword-only seams: ``channel`` (a ``ControlChannel`` to ``endpoint``; default: a ``GrpcControlChannel``;
+    Keyword-only seams: ``channel`` (a ``ControlChannel`` to ``endpoint``; default: ``control_channel_for``, the
+    same-host ``UdsControlChannel`` unless ``local_channel`` is off, else a ``GrpcControlChannel``;
     the transport owns it and closes it), ``reader_factory`` / ``descriptor_parser`` (default tensorwire.rdma),
     ``clock`` (the breaker's and the budget's), ``metrics`` (a TransportMetrics on your registry),
     ``release_queue`` (its sender must reach this endpoint; default: one queue per transport), ``observer``.
@@ -235,7 +237,7 @@ class RemoteOutputTransport:
         self.metrics = metrics if metrics is not None else metrics_for(None)
         self._clock = clock
         self._observer = observer
-        self._channel = channel if channel is not None else GrpcControlChannel(endpoint, self.config, self.metrics)
+        self._channel = channel if channel is not None else control_channel_for(endpoint, self.config, self.metrics)
         self._channel.bind_requeue(self._requeue)
         self._owns_queue = release_queue is None
         self._queue = release_queue if release_queue is not None else ReleaseQueue(

@@ -20,6 +20,8 @@ MODE_AUTO = "auto"
 MODE_GRPC = "grpc"
 MODES: tuple[str, ...] = (MODE_AUTO, MODE_GRPC)
 Mode = Literal["auto", "grpc"]
+LOCAL_CHANNELS: tuple[str, ...] = ("auto", "off")
+LocalChannel = Literal["auto", "off"]
 
 ENV_MODE = "MM_TRANSPORT_MODE"
 ENV_PREFIX = "TENSORWIRE_MM_"
@@ -66,6 +68,16 @@ class TransportConfig:
     # refused with RESOURCE_EXHAUSTED and its client uses unary. 0: server_threads // 2 (none with 1 thread).
     server_stream_cap: int = 0
     worker_id: str = ""  # empty: "<hostname>-<pid>"
+    # Same-host control channel (issue 18): "auto" on the worker listens on a Unix socket in a private directory
+    # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC; "auto" on
+    # the client asks once and then sends Encodes and success-path releases there (gRPC stays the way in, the
+    # cross-host path and the fallback). "off" on either side: gRPC only.
+    local_channel: LocalChannel = "auto"
+    local_channel_dir: str = ""  # empty: $XDG_RUNTIME_DIR/tensorwire, else $TMPDIR or /tmp /tensorwire-<uid>
+    local_channel_conns: int = 64  # worker: connections open at once (each holds a thread); one more is refused
+    # Client: how long the first fetch waits for the channel's discovery (one LocalChannel RPC), and how long
+    # opening a connection (connect + the worker's hello) may take; past either, that fetch uses gRPC.
+    local_channel_wait_ms: int = 1_000
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -74,7 +86,7 @@ class TransportConfig:
             raise ConfigError(f"rdma must be an RdmaConfig, got {type(self.rdma).__name__}")
         positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
                     "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms",
-                    "control_stream_pool")
+                    "control_stream_pool", "local_channel_conns", "local_channel_wait_ms")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -86,6 +98,8 @@ class TransportConfig:
         if not isinstance(self.open_seconds, (int, float)) or isinstance(self.open_seconds, bool) \
                 or self.open_seconds <= 0:
             raise ConfigError(f"open_seconds={self.open_seconds!r} must be a positive number")
+        if self.local_channel not in LOCAL_CHANNELS:
+            raise ConfigError(f"local_channel={self.local_channel!r} is not one of {list(LOCAL_CHANNELS)}")
         if not isinstance(self.control_stream, bool):
             raise ConfigError(f"control_stream={self.control_stream!r} must be a bool")
         if self.server_stream_cap >= self.server_threads:

@@ -61,6 +61,9 @@ class GrpcControlChannel(ControlChannel):
         self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
                                                   request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
                                                   response_deserializer=pb.ReleaseLeasesResponse.FromString)
+        self._local_info = self._channel.unary_unary(wire.LOCAL_CHANNEL_METHOD,
+                                                     request_serializer=pb.LocalChannelRequest.SerializeToString,
+                                                     response_deserializer=pb.LocalChannelInfo.FromString)
         self._streams = _StreamPool(self._channel, endpoint, config, self._metrics, lambda ids: self._requeue(ids))
         self._closed = False
 
@@ -96,6 +99,16 @@ class GrpcControlChannel(ControlChannel):
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, f"ReleaseLeases on {self.endpoint}") from exc
         return int(resp.released)
+
+    def local_channel_info(self, host_token: str, timeout_s: float) -> pb.LocalChannelInfo:
+        """Asks the encoder for its same-host control channel (``_uds_channel``); ``TensorwireError`` (an encoder
+        or proxy without the method: ``ControlPlaneError(UNIMPLEMENTED)``)."""
+        try:
+            info: pb.LocalChannelInfo = self._local_info(pb.LocalChannelRequest(host_token=host_token),
+                                                         timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise wire.error_from_rpc(exc, f"LocalChannel on {self.endpoint}") from exc
+        return info
 
     def drain(self, timeout_s: float) -> None:
         self._streams.close(timeout_s)

@@ -30,6 +30,7 @@ from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
+from tensorwire.mm._uds_service import LocalControlServer, start_local_server
 from tensorwire.mm._wire_receipt import WireReceipt
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,19 @@ class EncoderService:
         self._closing = False  # streams end after their current answer
         self._encodes = Admission()
         self._rl = RateLimitedLog(log)
+        self.local: LocalControlServer | None = None
+
+    def start_local(self) -> None:
+        """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
+        it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
+        cfg = self.transport.config
+        if cfg.local_channel == "auto" and self.local is None:
+            self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+
+    def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
+        local = self.local
+        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
 
     @property
     def open_streams(self) -> int:
@@ -209,7 +223,7 @@ class EncoderService:
                 msg = _parse_or_abort(pb.StreamRequest, raw, context)
                 kind = msg.WhichOneof("body")
                 if kind == "release":
-                    self._release_from_stream(msg.release)
+                    self.release_unanswered(msg.release)
                     continue
                 if kind != "encode":
                     unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
@@ -239,7 +253,7 @@ class EncoderService:
         except grpc.RpcError:
             return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
 
-    def _release_from_stream(self, request: pb.ReleaseLeasesRequest) -> None:
+    def release_unanswered(self, request: pb.ReleaseLeasesRequest) -> None:
         # Never answered (fire and forget): a release that cannot be applied is counted and logged here, and the
         # TTL GC reclaims its leases.
         if len(request.lease_ids) > MAX_RELEASE_IDS:
@@ -268,6 +282,8 @@ class EncoderService:
         with self._streams_lock:
             self._stopping = self._closing = True
             streams = list(self._streams)
+        if self.local is not None:
+            self.local.stop_accepting()
         for stream in streams:
             with stream.lock:
                 if not stream.busy:
@@ -290,11 +306,20 @@ class EncoderService:
             log.warning("%d exported lease(s) still unreleased at the end of the grace; readers of them will fail",
                         left)
 
+    def close_local(self, grace_s: float | None = 0.0) -> None:
+        """Ends the same-host control channel: its busy connections get up to ``grace_s`` (None: no limit) to
+        send their answer, then it is cut (``LocalControlServer.close``). A server calls it after its gRPC stop,
+        with what is left of the grace. Idempotent."""
+        local = self.local
+        if local is not None:
+            local.close(grace_s)
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
             "Encode": grpc.unary_unary_rpc_method_handler(self.encode),
             "ReleaseLeases": grpc.unary_unary_rpc_method_handler(self.release_leases),
             "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream),
+            "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
         })
 
 
@@ -322,11 +347,15 @@ class EncoderServer:
         if self._stopped:
             return
         self._stopped = True
+        until = None if grace is None else time.monotonic() + grace
         try:
             self._host.stop(grace, drain=self.service.close_streams, quiesce=self.service.quiesce,
                             settle=self.service.settle)
         finally:
-            self.transport.close()
+            try:
+                self.service.close_local(None if until is None else max(0.0, until - time.monotonic()))
+            finally:
+                self.transport.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the server stops (True) or ``timeout`` passes (False)."""
@@ -361,6 +390,7 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
         raise
     transport.worker_address = host.address
     transport.start()
+    service.start_local()
     host.start()
     log.info("encoder service on %s (worker %s, mode %s, rdma device %s)", host.address, transport.worker_id,
              cfg.mode, getattr(cfg.rdma, "device", "?"))

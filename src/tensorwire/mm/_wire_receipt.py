@@ -96,11 +96,16 @@ class WireReceipt:
 
     def to_stream_frame(self, message_id: int) -> bytes:
         """The serialized ``StreamResponse{id: message_id, receipt: <this>}`` (an EncodeStream answer)."""
+        return b"".join(self.to_stream_pieces(message_id))
+
+    def to_stream_pieces(self, message_id: int) -> list[Buffer]:
+        """``to_stream_frame`` as buffers to send back to back (payloads by reference, not joined): for a writer
+        that takes pieces (the same-host channel's ``sendmsg``), which saves the one copy of the payload."""
         prefix_len = len(tag(1, VARINT)) + len(varint(message_id)) + len(tag(wire.STREAM_RECEIPT_FIELD, LEN)) \
             + len(fixed_varint(0))
         pieces, size = self._pieces(prefix_len)
         prefix = tag(1, VARINT) + varint(message_id) + tag(wire.STREAM_RECEIPT_FIELD, LEN) + fixed_varint(size)
-        return b"".join([prefix, *pieces])
+        return [prefix, *pieces]
 
     def _tensors(self, m: pb.EncodeResponse) -> list[tuple[int, pb.Tensor, Buffer]]:
         """(EncodeResponse field number, the Tensor in ``m``, its payload) of each inline tensor, in field order."""

@@ -39,6 +39,7 @@ SERVICE_NAME = f"{PACKAGE}.EncoderService"
 ENCODE_METHOD = f"/{SERVICE_NAME}/Encode"
 RELEASE_METHOD = f"/{SERVICE_NAME}/ReleaseLeases"
 ENCODE_STREAM_METHOD = f"/{SERVICE_NAME}/EncodeStream"
+LOCAL_CHANNEL_METHOD = f"/{SERVICE_NAME}/LocalChannel"
 REASON_METADATA_KEY = "tensorwire-reason"
 # Set (with RESOURCE_EXHAUSTED) when an encoder refuses a new EncodeStream because it has its cap of open
 # streams. The refusal happens before any message is read, so the caller may send that Encode over unary.
@@ -238,6 +239,7 @@ __all__ = [
     "ENCODE_METHOD",
     "RELEASE_METHOD",
     "ENCODE_STREAM_METHOD",
+    "LOCAL_CHANNEL_METHOD",
     "REASON_METADATA_KEY",
     "STREAM_REFUSED_METADATA",
     "MAX_MESSAGE_BYTES",

@@ -14,6 +14,7 @@ again from the first moment of a stop (the drain period, see ``GrpcHost``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -129,6 +130,7 @@ class EncoderWorker:
         self.host, self.port = host.host, port
         self.transport.worker_address = self.address
         self.transport.start()
+        self.service.start_local()  # the same-host control channel (issue 18), unless local_channel is off
         host.start(serving=self.loaded)
         self._host = host
         log.info("encoder worker %s on %s: %s, mode %s, rdma port %d", self.worker_id, self.address,
@@ -156,12 +158,14 @@ class EncoderWorker:
         if self._stopped:
             return
         self._stopped = True
+        until = time.monotonic() + drain_s + grace_s  # the same-host channel gets what is left of the grace
         try:
             if self._host is not None:
                 self._host.stop(grace_s, drain=self.service.close_streams, drain_s=drain_s,
                                 quiesce=self.service.quiesce, settle=self.service.settle)
         finally:
             try:
+                self.service.close_local(max(0.0, until - time.monotonic()))
                 self.transport.close()
             finally:
                 if self.encoder is not None:

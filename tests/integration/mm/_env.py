@@ -5,6 +5,8 @@ fakes; the ``env`` fixture lives in conftest.py).
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -12,6 +14,15 @@ import torch
 from fakes import FakeExporter, FakeFabric, FakeReader
 from prometheus_client import CollectorRegistry
 
+from tensorwire.errors import (
+    ControlPlaneError,
+    DeadlineExceeded,
+    InvalidPayload,
+    PeerUnavailable,
+    PoolExhausted,
+    ProtocolError,
+    Reason,
+)
 from tensorwire.mm import (
     EncoderOutput,
     MultimodalInput,
@@ -43,8 +54,12 @@ class RogueTransport(OutputTransport):
 
 
 class Env:
-    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry) -> None:
+    """``local``: the clients' ``local_channel`` ("off": the gRPC control plane these tests were written for;
+    "auto": the same-host channel, test_local_channel.py). Servers keep the config they are given."""
+
+    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off") -> None:
         self.fabric = fabric
+        self.local = local
         self.registry = registry
         self.metrics = TransportMetrics(registry)
         self.events: list[tuple[str, dict[str, Any]]] = []
@@ -62,8 +77,8 @@ class Env:
             srv.transport.wait_ready(5)
         return srv
 
-    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, **kw):  # type: ignore[no-untyped-def]
-        cfg = cfg or TransportConfig()
+    def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, local=None, **kw):  # type: ignore[no-untyped-def]
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=local or self.local)
         c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
                                   metrics=self.metrics, clock=clock,
                                   observer=lambda e, d: self.events.append((e, d)), **kw)
@@ -74,7 +89,8 @@ class Env:
 
     def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
         """A client built on a control channel the test holds (to look at its streams and watchdog)."""
-        channel = GrpcControlChannel(address, cfg or TransportConfig(), self.metrics)
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local)
+        channel = GrpcControlChannel(address, cfg, self.metrics)
         return self.client(address, cfg, channel=channel, **kw), channel
 
     def names(self) -> list[str]:
@@ -96,3 +112,44 @@ def check_output(out) -> None:  # type: ignore[no-untyped-def]
     assert torch.equal(torch.cat(out.embeddings).view(torch.int16), EMB.view(torch.int16))
     assert torch.equal(torch.cat(out.position_ids), POS)
     assert all(torch.equal(a, b) for a, b in zip(out.extra_inputs, EXTRAS, strict=True)) and len(out.extra_inputs) == 2
+
+
+class Held:
+    """An encode_fn that holds the requests whose first input is ``trigger`` (every request: None) until ``gate``
+    is set; ``entered`` is set when one is held, ``calls`` counts every request."""
+
+    def __init__(self, trigger: bytes | None = None) -> None:
+        self.trigger = trigger
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.calls = 0
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        self.calls += 1
+        if self.trigger is None or inputs[0].data == self.trigger:
+            self.entered.set()
+            self.gate.wait(10)
+        return encode_fn(inputs)
+
+
+class Fails:
+    """encode_fn raising ``exc`` for inputs whose data is b"bad"."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
+        if inputs[0].data == b"bad":
+            raise self.exc
+        return encode_fn(inputs)
+
+
+# The encode_fn errors both control paths must report alike: (raised, class the caller sees, its reason).
+ERROR_CASES = [
+    (ValueError("no such image"), InvalidPayload, Reason.INVALID_REQUEST),
+    (NotImplementedError("video"), ControlPlaneError, Reason.UNIMPLEMENTED),
+    (InvalidPayload("bad dims", reason=Reason.NEGATIVE_DIM), InvalidPayload, Reason.NEGATIVE_DIM),
+    (PoolExhausted("no slot"), PeerUnavailable, Reason.POOL_EXHAUSTED),
+    (TimeoutError("model stuck"), DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
+    (RuntimeError("CUDA error"), ProtocolError, Reason.UNKNOWN),
+]
+ERROR_IDS = ["value", "notimplemented", "invalid", "pool", "timeout", "runtime"]

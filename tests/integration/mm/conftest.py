@@ -15,9 +15,8 @@ from fakes import FakeFabric
 from prometheus_client import CollectorRegistry
 
 
-@pytest.fixture
-def env() -> Iterator[Env]:
-    e = Env(FakeFabric(), CollectorRegistry())
+def _env(local: str) -> Iterator[Env]:
+    e = Env(FakeFabric(), CollectorRegistry(), local)
     try:
         yield e
     finally:
@@ -25,3 +24,21 @@ def env() -> Iterator[Env]:
             c.close()
         for s in e.servers:
             s.stop(0)
+
+
+@pytest.fixture
+def env() -> Iterator[Env]:
+    """Clients on the gRPC control plane (local_channel off)."""
+    yield from _env("off")
+
+
+@pytest.fixture(params=["grpc", "local"])
+def any_env(request: pytest.FixtureRequest) -> Iterator[Env]:
+    """The same test once with clients on gRPC and once on the same-host channel (``env.local`` says which)."""
+    yield from _env("off" if request.param == "grpc" else "auto")
+
+
+@pytest.fixture
+def local_env() -> Iterator[Env]:
+    """Clients on the same-host channel only (its own faults and checks)."""
+    yield from _env("auto")

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from _env import INPUTS, Env, check_output, encode_fn, wait_for
+from _env import ERROR_CASES, ERROR_IDS, INPUTS, Env, Fails, Held, check_output, encode_fn, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tensorwire.errors import (
@@ -24,8 +24,6 @@ from tensorwire.errors import (
     DeadlineExceeded,
     InvalidPayload,
     PeerUnavailable,
-    PoolExhausted,
-    ProtocolError,
     Reason,
     TensorwireError,
 )
@@ -60,23 +58,6 @@ def control_threads() -> list[str]:
             if t.name.startswith("tensorwire-mm-control") or "consume_request_iterator" in t.name]
 
 
-class Held:
-    """An encode_fn that holds the requests whose first input is ``trigger`` (every request: None) until ``gate``
-    is set; ``entered`` is set when one is held, ``calls`` counts every request."""
-
-    def __init__(self, trigger: bytes | None = None) -> None:
-        self.trigger = trigger
-        self.gate, self.entered = threading.Event(), threading.Event()
-        self.calls = 0
-
-    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
-        self.calls += 1
-        if self.trigger is None or inputs[0].data == self.trigger:
-            self.entered.set()
-            self.gate.wait(10)
-        return encode_fn(inputs)
-
-
 @pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
 def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str) -> None:
     srv = env.server()
@@ -95,26 +76,7 @@ def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str)
     assert env.sample("tensorwire_mm_encoder_control_streams") == 1
 
 
-class Fails:
-    """encode_fn raising ``exc`` for inputs whose data is b"bad"."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-    def __call__(self, inputs: list[MultimodalInput]) -> EncoderOutput:
-        if inputs[0].data == b"bad":
-            raise self.exc
-        return encode_fn(inputs)
-
-
-@pytest.mark.parametrize("exc,cls,reason", [
-    (ValueError("no such image"), InvalidPayload, Reason.INVALID_REQUEST),
-    (NotImplementedError("video"), ControlPlaneError, Reason.UNIMPLEMENTED),
-    (InvalidPayload("bad dims", reason=Reason.NEGATIVE_DIM), InvalidPayload, Reason.NEGATIVE_DIM),
-    (PoolExhausted("no slot"), PeerUnavailable, Reason.POOL_EXHAUSTED),
-    (TimeoutError("model stuck"), DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
-    (RuntimeError("CUDA error"), ProtocolError, Reason.UNKNOWN),
-], ids=["value", "notimplemented", "invalid", "pool", "timeout", "runtime"])
+@pytest.mark.parametrize("exc,cls,reason", ERROR_CASES, ids=ERROR_IDS)
 def test_errors_on_the_stream_are_the_unary_errors_and_the_stream_stays_open(
         env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason) -> None:
     srv = env.server(fn=Fails(exc))

@@ -56,15 +56,17 @@ def client(port: int, cfg: TransportConfig, events: list[str], reg: CollectorReg
     return c
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
-def test_rdma_success_path_over_nixl(stream: bool) -> None:
-    # Both control paths give the reference bits; the release (over the EncodeStream, or the unary
-    # ReleaseLeases RPC of the async queue) really frees every lease on the encoder while the client is open.
-    cfg = TransportConfig(worker_id="nixl-w0", control_stream=stream)
+@pytest.mark.parametrize("path", ["stream", "unary", "local"])
+def test_rdma_success_path_over_nixl(path: str) -> None:
+    # Every control path gives the reference bits; the release (over the EncodeStream, the same-host socket, or
+    # the unary ReleaseLeases RPC of the async queue) really frees every lease on the encoder while the client
+    # is open.
+    cfg = TransportConfig(worker_id="nixl-w0", control_stream=path != "unary",
+                          local_channel="auto" if path == "local" else "off")
     p, q, stop, port = start(cfg, seed=11)
     events: list[str] = []
     reg = CollectorRegistry()
-    release, path = ("release_stream", "stream") if stream else ("release_async", "unary")
+    release = "release_async" if path == "unary" else "release_stream"
     try:
         with client(port, cfg, events, reg) as c:
             for _ in range(3):
@@ -74,6 +76,8 @@ def test_rdma_success_path_over_nixl(stream: bool) -> None:
                 assert events == ["request", "read", release]
                 check(out, 11, [3, 5], 64)
             assert reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": path}) == 3
+            if path == "local":
+                assert reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "local", "outcome": "sent"}) == 3
             wait_for(lambda: live_stats(p, q).get("live_leases") == 0)
             live = live_stats(p, q)
             assert live.get("releases", 0) >= 3 and live.get("gc_reclaims", 0) == 0, live
@@ -84,7 +88,7 @@ def test_rdma_success_path_over_nixl(stream: bool) -> None:
 
 def test_zero_copy_output_over_nixl() -> None:
     # The encoder writes into allocate_output() buffers; transfer() publishes that slot without an export copy.
-    cfg = TransportConfig(worker_id="nixl-zc")
+    cfg = TransportConfig(worker_id="nixl-zc", local_channel="off")
     p, q, stop, port = start(cfg, seed=5, zero_copy=True)
     events: list[str] = []
     reg = CollectorRegistry()
@@ -150,7 +154,7 @@ def test_large_multi_slot_embedding_bit_exact_over_nixl() -> None:
 def test_concurrent_fetches_over_nixl() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    cfg = TransportConfig(worker_id="nixl-w3")
+    cfg = TransportConfig(worker_id="nixl-w3", local_channel="off")
     p, q, stop, port = start(cfg, seed=14)
     events: list[str] = []
     reg = CollectorRegistry()

@@ -1,7 +1,8 @@
 """Fallback policy, breaker, deadlines and protocol errors against a real gRPC encoder server on 127.0.0.1:0.
 
 The data plane here is the in-memory fake (tests/unit/mm/fakes.py): these tests claim the orchestration, not
-NIXL. test_nixl_transport.py covers the real data plane in separate processes.
+NIXL. test_nixl_transport.py covers the real data plane in separate processes. Every test runs twice: with the
+clients on the gRPC control plane and on the same-host channel (the ``env`` fixture below, issue 18).
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ from tensorwire.rdma import ExporterStats, RdmaConfig
 pytestmark = pytest.mark.timeout(60)
 
 
+@pytest.fixture
+def env(any_env: Env) -> Env:
+    return any_env
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 10_000.0
@@ -61,6 +67,8 @@ def test_rdma_success_path_reads_then_releases_async(env: Env, stream: bool) -> 
     assert out.plane is Plane.RDMA and out.fallback_reason is None and out.worker_id == "worker-1"
     path, release, mode, outcome = (("stream", "release_stream", "stream", "sent") if stream else
                                     ("unary", "release_async", "async", "ok"))
+    if env.local == "auto":  # the same-host channel carries both, whatever control_stream says
+        path, release, mode, outcome = "local", "release_stream", "local", "sent"
     assert env.names() == ["request", "read", release]
     assert env.events[0][1]["support_rdma"] is True and env.events[0][1]["path"] == path
     assert len(env.fabric.reads) == 1  # one batched read for every slot

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 import time
@@ -149,21 +150,28 @@ def test_stop_finishes_in_flight_then_refuses() -> None:
     w.stop()  # idempotent
 
 
-def test_stop_does_not_wait_out_the_grace_for_idle_control_streams() -> None:
-    # A long-lived LLM client keeps an EncodeStream open between requests; stop ends it instead of waiting.
+@pytest.mark.parametrize("local", ["off", "auto"], ids=["stream", "local"])
+def test_stop_does_not_wait_out_the_grace_for_idle_control_streams(local: str) -> None:
+    # A long-lived LLM client keeps an EncodeStream (or a same-host connection) open between requests; stop ends
+    # it instead of waiting.
     w = EncoderWorker(BuiltinEncoder(preprocess=SMALL), INLINE, metrics=metrics_for(CollectorRegistry()))
     w.start("127.0.0.1:0")
-    client = _client(w)
+    client = RemoteOutputTransport(w.address, dataclasses.replace(INLINE, local_channel=local),  # type: ignore[arg-type]
+                                   metrics=metrics_for(CollectorRegistry()))
+
+    def open_paths() -> int:
+        return w.service.open_streams if local == "off" else w.service.local.open_connections  # type: ignore[union-attr]
+
     try:
         client.fetch([MultimodalInput(_png(56, 56))])
-        assert w.service.open_streams == 1
+        assert open_paths() == 1
         t0 = time.monotonic()
         w.stop(grace_s=5.0)
         assert time.monotonic() - t0 < 1.0
         deadline = time.monotonic() + 5
-        while w.service.open_streams and time.monotonic() < deadline:  # the handler thread unwinds after
+        while open_paths() and time.monotonic() < deadline:  # the handler thread unwinds after
             time.sleep(0.01)
-        assert w.service.open_streams == 0
+        assert open_paths() == 0
     finally:
         client.close()
         w.stop()

@@ -166,3 +166,17 @@ class StreamResponse(_message.Message):
     receipt: EncodeResponse
     error: StreamError
     def __init__(self, id: _Optional[int] = ..., receipt: _Optional[_Union[EncodeResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class LocalChannelRequest(_message.Message):
+    __slots__ = ("host_token",)
+    HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    host_token: str
+    def __init__(self, host_token: _Optional[str] = ...) -> None: ...
+
+class LocalChannelInfo(_message.Message):
+    __slots__ = ("path", "host_token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    host_token: str
+    def __init__(self, path: _Optional[str] = ..., host_token: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,197 @@
+"""Same-host Unix-socket plumbing both ``mm`` and ``tp`` may use (neither imports the other; both may import this).
+
+What is here: the per-user private runtime directory (0700, owned by us, never a symlink), the owner checks of a
+socket someone advertised to us, the SO_PEERCRED uid of a connected peer, the host token (the kernel's boot id:
+equal tokens mean one kernel, so one file system namespace is at least possible; the path checks decide), and
+length-prefixed frames on a stream socket.
+
+Frames: an 8-byte little-endian length, then that many bytes. Every wait is bounded by a ``deadline`` on
+``time.monotonic()`` (None: block, for a server thread waiting for its next request; closing the socket from
+another thread with ``shutdown`` wakes it). Errors are the transport's own (``OSError`` and its subclasses,
+``TimeoutError`` for a deadline, ``ValueError`` for a length over the limit): the layer above translates them
+into tensorwire errors, as ``mm`` does with ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import stat
+import struct
+import time
+from collections.abc import Sequence
+
+FRAME_HEADER = struct.Struct("<Q")
+SUN_PATH_LIMIT = 108  # sizeof(sockaddr_un.sun_path) on Linux; one byte is the terminating NUL
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_GONE = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+
+Buffer = bytes | bytearray | memoryview
+
+
+class InsecurePath(Exception):
+    """A directory or socket that fails the owner/mode checks (the message says which and why)."""
+
+
+def host_token() -> str:
+    """The kernel's boot id ("" when it cannot be read: then nothing counts as the same host)."""
+    try:
+        with open(_BOOT_ID, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def default_runtime_dir() -> str:
+    """``$XDG_RUNTIME_DIR/tensorwire`` when that exists (a per-user tmpfs), else ``$TMPDIR`` (or /tmp)
+    ``/tensorwire-<uid>``, the broadcaster's default directory too."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg):
+        return os.path.join(xdg, "tensorwire")
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{os.geteuid()}")
+
+
+def ensure_private_dir(path: str) -> str:
+    """Creates ``path`` (0700) if missing and checks it: a plain directory, owned by our effective uid, not
+    group/world-writable (readable bits are tightened quietly). Returns the absolute path; ``InsecurePath``."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise InsecurePath(f"cannot create {path}: {exc}") from exc
+    check_private_dir(path, st)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def check_private_dir(path: str, st: os.stat_result | None = None) -> None:
+    """``InsecurePath`` unless ``path`` is a plain directory of ours that nobody else can write to."""
+    st = st if st is not None else os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise InsecurePath(f"{path} is not a plain directory (symlink or file)")
+    if st.st_uid != os.geteuid():
+        raise InsecurePath(f"{path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        raise InsecurePath(f"{path} is group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def check_socket_path(path: str) -> None:
+    """``InsecurePath`` (or ``OSError``, e.g. it is gone) unless ``path`` is a socket of ours, 0600 at most,
+    in a private directory of ours: what a client checks before it connects to an advertised path."""
+    if not os.path.isabs(path) or len(os.fsencode(path)) >= SUN_PATH_LIMIT:
+        raise InsecurePath(f"{path!r} is not an absolute socket path under {SUN_PATH_LIMIT} bytes")
+    check_private_dir(os.path.dirname(path))
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InsecurePath(f"{path} is not a socket")
+    if st.st_uid != os.geteuid():
+        raise InsecurePath(f"{path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+    if st.st_mode & 0o077:
+        raise InsecurePath(f"{path} is accessible to others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def peer_uid(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _gid = struct.unpack("3i", creds)
+    return pid, uid
+
+
+def listen(path: str, backlog: int = 64) -> socket.socket:
+    """A listening stream socket at ``path`` (a stale file there is replaced), mode 0600. The caller made the
+    directory private (``ensure_private_dir``): nobody else can reach the file between bind and chmod."""
+    if len(os.fsencode(path)) >= SUN_PATH_LIMIT:
+        raise InsecurePath(f"socket path too long ({len(os.fsencode(path))} bytes, limit {SUN_PATH_LIMIT - 1})")
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def is_gone(sock: socket.socket) -> bool:
+    """True when the peer hung up or the socket failed (never blocks, reads nothing)."""
+    p = select.poll()
+    p.register(sock, _GONE)
+    return bool(p.poll(0))
+
+
+def is_quiet(sock: socket.socket) -> bool:
+    """True when nothing is readable and the peer is still there: an idle connection that may be reused."""
+    p = select.poll()
+    p.register(sock, select.POLLIN | _GONE)
+    return not p.poll(0)
+
+
+def _wait(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        sock.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    sock.settimeout(left)
+
+
+def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None) -> None:
+    """Writes one frame (header, then ``payload``: one buffer or pieces, sent without joining them)."""
+    pieces: list[memoryview] = [memoryview(p).cast("B") for p in
+                                ((payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload)]
+    total = sum(len(p) for p in pieces)
+    pieces.insert(0, memoryview(FRAME_HEADER.pack(total)))
+    while pieces:
+        _wait(sock, deadline)
+        sent = sock.sendmsg(pieces[:512])  # IOV_MAX is 1024
+        while sent:
+            n = len(pieces[0])
+            if sent >= n:
+                sent -= n
+                pieces.pop(0)
+            else:
+                pieces[0] = pieces[0][sent:]
+                sent = 0
+        while pieces and not len(pieces[0]):
+            pieces.pop(0)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, started: bool) -> bool:
+    """Fills ``view``; False on a clean EOF before its first byte when ``started`` is False."""
+    got = 0
+    while got < len(view):
+        _wait(sock, deadline)
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0 and not started:
+                return False
+            raise ConnectionAbortedError("peer closed the connection in the middle of a frame")
+        got += n
+    return True
+
+
+def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> bytearray | None:
+    """Reads one frame into fresh memory; None when the peer closed cleanly between frames."""
+    head = bytearray(FRAME_HEADER.size)
+    if not _recv_exact(sock, memoryview(head), deadline, started=False):
+        return None
+    (n,) = FRAME_HEADER.unpack(head)
+    if n > max_bytes:
+        raise ValueError(f"frame of {n} bytes is over the limit of {max_bytes}")
+    body = bytearray(n)
+    _recv_exact(sock, memoryview(body), deadline, started=True)
+    return body
+
+
+__all__ = ["FRAME_HEADER", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
+           "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen", "peer_uid",
+           "recv_frame", "send_frame"]

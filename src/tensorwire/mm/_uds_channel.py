@@ -1,0 +1,456 @@
+"""UdsControlChannel: the same-host control channel (issue 18), with gRPC as the way in and the fallback.
+
+Discovery: at construction (in the background) the channel asks the endpoint over gRPC for its same-host
+channel (``LocalChannel``, with this host's token: the kernel's boot id). It uses the answer only when the
+worker's token is ours and the path is a socket of ours, 0600 at most, in a private directory of ours; a
+connection is used only when the listener's SO_PEERCRED uid is ours and it said hello (``_uds_service``). A proxy
+has no ``LocalChannel`` (UNIMPLEMENTED): clients of a proxy stay on gRPC, so its routing is never bypassed. The
+first fetch waits for that first answer (at most ``local_channel_wait_ms``); a "no" (other host, channel off,
+not listening, UNIMPLEMENTED, a failed check) is asked again after ``open_seconds``, an endpoint that did not
+answer (not up yet) after a second, in the background, when a fetch finds it due.
+
+Per fetch (``session``): an idle connection of the pool (at most ``control_stream_pool``), or a new one; with none
+(pool full, not discovered, connect or hello failed) the fetch uses the gRPC channel's session, unchanged. On
+the connection an Encode is a ``StreamRequest`` frame answered by one ``StreamResponse`` frame: the EncodeStream's
+messages, so errors come back through the same ``wire`` table with the same class, reason and text.
+
+=====================================================  ===============================================
+situation                                              what the fetch gets
+=====================================================  ===============================================
+connect/hello fails, pool full, not discovered         the gRPC session (nothing was sent)
+the request could not be written (peer gone)           the gRPC session, same budget (never executed)
+no answer within the budget                            DeadlineExceeded(DEADLINE_EXCEEDED); connection
+                                                       closed (the worker sees it and releases what it
+                                                       exported for the request)
+connection ends after the request was written          PeerUnavailable(PEER_UNAVAILABLE), never resent
+  (worker killed, stopped under the request)
+answer that does not parse / names another request     ProtocolError; connection closed
+=====================================================  ===============================================
+
+Releases: the success-path release is a fire-and-forget frame on the fetch's connection (written without
+blocking; False when it cannot be written whole: the caller queues it). Answered releases (failure path, the
+release queue) go over gRPC's ReleaseLeases.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import threading
+import time
+
+from tensorwire import _unix
+from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason, TensorwireError
+from tensorwire.mm import wire
+from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
+from tensorwire.mm._config import TransportConfig
+from tensorwire.mm._grpc_channel import GrpcControlChannel
+from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._uds_service import HELLO_MAGIC, HELLO_OK
+from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
+
+log = logging.getLogger(__name__)
+
+PATH_LABEL = "local"
+_TRANSIENT_RETRY_S = 1.0  # discovery that found no endpoint (not up yet, restarting) is retried this soon
+_GONE_ERRNOS = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.EPERM)
+
+
+class _NotSent(Exception):
+    """The request was never written whole: the worker cannot have run it."""
+
+
+class _Unusable(Exception):
+    """The advertised channel cannot be used (gone, refused, fails a check): forget it until rediscovery."""
+
+
+class _Conn:
+    """One connection to the worker's socket; used by one fetch at a time. ``broken`` is final."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.broken = False
+        self._next_id = 0
+
+    @classmethod
+    def open(cls, path: str, timeout_s: float) -> _Conn:
+        """Connects, checks the listener's uid and reads its hello. ``_Unusable``: the channel is not there or not
+        ours; ``_NotSent``: it is, but will not take this connection now (full, slow)."""
+        try:
+            _unix.check_socket_path(path)
+        except (OSError, _unix.InsecurePath) as exc:
+            raise _Unusable(str(exc)) from exc
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            deadline = time.monotonic() + timeout_s
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(path)
+            except OSError as exc:
+                if exc.errno in _GONE_ERRNOS:
+                    raise _Unusable(f"connect to {path}: {exc}") from exc
+                raise _NotSent(f"connect to {path}: {exc}") from exc
+            pid, uid = _unix.peer_uid(sock)
+            if uid != os.geteuid():
+                raise _Unusable(f"{path} is served by pid {pid} running as uid {uid}, not us (uid {os.geteuid()})")
+            try:
+                hello = _unix.recv_frame(sock, deadline, 64)
+            except (OSError, ValueError) as exc:
+                raise _NotSent(f"no hello from {path}: {exc}") from exc
+            if hello is None or len(hello) != 5 or hello[:4] != HELLO_MAGIC:
+                raise _NotSent(f"{path} did not say hello")
+            if hello[4] != HELLO_OK:
+                raise _NotSent(f"{path} refused the connection (it has its local_channel_conns open)")
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def usable(self) -> bool:
+        return not self.broken and _unix.is_quiet(self.sock)
+
+    def encode(self, request: pb.EncodeRequest, budget: Budget, endpoint: str,
+               metrics: TransportMetrics) -> WireReceipt:
+        timeout_s = budget.remaining_ms() / 1000.0
+        if timeout_s <= 0:
+            raise DeadlineExceeded("fetch budget exhausted before the Encode call", reason=Reason.BUDGET_EXHAUSTED)
+        deadline = time.monotonic() + timeout_s
+        self._next_id += 1
+        rid = self._next_id
+        data = wire.stream_frame(rid, wire.STREAM_ENCODE_FIELD, request.SerializeToString())
+        try:
+            _unix.send_frame(self.sock, data, deadline)
+        except TimeoutError as exc:  # not written whole: never run; but the budget is gone
+            self.broken = True
+            raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: the local control channel "
+                                   f"did not take the request within {timeout_s:.3f} s",
+                                   reason=Reason.DEADLINE_EXCEEDED) from exc
+        except OSError as exc:
+            self.broken = True
+            raise _NotSent(str(exc)) from exc
+        metrics.child(metrics.control_rpcs, PATH_LABEL).inc()
+        try:
+            raw = _unix.recv_frame(self.sock, deadline, wire.MAX_MESSAGE_BYTES)
+        except TimeoutError as exc:
+            self.broken = True
+            metrics.control_streams.labels("llm", "local_deadline").inc()
+            raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the local "
+                                   f"control channel within {timeout_s:.3f} s",
+                                   reason=Reason.DEADLINE_EXCEEDED) from exc
+        except (OSError, ValueError) as exc:
+            self.broken = True
+            metrics.control_streams.labels("llm", "local_broken").inc()
+            raise PeerUnavailable(f"Encode on {endpoint}: the local control connection failed after the request "
+                                  f"was sent ({exc})", reason=Reason.PEER_UNAVAILABLE) from exc
+        if raw is None:
+            self.broken = True
+            metrics.control_streams.labels("llm", "local_broken").inc()
+            raise PeerUnavailable(f"Encode on {endpoint}: the worker closed the local control connection before "
+                                  "answering", reason=Reason.PEER_UNAVAILABLE)
+        try:
+            answer_id, value = parse_stream_response(raw)  # an inline receipt views ``raw``, which nothing else holds
+        except Exception as exc:
+            self.broken = True
+            raise ProtocolError(f"receipt from {endpoint} does not parse: {exc}") from exc
+        if answer_id != rid:
+            self.broken = True
+            raise ProtocolError(f"{endpoint} answered request {answer_id} on a local connection awaiting {rid}")
+        if isinstance(value, WireReceipt):
+            return value
+        if isinstance(value, pb.StreamError):
+            raise wire.error_from_stream(value, f"Encode on {endpoint}")
+        self.broken = True
+        raise ProtocolError(f"{endpoint} answered request {rid} with neither a receipt nor an error")
+
+    def send_release(self, lease_ids: list[str], metrics: TransportMetrics) -> bool:
+        if self.broken:
+            return False
+        if not lease_ids:
+            return True
+        body = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD,
+                                 pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString())
+        frame = _unix.FRAME_HEADER.pack(len(body)) + body
+        try:
+            self.sock.setblocking(False)
+            sent = self.sock.send(frame)
+        except OSError:
+            sent = -1
+        if sent != len(frame):  # a partial frame is never run: the ids go to the caller's queue
+            self.broken = True
+            return False
+        metrics.child(metrics.releases, PATH_LABEL, "sent").inc(len(lease_ids))
+        return True
+
+    def close(self) -> None:
+        self.broken = True
+        self.sock.close()
+
+
+class _ConnPool:
+    """Idle connections to one path, at most ``cap`` open; LIFO (the warmest first)."""
+
+    def __init__(self, cap: int) -> None:
+        self._cap = cap
+        self._lock = threading.Lock()
+        self._idle: list[_Conn] = []
+        self._open = 0
+        self._closed = False
+
+    def take(self) -> tuple[_Conn | None, bool]:
+        """(an idle usable connection or None, whether a new one may be opened)."""
+        stale: list[_Conn] = []
+        try:
+            with self._lock:
+                if self._closed:
+                    return None, False
+                while self._idle:
+                    conn = self._idle.pop()
+                    if conn.usable():
+                        return conn, False
+                    stale.append(conn)
+                    self._open -= 1
+                if self._open >= self._cap:
+                    return None, False
+                self._open += 1
+                return None, True
+        finally:
+            for conn in stale:
+                conn.close()
+
+    def opened_failed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def give_back(self, conn: _Conn) -> None:
+        with self._lock:
+            keep = not self._closed and not conn.broken
+            if keep:
+                self._idle.append(conn)
+            else:
+                self._open -= 1
+        if not keep:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for conn in idle:
+            conn.close()
+
+    def reset(self) -> None:
+        """Drops the idle connections (the path they went to is forgotten); open ones end at give_back."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._open -= len(idle)
+        for conn in idle:
+            conn.close()
+
+
+class UdsControlChannel(ControlChannel):
+    """The ``ControlChannel`` of a same-host client: the worker's Unix socket when discovered (module docstring),
+    else (and for answered releases) the ``GrpcControlChannel`` to ``endpoint``, which this channel owns.
+
+    ``grpc_channel``: the gRPC control channel to use (tests); ``local_path`` / ``wait_discovered`` are views for
+    tests and benchmarks.
+    """
+
+    def __init__(self, endpoint: str, config: TransportConfig | None = None, metrics: TransportMetrics | None = None,
+                 *, grpc_channel: GrpcControlChannel | None = None) -> None:
+        self.endpoint = endpoint
+        self._config = config if config is not None else TransportConfig()
+        self._metrics = metrics if metrics is not None else metrics_for(None)
+        self.grpc = grpc_channel if grpc_channel is not None else GrpcControlChannel(endpoint, self._config,
+                                                                                     self._metrics)
+        self._wait_s = self._config.local_channel_wait_ms / 1000.0
+        self._pool = _ConnPool(self._config.control_stream_pool)
+        self._token = _unix.host_token()
+        self._lock = threading.Lock()
+        self._path: str | None = None
+        self._retry_at = 0.0
+        self._first = threading.Event()
+        self._asking: threading.Thread | None = None
+        self._closed = False
+        self._rl = RateLimitedLog(log)
+        self._ask()
+
+    # -- discovery ----------------------------------------------------------------------------------------
+
+    @property
+    def local_path(self) -> str | None:
+        return self._path
+
+    def wait_discovered(self, timeout_s: float) -> bool:
+        """Waits for the first discovery; True when it found a channel."""
+        self._first.wait(timeout_s)
+        return self._path is not None
+
+    def _ask(self) -> None:
+        """Starts one discovery in the background (caller: construction, or a due retry)."""
+        with self._lock:
+            if self._closed or (self._asking is not None and self._asking.is_alive()):
+                return
+            self._retry_at = float("inf")  # until this one answers
+            self._asking = threading.Thread(target=self._discover, name="tensorwire-mm-local-discovery",
+                                            daemon=True)
+            self._asking.start()
+
+    def _discover(self) -> None:
+        path: str | None = None
+        why = ""
+        retry_s = self._config.open_seconds
+        try:
+            if not self._token:
+                why = "no host token (cannot read the kernel's boot id)"
+            else:
+                info = self.grpc.local_channel_info(self._token, self._wait_s)
+                if not info.path:
+                    why = "the endpoint has no same-host channel for us"
+                elif info.host_token != self._token:
+                    why = "the worker runs on another host"
+                else:
+                    _unix.check_socket_path(info.path)
+                    path = info.path
+        except (PeerUnavailable, DeadlineExceeded) as exc:  # the endpoint is not up (yet): ask again soon
+            why = f"LocalChannel: {exc}"
+            retry_s = min(_TRANSIENT_RETRY_S, retry_s)
+        except TensorwireError as exc:
+            why = f"LocalChannel: {exc}"
+        except (OSError, _unix.InsecurePath) as exc:
+            why = f"the advertised socket fails its checks: {exc}"
+        except ValueError as exc:  # grpc: the channel was closed under the call (the transport is closing)
+            why = f"LocalChannel: {exc}"
+        with self._lock:
+            self._path = path
+            self._retry_at = 0.0 if path is not None else time.monotonic() + retry_s
+        if path is not None:
+            self._metrics.control_streams.labels("llm", "local_discovered").inc()
+            log.info("same-host control channel for %s: %s", self.endpoint, path)
+        else:
+            self._rl.log(logging.INFO, "nolocal", "no same-host control channel for %s (%s); using gRPC, asking "
+                         "again in %.0f s", self.endpoint, why, retry_s)
+        self._first.set()
+
+    def _forget(self, path: str, why: str) -> None:
+        with self._lock:
+            if self._path != path:
+                return
+            self._path = None
+            self._retry_at = time.monotonic() + self._config.open_seconds
+        self._pool.reset()
+        self._metrics.control_streams.labels("llm", "local_unavailable").inc()
+        self._rl.log(logging.WARNING, "forget", "same-host control channel %s of %s unusable (%s); using gRPC, "
+                     "asking again in %.0f s", path, self.endpoint, why, self._config.open_seconds)
+
+    # -- ControlChannel -----------------------------------------------------------------------------------
+
+    def bind_requeue(self, requeue: Requeue) -> None:
+        self.grpc.bind_requeue(requeue)
+
+    def session(self) -> ControlSession:
+        if not self._first.is_set():
+            self._first.wait(self._wait_s)
+        path = self._path
+        if path is None:
+            if time.monotonic() >= self._retry_at:
+                self._ask()
+            return self.grpc.session()
+        conn, may_open = self._pool.take()
+        if conn is None and may_open:
+            try:
+                conn = _Conn.open(path, self._wait_s)
+                self._metrics.control_streams.labels("llm", "local_opened").inc()
+            except _Unusable as exc:
+                self._pool.opened_failed()
+                self._forget(path, str(exc))
+            except (_NotSent, OSError) as exc:
+                self._pool.opened_failed()
+                self._rl.log(logging.INFO, "open", "could not open a local control connection to %s (%s); this "
+                             "fetch uses gRPC", path, exc)
+        if conn is None:
+            return self.grpc.session()
+        return _UdsSession(self, conn)
+
+    def release(self, lease_ids: list[str], timeout_s: float) -> int:
+        return self.grpc.release(lease_ids, timeout_s)
+
+    def drain(self, timeout_s: float) -> None:
+        self._pool.close()
+        self.grpc.drain(timeout_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            asking = self._asking
+        try:
+            self._pool.close()
+            if asking is not None:
+                asking.join(self._wait_s + 1.0)
+        finally:
+            self.grpc.close()
+
+    # -- for sessions -------------------------------------------------------------------------------------
+
+    def _give_back(self, conn: _Conn) -> None:
+        self._pool.give_back(conn)
+
+
+class _UdsSession(ControlSession):
+    """One fetch on one local connection; after a request that was never written, the rest of the fetch (its
+    inline fallback included) uses a gRPC session."""
+
+    def __init__(self, channel: UdsControlChannel, conn: _Conn) -> None:
+        self._channel = channel
+        self._conn: _Conn | None = conn
+        self._grpc: ControlSession | None = None
+
+    @property
+    def path(self) -> str:
+        return PATH_LABEL if self._grpc is None else self._grpc.path
+
+    def encode(self, request: pb.EncodeRequest, budget: Budget) -> WireReceipt:
+        conn = self._conn
+        if self._grpc is None and conn is not None:
+            try:
+                return conn.encode(request, budget, self._channel.endpoint, self._channel._metrics)
+            except _NotSent:
+                self._channel._metrics.control_streams.labels("llm", "local_not_sent").inc()
+            finally:
+                if conn.broken:
+                    self._drop()
+        if self._grpc is None:
+            self._grpc = self._channel.grpc.session()
+        return self._grpc.encode(request, budget)
+
+    def release_after_read(self, lease_ids: list[str]) -> bool:
+        if self._grpc is not None:
+            return self._grpc.release_after_read(lease_ids)
+        conn = self._conn
+        return conn is not None and conn.send_release(lease_ids, self._channel._metrics)
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._channel._give_back(conn)
+
+    def close(self) -> None:
+        self._drop()
+        if self._grpc is not None:
+            self._grpc.close()
+
+
+def control_channel_for(endpoint: str, config: TransportConfig, metrics: TransportMetrics) -> ControlChannel:
+    """The default control channel of a ``RemoteOutputTransport``: same-host first unless ``local_channel`` is off."""
+    if config.local_channel == "off":
+        return GrpcControlChannel(endpoint, config, metrics)
+    return UdsControlChannel(endpoint, config, metrics)
+
+
+__all__ = ["PATH_LABEL", "UdsControlChannel", "control_channel_for"]

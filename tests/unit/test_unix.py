@@ -1,0 +1,120 @@
+"""tensorwire._unix: frames over real socket pairs (pieces, partial writes, deadlines, EOF) and the path checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tensorwire import _unix
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_large_frame_in_pieces_arrives_whole_through_partial_writes() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pieces = [b"head", memoryview(os.urandom(3 << 20)), bytearray(b"x" * 1000), b""]
+    want = b"".join(bytes(p) for p in pieces)
+    got: list[bytearray | None] = []
+    reader = threading.Thread(target=lambda: got.append(_unix.recv_frame(b, time.monotonic() + 30, 1 << 30)))
+    reader.start()
+    _unix.send_frame(a, pieces, time.monotonic() + 30)  # far over the socket buffer: many partial sendmsg calls
+    reader.join(30)
+    assert got and got[0] == want
+    a.close()
+    assert _unix.recv_frame(b, time.monotonic() + 5, 1 << 30) is None  # clean EOF between frames
+    b.close()
+
+
+def test_deadline_eof_and_limit_are_the_transport_errors() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _unix.recv_frame(b, time.monotonic() + 0.2, 64)
+    assert 0.19 <= time.monotonic() - t0 < 2.0
+    a.sendall(struct.pack("<Q", 1 << 40))
+    with pytest.raises(ValueError, match="over the limit"):
+        _unix.recv_frame(b, time.monotonic() + 5, 1 << 20)
+    a.sendall(struct.pack("<Q", 10) + b"abc")  # a frame cut short by the peer's close
+    a.close()
+    with pytest.raises(ConnectionAbortedError):
+        _unix.recv_frame(b, time.monotonic() + 5, 1 << 20)
+    b.close()
+
+
+def test_is_quiet_and_is_gone() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    assert _unix.is_quiet(a) and not _unix.is_gone(a)
+    b.send(b"x")
+    assert not _unix.is_quiet(a) and not _unix.is_gone(a)  # readable, but the peer is there
+    b.close()
+    assert _unix.is_gone(a)
+    a.close()
+
+
+def test_private_dir_is_created_tightened_or_refused(tmp_path: Path) -> None:
+    d = tmp_path / "new"
+    assert _unix.ensure_private_dir(str(d)) == str(d) and (d.stat().st_mode & 0o777) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(loose, 0o755)
+    _unix.ensure_private_dir(str(loose))
+    assert (loose.stat().st_mode & 0o777) == 0o700  # readable bits tightened quietly
+    writable = tmp_path / "writable"
+    writable.mkdir()
+    os.chmod(writable, 0o777)
+    with pytest.raises(_unix.InsecurePath, match="writable"):
+        _unix.ensure_private_dir(str(writable))
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(_unix.InsecurePath, match="symlink"):
+        _unix.ensure_private_dir(str(link))
+    if os.geteuid() == 0:
+        foreign = tmp_path / "foreign"
+        foreign.mkdir(mode=0o700)
+        os.chown(foreign, 65534, 65534)
+        with pytest.raises(_unix.InsecurePath, match="owned by uid 65534"):
+            _unix.ensure_private_dir(str(foreign))
+
+
+def test_a_socket_path_must_be_a_private_socket(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    d.mkdir(mode=0o700)
+    path = str(d / "s.sock")
+    listener = _unix.listen(path)
+    try:
+        assert (os.lstat(path).st_mode & 0o777) == 0o600
+        _unix.check_socket_path(path)
+        with pytest.raises(_unix.InsecurePath, match="absolute"):
+            _unix.check_socket_path("relative.sock")
+        plain = d / "file"
+        plain.write_text("")
+        with pytest.raises(_unix.InsecurePath, match="not a socket"):
+            _unix.check_socket_path(str(plain))
+        with pytest.raises(FileNotFoundError):
+            _unix.check_socket_path(str(d / "gone.sock"))
+        os.chmod(d, 0o777)
+        with pytest.raises(_unix.InsecurePath, match="writable"):
+            _unix.check_socket_path(path)
+    finally:
+        listener.close()
+
+
+def test_peer_uid_of_a_socket_pair_is_ours() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid, uid = _unix.peer_uid(a)
+    assert pid == os.getpid() and uid == os.geteuid()
+    a.close()
+    b.close()
+
+
+def test_host_token_is_the_boot_id_and_stable() -> None:
+    token = _unix.host_token()
+    assert token == _unix.host_token()
+    if os.path.exists("/proc/sys/kernel/random/boot_id"):
+        assert len(token) == 36
