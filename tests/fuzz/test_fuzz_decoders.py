@@ -95,6 +95,31 @@ def test_receipt_through_the_client(receipt_harness: T.ReceiptHarness, data: byt
     assert receipt_harness(data).startswith(("ok", "typed:"))
 
 
+STREAM_SEEDS = T.seed_stream_answers(random.Random(2))
+stream_msg = st.builds(pb.StreamResponse, id=u64, receipt=receipt_msg)
+
+
+def _concat(parts: list[bytes]) -> bytes:
+    return b"".join(parts)  # repeated records: protobuf merges them, the walk must too
+
+
+@settings(max_examples=examples(300))
+@given(st.one_of(st.binary(max_size=512), _mutated(RECEIPT_SEEDS, pb.EncodeResponse),
+                 receipt_msg.map(lambda m: m.SerializeToString()),
+                 st.lists(st.one_of(st.sampled_from(RECEIPT_SEEDS), receipt_msg.map(lambda m: m.SerializeToString())),
+                          min_size=2, max_size=3).map(_concat)))
+def test_receipt_walk_reads_what_protobuf_reads(data: bytes) -> None:
+    assert T.target_receipt_wire(data).startswith(("ok", "typed:"))
+
+
+@settings(max_examples=examples(300))
+@given(st.one_of(st.binary(max_size=512), _mutated(STREAM_SEEDS, pb.StreamResponse),
+                 stream_msg.map(lambda m: m.SerializeToString()),
+                 st.lists(st.sampled_from(STREAM_SEEDS), min_size=2, max_size=3).map(_concat)))
+def test_stream_answer_walk_reads_what_protobuf_reads(data: bytes) -> None:
+    assert T.target_stream_wire(data).startswith(("ok", "typed:"))
+
+
 def test_receipt_seeds_decode(receipt_harness: T.ReceiptHarness) -> None:
     # The harness can fail: well-formed receipts come back as outputs, not errors.
     assert [receipt_harness(s) for s in RECEIPT_SEEDS] == ["ok"] * len(RECEIPT_SEEDS)
@@ -121,6 +146,8 @@ def test_broadcaster_handshake_validation(data: bytes) -> None:
 def test_seeds_are_accepted() -> None:
     assert all(T.target_descriptor(s) == "ok" for s in DESC_SEEDS)
     assert all(T.target_inline_tensor(s) == "ok" for s in INLINE_SEEDS)
+    assert all(T.target_receipt_wire(s) == "ok" for s in RECEIPT_SEEDS)
+    assert all(T.target_stream_wire(s) == "ok" for s in STREAM_SEEDS)
     assert all(T.target_frame_header(s) == "ok" for s in HEADER_SEEDS)
     assert all(T.target_frame_table(s) == "ok" for s in TABLE_SEEDS)
     assert all(T.HelloHarness()(s) == "ok" for s in HELLO_SEEDS)

@@ -31,8 +31,10 @@ _RDMA_HELP = {
     "port": "RDMA metadata listener port; 0 lets the OS pick. Behind a proxy every worker on a host needs its "
             "own port (the proxy refuses a shared fixed port at start-up)",
     "device": "device of the exported slots (default: --device)",
-    "bind_ip": "RDMA listener address; '' = all interfaces",
-    "advertise_host": "host written into descriptors; '' = bind_ip or this host's address",
+    "bind_ip": "RDMA metadata listener address; '' follows --host (a wildcard --host: this host's detected "
+               "address); 0.0.0.0 listens on all interfaces (docs/deployment.md, Addresses)",
+    "advertise_host": "host written into descriptors, which readers connect to; '' = the listener's address, "
+                      "else --host, else this host's detected address",
     "provider": "auto | nixl | none",
 }
 
@@ -59,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
               help_extra={"mode": "auto: RDMA when the client can read it, else inline; grpc: always inline "
                                   "(the one-switch rollback)"})
     rdma = parser.add_argument_group("RDMA data plane (RdmaConfig)")
-    add_flags(rdma, RdmaConfig, prefix="rdma_", help_extra=_RDMA_HELP)
+    # control_host is not a flag: the worker sets it to --host (where the metadata endpoint follows).
+    add_flags(rdma, RdmaConfig, prefix="rdma_", skip=("control_host",), help_extra=_RDMA_HELP)
 
 
 def build_config(args: argparse.Namespace) -> TransportConfig:
@@ -89,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     except (TensorwireError, ValueError) as exc:
         return fail(str(exc), 2)
     log.info("effective config: %s", config)
+    # What the RDMA plane advertises (and the warnings when other hosts could not reach it) is shown by default.
+    endpoint_log = logging.getLogger("tensorwire.rdma.endpoint")
+    if endpoint_log.getEffectiveLevel() > logging.INFO:
+        endpoint_log.setLevel(logging.INFO)
     metrics = None
     worker = EncoderWorker(encoder, config, model=args.model)
     try:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._wire_receipt import WireReceipt
 
 Requeue = Callable[[list[str]], None]
 """requeue(lease_ids): takes release ids a channel accepted but could not send (the owner queues them)."""
@@ -48,8 +49,11 @@ class ControlSession(abc.ABC):
         """The path the next ``encode`` takes, as a bounded label value (``"stream"``, ``"unary"``, ...)."""
 
     @abc.abstractmethod
-    def encode(self, request: pb.EncodeRequest, budget: Budget) -> pb.EncodeResponse:
+    def encode(self, request: pb.EncodeRequest, budget: Budget) -> WireReceipt:
         """Sends ``request`` to the encoder and returns its receipt.
+
+        Ownership: the receipt's inline payloads belong to it alone (the decoded tensors view them and may be
+        written): bytes received for this call (``parse_receipt``), never memory the encoder still uses.
 
         Deadline: never waits past ``budget.remaining_ms()``. Nothing left before sending:
         ``DeadlineExceeded(BUDGET_EXHAUSTED)``; no answer in time: ``DeadlineExceeded(DEADLINE_EXCEEDED)``.

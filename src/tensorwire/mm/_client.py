@@ -68,6 +68,7 @@ from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._receipt import DescriptorParser
 from tensorwire.mm._release import ReleaseQueue
 from tensorwire.mm._types import MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm._wire_receipt import WireReceipt
 from tensorwire.rdma import RdmaConfig, Reader, is_staged_gpu_transport
 
 log = logging.getLogger(__name__)
@@ -329,7 +330,7 @@ class RemoteOutputTransport:
             self._observer(event, details)
 
     def _request(self, attempt: _RdmaAttempt | _InlineAttempt, budget: Budget, stages: _Stages,
-                 session: ControlSession, stage: str) -> pb.EncodeResponse:
+                 session: ControlSession, stage: str) -> WireReceipt:
         req = attempt.to_pb(budget)
         self._emit("request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers),
                    path=session.path)
@@ -346,9 +347,9 @@ class RemoteOutputTransport:
         except TensorwireError:
             self._neutral(None)
             raise
-        worker = receipt.worker.worker_id
+        worker = receipt.message.worker.worker_id
         self._neutral_probes_except(worker)
-        if not receipt.rdma_slots:
+        if not receipt.message.rdma_slots:
             # The encoder chose inline (exporter not ready, this worker excluded, ...): nothing learned about RDMA.
             self._neutral(worker)
             return self._decode_terminal(receipt, budget, stages, fallback_from=None)
@@ -381,9 +382,10 @@ class RemoteOutputTransport:
         receipt = self._request(attempt, budget, stages, session, stage)
         return self._decode_terminal(receipt, budget, stages, fallback_from)
 
-    def _decode_terminal(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
+    def _decode_terminal(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages,
                          fallback_from: Reason | None) -> MultimodalOutput:
         """The terminal plane: decodes inline bytes or raises. It cannot ask for another round."""
+        receipt = wire_receipt.message
         if receipt.rdma_slots:
             ids = _receipt.lease_ids(_receipt.parse_slots(receipt, self._parser()))
             self._release_sync(ids, budget, stages)
@@ -392,19 +394,20 @@ class RemoteOutputTransport:
             raise ProtocolError(f"{self.endpoint} answered with {len(receipt.rdma_slots)} RDMA slot(s) to a request "
                                 "that did not advertise RDMA", reason=Reason.UNREQUESTED_RDMA)
         t = time.perf_counter()
-        embs, splits, pos, extras, nbytes = _codec.decode_inline_receipt(receipt)
+        embs, splits, pos, extras, nbytes = _codec.decode_inline_receipt(wire_receipt)
         stages.add("decode", time.perf_counter() - t)
         self._emit("decode_inline", items=len(splits))
-        self.metrics.bytes.labels("llm", "inline", "embedding").inc(len(receipt.embedding.data))
-        self.metrics.bytes.labels("llm", "inline", "pos_id").inc(len(receipt.position_ids.data))
-        self.metrics.bytes.labels("llm", "inline", "extra_input").inc(sum(len(t.data) for t in receipt.extra_inputs))
+        self.metrics.bytes.labels("llm", "inline", "embedding").inc(len(wire_receipt.embedding or b""))
+        self.metrics.bytes.labels("llm", "inline", "pos_id").inc(len(wire_receipt.position_ids or b""))
+        self.metrics.bytes.labels("llm", "inline", "extra_input").inc(sum(len(p) for p in wire_receipt.extra_inputs))
         stages.ms.update(_receipt.encoder_stages(receipt))
         return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos, extra_inputs=extras,
                                 plane=Plane.INLINE, fallback_reason=fallback_from, worker_id=receipt.worker.worker_id,
                                 payload_bytes=nbytes)
 
-    def _consume_rdma(self, receipt: pb.EncodeResponse, budget: Budget, stages: _Stages,
+    def _consume_rdma(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages,
                       session: ControlSession) -> MultimodalOutput | ConsumeFailure:
+        receipt = wire_receipt.message
         parsed = _receipt.parse_slots(receipt, self._parser())
         ids = _receipt.lease_ids(parsed)
         plan: ReadPlan | None = None

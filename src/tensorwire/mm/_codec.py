@@ -4,17 +4,28 @@ request inputs, and the metric label of each slot role.
 Decoding treats every byte as untrusted: the dtype, the dims, the element and byte counts and the exact payload
 length are checked before anything is materialized, so a malformed message costs an InvalidPayload, never an
 out-of-bounds read or a huge allocation.
+
+Copies (the inline plane's cost is its copies of 100+ MB payloads): ``host_view`` gives the encoder a tensor's
+bytes without copying a contiguous host tensor (a device tensor goes through reused pinned memory);
+``decode_tensor`` with a payload held outside the message (``_wire_receipt``) views it instead of copying.
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
+from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalInput
+
+if TYPE_CHECKING:
+    from tensorwire.mm._wire_receipt import WireReceipt
 
 # The allow-list, one place for both planes: wire enum <-> torch dtype.
 DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {
@@ -37,24 +48,53 @@ ROLE_LABELS: dict[int, str] = {pb.EMBEDDING: "embedding", pb.POS_ID: "pos_id", p
 
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 2**31 - 1  # one protobuf message cannot be larger
+# Below this a payload is copied into an owning tensor: a view would save microseconds and could alias a bytes
+# object CPython shares (the one-byte ones are singletons).
+VIEW_MIN_BYTES = 64 << 10
 
 
-def encode_tensor(t: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
-    """Row-major host bytes of ``t`` (the ``.cpu()`` also orders after the producing CUDA stream)."""
+def host_view(t: torch.Tensor, out: pb.Tensor, *, private: bool = False) -> memoryview:
+    """Sets ``out``'s dtype and shape and returns ``t``'s row-major bytes in host memory, copying only what must
+    be copied: a contiguous host tensor is viewed as is (``private``: copied anyway, for memory that is reused
+    once the caller returns), a strided one is made contiguous, a device one is copied into pinned host memory
+    from torch's caching host allocator (pages reused from call to call; the copy orders after the current
+    stream, as ``.cpu()`` does). The view keeps its tensor alive. InvalidPayload for a dtype off the allow-list.
+    """
     wire = DTYPE_TO_WIRE.get(t.dtype)
     if wire is None:
         raise InvalidPayload(f"dtype {t.dtype} is not in the inline allow-list {sorted(map(str, SUPPORTED_DTYPES))}",
                              reason=Reason.UNSUPPORTED_DTYPE)
-    host = t.detach().to("cpu").contiguous()
+    out.dtype = wire
+    out.shape[:] = list(t.shape)
+    if t.numel() == 0:
+        return memoryview(b"")
+    t = t.detach()
+    if t.device.type == "cuda":
+        try:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: pageable, as .cpu() gives
+            host = torch.empty(t.shape, dtype=t.dtype)
+        host.copy_(t)  # blocking: done when it returns
+    elif t.device.type != "cpu":
+        host = t.to("cpu").contiguous()
+    elif private:
+        host = t.clone(memory_format=torch.contiguous_format)
+    else:
+        host = t.contiguous()
+    return host.reshape(-1).view(torch.uint8).numpy().data  # the array's memoryview: it keeps the array alive
+
+
+def encode_tensor(t: torch.Tensor, out: pb.Tensor | None = None) -> pb.Tensor:
+    """A complete Tensor message (its bytes copied into ``data``): for tools and tests; the encoder's receipts
+    keep the bytes outside the message (``_wire_receipt``)."""
     msg = out if out is not None else pb.Tensor()
-    msg.dtype = wire
-    msg.shape[:] = list(host.shape)
-    msg.data = host.reshape(-1).view(torch.uint8).numpy().tobytes() if host.numel() else b""
+    msg.data = host_view(t, msg).tobytes()
     return msg
 
 
-def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
-    """An owning host tensor from an untrusted message; InvalidPayload before any allocation if malformed."""
+def check_tensor(msg: pb.Tensor, nbytes: int, what: str = "tensor") -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, numel) of an untrusted message whose payload is ``nbytes`` long, or InvalidPayload when the
+    dtype, the dims and the payload length disagree. Nothing is copied or allocated."""
     dtype = WIRE_TO_DTYPE.get(msg.dtype)
     if dtype is None:
         raise InvalidPayload(f"{what}: dtype enum {msg.dtype} is not in the allow-list",
@@ -75,14 +115,49 @@ def decode_tensor(msg: pb.Tensor, what: str = "tensor") -> torch.Tensor:
         if extent * itemsize > MAX_TENSOR_BYTES:
             raise InvalidPayload(f"{what}: shape {shape} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes",
                                  reason=Reason.SIZE_OVERFLOW)
-    nbytes = numel * itemsize
-    if len(msg.data) != nbytes:
-        raise InvalidPayload(f"{what}: payload is {len(msg.data)} bytes; shape {shape} of {dtype} needs {nbytes}",
+    if nbytes != numel * itemsize:
+        raise InvalidPayload(f"{what}: payload is {nbytes} bytes; shape {shape} of {dtype} needs {numel * itemsize}",
                              reason=Reason.NBYTES_MISMATCH)
+    return dtype, shape, numel
+
+
+def decode_tensor(msg: pb.Tensor, what: str = "tensor", payload: Buffer | None = None) -> torch.Tensor:
+    """A host tensor from an untrusted message; InvalidPayload before any allocation if malformed.
+
+    ``payload``: the tensor's bytes when they are held outside the message (a parsed ``WireReceipt``); from
+    ``VIEW_MIN_BYTES`` on, the tensor views them (no copy; they are the receiver's own) unless they are not
+    aligned for the dtype (an old encoder's receipt), which costs one copy. Without ``payload`` (or below that
+    size) the tensor owns a copy, and never aliases the message.
+    """
+    data = msg.data if payload is None else payload
+    dtype, shape, numel = check_tensor(msg, len(data), what)
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8)  # bytearray: one owning, writable copy
+    if payload is None or len(data) < VIEW_MIN_BYTES:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # bytearray: one owning, writable copy
+    else:
+        raw = _frombuffer(data)
+        if raw.data_ptr() % dtype.itemsize:
+            raw = raw.clone()
     return raw.view(dtype).reshape(shape)
+
+
+_quiet_lock = threading.Lock()
+_quiet = False
+
+
+def _frombuffer(data: Buffer) -> torch.Tensor:
+    """``torch.frombuffer`` of received bytes. They are immutable ``bytes`` that only this receipt holds, so the
+    tensor may write them; torch warns once per process that it cannot mark the tensor read-only, and that one
+    warning is swallowed here (the first time only, so other threads' warnings are filtered for one call)."""
+    global _quiet
+    if _quiet or not memoryview(data).readonly:
+        return torch.frombuffer(data, dtype=torch.uint8)
+    with _quiet_lock, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        out = torch.frombuffer(data, dtype=torch.uint8)
+        _quiet = True
+    return out
 
 
 def assemble(
@@ -122,17 +197,21 @@ def assemble(
 
 
 def decode_inline_receipt(
-    receipt: pb.EncodeResponse,
+    receipt: WireReceipt,
 ) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor] | None, list[torch.Tensor], int]:
-    """(embeddings, split_sizes, position_ids, extra_inputs, payload bytes) of an inline receipt."""
-    embedding = decode_tensor(receipt.embedding, "embedding") if receipt.HasField("embedding") else None
-    pos = decode_tensor(receipt.position_ids, "position_ids") if receipt.HasField("position_ids") else None
-    extras = [decode_tensor(t, f"extra_inputs[{i}]") for i, t in enumerate(receipt.extra_inputs)]
-    splits = [int(s) for s in receipt.split_sizes]
+    """(embeddings, split_sizes, position_ids, extra_inputs, payload bytes) of an inline receipt; the tensors view
+    the receipt's payloads (``decode_tensor``)."""
+    m = receipt.message
+    embedding = decode_tensor(m.embedding, "embedding", receipt.embedding) if m.HasField("embedding") else None
+    pos = decode_tensor(m.position_ids, "position_ids", receipt.position_ids) if m.HasField("position_ids") else None
+    if len(receipt.extra_inputs) != len(m.extra_inputs):
+        raise InvalidPayload(f"receipt has {len(m.extra_inputs)} extra inputs and {len(receipt.extra_inputs)} "
+                             "payloads for them", reason=Reason.ASSEMBLY_MISMATCH)
+    extras = [decode_tensor(t, f"extra_inputs[{i}]", p)
+              for i, (t, p) in enumerate(zip(m.extra_inputs, receipt.extra_inputs, strict=True))]
+    splits = [int(s) for s in m.split_sizes]
     embs, pos_parts, extra_list = assemble(embedding, splits, pos, extras)
-    nbytes = (len(receipt.embedding.data) + len(receipt.position_ids.data)
-              + sum(len(t.data) for t in receipt.extra_inputs))
-    return embs, splits, pos_parts, extra_list, nbytes
+    return embs, splits, pos_parts, extra_list, receipt.payload_bytes
 
 
 def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | None = None) -> pb.EncodeRequest:
@@ -161,7 +240,10 @@ __all__ = [
     "DTYPE_TO_WIRE",
     "WIRE_TO_DTYPE",
     "SUPPORTED_DTYPES",
+    "VIEW_MIN_BYTES",
+    "host_view",
     "encode_tensor",
+    "check_tensor",
     "decode_tensor",
     "assemble",
     "decode_inline_receipt",

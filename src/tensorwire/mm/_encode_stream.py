@@ -22,6 +22,7 @@ from tensorwire.mm._channel import Requeue
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._watchdog import DeadlineWatchdog
+from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class StreamCall:
     def usable(self) -> bool:
         return not self.broken and not self._done and not self._call.done()
 
-    def encode(self, request: pb.EncodeRequest, timeout_s: float) -> pb.EncodeResponse:
+    def encode(self, request: pb.EncodeRequest, timeout_s: float) -> WireReceipt:
         endpoint = self._endpoint
         self._next_id += 1
         rid = self._next_id
@@ -120,18 +121,17 @@ class StreamCall:
         if deadline_hit:
             self.broken = True  # answered, but the watchdog cancelled the call as the answer came in
         try:
-            response = pb.StreamResponse.FromString(raw)
+            answer_id, value = parse_stream_response(raw)  # an inline receipt views ``raw``
         except Exception as exc:
             self._fail(f"an EncodeStream answer from {endpoint} does not parse: {exc}")
             raise ProtocolError(f"receipt from {endpoint} does not parse: {exc}") from exc
-        if response.id != rid:
-            self._fail(f"answer {response.id} on the EncodeStream of {endpoint} for request {rid}")
-            raise ProtocolError(f"{endpoint} answered request {response.id} on an EncodeStream awaiting {rid}")
-        body = response.WhichOneof("body")
-        if body == "receipt":
-            return response.receipt
-        if body == "error":
-            raise wire.error_from_stream(response.error, f"Encode on {endpoint}")
+        if answer_id != rid:
+            self._fail(f"answer {answer_id} on the EncodeStream of {endpoint} for request {rid}")
+            raise ProtocolError(f"{endpoint} answered request {answer_id} on an EncodeStream awaiting {rid}")
+        if isinstance(value, WireReceipt):
+            return value
+        if isinstance(value, pb.StreamError):
+            raise wire.error_from_stream(value, f"Encode on {endpoint}")
         self._fail(f"an EncodeStream answer from {endpoint} has no body")
         raise ProtocolError(f"{endpoint} answered request {rid} with neither a receipt nor an error")
 

@@ -6,7 +6,8 @@ the same response. An RDMA attempt that fails in any way (planning, export, desc
 back every lease of the request and answers inline, counting the reason on ``tensorwire_mm_fallbacks_total``
 (degrades are not errors).
 
-The exporter is built at ``start()``, on a background thread, off the request path. A permanent failure
+The exporter is built at ``start()``, on a background thread, off the request path, with its metadata endpoint
+on the address the control plane is bound to (``rdma_config``). A permanent failure
 (no provider, bad config) disables RDMA for the process with one WARNING; any other failure is retried with
 exponential backoff (``init_backoff_ms`` doubling to ``init_backoff_max_ms``) until it succeeds or
 ``close()``. Leases a reader never releases are reclaimed by the exporter's TTL GC.
@@ -18,6 +19,11 @@ answer, mismatch, failure) the bytes are taken from the buffers first and the le
 allocation never outlives its request: ``transfer`` also ends every other allocation its thread made, and
 ``EncoderService`` calls ``release_pending`` when the encoder raises. An allocation made on one thread and
 never handed to ``transfer`` elsewhere is left to ``release_output`` or, at worst, the TTL GC (counted).
+
+Inline receipts (``WireReceipt``) hold the output's host bytes by reference (``_codec.host_view``): a contiguous
+host tensor is copied once, when the service serializes the receipt right after ``transfer`` returns; a device
+tensor is copied to pinned host memory here first. When this transfer ends an allocation (slot memory), the
+bytes are copied out of it here, before the lease goes back.
 
 Thread-safety: ``transfer``, ``allocate_output`` and ``release`` may run on many gRPC threads at once.
 """
@@ -42,6 +48,7 @@ from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._types import EncoderOutput
+from tensorwire.mm._wire_receipt import WireReceipt
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 
 log = logging.getLogger(__name__)
@@ -153,8 +160,9 @@ class OutputTransport:
     """Encoder-side transport: ``transfer(request, output) -> receipt`` and ``release(lease_ids)``.
 
     ``request`` is the EncodeRequest the caller sent (its ``support_rdma`` and ``rdma_excluded_workers`` are
-    read); the receipt is an EncodeResponse. ``start()`` begins building the exporter (``serve_encoder`` calls
-    it); ``close()`` is idempotent and releases the exporter, after which ``transfer`` answers inline.
+    read); the receipt is a ``WireReceipt`` (the EncodeResponse, with inline tensor bytes held by reference).
+    ``start()`` begins building the exporter (``serve_encoder`` calls it); ``close()`` is idempotent and releases
+    the exporter, after which ``transfer`` answers inline.
     """
 
     def __init__(self, config: TransportConfig | None = None, *, exporter_factory: ExporterFactory | None = None,
@@ -175,12 +183,19 @@ class OutputTransport:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
 
         self._holder: BackgroundInit[Exporter] = BackgroundInit(
-            "exporter", lambda: factory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "exporter", lambda: factory(self.rdma_config()), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
         self._rl = RateLimitedLog(log)
         self._closed = False
         self._buffers: dict[int, OutputBuffers] = {}  # embedding data_ptr -> allocation awaiting transfer()
         self._buffers_lock = threading.Lock()
+
+    def rdma_config(self) -> RdmaConfig:
+        """The RdmaConfig the exporter is built with: ``config.rdma`` with ``control_host`` set to the host of
+        ``worker_address`` (the gRPC server's bound address, set before ``start``), so that the metadata endpoint
+        follows the control plane's address (rules: docs/deployment.md "Addresses")."""
+        host = self.worker_address.rsplit(":", 1)[0] if ":" in self.worker_address else ""
+        return self.config.rdma.replace(control_host=host) if host else self.config.rdma
 
     @property
     def exporter_state(self) -> ExporterState:
@@ -246,7 +261,9 @@ class OutputTransport:
         _, stale = self._claim_buffers(None)
         return self.release([b.lease.lease_id for b in stale])
 
-    def transfer(self, request: pb.EncodeRequest, output: EncoderOutput) -> pb.EncodeResponse:
+    def transfer(self, request: pb.EncodeRequest, output: EncoderOutput) -> WireReceipt:
+        """The receipt for ``output``: RDMA slots, or the inline tensors as views of the output's host memory
+        (serialize it before the output's tensors change: ``WireReceipt.to_bytes``; the service does at once)."""
         buffers: OutputBuffers | None = None
         stale: list[OutputBuffers] = []
         try:
@@ -256,10 +273,10 @@ class OutputTransport:
             raise
         try:
             buffers, stale = self._claim_buffers(emb)
-            return self._transfer(request, emb, splits, pos, extras, buffers)
+            return self._transfer(request, emb, splits, pos, extras, buffers, bool(stale))
         finally:
-            # Exported in place: the lease now belongs to the reader. Otherwise the bytes were copied or
-            # serialized out of the buffers above (or the output was something else), so the allocation ends here.
+            # Exported in place: the lease now belongs to the reader. Otherwise the bytes were copied out of the
+            # buffers above (or the output was something else), so the allocation ends here.
             ended = [b.lease.lease_id for b in stale]
             if buffers is not None and not buffers.lease.exported:
                 ended.append(buffers.lease.lease_id)
@@ -268,13 +285,14 @@ class OutputTransport:
 
     def _transfer(self, request: pb.EncodeRequest, emb: torch.Tensor | None, splits: list[int],
                   pos: torch.Tensor | None, extras: list[torch.Tensor],
-                  buffers: OutputBuffers | None) -> pb.EncodeResponse:
-        receipt = pb.EncodeResponse()
+                  buffers: OutputBuffers | None, ends_allocations: bool) -> WireReceipt:
+        out = WireReceipt()
+        receipt = out.message
         receipt.worker.worker_id = self.worker_id
         receipt.worker.address = self.worker_address
         if emb is None:
             self.metrics.requests.labels("encoder", "inline").inc()
-            return receipt
+            return out
         receipt.split_sizes[:] = splits
         exporter, why_not = self._rdma_choice(request, emb, pos, extras)
         if exporter is not None:
@@ -289,22 +307,24 @@ class OutputTransport:
                 receipt.rdma_slots.extend(slots)
                 receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
                 self.metrics.child(self.metrics.requests, "encoder", "rdma").inc()
-                return receipt
+                return out
         elif why_not is not None:
             self.metrics.fallbacks.labels("encoder", why_not).inc()
+        # Inline: the receipt views the output's host bytes, copied once when it is serialized. Slot memory goes
+        # back to the pool when transfer() returns (before that), so an output in an allocation is copied now.
         t0 = time.perf_counter()
-        _codec.encode_tensor(emb, receipt.embedding)
-        self.metrics.bytes.labels("encoder", "inline", "embedding").inc(len(receipt.embedding.data))
+        private = buffers is not None or ends_allocations
+        out.embedding = _codec.host_view(emb, receipt.embedding, private=private)
+        self.metrics.bytes.labels("encoder", "inline", "embedding").inc(len(out.embedding))
         if pos is not None:
-            _codec.encode_tensor(pos, receipt.position_ids)
-            self.metrics.bytes.labels("encoder", "inline", "pos_id").inc(len(receipt.position_ids.data))
+            out.position_ids = _codec.host_view(pos, receipt.position_ids, private=private)
+            self.metrics.bytes.labels("encoder", "inline", "pos_id").inc(len(out.position_ids))
         for t in extras:
-            m = receipt.extra_inputs.add()
-            _codec.encode_tensor(t, m)
-            self.metrics.bytes.labels("encoder", "inline", "extra_input").inc(len(m.data))
+            out.extra_inputs.append(_codec.host_view(t, receipt.extra_inputs.add(), private=private))
+            self.metrics.bytes.labels("encoder", "inline", "extra_input").inc(len(out.extra_inputs[-1]))
         receipt.encoder_stage_us["serialize"] = int((time.perf_counter() - t0) * 1e6)
         self.metrics.requests.labels("encoder", "inline").inc()
-        return receipt
+        return out
 
     def _rdma_choice(self, request: pb.EncodeRequest, emb: torch.Tensor, pos: torch.Tensor | None,
                      extras: list[torch.Tensor]) -> tuple[Exporter | None, str | None]:
@@ -383,10 +403,10 @@ class OutputTransport:
             self._count_degrade(exc, len(lease_ids))
             return None
 
-    def discard(self, receipt: pb.EncodeResponse) -> int:
+    def discard(self, receipt: WireReceipt) -> int:
         """Releases the leases of a receipt that will never reach its reader (the caller went away)."""
         ids = []
-        for slot in receipt.rdma_slots:
+        for slot in receipt.message.rdma_slots:
             try:
                 ids.append(Descriptor.from_bytes(slot.descriptor).lease_id)
             except Exception:

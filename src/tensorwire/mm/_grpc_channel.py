@@ -26,6 +26,7 @@ from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._watchdog import DeadlineWatchdog
+from tensorwire.mm._wire_receipt import WireReceipt, parse_receipt
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class GrpcControlChannel(ControlChannel):
     def session(self) -> ControlSession:
         return _GrpcSession(self, self._streams, self._metrics)
 
-    def encode_unary(self, request: pb.EncodeRequest, timeout_s: float) -> pb.EncodeResponse:
+    def encode_unary(self, request: pb.EncodeRequest, timeout_s: float) -> WireReceipt:
         if timeout_s <= 0:
             raise DeadlineExceeded("fetch budget exhausted before the Encode call", reason=Reason.BUDGET_EXHAUSTED)
         try:
@@ -85,7 +86,7 @@ class GrpcControlChannel(ControlChannel):
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, f"Encode on {self.endpoint}") from exc
         try:
-            return pb.EncodeResponse.FromString(raw)
+            return parse_receipt(raw)  # the inline tensors view ``raw``, which nothing else holds
         except Exception as exc:
             raise ProtocolError(f"receipt from {self.endpoint} does not parse: {exc}") from exc
 
@@ -129,7 +130,7 @@ class _GrpcSession(ControlSession):
     def path(self) -> str:
         return "stream" if self._stream is not None else "unary"
 
-    def encode(self, request: pb.EncodeRequest, budget: Budget) -> pb.EncodeResponse:
+    def encode(self, request: pb.EncodeRequest, budget: Budget) -> WireReceipt:
         stream = self._stream
         if stream is not None:
             timeout_s = budget.remaining_ms() / 1000.0

@@ -30,6 +30,7 @@ from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
+from tensorwire.mm._wire_receipt import WireReceipt
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class _OpenStream:
         self.context = context
         self.lock = threading.Lock()
         self.busy = False
-        self.unsent: pb.EncodeResponse | None = None
+        self.unsent: WireReceipt | None = None
 
-    def take_unsent(self) -> pb.EncodeResponse | None:
+    def take_unsent(self) -> WireReceipt | None:
         with self.lock:
             receipt, self.unsent = self.unsent, None
             return receipt
@@ -96,11 +97,12 @@ class EncoderService:
         with self._streams_lock:
             return len(self._streams)
 
-    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> pb.EncodeResponse:
+    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
         """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
 
         Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
-        the export (the caller gave up), the receipt's leases are released at once: nobody will read them.
+        the export (the caller gave up), the receipt's leases are released at once: nobody will read them. An
+        inline receipt views the output's bytes: the caller serializes it before anything else runs.
         """
         inputs = _codec.inputs_from_pb(request)
         t0 = time.perf_counter()
@@ -116,8 +118,8 @@ class EncoderService:
         except Exception as exc:
             self._count_failure(exc, "transfer failed: %r", exc)
             raise
-        receipt.encoder_stage_us["encode"] = encode_us
-        if receipt.rdma_slots and not is_active():
+        receipt.message.encoder_stage_us["encode"] = encode_us
+        if receipt.message.rdma_slots and not is_active():
             # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
             released = self.transport.discard(receipt)
             log.info("caller went away after export; released %d lease(s) at once", released)
@@ -130,11 +132,10 @@ class EncoderService:
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.EncodeRequest, raw, context)
         try:
-            receipt = self.run_encode(request, context.is_active)
+            return self.run_encode(request, context.is_active).to_bytes()
         except Exception as exc:
             wire.abort_with(context, exc)
             raise  # unreachable: abort raises
-        return receipt.SerializeToString()
 
     def release_leases(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.ReleaseLeasesRequest, raw, context)
@@ -192,17 +193,17 @@ class EncoderService:
                     continue
                 with stream.lock:
                     stream.busy = True
-                receipt: pb.EncodeResponse | None = None
+                receipt: WireReceipt | None = None
                 try:
                     encoded = self.run_encode(msg.encode, context.is_active)
-                    data = wire.stream_frame(msg.id, wire.STREAM_RECEIPT_FIELD, encoded.SerializeToString())
+                    data = encoded.to_stream_frame(msg.id)
                     receipt = encoded
                 except Exception as exc:
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
                                              wire.stream_error_for(exc).SerializeToString())
                 if not context.is_active():
                     return  # the caller went away; run_encode already released what it exported
-                if receipt is not None and receipt.rdma_slots:
+                if receipt is not None and receipt.message.rdma_slots:
                     with stream.lock:
                         stream.unsent = receipt
                 yield data

@@ -104,7 +104,8 @@ def _is_empty_seq(x: torch.Tensor | Sequence[torch.Tensor]) -> bool:
 
 @dataclass
 class MultimodalOutput:
-    """What ``fetch`` returns: owning tensors, one embedding (and position ids, extra input) per item.
+    """What ``fetch`` returns: owning tensors, one embedding (and position ids, extra input) per item. Inline
+    tensors from 64 KiB on view the received message (no copy), which nothing else holds; they may be written.
 
     plane: which plane delivered the tensors. fallback_reason: set when an RDMA attempt failed and the inline
     plane delivered instead. stage_ms: client-side stage times (``request``, ``read``, ``decode``, ``release``,

@@ -31,6 +31,7 @@ from tensorwire.errors import (
     Reason,
     TensorwireError,
 )
+from tensorwire.mm._pbwire import varint as _varint
 from tensorwire.mm._proto import encoder_pb2
 
 PACKAGE = "tensorwire.mm.v1"
@@ -74,15 +75,6 @@ def stream_frame(message_id: int, field_number: int, body: bytes) -> bytes:
     Parses to exactly what protobuf would have built.
     """
     return b"".join((b"\x08", _varint(message_id), _varint(field_number << 3 | 2), _varint(len(body)), body))
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def rpc_budget_ms(item_timeouts_ms: Iterable[int], *, worker_timeout_ms: int, margin_ms: int) -> int:

@@ -25,9 +25,11 @@ class RdmaConfig:
     ``provider``: ``"auto"`` (nixl when importable, else none), ``"nixl"``, ``"none"`` (never available, so
     callers fall back), or a name added with ``register_provider``. ``device``: ``"cpu"`` or ``"cuda:N"``; a bare
     ``"cuda"`` is refused so no process silently lands on GPU 0. ``bind_ip``/``port``: the owner's metadata
-    listener (``""`` = all interfaces, port 0 = any); ``advertise_host`` is the host written into descriptors
-    (``""``: ``bind_ip`` when it is a specific address, else this host's resolved address). ``read_timeout_ms``
-    caps one ``read()`` when the call gives no timeout.
+    listener (port 0 = any); ``advertise_host`` is the host written into descriptors; ``control_host`` is the
+    address the caller's control plane is bound to (``tensorwire.mm`` sets it from its gRPC server). Left empty,
+    ``bind_ip`` and ``advertise_host`` follow the control plane, else this host's detected address; never a
+    wildcard unless ``bind_ip`` says so (the rules: ``tensorwire.rdma._endpoint``). ``read_timeout_ms`` caps one
+    ``read()`` when the call gives no timeout.
     ``slot_gc_timeout_ms``: leases not released within this are reclaimed. ``max_slot_bytes`` bounds one slot on
     export and every descriptor on read; ``pool_cap_bytes`` bounds all pool-owned memory of one exporter (and,
     separately, one reader's pooled read buffers); ``slot_align`` is the manifest offset alignment (a power of 2).
@@ -40,6 +42,7 @@ class RdmaConfig:
     bind_ip: str = ""
     port: int = 0
     advertise_host: str = ""
+    control_host: str = ""
     qp_count: int = 8
     connect_timeout_ms: int = 250
     read_timeout_ms: int = 3000
@@ -65,6 +68,10 @@ class RdmaConfig:
         if self.bind_ip:
             _check_ip("bind_ip", self.bind_ip)
         _check_int("port", self.port, 0, 65535)
+        for name in ("advertise_host", "control_host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 255 or any(c.isspace() for c in value):
+                raise ConfigError(f"RdmaConfig.{name}={value!r}: expected a host name or address without spaces")
         _check_int("qp_count", self.qp_count, 1, 1024)
         _check_int("connect_timeout_ms", self.connect_timeout_ms, 1, 3_600_000)
         _check_int("read_timeout_ms", self.read_timeout_ms, 1, 86_400_000)
@@ -122,4 +129,5 @@ def _check_ip(name: str, value: str) -> None:
     try:
         ipaddress.ip_address(value)
     except ValueError as exc:
-        raise ConfigError(f"RdmaConfig.{name}={value!r}: expected an IP address or '' for all interfaces") from exc
+        raise ConfigError(f"RdmaConfig.{name}={value!r}: expected an IP address ('0.0.0.0' for all interfaces) "
+                          "or '' (follow the control plane)") from exc

@@ -3,7 +3,8 @@
 Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and ``TensorReader.read`` run
 :meth:`Descriptor.validate` before any memory is touched. Rules, each raising ``InvalidDescriptor`` with a reason:
 
-- presence: version 1, owner agent name, host and port 1..65535, a non-empty lease id (<= 256 chars), a known mem
+- presence: version 1, owner agent name, host and port 1..65535, a metadata token of at most 64 bytes (empty
+  from owners that predate it), a non-empty lease id (<= 256 chars), a known mem
   type, non-zero slot and generation addresses (the generation word 8-byte aligned), a non-empty manifest
   (<= ``MAX_MANIFEST_ENTRIES``) -> DESCRIPTOR_MALFORMED / EMPTY_LEASE_ID / EMPTY_MANIFEST;
 - sizes: ``0 < payload_bytes <= max_slot_bytes`` -> OUT_OF_BOUNDS / SLOT_TOO_LARGE; slot_addr + payload_bytes
@@ -36,6 +37,7 @@ MAX_MANIFEST_ENTRIES = 4096
 MAX_DIMS = 16
 MAX_LEASE_ID_CHARS = 256
 MAX_NAME_CHARS = 256
+MAX_TOKEN_BYTES = 64
 _INT63 = 1 << 63
 _UINT64 = 1 << 64
 
@@ -60,12 +62,18 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class Owner:
-    """Who owns a slot: the data-plane agent name and the endpoint serving its metadata."""
+    """Who owns a slot: the data-plane agent name and the endpoint serving its metadata.
+
+    ``metadata_token`` is what that endpoint demands before it hands out the owner's agent metadata (random per
+    owner process; empty from owners that predate it). It travels only inside descriptors, so only a peer that got
+    one over the control plane can fetch the metadata; it is left out of ``repr`` so that logs do not carry it.
+    """
 
     agent_name: str
     host: str
     port: int
     registration_epoch: int = 0
+    metadata_token: bytes = field(default=b"", repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -104,6 +112,7 @@ class Descriptor:
                 host=self.owner.host,
                 port=self.owner.port,
                 registration_epoch=self.owner.registration_epoch,
+                metadata_token=self.owner.metadata_token,
             ),
             mem_type=_MEM_TO_WIRE.get(self.mem_type, pb.MEM_UNSPECIFIED),
             device_id=self.device_id,
@@ -153,7 +162,8 @@ class Descriptor:
         if mem_type is None:
             raise InvalidDescriptor(f"unknown mem_type value {msg.mem_type}")
         desc = cls(
-            owner=Owner(msg.owner.agent_name, msg.owner.host, msg.owner.port, msg.owner.registration_epoch),
+            owner=Owner(msg.owner.agent_name, msg.owner.host, msg.owner.port, msg.owner.registration_epoch,
+                        msg.owner.metadata_token),
             mem_type=mem_type,
             device_id=msg.device_id,
             slot_addr=msg.slot_addr,
@@ -196,6 +206,8 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         raise InvalidDescriptor(f"owner port {o.port!r} is not in 1..65535")
     if not _u64(o.registration_epoch):
         raise InvalidDescriptor("registration epoch is not a uint64")
+    if not isinstance(o.metadata_token, bytes) or len(o.metadata_token) > MAX_TOKEN_BYTES:
+        raise InvalidDescriptor(f"metadata token is not bytes of at most {MAX_TOKEN_BYTES}")
     if not isinstance(d.lease_id, str) or not d.lease_id:
         raise InvalidDescriptor("lease id is empty", reason=Reason.EMPTY_LEASE_ID)
     if len(d.lease_id) > MAX_LEASE_ID_CHARS:

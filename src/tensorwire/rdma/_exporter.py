@@ -354,7 +354,7 @@ class TensorExporter:
         epoch = self._provider.registration_epoch
         owner = self._published_owner
         if owner is None or owner.registration_epoch != epoch:  # Owner is immutable: one per registration epoch
-            owner = self._published_owner = Owner(self._owner.agent_name, self._owner.host, self._owner.port, epoch)
+            owner = self._published_owner = dataclasses.replace(self._owner, registration_epoch=epoch)
         slot = lease.slot
         desc = Descriptor(
             owner=owner,

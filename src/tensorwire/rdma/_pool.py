@@ -39,6 +39,7 @@ import collections
 import dataclasses
 import logging
 import mmap
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,7 +187,7 @@ class SlotPool:
                 raise ClosedError("slot pool is closed")
             free = self._free.get(size)
             if free:
-                slot = free.pop()
+                slot = self._pick(free)
                 with self._tally.locked() as c:
                     c.slot_reuses += 1
                 return self._mark_busy(slot)
@@ -265,6 +266,16 @@ class SlotPool:
                 self._destroy(slot)
 
     # -- internals (lock held) --
+
+    def _pick(self, free: list[Slot]) -> Slot:
+        """A free slot: the exporter's at random, so a peer cannot tell which slot the next export lands in (with
+        LIFO it was the one released last); a reader's buffers LIFO, so prepared READs recur (``_xfer_cache``).
+        The randomness is a speed bump, not a defence: a peer holding the owner's metadata can write every
+        registered region (docs/security.md "Data plane")."""
+        if self._gens is not None and len(free) > 1:
+            i = secrets.randbelow(len(free))
+            free[i], free[-1] = free[-1], free[i]
+        return free.pop()
 
     def _mark_busy(self, slot: Slot) -> Slot:
         slot.busy = True

@@ -15,24 +15,29 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tensorwire.service._runtime import parse_ready
 
 
 class Child:
-    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line."""
+    """A CLI subprocess in its own process group; ``ready()`` waits for its READY line.
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path) -> None:
+    ``prefix`` goes before the command (``ip netns exec NS``: tests run hosts as network namespaces); ``env``
+    replaces this process's environment."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, *, prefix: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # the child writes it until terminate() closes it
-        env = dict(os.environ)
-        env.setdefault("NIXL_LOG_LEVEL", "WARN")
-        env["PYTHONUNBUFFERED"] = "1"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tensorwire.cli.main", *argv], stdout=subprocess.PIPE,
-                                     stderr=self._log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        child_env = dict(os.environ if env is None else env)
+        child_env.setdefault("NIXL_LOG_LEVEL", "WARN")
+        child_env["PYTHONUNBUFFERED"] = "1"
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
+                                     stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
+                                     env=child_env, start_new_session=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, name=f"child-{name}-stdout", daemon=True).start()
 

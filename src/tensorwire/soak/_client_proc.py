@@ -28,6 +28,10 @@ ERROR_BACKOFF_S = 0.05
 
 
 def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any, env: dict[str, str]) -> None:
+    if spec.get("netns"):  # first, before any thread or socket exists (tensorwire.testing.netns)
+        from tensorwire.testing.netns import enter
+
+        enter(spec["netns"])
     os.environ.update(env)
     os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)

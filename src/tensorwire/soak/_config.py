@@ -32,6 +32,21 @@ def parse_faults(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class Topology:
+    """Hosts as network namespaces (``tensorwire.testing.netns``): where the soak's processes run.
+
+    The soak itself (proxy and relays) runs in the host whose address is ``front_host`` (start it there, for
+    example under ``ip netns exec``); the front relay binds that address. Client processes enter
+    ``client_netns``; worker ``i`` enters ``worker_netns[i]`` and serves on ``worker_hosts[i]``.
+    """
+
+    front_host: str
+    client_netns: str
+    worker_netns: tuple[str, ...]
+    worker_hosts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SoakConfig:
     duration_s: float = 60.0
     concurrency: int = 8           # fetcher threads over all client processes
@@ -56,6 +71,7 @@ class SoakConfig:
     sample_s: float = 1.0          # resource timeline period
     warmup: int = 18               # fetches per client process before the baseline (all shapes, both workers)
     extra: dict[str, str] = field(default_factory=dict)
+    topology: Topology | None = None  # None: every process on this host's loopback
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.concurrency < 1 or self.workers < 1:
@@ -65,6 +81,9 @@ class SoakConfig:
                 raise ConfigError(f"unknown fault kind {k!r}")
         if "pool" in self.faults and self.workers < 2:
             raise ConfigError("the pool fault needs two workers (one keeps a normal pool)")
+        if self.topology is not None and not (
+                len(self.topology.worker_netns) == len(self.topology.worker_hosts) == self.workers):
+            raise ConfigError("topology needs one worker namespace and one worker host per worker")
         for p in self.planes:
             if p not in ("auto", "grpc"):
                 raise ConfigError(f"plane mode {p!r} is not auto or grpc")
@@ -75,4 +94,4 @@ class SoakConfig:
         return max(1, min(n, self.concurrency))
 
 
-__all__ = ["FAULT_KINDS", "SoakConfig", "parse_faults"]
+__all__ = ["FAULT_KINDS", "SoakConfig", "Topology", "parse_faults"]

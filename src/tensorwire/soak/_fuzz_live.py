@@ -89,6 +89,7 @@ class LiveEncoder:
     def canary(self, index: int = 0) -> bool:
         """A valid single-image request (inline): True when the answer matches the local digest."""
         from tensorwire.mm import _codec
+        from tensorwire.mm._wire_receipt import parse_receipt
         from tensorwire.soak._corpus import output_digest
 
         req = self._wire.EncodeRequest()
@@ -96,7 +97,7 @@ class LiveEncoder:
         outcome, raw = self._call(self._encode, req.SerializeToString())
         if outcome != "ok":
             return False
-        embs, _splits, pos, _extras, _n = _codec.decode_inline_receipt(self._wire.EncodeResponse.FromString(raw))
+        embs, _splits, pos, _extras, _n = _codec.decode_inline_receipt(parse_receipt(raw))
         return output_digest(embs, pos) == self.digests[(index,)]
 
     def stats(self) -> dict[str, Any]:

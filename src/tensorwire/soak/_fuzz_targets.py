@@ -6,6 +6,9 @@ crash. Targets (and what crosses the boundary in production):
 
 - ``descriptor``: ``Descriptor.from_bytes`` (RDMA slot descriptors in receipts);
 - ``inline_tensor``: ``_codec.decode_tensor`` of a ``Tensor`` message (inline payloads);
+- ``receipt_wire`` / ``stream_wire``: the client's hand-walked parse of an EncodeResponse / StreamResponse
+  (``_wire_receipt``), checked against protobuf's own parse of the same bytes: both accept with equal values, or
+  both refuse (the walk may refuse groups, which protobuf skips);
 - ``receipt``: a whole ``EncodeResponse`` through the real ``RemoteOutputTransport.fetch`` (control plane
   replaced by a stub that answers these bytes; the RDMA reader by an in-memory one that returns the bytes the
   manifest asks for): parse, slot validation, read, assembly, release, the one fallback;
@@ -71,6 +74,72 @@ def target_inline_tensor(data: bytes) -> str:
         return _typed(exc)
     assert t.numel() * t.element_size() == len(msg.data), "decoded tensor size differs from its payload"
     assert list(t.shape) == [int(s) for s in msg.shape]
+    return "ok"
+
+
+# ---- the client's receipt parse against protobuf's
+
+def _protobuf_parse(cls: Any, data: bytes) -> Any:
+    from google.protobuf.message import DecodeError
+
+    try:
+        msg = cls.FromString(data)
+    except DecodeError:
+        return None
+    msg.DiscardUnknownFields()
+    return msg
+
+
+def _walk_refused(exc: Exception, ref: Any) -> str:
+    # The walk may only refuse what protobuf refuses too, or a group (which protobuf skips as unknown).
+    assert ref is None or "group" in str(exc), f"the walk refuses what protobuf reads: {exc}"
+    return "typed:protocol_error"
+
+
+def _same_receipt(got: Any, ref: Any, data: bytes) -> None:
+    full = got.to_message()
+    full.DiscardUnknownFields()
+    assert full == ref, "the walk reads another receipt than protobuf"
+    for payload in [got.embedding, got.position_ids, *got.extra_inputs]:
+        if payload is not None and len(payload):
+            assert isinstance(payload, memoryview) and payload.obj is data, "a payload is not a view of the input"
+
+
+def target_receipt_wire(data: bytes) -> str:
+    from tensorwire.mm._proto import encoder_pb2 as pb
+    from tensorwire.mm._wire_receipt import WireError, parse_receipt
+
+    ref = _protobuf_parse(pb.EncodeResponse, data)
+    try:
+        got = parse_receipt(data)
+    except WireError as exc:
+        return _walk_refused(exc, ref)
+    assert ref is not None, "the walk reads a receipt protobuf refuses"
+    _same_receipt(got, ref, data)
+    return "ok"
+
+
+def target_stream_wire(data: bytes) -> str:
+    from tensorwire.mm._proto import encoder_pb2 as pb
+    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response
+
+    ref = _protobuf_parse(pb.StreamResponse, data)
+    try:
+        message_id, body = parse_stream_response(data)
+    except WireError as exc:
+        return _walk_refused(exc, ref)
+    assert ref is not None, "the walk reads a stream answer protobuf refuses"
+    assert message_id == ref.id, "the walk reads another id than protobuf"
+    kind = ref.WhichOneof("body")
+    if kind == "receipt":
+        assert isinstance(body, WireReceipt), "protobuf reads a receipt, the walk does not"
+        _same_receipt(body, ref.receipt, data)
+    elif kind == "error":
+        assert isinstance(body, pb.StreamError), "protobuf reads an error, the walk does not"
+        body.DiscardUnknownFields()
+        assert body == ref.error, "the walk reads another error than protobuf"
+    else:
+        assert body is None, "the walk reads a body protobuf does not"
     return "ok"
 
 
@@ -261,7 +330,7 @@ def seed_receipts(rng: random.Random) -> list[bytes]:
             emb = [torch.randn(r, 16) for r in rows]
             pos = [torch.arange(r * 2, dtype=torch.int64).reshape(r, 2) for r in rows]
             receipt = t.transfer(pb.EncodeRequest(), EncoderOutput(embeddings=emb, position_ids=pos))
-            out.append(receipt.SerializeToString())
+            out.append(receipt.to_bytes())
     finally:
         t.close()
     for desc in seed_descriptors(rng, 3):
@@ -310,6 +379,18 @@ def seed_hellos() -> list[bytes]:
             for r in (1, 2, 3)]
 
 
-__all__ = ["ReceiptHarness", "HelloHarness", "target_descriptor", "target_inline_tensor", "target_frame_header",
-           "target_frame_table", "seed_descriptors", "seed_receipts", "seed_inline_tensors", "seed_frames",
-           "seed_hellos"]
+def seed_stream_answers(rng: random.Random) -> list[bytes]:
+    """EncodeStream answers as the encoder writes them: receipts (inline and RDMA) and an error."""
+    from tensorwire.mm import wire
+    from tensorwire.mm._proto import encoder_pb2 as pb
+    from tensorwire.mm._wire_receipt import parse_receipt
+
+    out = [parse_receipt(r).to_stream_frame(rng.randint(1, 2**40)) for r in seed_receipts(rng)]
+    error = pb.StreamError(code=3, reason="invalid_request", message="m").SerializeToString()
+    out.append(wire.stream_frame(7, wire.STREAM_ERROR_FIELD, error))
+    return out
+
+
+__all__ = ["ReceiptHarness", "HelloHarness", "target_descriptor", "target_inline_tensor", "target_receipt_wire",
+           "target_stream_wire", "target_frame_header", "target_frame_table", "seed_descriptors", "seed_receipts",
+           "seed_stream_answers", "seed_inline_tensors", "seed_frames", "seed_hellos"]

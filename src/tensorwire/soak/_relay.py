@@ -37,8 +37,9 @@ def _identity(b: bytes) -> bytes:
 
 
 class FaultRelay:
-    def __init__(self, name: str, target: str, *, seed: int, threads: int = 32) -> None:
+    def __init__(self, name: str, target: str, *, seed: int, threads: int = 32, host: str = "127.0.0.1") -> None:
         self.name = name
+        self.host = host
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
         self._target = ""
@@ -54,12 +55,12 @@ class FaultRelay:
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"relay-{name}"),
                                    options=wire.channel_options())
         self._server.add_generic_rpc_handlers((_Handler(self),))
-        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self.port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def retarget(self, target: str) -> None:
         with self._lock:

@@ -50,7 +50,8 @@ class _Client:
                 "digests": runner.corpus.digests,
                 "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
                 "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
-                "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s}
+                "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s,
+                "netns": runner.cfg.topology.client_netns if runner.cfg.topology else ""}
         self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
                                 args=(child, runner.counters, slot, spec, runner.stop_flag, runner.env))
         self.proc.start()
@@ -120,7 +121,9 @@ class SoakRunner:
         return TransportConfig(mode="auto", worker_id=f"soak-w{index}-g{self.worker_gen[index]}", rdma=rdma)
 
     def _start_worker(self, index: int) -> WorkerProcess:
-        w = WorkerProcess(self._worker_config(index), self.env)
+        topo = self.cfg.topology
+        w = WorkerProcess(self._worker_config(index), self.env, netns=topo.worker_netns[index] if topo else "",
+                          host=topo.worker_hosts[index] if topo else "127.0.0.1")
         if not w.rdma_ready:
             log.warning("worker %d: RDMA exporter not ready; it serves inline", index)
         return w
@@ -152,7 +155,8 @@ class SoakRunner:
                                               release_timeout_ms=self.cfg.release_timeout_ms,
                                               worker_wait_s=30.0), registry=CollectorRegistry())
         proxy_port = self.proxy.start("127.0.0.1:0")
-        self.front = FaultRelay("front", f"127.0.0.1:{proxy_port}", seed=self.cfg.seed + 99)
+        self.front = FaultRelay("front", f"127.0.0.1:{proxy_port}", seed=self.cfg.seed + 99,
+                                host=self.cfg.topology.front_host if self.cfg.topology else "127.0.0.1")
         n = self.cfg.processes
         per = [self.cfg.concurrency // n + (1 if i < self.cfg.concurrency % n else 0) for i in range(n)]
         self.say(f"starting {n} client processes ({self.cfg.concurrency} fetch threads) ...")

@@ -15,7 +15,11 @@ from typing import Any
 from tensorwire.soak._sample import sample, thread_names
 
 
-def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
+def _child(conn: Any, config: Any, env: dict[str, str], netns: str = "", host: str = "127.0.0.1") -> None:
+    if netns:  # first, before any thread or socket exists (tensorwire.testing.netns)
+        from tensorwire.testing.netns import enter
+
+        enter(netns)
     os.environ.update(env)
     os.dup2(2, 1)  # native code (UCX protocol tables) writes to fd 1; the soak's stdout is its report
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the soak's Ctrl-C is handled by the parent
@@ -27,7 +31,7 @@ def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
 
     worker = EncoderWorker(load_encoder("builtin", device="cpu"), config)
     try:
-        worker.start("127.0.0.1:0")
+        worker.start(f"{host}:0")
         ready = worker.wait_ready(60.0)
         conn.send(("ready", worker.address, ready, os.getpid()))
         while True:
@@ -54,12 +58,16 @@ def _child(conn: Any, config: Any, env: dict[str, str]) -> None:
 
 
 class WorkerProcess:
-    """``start`` spawns and waits for READY; ``stats()``; ``kill()`` (SIGKILL); ``stop()`` (clean, idempotent)."""
+    """``start`` spawns and waits for READY; ``stats()``; ``kill()`` (SIGKILL); ``stop()`` (clean, idempotent).
 
-    def __init__(self, config: Any, env: dict[str, str], start_timeout_s: float = 90.0) -> None:
+    ``netns``/``host``: the child enters that network namespace and serves on ``host`` (default: loopback here)."""
+
+    def __init__(self, config: Any, env: dict[str, str], start_timeout_s: float = 90.0, *, netns: str = "",
+                 host: str = "127.0.0.1") -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, config, env), daemon=True, name="soak-worker")
+        self.proc = ctx.Process(target=_child, args=(child, config, env, netns, host), daemon=True,
+                                name="soak-worker")
         self.proc.start()
         child.close()
         if not self._conn.poll(start_timeout_s):

@@ -1,7 +1,8 @@
 """High-volume fuzz driver: ``python -m tensorwire.soak.fuzz --inputs 1000000 [--seed N] [--json] [--save]``.
 
 Spreads ``--inputs`` over every decoder that reads another process's bytes (``_fuzz_targets``: descriptors,
-inline tensors, whole receipts through the real client, broadcaster frame headers and tables, rank 0's
+inline tensors, whole receipts through the real client, the client's receipt parse against protobuf's,
+broadcaster frame headers and tables, rank 0's
 handshake validation), plus a live encoder server (raw Encode / ReleaseLeases requests, images included, with a
 correctness canary every ``--canary-every`` inputs) and live rank-0 bootstraps (``_fuzz_live``). Inputs are
 seeds mutated at the byte level or field by field (``_mutate``), and pure random bytes.
@@ -24,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 # In-process targets get these shares of the inputs; the live ones get fixed budgets (they cost ms each).
-WEIGHTS = {"descriptor": 0.25, "inline_tensor": 0.15, "receipt": 0.30, "frame_header": 0.10, "frame_table": 0.10,
-           "hello": 0.10}
+WEIGHTS = {"descriptor": 0.20, "inline_tensor": 0.10, "receipt": 0.25, "receipt_wire": 0.075, "stream_wire": 0.075,
+           "frame_header": 0.10, "frame_table": 0.10, "hello": 0.10}
 
 
 class _Tally:
@@ -86,6 +87,8 @@ def run_fuzz(inputs: int, seed: int, live_inputs: int, handshake_inputs: int, ca
         "descriptor": (T.target_descriptor, T.seed_descriptors(rng), dpb.DescriptorPB),
         "inline_tensor": (T.target_inline_tensor, T.seed_inline_tensors(rng), pb.Tensor),
         "receipt": (receipt, T.seed_receipts(rng), pb.EncodeResponse),
+        "receipt_wire": (T.target_receipt_wire, T.seed_receipts(rng), pb.EncodeResponse),
+        "stream_wire": (T.target_stream_wire, T.seed_stream_answers(rng), pb.StreamResponse),
         "frame_header": (T.target_frame_header, headers, None),
         "frame_table": (T.target_frame_table, tables, None),
         "hello": (hello, T.seed_hellos(), None),

@@ -5,10 +5,9 @@ Two transports behind one API (see docs/broadcaster.md): a hardened Unix-socket 
 torch.distributed-facing entry point that falls back to a torch.distributed broadcast across nodes.
 """
 
-from __future__ import annotations
-
-from ._broadcaster import CpuTpBroadcaster, shm_available
+from ._broadcaster import CpuTpBroadcaster
 from ._config import BroadcastConfig
+from ._connect import shm_available
 from ._dist import broadcast_cpu, shutdown_broadcast_cpu
 
 __all__ = ["BroadcastConfig", "CpuTpBroadcaster", "broadcast_cpu", "shm_available", "shutdown_broadcast_cpu"]

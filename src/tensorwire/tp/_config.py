@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tensorwire.errors import ConfigError
 
 _ENV_PREFIX = "TENSORWIRE_BROADCAST_"
+
+
+class Unset(enum.Enum):
+    """Type of :data:`UNSET`: "this keyword was not passed", distinct from ``None`` (which means "no limit")."""
+
+    UNSET = "unset"
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+# Default of keywords that override a BroadcastConfig field only when passed (httpx's UseClientDefault): the value
+# then comes from the config object, or from the environment when no config was given.
+UNSET = Unset.UNSET
 
 
 @dataclass(frozen=True)
@@ -45,13 +61,15 @@ class BroadcastConfig:
             positive("timeout_s", self.timeout_s)
         if not (isinstance(self.spin_s, (int, float)) and 0 <= self.spin_s <= 1.0):
             raise ConfigError(f"BroadcastConfig.spin_s must be in [0, 1] seconds, got {self.spin_s!r}")
-        if not (isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30) and self.slot_bytes % 64 == 0):
+        slot_ok = isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30)
+        if not (slot_ok and self.slot_bytes % 64 == 0):
             raise ConfigError(
                 f"BroadcastConfig.slot_bytes must be a multiple of 64 in [4096, 2**30], got {self.slot_bytes!r}"
             )
         if not (isinstance(self.n_slots, int) and 2 <= self.n_slots <= 4096):
             raise ConfigError(f"BroadcastConfig.n_slots must be in [2, 4096], got {self.n_slots!r}")
-        if not (isinstance(self.arena_bytes, int) and 0 <= self.arena_bytes <= (1 << 40) and self.arena_bytes % 64 == 0):
+        arena_ok = isinstance(self.arena_bytes, int) and 0 <= self.arena_bytes <= (1 << 40)
+        if not (arena_ok and self.arena_bytes % 64 == 0):
             raise ConfigError(
                 f"BroadcastConfig.arena_bytes must be a multiple of 64 in [0, 2**40], got {self.arena_bytes!r}"
             )
@@ -70,6 +88,17 @@ class BroadcastConfig:
             values[f.name] = _parse(f.name, f.type, raw)
         values.update(overrides)
         return cls(**values)
+
+    @classmethod
+    def resolve(cls, config: BroadcastConfig | None, **overrides: Any) -> BroadcastConfig:
+        """``config`` (or, when None, :meth:`from_env`) with the ``overrides`` that are not :data:`UNSET`.
+
+        Precedence: a passed keyword > ``config`` > ``TENSORWIRE_BROADCAST_*`` (read only when ``config`` is None)
+        > the field default.
+        """
+        base = config if config is not None else cls.from_env()
+        given = {k: v for k, v in overrides.items() if v is not UNSET}
+        return dataclasses.replace(base, **given) if given else base
 
 
 def _parse(name: str, type_name: Any, raw: str) -> Any:

@@ -20,8 +20,17 @@ import torch
 from tensorwire.errors import BootstrapError, BroadcastError, ConfigError, Reason
 
 from ._broadcaster import CpuTpBroadcaster
-from ._frame import KIND_DATA, allocate, assemble, byte_view, decode_header, decode_table, encode_prefix, flatten
-from ._frame import HEADER
+from ._frame import (
+    HEADER,
+    KIND_DATA,
+    allocate,
+    assemble,
+    byte_view,
+    decode_header,
+    decode_table,
+    encode_prefix,
+    flatten,
+)
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +140,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
         frame = torch.empty(len(prefix) + payload, dtype=torch.uint8)
         fv = byte_view(frame)
         fv[: len(prefix)] = prefix
-        for t, off in zip(tensors, offsets):
+        for t, off in zip(tensors, offsets, strict=True):
             tv = byte_view(t)
             if len(tv):
                 fv[len(prefix) + off: len(prefix) + off + len(tv)] = tv
@@ -150,7 +159,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
     layout = Layout(kind, 0, structure, entries, table_bytes, payload)
     tensors = allocate(layout)
     pbase = HEADER.size + table_bytes
-    for e, t in zip(entries, tensors):
+    for e, t in zip(entries, tensors, strict=True):
         if e.nbytes:
             byte_view(t)[:] = fv[pbase + e.offset: pbase + e.offset + e.nbytes]
     return assemble(structure, entries, tensors)

@@ -24,7 +24,8 @@ import ctypes
 import ctypes.util
 import platform
 import threading
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 _ACQUIRE, _RELEASE, _SEQ_CST = 2, 3, 5
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
@@ -34,7 +35,8 @@ def _noop() -> None:
     return None
 
 
-def _load() -> tuple[str, Callable[[], None], Callable[[], None], Callable[[], None]]:
+def _atomic_thread_fence() -> Any:
+    """libatomic's C11 ``atomic_thread_fence(int)``, or None without libatomic."""
     for name in (ctypes.util.find_library("atomic"), "libatomic.so.1"):
         if not name:
             continue
@@ -44,6 +46,13 @@ def _load() -> tuple[str, Callable[[], None], Callable[[], None], Callable[[], N
             continue
         fn.argtypes = [ctypes.c_int]
         fn.restype = None
+        return fn
+    return None
+
+
+def _load() -> tuple[str, Callable[[], None], Callable[[], None], Callable[[], None]]:
+    fn = _atomic_thread_fence()
+    if fn is not None:
         if _X86:  # TSO: acquire and release fences compile to nothing; skip the call
             return "libatomic", _noop, _noop, lambda: fn(_SEQ_CST)
         return "libatomic", lambda: fn(_ACQUIRE), lambda: fn(_RELEASE), lambda: fn(_SEQ_CST)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -32,6 +33,9 @@ KIND_ABORT = 2
 S_TENSOR, S_LIST, S_TUPLE, S_DICT = 0, 1, 2, 3
 
 HEADER = struct.Struct("<4sHHQIIQB7x")
+SEQ_AT = struct.calcsize("<4sHH")  # header bytes [SEQ_AT, SEQ_END) hold the sequence number
+SEQ_END = SEQ_AT + 8
+SEQ = struct.Struct("<Q")  # SEQ.pack_into(prefix, SEQ_AT, seq) re-stamps an encoded header
 ENTRY = struct.Struct("<BBHQQ")
 MAX_NDIM = 32
 MAX_TENSORS = 1 << 16
@@ -106,7 +110,8 @@ def flatten(value: Any, rank: int) -> tuple[int, list[str], list[torch.Tensor]]:
             tensors.append(v)
     else:
         raise BroadcastError(
-            f"rank {rank}: broadcast takes a CPU tensor or a list/tuple/dict of CPU tensors, got {type(value).__name__}",
+            f"rank {rank}: broadcast takes a CPU tensor or a list/tuple/dict of CPU tensors, "
+            f"got {type(value).__name__}",
             reason=Reason.INVALID_CONFIG,
         )
     if len(tensors) > MAX_TENSORS:
@@ -140,7 +145,7 @@ def encode_prefix(kind: int, seq: int, structure: int, keys: Sequence[str], tens
     parts: list[bytes] = []
     offsets: list[int] = []
     off = 0
-    for key, t in zip(keys, tensors):
+    for key, t in zip(keys, tensors, strict=True):
         nbytes = t.numel() * t.element_size()
         if align > 1:
             off = (off + align - 1) // align * align
@@ -155,6 +160,45 @@ def encode_prefix(kind: int, seq: int, structure: int, keys: Sequence[str], tens
     table = b"".join(parts)
     header = HEADER.pack(MAGIC, VERSION, kind, seq, len(tensors), len(table), off, structure)
     return header + table, offsets, off
+
+
+def frame_seq(buf: bytes | memoryview, start: int = 0) -> int:
+    """The sequence number of the frame whose header starts at ``buf[start]``."""
+    return int(SEQ.unpack_from(buf, start + SEQ_AT)[0])
+
+
+class LastFrame:
+    """Readers' "same header and table as the last frame" cache, for both transports.
+
+    A hot loop sends the same dtype and shape every step, so the encoded header and table differ from the last
+    frame's only in the sequence number. ``match()`` compares everything else byte for byte (the header before and
+    after the sequence number, then the table) and returns the layout decoded last time, the same object, so
+    callers can also skip their own checks with ``layout is last_layout``. Anything else decodes as usual and is
+    then ``remember()``-ed. Not thread-safe (one reader).
+    """
+
+    __slots__ = ("prefix_bytes", "layout", "_head", "_tail")
+
+    def __init__(self) -> None:
+        self.prefix_bytes = 1 << 62  # no prefix is that long: match() fails until remember()
+        self.layout: Layout | None = None
+        self._head = b""
+        self._tail = b""
+
+    def match(self, buf: memoryview, start: int, end: int) -> Layout | None:
+        """The cached layout when ``buf[start:end]`` begins with the remembered header (but the sequence number)
+        and table, else None (also when fewer than the remembered prefix's bytes are there)."""
+        n = start + self.prefix_bytes
+        if n > end or bytes(buf[start + SEQ_END:n]) != self._tail or bytes(buf[start:start + SEQ_AT]) != self._head:
+            return None
+        return self.layout
+
+    def remember(self, prefix: bytes | memoryview, layout: Layout) -> None:
+        """``prefix`` is the header and table of the frame just decoded into ``layout``."""
+        self._head = bytes(prefix[:SEQ_AT])
+        self._tail = bytes(prefix[SEQ_END:])
+        self.prefix_bytes = len(prefix)
+        self.layout = layout
 
 
 def encode_abort(seq: int, message: str) -> bytes:
@@ -218,7 +262,7 @@ def assemble(structure: int, entries: Sequence[Entry], tensors: list[torch.Tenso
         return tensors
     if structure == S_TUPLE:
         return tuple(tensors)
-    return {e.key: t for e, t in zip(entries, tensors)}
+    return {e.key: t for e, t in zip(entries, tensors, strict=True)}
 
 
 def check_inplace(layout: Layout, target: torch.Tensor, rank: int) -> None:

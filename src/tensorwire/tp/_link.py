@@ -13,7 +13,8 @@ import os
 import select
 import socket
 import time
-from typing import Callable, Union
+from collections.abc import Callable, Sequence
+from typing import Union
 
 from tensorwire.errors import BroadcastTimeout, PeerClosed, Reason
 
@@ -87,7 +88,7 @@ class Link:
         self._rend = 0
 
     # -- sending -------------------------------------------------------------------------------------------------
-    def send_all(self, parts: list[memoryview | bytes], waiter: WaiterLike, total: int = -1) -> None:
+    def send_all(self, parts: Sequence[memoryview | bytes | bytearray], waiter: WaiterLike, total: int = -1) -> None:
         """Send every byte of ``parts`` (one sendmsg when the socket buffer has room)."""
         if total < 0:
             total = sum(len(p) for p in parts)
@@ -174,6 +175,10 @@ class Link:
 
     def peek(self, n: int) -> memoryview:
         return self._rmv[self._rstart:self._rstart + n]
+
+    def window(self) -> tuple[memoryview, int, int]:
+        """(buffer, start, end): the read-ahead bytes are ``buffer[start:end]`` (no copy, no slice object)."""
+        return self._rmv, self._rstart, self._rend
 
     def consume(self, n: int) -> None:
         self._rstart += n

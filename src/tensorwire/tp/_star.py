@@ -266,7 +266,7 @@ class RootBootstrap:
             raise fail(Reason.PARAMS_MISMATCH, f"rank 0: peer rank {rank} uses backend "
                                                f"{names.get(backend, backend)} / other parameters, we use "
                                                f"{me.backend} (re-init mismatch on one session)")
-        return rank
+        return int(rank)
 
 
 def _reject(link: Link, reason: Reason, message: str) -> None:

@@ -28,7 +28,7 @@ class ReleasingTransport(OutputTransport):
 
     def transfer(self, request, output):  # type: ignore[no-untyped-def]
         receipt = super().transfer(request, output)
-        ids = [Descriptor.from_bytes(s.descriptor).lease_id for s in receipt.rdma_slots]
+        ids = [Descriptor.from_bytes(s.descriptor).lease_id for s in receipt.message.rdma_slots]
         if ids:
             self.release(ids)
         return receipt

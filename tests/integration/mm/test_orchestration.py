@@ -338,7 +338,7 @@ def test_malformed_inline_receipt_fails_the_request_cleanly(env: Env) -> None:
     class Truncating(OutputTransport):
         def transfer(self, request, output):  # type: ignore[no-untyped-def]
             r = super().transfer(request, output)
-            r.embedding.data = r.embedding.data[:-2]
+            r.embedding = r.embedding[:-2]  # the payload, which the receipt holds next to its message
             return r
 
     cfg = TransportConfig(mode="grpc", worker_id="w")

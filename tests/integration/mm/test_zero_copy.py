@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -48,11 +49,11 @@ def test_published_in_place_and_only_once(transport: OutputTransport) -> None:
     b = fill(transport.allocate_output(4, 8, torch.float32, position_cols=2))  # type: ignore[arg-type]
     r = transport.transfer(pb.EncodeRequest(support_rdma=True),
                            EncoderOutput(embeddings=b.embedding, split_sizes=[1, 3], position_ids=b.position_ids))
-    assert len(r.rdma_slots) == 1 and list(r.rdma_slots[0].roles) == [pb.EMBEDDING, pb.POS_ID]
-    d = Descriptor.from_bytes(r.rdma_slots[0].descriptor)
+    assert len(r.message.rdma_slots) == 1 and list(r.message.rdma_slots[0].roles) == [pb.EMBEDDING, pb.POS_ID]
+    d = Descriptor.from_bytes(r.message.rdma_slots[0].descriptor)
     assert d.lease_id == b.lease.lease_id and [m.shape for m in d.manifest] == [(4, 8), (4, 2)]
     # The allocation's cost is reported, so benchmarks count it as transfer rather than the encoder's compute.
-    assert r.encoder_stage_us["allocate"] == b.allocate_us and b.allocate_us > 0
+    assert r.message.encoder_stage_us["allocate"] == b.allocate_us and b.allocate_us > 0
     assert live(transport) == 1  # the reader's now
     transport.release([d.lease_id])
     assert live(transport) == 0
@@ -63,14 +64,19 @@ def test_other_paths_release_the_allocation(transport: OutputTransport) -> None:
     b = fill(transport.allocate_output(4, 8, torch.float32))  # type: ignore[arg-type]
     r = transport.transfer(pb.EncodeRequest(support_rdma=True),
                            EncoderOutput(embeddings=b.embedding.clone(), split_sizes=[4]))
-    assert len(r.rdma_slots) == 1 and Descriptor.from_bytes(r.rdma_slots[0].descriptor).lease_id != b.lease.lease_id
+    slots = r.message.rdma_slots
+    assert len(slots) == 1 and Descriptor.from_bytes(slots[0].descriptor).lease_id != b.lease.lease_id
     assert live(transport) == 1
-    transport.release([Descriptor.from_bytes(r.rdma_slots[0].descriptor).lease_id])
+    transport.release([Descriptor.from_bytes(r.message.rdma_slots[0].descriptor).lease_id])
     # The caller did not ask for RDMA: serialized inline from the buffers, then released.
     b = fill(transport.allocate_output(4, 8, torch.float32))  # type: ignore[arg-type]
     expected = b.embedding.clone()
     r = transport.transfer(pb.EncodeRequest(support_rdma=False), EncoderOutput(embeddings=b.embedding, split_sizes=[4]))
-    assert not r.rdma_slots and r.embedding.data == expected.numpy().tobytes()
+    assert not r.message.rdma_slots and bytes(r.embedding) == expected.numpy().tobytes()
+    # The receipt is serialized after transfer() returned the slot to the pool: it must hold a copy, not a view.
+    start = b.embedding.data_ptr()
+    held = np.frombuffer(r.embedding, dtype=np.uint8).ctypes.data
+    assert not start <= held < start + b.embedding.numel() * b.embedding.element_size()
     # The encoder failed after allocating.
     transport.release_output(transport.allocate_output(2, 8, torch.float32))  # type: ignore[arg-type]
     assert live(transport) == 0

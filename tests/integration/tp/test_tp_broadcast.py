@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
 import torch
-
 import tp_helpers as H
 import tp_workers as W
+
 from tensorwire.errors import BootstrapError, BootstrapTimeout, Reason
-from tensorwire.tp import CpuTpBroadcaster, shm_available
+from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster, shm_available
 from tensorwire.tp._paths import make_endpoint
 
 BACKENDS = ["uds", pytest.param("shm", marks=pytest.mark.skipif(not shm_available(), reason="no shm fence"))]
-
-
-@pytest.fixture
-def base():
-    d = H.short_dir()
-    yield d
-    H.rmtree(d)
 
 
 @pytest.mark.timeout(150)
@@ -171,6 +165,52 @@ def test_init_timeout_on_a_peer(base):
     with pytest.raises(BootstrapTimeout) as ei:
         CpuTpBroadcaster(1, 2, "lonely", base_dir=base, init_timeout_s=0.3)
     assert "rank 1" in str(ei.value) and "connect(" in str(ei.value)
+
+
+def _bootstrap_alone(rank: int, base: str, **kwargs) -> tuple[BaseException | None, float]:
+    """Bootstrap a rank whose peers never come; in a thread, so that a wrong (120 s) timeout fails the test
+    after 20 s instead of hanging it."""
+    out: dict[str, object] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            CpuTpBroadcaster(rank, 2, f"alone{rank}", base_dir=base, **kwargs).close()
+            out["error"] = None
+        except BaseException as exc:  # the test inspects it
+            out["error"] = exc
+        out["s"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive(), "bootstrap still waiting after 20 s: the configured init_timeout_s was ignored"
+    return out["error"], out["s"]  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(60)
+def test_init_timeout_from_config_is_honoured(base):
+    # Issue 13: the keyword default (120 s) used to replace config.init_timeout_s.
+    error, took = _bootstrap_alone(0, base, config=BroadcastConfig(init_timeout_s=0.5))
+    assert isinstance(error, BootstrapTimeout) and "accept timed out after 0.500 s" in str(error), error
+    assert took < 5, took
+
+
+@pytest.mark.timeout(60)
+def test_init_timeout_from_the_environment_is_honoured(base, monkeypatch):
+    # Issue 13: ... and TENSORWIRE_BROADCAST_INIT_TIMEOUT_S when no config is passed.
+    monkeypatch.setenv("TENSORWIRE_BROADCAST_INIT_TIMEOUT_S", "0.4")
+    error, took = _bootstrap_alone(1, base)
+    assert isinstance(error, BootstrapTimeout) and "in 0.400 s" in str(error), error
+    assert took < 5, took
+
+
+@pytest.mark.timeout(150)
+def test_broadcast_cpu_honours_the_broadcast_environment(base):
+    # Issue 13: broadcast_cpu builds its broadcaster without keywords; the variables must reach it.
+    env = {"TENSORWIRE_BROADCAST_INIT_TIMEOUT_S": "9", "TENSORWIRE_BROADCAST_TIMEOUT_S": "30"}
+    res = H.ok(H.run_ranks(W.dist_config, 2, os.path.join(base, "store"), env, timeout_s=120))
+    assert res == {0: {"init_timeout_s": 9.0, "timeout_s": 30.0}, 1: {"init_timeout_s": 9.0, "timeout_s": 30.0}}
 
 
 def test_path_too_long_is_a_clear_error():

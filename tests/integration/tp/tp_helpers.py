@@ -14,7 +14,8 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Report = tuple[str, Any]
 

@@ -6,14 +6,15 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
 import torch
 
 from tensorwire.errors import BroadcastError
-from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
-from tensorwire.tp import _star
+from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster, _star
+from tensorwire.tp._connect import params_digest
 from tensorwire.tp._paths import make_endpoint, session_digest
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
@@ -57,7 +58,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return False
 
 
@@ -118,10 +119,9 @@ def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world
                 raise
             time.sleep(0.02)
     s.settimeout(60)
-    ref = CpuTpBroadcaster.__new__(CpuTpBroadcaster)  # only to compute the params digest the same way
-    ref.backend, ref.config = backend, BroadcastConfig()
     s.sendall(_star.HELLO.pack(_star.HELLO_MAGIC, _star.PROTO_VERSION, _star.BACKEND_CODES[backend], 0,
-                               claimed_rank, claimed_world, session_digest(session), ref._params_digest()))
+                               claimed_rank, claimed_world, session_digest(session),
+                               params_digest(backend, BroadcastConfig())))
     data = b""
     while len(data) < _star.REPLY.size:
         chunk = s.recv(_star.REPLY.size - len(data))
@@ -229,8 +229,7 @@ def stall(rank: int, world: int, base: str, backend: str) -> dict:
 def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: int) -> dict:
     import torch.distributed as dist
 
-    from tensorwire.tp import broadcast_cpu, shutdown_broadcast_cpu
-    from tensorwire.tp import _dist
+    from tensorwire.tp import _dist, broadcast_cpu, shutdown_broadcast_cpu
 
     os.environ.update(env)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -249,6 +248,23 @@ def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: i
         dist.destroy_process_group()
 
 
+
+def dist_config(rank: int, world: int, store: str, env: dict[str, str]) -> dict:
+    """broadcast_cpu inside a node: which timeouts did the broadcaster it created end up with?"""
+    import torch.distributed as dist
+
+    from tensorwire.tp import _dist, broadcast_cpu, shutdown_broadcast_cpu
+
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        broadcast_cpu(torch.arange(3) if rank == 0 else None)
+        route, bcast = next(iter(_dist._routes.values()))
+        assert bcast is not None, route
+        return {"init_timeout_s": bcast.config.init_timeout_s, "timeout_s": bcast.config.timeout_s}
+    finally:
+        shutdown_broadcast_cpu()
+        dist.destroy_process_group()
 
 
 def eintr(rank: int, world: int, base: str, backend: str) -> int:
@@ -273,3 +289,123 @@ def eintr(rank: int, world: int, base: str, backend: str) -> int:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
     return hits[0]
+
+
+# ---- close() from another thread (issue 13) ---------------------------------------------------------------------
+
+def _open_fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the fd of the listdir itself
+    return out
+
+
+def _ring_mapped() -> bool:
+    with open("/proc/self/maps") as f:
+        return "tensorwire-tp-ring" in f.read()
+
+
+def _wait_asleep(native_id: int, timeout_s: float = 20.0) -> bool:
+    """True once thread ``native_id`` is seen sleeping (state S) on three samples in a row: blocked in poll() or
+    in the writer's back-off sleep. Only makes the blocked case likely; the test holds whatever the timing."""
+    deadline = time.monotonic() + timeout_s
+    streak = 0
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/self/task/{native_id}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False  # the thread is gone
+        streak = streak + 1 if state == "S" else 0
+        if streak >= 3:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def _error_of(fn: Any) -> dict:
+    try:
+        fn()
+    except BaseException as exc:  # the test wants to see whatever was raised
+        reason = getattr(getattr(exc, "reason", None), "value", None)
+        return {"type": type(exc).__name__, "msg": str(exc), "reason": reason}
+    return {"type": None}
+
+
+def close_while_blocked(rank: int, world: int, base: str, backend: str, closer: int, mode: str, done: Any) -> dict:
+    """Rank ``closer`` gets a call blocked (a reader waiting for a message; rank 0 waiting for readers that stopped
+    reading), then closes the broadcaster from another thread (``mode="thread"``), from a signal handler on the
+    blocked thread itself (``"signal"``) or right after starting the call (``"at_once"``). ``done`` (an Event) is
+    set once the closer is finished; the other ranks then make one more call and report what it raised."""
+    fds_before = _open_fds()
+    cfg = BroadcastConfig(n_slots=4, timeout_s=60.0)
+    b = CpuTpBroadcaster(rank, world, "closing", backend=backend, base_dir=base, init_timeout_s=60, config=cfg)
+    t = torch.zeros(16, dtype=torch.int64)
+    if rank == 0:
+        t.fill_(1)
+    b.broadcast_(t)  # everyone is up and in step
+    if rank != closer:
+        if not done.wait(60):
+            raise AssertionError(f"rank {rank}: the closer never finished")
+        big = torch.zeros(8 << 20, dtype=torch.uint8)  # rank 0's blocked sends were this size
+        report = {"first": int(t[0])}
+        errors = []
+        for _ in range(16):  # readers first drain what rank 0 published before it closed
+            e = _error_of(lambda: b.broadcast_(big if closer == 0 else t))
+            if e["type"] is not None:
+                errors.append(e)
+                break
+        report["error"] = errors[0] if errors else {"type": None}
+        b.close()
+        return report
+    # The closer.
+    big = torch.ones(8 << 20, dtype=torch.uint8)  # 8 MiB: more than a socket buffer, fills the arena fast
+    result: dict[str, Any] = {}
+
+    def blocked_call() -> None:
+        if rank == 0:
+            def send_until_blocked() -> None:
+                for _ in range(64):
+                    b.broadcast_(big)
+            result["call"] = _error_of(send_until_blocked)
+        else:
+            result["call"] = _error_of(lambda: b.broadcast_(t))
+
+    if mode == "signal":
+        def on_alarm(signum: int, frame: Any) -> None:
+            result["close_s"] = _timed(b.close)
+
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)  # fires while this thread is blocked below
+        try:
+            blocked_call()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        result["was_blocked"] = True
+    else:
+        th = threading.Thread(target=blocked_call, name="blocked-call")
+        th.start()
+        if mode == "thread":
+            while th.native_id is None:
+                time.sleep(0.001)
+            result["was_blocked"] = _wait_asleep(th.native_id)
+        result["close_s"] = _timed(b.close)
+        th.join(30)
+        result["call_returned"] = not th.is_alive()
+    result["second_close"] = _error_of(b.close)
+    result["after_close"] = _error_of(lambda: b.broadcast_(t))
+    result["ring_mapped"] = _ring_mapped()
+    leaked = {fd: target for fd, target in _open_fds().items() if fds_before.get(fd) != target}
+    result["leaked_fds"] = leaked
+    result["socket_files"] = os.listdir(base)
+    done.set()
+    return result
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.monotonic()
+    fn()
+    return time.monotonic() - t0

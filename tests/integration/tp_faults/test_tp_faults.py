@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tp_fault_ranks import rank_main
 
 from tensorwire.tp import shm_available
-from tp_fault_ranks import rank_main
 
 BACKENDS = ["uds"] + (["shm"] if shm_available() else [])
 WORLD = 3

@@ -51,7 +51,7 @@ def rank_main(rank: int, world: int, session: str, base: str, backend: str, time
             send("done", step)
     except TensorwireError as exc:
         send("error", type(exc).__name__, exc.reason.value, str(exc))
-    except BaseException as exc:  # noqa: BLE001 - an untyped failure is a test failure; report it
+    except BaseException as exc:  # an untyped failure is a test failure; report it
         import traceback
 
         send("error", type(exc).__name__, "untyped", repr(exc) + "\n" + traceback.format_exc()[-2000:])

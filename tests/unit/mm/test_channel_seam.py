@@ -38,6 +38,7 @@ from tensorwire.mm import (
 from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
 from tensorwire.mm._client import Blame, ReadPlan, classify_consume_error
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._wire_receipt import parse_receipt
 
 EMB = torch.arange(24, dtype=torch.float32).reshape(6, 4)
 
@@ -82,7 +83,8 @@ class _InProcessSession(ControlSession):
         if budget.remaining_ms() <= 0:
             raise DeadlineExceeded("no budget", reason=Reason.BUDGET_EXHAUSTED)
         try:
-            return self._channel.service.run_encode(request, lambda: True)
+            # Serialized and parsed as on the wire: a receipt must not view the encoder's own tensors.
+            return parse_receipt(self._channel.service.run_encode(request, lambda: True).to_bytes())
         except Exception as exc:  # the encoder's error, as every channel reports it: through the status table
             raise wire.error_from_stream(wire.stream_error_for(exc), "Encode in process") from exc
 

@@ -6,6 +6,7 @@ import torch
 from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._wire_receipt import WireReceipt
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -88,11 +89,11 @@ def test_inline_receipt_decode_rejects_inconsistent_receipts() -> None:
     _codec.encode_tensor(torch.zeros(5, 4), r.embedding)
     _codec.encode_tensor(torch.zeros(4, 1), r.position_ids)  # 4 rows, split total 5
     with pytest.raises(InvalidPayload, match="position ids"):
-        _codec.decode_inline_receipt(r)
+        _codec.decode_inline_receipt(WireReceipt.from_message(r))
     r.ClearField("position_ids")
     for _ in range(3):
         _codec.encode_tensor(torch.zeros(1), r.extra_inputs.add())
     with pytest.raises(InvalidPayload, match="extra_input count"):
-        _codec.decode_inline_receipt(r)
-    empty = _codec.decode_inline_receipt(pb.EncodeResponse())
+        _codec.decode_inline_receipt(WireReceipt.from_message(r))
+    empty = _codec.decode_inline_receipt(WireReceipt())
     assert empty[:4] == ([], [], None, []) and empty[4] == 0

@@ -23,6 +23,7 @@ from tensorwire.errors import (
 )
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._wire_receipt import parse_receipt
 
 
 def test_public_names() -> None:
@@ -190,13 +191,22 @@ def test_old_peers_interoperate_inline() -> None:
     old_resp.embedding.data = emb.numpy().tobytes()
     new_resp = pb.EncodeResponse.FromString(old_resp.SerializeToString())
     assert not new_resp.rdma_slots and not new_resp.HasField("worker")
-    embs, splits, _, _, _ = _codec.decode_inline_receipt(new_resp)
+    embs, splits, _, _, _ = _codec.decode_inline_receipt(parse_receipt(old_resp.SerializeToString()))
     assert splits == [1, 2] and torch.equal(torch.cat(embs), emb)
     # a new encoder's inline receipt, with the new fields set, still parses for an old client
     new_resp.worker.worker_id = "w1"
     new_resp.encoder_stage_us["encode"] = 5
     back = LegacyResponse.FromString(new_resp.SerializeToString())
     assert list(back.split_sizes) == [1, 2] and back.embedding.data == old_resp.embedding.data
+    # ... and so does the receipt a new encoder writes (payload aligned behind a padding record), on both paths
+    transport = mm.OutputTransport(mm.TransportConfig(mode="grpc"))
+    receipt = transport.transfer(pb.EncodeRequest(), mm.EncoderOutput(embeddings=emb, split_sizes=[1, 2]))
+    transport.close()
+    streamed = pb.StreamResponse.FromString(receipt.to_stream_frame(3)).receipt.SerializeToString()
+    for raw in (receipt.to_bytes(), streamed):
+        back = LegacyResponse.FromString(raw)
+        assert list(back.split_sizes) == [1, 2] and list(back.embedding.shape) == [3, 4]
+        assert back.embedding.dtype == pb.FLOAT32 and back.embedding.data == old_resp.embedding.data
 
 
 def test_rpc_budget_formula_is_the_one_the_client_and_the_proxy_use() -> None:

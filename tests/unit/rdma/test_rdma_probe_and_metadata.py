@@ -61,25 +61,33 @@ def test_capture_stdout_keeps_other_lines(capfd: pytest.CaptureFixture[str]) -> 
     assert "an ordinary line" in out and "cma/memory" not in out
 
 
+TOKEN = b"t" * 32
+
+
 @pytest.fixture
-def server() -> _metadata.MetadataServer:
-    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("agent-a", 5, b"md-bytes"))
+def server() -> Iterator[_metadata.MetadataServer]:
+    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("agent-a", 5, b"md-bytes"), token=TOKEN)
     yield srv
     srv.close()
 
 
-def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
-    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2) == (5, b"md-bytes")
-    end = time.monotonic() + 2  # counted by the handler thread just after it answered
-    while server.stats().served != 1 and time.monotonic() < end:
+def _wait_stat(server: _metadata.MetadataServer, field: str, value: int) -> None:
+    end = time.monotonic() + 2  # counted by the loop thread just after it answered
+    while getattr(server.stats(), field) != value and time.monotonic() < end:
         time.sleep(0.01)
-    assert server.stats().served == 1
+    assert getattr(server.stats(), field) == value, server.stats()
+
+
+def test_fetch_round_trip(server: _metadata.MetadataServer) -> None:
+    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", token=TOKEN, timeout_s=2) == (5, b"md-bytes")
+    _wait_stat(server, "served", 1)
 
 
 def test_wrong_agent_is_refused(server: _metadata.MetadataServer) -> None:
     with pytest.raises(ReadError) as info:
-        _metadata.fetch("127.0.0.1", server.port, "agent-b", timeout_s=2)
+        _metadata.fetch("127.0.0.1", server.port, "agent-b", token=TOKEN, timeout_s=2)
     assert info.value.reason is Reason.METADATA_UNAVAILABLE
+    _wait_stat(server, "refused", 1)
 
 
 def test_unreachable_endpoint_fails_within_the_timeout() -> None:
@@ -87,7 +95,7 @@ def test_unreachable_endpoint_fails_within_the_timeout() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: refused
     with pytest.raises(ReadError) as info:
-        _metadata.fetch("127.0.0.1", port, "x", timeout_s=0.25)
+        _metadata.fetch("127.0.0.1", port, "x", token=TOKEN, timeout_s=0.25)
     assert info.value.reason is Reason.METADATA_UNAVAILABLE
 
 
@@ -103,7 +111,8 @@ def _closed_without_answer(payload: bytes, port: int) -> bool:
 def test_garbage_request_does_not_kill_the_server(server: _metadata.MetadataServer) -> None:
     assert _closed_without_answer(b"GET / HTTP/1.0\r\n\r\n", server.port)
     assert _closed_without_answer(struct.pack(">4sBH", b"TWMD", 1, 60000), server.port)  # name over the cap
-    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=2)[0] == 5
+    assert _closed_without_answer(struct.pack(">4sBHH", b"TWMD", 2, 1, 65000), server.port)  # token over the cap
+    assert _metadata.fetch("127.0.0.1", server.port, "agent-a", token=TOKEN, timeout_s=2)[0] == 5
 
 
 def test_oversized_metadata_reply_is_refused() -> None:
@@ -115,28 +124,28 @@ def test_oversized_metadata_reply_is_refused() -> None:
             conn, _ = lst.accept()
             with conn:
                 conn.recv(100)
-                conn.sendall(struct.pack(">4sBBQH", b"TWMD", 1, 0, 1, 1) + b"a" + struct.pack(">I", 1 << 30))
+                conn.sendall(struct.pack(">4sBBQI", b"TWMD", 2, 0, 1, 1 << 30))
 
         t = threading.Thread(target=evil)
         t.start()
         with pytest.raises(ReadError, match="over"):
-            _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", timeout_s=2)
+            _metadata.fetch("127.0.0.1", lst.getsockname()[1], "a", token=TOKEN, timeout_s=2)
         t.join(timeout=5)
 
 
 def test_a_silent_client_does_not_block_others(server: _metadata.MetadataServer) -> None:
     with socket.create_connection(("127.0.0.1", server.port), timeout=5):  # connects, never sends
         t0 = time.monotonic()
-        assert _metadata.fetch("127.0.0.1", server.port, "agent-a", timeout_s=1)[0] == 5
+        assert _metadata.fetch("127.0.0.1", server.port, "agent-a", token=TOKEN, timeout_s=1)[0] == 5
         assert time.monotonic() - t0 < 0.5
 
 
 def test_host_names_resolve() -> None:
-    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("n", 1, b"m"))
+    srv = _metadata.MetadataServer("127.0.0.1", 0, lambda: ("n", 1, b"m"), token=TOKEN)
     try:
-        assert _metadata.fetch("localhost", srv.port, "n", timeout_s=2) == (1, b"m")
+        assert _metadata.fetch("localhost", srv.port, "n", token=TOKEN, timeout_s=2) == (1, b"m")
         with pytest.raises(ReadError):
-            _metadata.fetch("no-such-host.invalid", srv.port, "n", timeout_s=0.5)
+            _metadata.fetch("no-such-host.invalid", srv.port, "n", token=TOKEN, timeout_s=0.5)
     finally:
         srv.close()
 
@@ -146,8 +155,7 @@ def _slow_answer(lst: socket.socket, delay_s: float) -> None:
     with conn:
         conn.recv(100)
         time.sleep(delay_s)
-        name = b"a"
-        conn.sendall(struct.pack(">4sBBQH", b"TWMD", 1, 0, 3, len(name)) + name + struct.pack(">I", 2) + b"md")
+        conn.sendall(struct.pack(">4sBBQI", b"TWMD", 2, 0, 3, 2) + b"md")
 
 
 @contextlib.contextmanager
@@ -168,7 +176,7 @@ def test_connect_timeout_bounds_the_connect_not_a_slow_answer() -> None:
     # A live owner whose serving thread answers late (a loaded host) is not "unreachable": only the connect is held
     # to connect_timeout_s; the answer may use the rest of the read budget.
     with _slow_owner(0.4) as port:
-        got = _metadata.fetch("127.0.0.1", port, "a", timeout_s=3, connect_timeout_s=0.1)
+        got = _metadata.fetch("127.0.0.1", port, "a", token=TOKEN, timeout_s=3, connect_timeout_s=0.1)
     assert got == (3, b"md")
 
 
@@ -176,6 +184,6 @@ def test_an_answer_later_than_the_whole_budget_fails() -> None:
     with _slow_owner(1.0) as port:
         t0 = time.monotonic()
         with pytest.raises(ReadError) as info:
-            _metadata.fetch("127.0.0.1", port, "a", timeout_s=0.3, connect_timeout_s=0.1)
+            _metadata.fetch("127.0.0.1", port, "a", token=TOKEN, timeout_s=0.3, connect_timeout_s=0.1)
         assert time.monotonic() - t0 < 0.9
     assert info.value.reason is Reason.METADATA_UNAVAILABLE

@@ -34,7 +34,8 @@ READER_KEYS = [
     "loan_idle_slots", "metadata_fetches", "peer_disconnects", "nixl_read_errors", "idle_owners_forgotten",
     "known_owners", "xfer_reposts", "xfer_preps",
 ]
-ADDED_KEYS = {"exporter": ["metadata_rejected"], "reader": ["metadata_served", "metadata_rejected"]}
+ADDED_KEYS = {"exporter": ["metadata_rejected", "metadata_refused", "metadata_evicted"],
+              "reader": ["metadata_served", "metadata_rejected", "metadata_refused", "metadata_evicted"]}
 
 
 class _GatedLock:

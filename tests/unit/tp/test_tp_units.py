@@ -9,25 +9,17 @@ import stat
 import pytest
 import torch
 
-import tensorwire.tp as tp
 from tensorwire.errors import BootstrapError, BroadcastError, ConfigError, FrameMismatch, Reason
 from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
 from tensorwire.tp import _frame as F
 from tensorwire.tp import _paths as P
 
 
-def test_public_names():
-    assert sorted(tp.__all__) == ["BroadcastConfig", "CpuTpBroadcaster", "broadcast_cpu", "shm_available",
-                                  "shutdown_broadcast_cpu"]
-    for name in tp.__all__:
-        assert getattr(tp, name) is not None
-
-
 def _roundtrip(value, align=1):
     structure, keys, tensors = F.flatten(value, 0)
     prefix, offsets, payload = F.encode_prefix(F.KIND_DATA, 5, structure, keys, tensors, align)
     buf = bytearray(prefix) + bytearray(payload)
-    for t, off in zip(tensors, offsets):
+    for t, off in zip(tensors, offsets, strict=True):
         v = F.byte_view(t)
         buf[len(prefix) + off: len(prefix) + off + len(v)] = v
     mv = memoryview(bytes(buf))
@@ -37,7 +29,7 @@ def _roundtrip(value, align=1):
     layout = F.Layout(kind, seq, st, entries, table_bytes, pb)
     out = F.allocate(layout)
     base = F.HEADER.size + table_bytes
-    for e, t in zip(entries, out):
+    for e, t in zip(entries, out, strict=True):
         F.byte_view(t)[:] = mv[base + e.offset: base + e.offset + e.nbytes]
     return F.assemble(st, entries, out)
 
@@ -157,6 +149,33 @@ def test_config_validation_and_env():
     assert cfg.timeout_s == 2.5 and cfg.abstract is True and cfg.n_slots == 16
     with pytest.raises(ConfigError):
         BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_N_SLOTS": "many"})
+
+
+def _timeouts(b: CpuTpBroadcaster) -> tuple[float, float | None]:
+    return b.config.init_timeout_s, b.config.timeout_s
+
+
+def test_keyword_defaults_do_not_override_the_config():
+    # Issue 13: CpuTpBroadcaster(config=BroadcastConfig(init_timeout_s=3)) used to wait 120 s anyway.
+    cfg = BroadcastConfig(init_timeout_s=3, timeout_s=2.5)
+    with CpuTpBroadcaster(0, 1, "solo", config=cfg) as b:
+        assert _timeouts(b) == (3, 2.5)
+    # Passed keywords win; timeout_s=None is a value ("no limit"), not "unset".
+    with CpuTpBroadcaster(0, 1, "solo", init_timeout_s=7, timeout_s=None, config=cfg) as b:
+        assert _timeouts(b) == (7, None)
+    assert cfg.init_timeout_s == 3  # the caller's config is not modified
+
+
+def test_keyword_defaults_do_not_override_the_environment(monkeypatch):
+    monkeypatch.setenv("TENSORWIRE_BROADCAST_INIT_TIMEOUT_S", "4")
+    monkeypatch.setenv("TENSORWIRE_BROADCAST_TIMEOUT_S", "1.5")
+    with CpuTpBroadcaster(0, 1, "solo") as b:
+        assert _timeouts(b) == (4, 1.5)
+    with CpuTpBroadcaster(0, 1, "solo", timeout_s=9) as b:
+        assert _timeouts(b) == (4, 9)
+    # An explicit config is taken as given: the environment is read only when there is none.
+    with CpuTpBroadcaster(0, 1, "solo", config=BroadcastConfig()) as b:
+        assert _timeouts(b) == (120, None)
 
 
 def test_constructor_argument_checks():

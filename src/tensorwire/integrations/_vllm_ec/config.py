@@ -27,8 +27,8 @@ class ECConfig:
 
     Producer (encoder instance): ``host``/``port`` bind the held-outputs gRPC service (port 0: the OS picks;
     needs no fixed port, the scheduler learns it from a file under ``runtime_dir``); ``advertise_host`` is the
-    host written into ``ec_transfer_params`` (default: ``host`` when it is a specific address, else this host's
-    address); ``lease_ttl_ms`` is how long an item stays exported without being released (the rdma slot GC);
+    host written into ``ec_transfer_params`` and into the RDMA descriptors (default: ``host`` when it is a specific
+    address, else this host's detected address; the RDMA metadata endpoint follows ``host``); ``lease_ttl_ms`` is how long an item stays exported without being released (the rdma slot GC);
     ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced).
 
     Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every

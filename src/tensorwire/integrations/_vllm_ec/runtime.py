@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import socket
 import stat
 import threading
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from tensorwire.mm._staging import StagingArea
 from tensorwire.mm._store import HeldStore
 from tensorwire.mm._store_rpc import StoreServer, serve_store
 from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
+from tensorwire.rdma._endpoint import detect, is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +60,21 @@ def runtime_dir(cfg: ECConfig) -> Path:
 
 
 def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
-    specific = cfg.host not in ("0.0.0.0", "::", "")
+    # control_host: the metadata endpoint follows the store's gRPC address, and advertises what the store's
+    # endpoint advertises (the rules of tensorwire.rdma._endpoint, docs/deployment.md "Addresses").
     return RdmaConfig(provider=cfg.rdma_provider, device=device, slot_gc_timeout_ms=cfg.lease_ttl_ms,
                       pool_cap_bytes=cfg.pool_cap_bytes, max_slot_bytes=min(_MAX_SLOT, cfg.pool_cap_bytes),
-                      bind_ip=cfg.host if specific and _is_ip(cfg.host) else "",
-                      advertise_host=cfg.advertise_host)
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
-        return True
-    except OSError:
-        return False
+                      control_host=cfg.host, advertise_host=cfg.advertise_host)
 
 
 def _advertise(cfg: ECConfig) -> str:
+    """The host written into ec_transfer_params: ``advertise_host``, a specific ``host``, else the address the
+    RDMA metadata endpoint detects too (the default route's source address), so both planes name one host."""
     if cfg.advertise_host:
         return cfg.advertise_host
-    if cfg.host not in ("0.0.0.0", "::", ""):
+    if not is_wildcard(cfg.host):
         return cfg.host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
+    return detect()[0]
 
 
 class ProducerRuntime:

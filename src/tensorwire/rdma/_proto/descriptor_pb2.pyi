@@ -54,16 +54,18 @@ class TensorMetaPB(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class OwnerPB(_message.Message):
-    __slots__ = ("agent_name", "host", "port", "registration_epoch")
+    __slots__ = ("agent_name", "host", "port", "registration_epoch", "metadata_token")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    METADATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     host: str
     port: int
     registration_epoch: int
-    def __init__(self, agent_name: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., registration_epoch: _Optional[int] = ...) -> None: ...
+    metadata_token: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., registration_epoch: _Optional[int] = ..., metadata_token: _Optional[bytes] = ...) -> None: ...
 
 class DescriptorPB(_message.Message):
     __slots__ = ("version", "owner", "mem_type", "device_id", "slot_addr", "payload_bytes", "lease_id", "generation", "generation_addr", "manifest")

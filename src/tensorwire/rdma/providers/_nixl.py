@@ -4,13 +4,15 @@
   (``_ucx_env``). NIXL's Python wrapper hard-codes ``pthrDelay = 0``, which makes the progress thread spin on
   ``poll(fd, 0)`` and burn a core per agent (nixl-on-cpu.md §3); we construct the agent under a scoped patch that
   sets ``progress_delay_us`` instead, so the idle thread blocks in ``poll`` on UCX's event fd.
-- Owner side: ``serve`` starts ``_metadata.MetadataServer`` on (bind_ip, port). ``registration_epoch`` counts
+- Owner side: ``serve`` starts ``_metadata.MetadataServer`` where ``rdma._endpoint`` says (it follows the
+  control plane; never a wildcard unless configured) and hands out a random ``metadata_token`` in the ``Owner``
+  (so in every descriptor): the endpoint answers only requests that present it. ``registration_epoch`` counts
   registrations; a snapshot (name, epoch, full agent metadata) is taken under the registration lock.
-- Reader side: per owner agent, the metadata is fetched once (``connect_timeout_ms``, bounded by the read
-  deadline), loaded with ``add_remote_agent`` and cached with its epoch; a descriptor with a newer epoch triggers a
-  refresh. Ranges are passed as plain (addr, len, dev) tuples; NIXL checks them against the owner's registered
-  regions (``NIXL_ERR_NOT_FOUND`` otherwise). On ``NIXL_ERR_REMOTE_DISCONNECT`` the owner is forgotten
-  (``remove_remote_agent``) so a restarted owner or another owner keeps working.
+- Reader side: per owner agent, the metadata is fetched once with the descriptor's token (``connect_timeout_ms``,
+  bounded by the read deadline), loaded with ``add_remote_agent`` and cached with its epoch; a descriptor with a
+  newer epoch triggers a refresh. Ranges are passed as plain (addr, len, dev) tuples; NIXL checks them against the
+  owner's registered regions (``NIXL_ERR_NOT_FOUND`` otherwise). On ``NIXL_ERR_REMOTE_DISCONNECT`` the owner is
+  forgotten (``remove_remote_agent``) so a restarted owner or another owner keeps working.
 - Deadline: NIXL has no transfer timeout. The caller polls ``check_xfer_state`` until the deadline; a transfer
   still in progress then is returned as a ``PendingTransfer`` on the ``ReadTimeout`` (destination quarantined by
   the reader until NIXL reports it done or failed).
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError, ReadTimeout, Reason
+from tensorwire.rdma import _endpoint
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
 from tensorwire.rdma._stats import ProviderStats, Tally
@@ -67,8 +70,10 @@ class NixlStats(ProviderStats):
     known_owners: int = 0
     xfer_reposts: int = 0  # READs posted from a prepared request (_xfer_cache)
     xfer_preps: int = 0  # READs that prepared a new request
-    metadata_served: int = 0  # owner side: metadata requests answered
-    metadata_rejected: int = 0  # owner side: metadata connections dropped (bad request, I/O error, over the cap)
+    metadata_served: int = 0  # owner side: metadata handed out
+    metadata_refused: int = 0  # owner side: requests without this owner's token or with another agent's name
+    metadata_rejected: int = 0  # owner side: metadata connections dropped (bad request, I/O error, timeout, cap)
+    metadata_evicted: int = 0  # owner side: of those, idle connections closed to make room (over the cap)
 
 
 class _Remote:
@@ -128,6 +133,8 @@ class NixlProvider(Provider):
         self._reg_lock = threading.Lock()
         self._epoch = 0
         self._server: _metadata.MetadataServer | None = None
+        self._md_token = secrets.token_bytes(32)  # what a reader must present to get this agent's metadata
+        self._advertised = ""
         self._remotes: dict[str, _Remote] = {}
         self._remotes_lock = threading.Lock()
         self._transports: dict[MemPair, str] = {}
@@ -193,13 +200,16 @@ class NixlProvider(Provider):
     def serve(self) -> Owner:
         self._check_open()
         if self._server is None:
+            cfg = self.config
+            ep = _endpoint.resolve(cfg.bind_ip, cfg.advertise_host, cfg.control_host)
             try:
-                self._server = _metadata.MetadataServer(self.config.bind_ip or "0.0.0.0", self.config.port,
-                                                        self._snapshot)
+                self._server = _metadata.MetadataServer(ep.bind_ip, cfg.port, self._snapshot, token=self._md_token)
             except OSError as exc:
-                raise ExportError(f"metadata endpoint {self.config.bind_ip or '0.0.0.0'}:{self.config.port} "
-                                  f"could not listen: {exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
-        return Owner(self._agent_name, _advertise_host(self.config), self._server.port, 0)
+                raise ExportError(f"metadata endpoint {ep.bind_ip}:{cfg.port} ({ep.bind_rule}) could not listen: "
+                                  f"{exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
+            self._advertised = ep.advertise_host
+            _endpoint.announce(ep, self._server.port, self._agent_name, cfg.control_host)
+        return Owner(self._agent_name, self._advertised, self._server.port, 0, self._md_token)
 
     def _snapshot(self) -> tuple[str, int, bytes]:
         with self._reg_lock:
@@ -268,8 +278,8 @@ class NixlProvider(Provider):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ReadTimeout(f"no time left to fetch metadata of {owner.agent_name}", reason=Reason.READ_TIMEOUT)
-        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, timeout_s=remaining,
-                                    connect_timeout_s=self.config.connect_timeout_ms / 1000.0)
+        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, token=owner.metadata_token,
+                                    timeout_s=remaining, connect_timeout_s=self.config.connect_timeout_ms / 1000.0)
         with self._tally.locked() as c:
             c.metadata_fetches += 1
         try:
@@ -400,7 +410,9 @@ class NixlProvider(Provider):
             xfer_reposts=xfers.reposts,
             xfer_preps=xfers.preps,
             metadata_served=served.served,
+            metadata_refused=served.refused,
             metadata_rejected=served.rejected,
+            metadata_evicted=served.evicted,
         )
 
     def close(self) -> None:
@@ -448,17 +460,6 @@ def _make_agent(api: Any, name: str, config: RdmaConfig) -> Any:
     # to every peer), so concurrent reads do not serialize on one worker. Idle cost measured: ~2% of a core at 8.
     agent.create_backend("UCX", {"num_workers": str(config.qp_count)})
     return agent
-
-
-def _advertise_host(config: RdmaConfig) -> str:
-    if config.advertise_host:
-        return config.advertise_host
-    if config.bind_ip and config.bind_ip not in ("0.0.0.0", "::"):
-        return config.bind_ip
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def _ranges(ranges: Sequence[Range]) -> tuple[Range, ...]:
