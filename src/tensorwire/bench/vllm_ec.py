@@ -156,7 +156,6 @@ class _Run:
     """The LLM instance's side of the bench (this process) and the handles on the other processes."""
 
     def __init__(self, args: argparse.Namespace, run_id: str, roots: dict[str, str], work: str) -> None:
-        import torch
         from prometheus_client import CollectorRegistry
 
         from tensorwire.bench._ec_paths import CONSUMER_NAME, CheckedArea, run_producer, serve_staging
@@ -210,7 +209,6 @@ class _Run:
                                support_rdma=args.rdma_provider != "none")
         self.failures: list[str] = []
         self.planes: dict[str, int] = {}
-        self._torch = torch
 
     @staticmethod
     def _recv(conn: Any, what: str) -> Any:
@@ -380,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     from tensorwire.bench._ec_paths import fs_type
 
     cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        print(f"--device {args.device}: CUDA is not available here", file=sys.stderr)
+        return 2
     run_id = uuid.uuid4().hex[:12]
     roots: dict[str, str] = {}
     for path, parent in (("file_tmpfs", args.tmpfs_dir), ("file_disk", args.disk_dir)):

@@ -129,3 +129,12 @@ def test_a_tiny_run_hands_every_item_over_and_leaves_nothing(stager: str, tmp_pa
         assert doc["series"]["paths"]["tensorwire"]["flatness"]["window"] == series // 2
         assert "series" in printed and "left at the end" in printed
     assert os.listdir(shm) == [] and os.listdir(disk) == []  # the bench's directories are gone too
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        vllm_ec.main(["--rows", "1"])
+    assert info.value.code == 2 and "row counts >= 2" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert vllm_ec.main(["--device", "cuda:0"]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
