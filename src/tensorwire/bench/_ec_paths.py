@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -244,7 +245,8 @@ def _producer_stats(rt: Any) -> dict[str, Any]:
 def run_producer(base_rows: int, cols: int, device: str, cfg_kwargs: dict[str, Any], roots: dict[str, str],
                  run_id: str, conn: Any) -> None:
     """Encoder process. Commands on ``conn``: ``("item", path, index, rows)`` -> ``(t0_ns, t_saved_ns, payload)``
-    (t0: the encoder output exists; payload: the params JSON for ``tensorwire``, the mm_hash for a file path);
+    (t0: the encoder output exists; payload: the params JSON for ``tensorwire``, the mm_hash for a file path, or
+    ``error: ...`` when the save failed);
     ``("stats",)``; ``("stop",)``. Times are ``time.monotonic_ns()``: CLOCK_MONOTONIC, one clock for every
     process of the host."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -290,7 +292,12 @@ def run_producer(base_rows: int, cols: int, device: str, cfg_kwargs: dict[str, A
                 params = sched.request_finished(req, finished_ok=True)
                 payload = json.dumps(params)  # what the router carries to the LLM instance
             else:
-                file_save(roots[path], mm_hash, emb)
+                try:
+                    file_save(roots[path], mm_hash, emb)
+                except OSError as exc:  # a full tmpfs, say: that item failed, the run goes on
+                    shutil.rmtree(os.path.join(roots[path], mm_hash), ignore_errors=True)
+                    conn.send((t0, time.monotonic_ns(), f"error: {exc}"))
+                    continue
                 payload = mm_hash
             conn.send((t0, time.monotonic_ns(), payload))
             del emb

@@ -245,6 +245,9 @@ class _Run:
             if self.area is not None:  # a remote area checks in its own process (inside "stage" either way)
                 split["check"] = check_ns * ms
             self.stager.drop([key])
+        elif payload.startswith("error:"):
+            self.failures.append(f"{path} rows={rows} item {index}: the save failed: {payload[6:].strip()}")
+            return None
         else:
             got = file_load(self.roots[path], payload, self.device)
             t_loaded = time.monotonic_ns()
@@ -383,10 +386,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_id = uuid.uuid4().hex[:12]
     roots: dict[str, str] = {}
+    need = 3 * max([*args.rows, args.series_rows]) * args.cols * 2  # one item in a file at a time, plus margin
+    skipped: dict[str, str] = {}
     for path, parent in (("file_tmpfs", args.tmpfs_dir), ("file_disk", args.disk_dir)):
-        if parent:
-            roots[path] = os.path.join(parent, f"tensorwire-vllm-ec-bench-{run_id}")
-            os.makedirs(roots[path])
+        if not parent:
+            continue
+        free = shutil.disk_usage(parent).free if os.path.isdir(parent) else 0
+        if free < need:
+            skipped[path] = f"{parent}: {free / 1e6:.0f} MB free, {need / 1e6:.0f} MB needed"
+            print(f"note: skipping {path} ({skipped[path]})", file=sys.stderr)
+            continue
+        roots[path] = os.path.join(parent, f"tensorwire-vllm-ec-bench-{run_id}")
+        os.makedirs(roots[path])
     fs = {p: {"dir": root, "fs": fs_type(root)} for p, root in roots.items()}
     for p, info in fs.items():
         if (p == "file_tmpfs") != (info["fs"] == "tmpfs"):
@@ -454,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         print("FAILED:", f, file=sys.stderr)
     payload = {
         "device": args.device, "stager": args.stager, "rdma_provider": args.rdma_provider,
-        "producer_plane": run.producer_plane if run else "", "file_dirs": fs, "sizes": sizes, "series": series,
+        "producer_plane": run.producer_plane if run else "", "file_dirs": fs, "skipped_paths": skipped,
+        "sizes": sizes, "series": series,
         "leftovers": leftovers, "failures": failures[:50], "targets": targets,
         "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t_start, 1),
         "torch_threads": torch.get_num_threads(),
