@@ -436,7 +436,10 @@ def main(argv: list[str] | None = None) -> int:
             for p, xs in got.items():
                 totals = [x["total"] for x in xs]
                 paths[p] = {**_stage_stats(p, xs), "flatness": flatness(totals),
-                            "totals_ms": [round(t, 4) for t in totals]}
+                            "totals_ms": [round(t, 4) for t in totals],
+                            # every item's stages (ms, in order), to see which stage moves when the total does
+                            "items_ms": {s: [round(x.get(s, float("nan")), 3) for x in xs]
+                                         for s in (*STAGES[1:], *SPLIT.get(p, ()))}}
             series = {"rows": rows, "bytes": rows * args.cols * 2, "items": args.series, "paths": paths,
                       "ratios": ratios_of(paths), "loadavg_before": load, "loadavg_after": os.getloadavg()}
             for p, d in paths.items():
