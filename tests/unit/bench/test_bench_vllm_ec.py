@@ -127,6 +127,7 @@ def test_a_tiny_run_hands_every_item_over_and_leaves_nothing(stager: str, tmp_pa
     if series:
         assert len(doc["series"]["paths"]["tensorwire"]["totals_ms"]) == series
         assert doc["series"]["paths"]["tensorwire"]["flatness"]["window"] == series // 2
+        assert len(doc["series"]["paths"]["tensorwire"]["items_ms"]["lookup"]) == series
         assert "series" in printed and "left at the end" in printed
     assert os.listdir(shm) == [] and os.listdir(disk) == []  # the bench's directories are gone too
 
