@@ -47,6 +47,7 @@ $(VLLM_STAMP): pyproject.toml requirements/vllm.txt requirements/nixl.txt tests/
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
+	mkdir -p build
 	$(VLLM_PY) -m pytest tests/vllm -m vllm -q -p no:cacheprovider --basetemp=build/test-vllm
 
 # ruff and mypy --strict, both configured in pyproject.toml (mypy checks src/ only).

@@ -13,24 +13,21 @@ directory.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from images import png
+from procs import Spawned, wait_ready
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
-START_TIMEOUT_S = float(os.environ.get("TW_VLLM_START_TIMEOUT_S", "900"))
 CALL_TIMEOUT_S = 180.0
 SINGLE = "USER: <image> describe the image ASSISTANT:"
 DOUBLE = "USER: <image> <image> describe the image ASSISTANT:"
@@ -53,15 +50,6 @@ LOGGING = {
 }
 
 
-def _png(seed: int) -> bytes:
-    from PIL import Image
-
-    arr = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 # name -> (prompt, image seeds). Every name gets fresh images, so the encoder instance encodes each of them
 # (its save_caches path) unless a test repeats one on purpose.
 REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
@@ -74,19 +62,17 @@ REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
 
 def request(name: str, params: Any = None) -> dict[str, Any]:
     prompt, seeds = REQUESTS[name]
-    return {"prompt": prompt, "images": [_png(s) for s in seeds], "params": params, "max_tokens": 8}
+    return {"prompt": prompt, "images": [png(s) for s in seeds], "params": params, "max_tokens": 8}
 
 
-class Instance:
+class Instance(Spawned):
     """A running instance.py; ``call`` sends one message and waits for the answer (bounded)."""
 
     def __init__(self, name: str, workdir: Path, model: Path, *, role: str | None = None,
                  extra: dict[str, Any] | None = None, args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None) -> None:
-        self.role = name
         role = role or name
         self.sock = str(workdir / f"{name}.sock")
-        self.log_path = workdir / f"{name}.log"
         prom = workdir / f"{name}-prom"
         prom.mkdir()
         self.authkey = os.urandom(16).hex()
@@ -98,16 +84,11 @@ class Instance:
                         VLLM_LOGGING_CONFIG_PATH=str(logging_config), **(env or {}))
         cmd = [sys.executable, str(HERE / "instance.py"), "--role", role, "--model", str(model),
                "--socket", self.sock, "--extra", json.dumps(extra or {}), *args]
-        self._log = open(self.log_path, "w")
-        # Own session: kill() takes vLLM's EngineCore and worker processes down with the instance.
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        super().__init__(name, cmd, workdir / f"{name}.log", full_env)
         self._conn: Any = None
 
     def try_connect(self) -> bool:
-        """True once the instance listens; raises if it died first."""
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.role} exited with {self.proc.returncode}:\n{self.tail()}")
+        """True once the instance listens."""
         if os.path.exists(self.sock):
             try:
                 self._conn = Client(self.sock, family="AF_UNIX", authkey=self.authkey.encode())
@@ -132,20 +113,6 @@ class Instance:
     def metrics(self) -> dict[str, float]:
         return self.call({"op": "metrics"})["metrics"]
 
-    def tail(self, n: int = 60) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-
     def stop(self) -> None:
         if self.proc.poll() is None and self._conn is not None:
             try:
@@ -153,8 +120,7 @@ class Instance:
                 self.proc.wait(timeout=60)
             except Exception:
                 pass
-        self.kill()
-        self._log.close()
+        self.close()
 
 
 def metric(m: dict[str, float], name: str, **labels: str) -> float:
@@ -207,14 +173,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
                                  env=cpu),
     }
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        starting = list(insts.values())
-        while starting:
-            starting = [i for i in starting if not i.try_connect()]
-            if starting and time.monotonic() > deadline:
-                raise TimeoutError(f"{[i.role for i in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
-                                   + "\n".join(i.tail() for i in starting))
-            time.sleep(0.5)
+        wait_ready(list(insts.values()), lambda i: i.try_connect())
         print(f"instances ready in {time.monotonic() - t0:.0f} s", flush=True)
         names = [n for n in REQUESTS if n != "tp2"]
         base = dict(zip(names, insts["baseline"].generate([request(n) for n in names]), strict=True))

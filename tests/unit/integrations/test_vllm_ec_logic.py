@@ -480,3 +480,19 @@ def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
         rt.runtime_dir(ECConfig(runtime_dir=str(shared)))
     assert e.value.reason is Reason.INSECURE_PATH
     assert rt.staging_address(ECConfig(runtime_dir=str(tmp_path / "ok")), "n-dp0", 1).endswith("/n-dp0-tp1.sock")
+
+
+def test_producer_rdma_endpoint_and_params_name_the_same_host() -> None:
+    from tensorwire.integrations._vllm_ec.runtime import _advertise, _rdma_config
+    from tensorwire.rdma._endpoint import resolve
+
+    specific = ECConfig(host="10.1.2.3", rdma_port=7101)
+    rdma = _rdma_config(specific, "cpu")
+    # The metadata endpoint follows the store's gRPC host (no bind_ip of its own) on the configured port.
+    assert (rdma.control_host, rdma.bind_ip, rdma.port) == ("10.1.2.3", "", 7101)
+    assert _advertise(specific) == resolve(rdma.bind_ip, rdma.advertise_host, rdma.control_host).advertise_host
+    # A wildcard host: ec_transfer_params and the descriptors both carry the detected address.
+    wild = _rdma_config(ECConfig(), "cpu")
+    assert _advertise(ECConfig()) == resolve(wild.bind_ip, wild.advertise_host, wild.control_host).advertise_host
+    chosen = ECConfig(advertise_host="enc-1.example")
+    assert _advertise(chosen) == _rdma_config(chosen, "cpu").advertise_host == "enc-1.example"

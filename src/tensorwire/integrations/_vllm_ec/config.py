@@ -26,9 +26,11 @@ class ECConfig:
     """Connector settings (both roles read the same keys; each uses its own).
 
     Producer (encoder instance): ``host``/``port`` bind the held-outputs gRPC service (port 0: the OS picks;
-    needs no fixed port, the scheduler learns it from a file under ``runtime_dir``); ``advertise_host`` is the
+    needs no fixed port, the scheduler learns it from a file under ``runtime_dir``); ``rdma_port`` is the RDMA
+    metadata endpoint's port (0: any; fix it to open one port in a firewall); ``advertise_host`` is the
     host written into ``ec_transfer_params`` and into the RDMA descriptors (default: ``host`` when it is a specific
-    address, else this host's detected address; the RDMA metadata endpoint follows ``host``); ``lease_ttl_ms`` is how long an item stays exported without being released (the rdma slot GC);
+    address, else this host's detected address; the RDMA metadata endpoint follows ``host``); ``lease_ttl_ms`` is
+    how long an item stays exported without being released (the rdma slot GC);
     ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced).
 
     Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every
@@ -46,6 +48,7 @@ class ECConfig:
 
     host: str = "0.0.0.0"
     port: int = 0
+    rdma_port: int = 0
     advertise_host: str = ""
     lease_ttl_ms: int = 60000
     pool_cap_bytes: int = 8 * 1024**3
@@ -63,6 +66,7 @@ class ECConfig:
 
     def __post_init__(self) -> None:
         _int("port", self.port, 0, 65535)
+        _int("rdma_port", self.rdma_port, 0, 65535)
         _int("lease_ttl_ms", self.lease_ttl_ms, 1, 86_400_000)
         _int("pool_cap_bytes", self.pool_cap_bytes, 1, 1 << 52)
         _int("fetch_timeout_ms", self.fetch_timeout_ms, 1, 3_600_000)

@@ -64,7 +64,7 @@ def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
     # endpoint advertises (the rules of tensorwire.rdma._endpoint, docs/deployment.md "Addresses").
     return RdmaConfig(provider=cfg.rdma_provider, device=device, slot_gc_timeout_ms=cfg.lease_ttl_ms,
                       pool_cap_bytes=cfg.pool_cap_bytes, max_slot_bytes=min(_MAX_SLOT, cfg.pool_cap_bytes),
-                      control_host=cfg.host, advertise_host=cfg.advertise_host)
+                      control_host=cfg.host, advertise_host=cfg.advertise_host, port=cfg.rdma_port)
 
 
 def _advertise(cfg: ECConfig) -> str:
