@@ -18,8 +18,8 @@ without building a second copy of it.
   with ``safetensors.torch.save_file`` to ``encoder_cache.safetensors`` in it; the LLM process builds the same
   name (again through ``makedirs``), checks ``os.path.exists`` (``has_cache_item``) and reads it with
   ``safetensors.torch.load_file(name, device=device)["ec_cache"]``. vLLM's connector never deletes its files;
-  the bench deletes each after the check (timed apart as ``cleanup``), or 1,000 items of 100 MB would fill the
-  disk.
+  the bench deletes each after the check (timed apart as ``cleanup``), or the 1,000-item series alone would
+  leave 10 GB behind.
 """
 
 from __future__ import annotations
@@ -44,10 +44,11 @@ FILE_NAME = "encoder_cache.safetensors"  # what the example connector names ever
 TENSOR_NAME = "ec_cache"
 DTYPE = torch.bfloat16
 PRODUCER_NAME = "bench-encoder-dp0"
-_memcmp = ctypes.CDLL(None).memcmp
+CONSUMER_NAME = "bench-llm-dp0"
+
+_memcmp = ctypes.CDLL(None).memcmp  # libc's, for the check on host memory (_same_bytes)
 _memcmp.restype = ctypes.c_int
 _memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-CONSUMER_NAME = "bench-llm-dp0"
 
 
 def mark(index: int) -> float:
