@@ -69,6 +69,7 @@ class Reason(str, enum.Enum):
     READ_TIMEOUT = "read_timeout"
     LEASE_EXPIRED = "lease_expired"
     STALE_GENERATION = "stale_generation"
+    NOT_HELD = "not_held"  # a held-output store has no item under this grant (never held, released, expired)
     PEER_DISCONNECTED = "peer_disconnected"
     METADATA_UNAVAILABLE = "metadata_unavailable"
     RESULT_MISMATCH = "result_mismatch"

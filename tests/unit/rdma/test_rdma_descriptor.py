@@ -155,6 +155,7 @@ def test_unspecified_dtype_is_rejected_on_the_wire() -> None:
     msg = pb.DescriptorPB()
     msg.ParseFromString(valid().to_bytes())
     msg.manifest[0].dtype = pb.DTYPE_UNSPECIFIED
+    msg.manifest[0].legacy_dtype = pb.LEGACY_DTYPE_UNSPECIFIED  # alone it is an old owner's descriptor
     with pytest.raises(InvalidDescriptor) as info:
         Descriptor.from_bytes(msg.SerializeToString())
     assert info.value.reason is Reason.UNSUPPORTED_DTYPE
