@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Both create or reuse .venv and install what
 # they need; the stamp file makes the second run skip pip when the requirement files have not changed.
+# `make test-vllm` does the same with .venv-vllm and runs real vLLM engines (tests/vllm).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long lint demo proto clean fuzz soak load
+.PHONY: install test test-gpu test-long test-vllm install-vllm lint demo proto clean fuzz soak load
 
 install: $(STAMP)
 
@@ -22,7 +23,32 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/nixl.txt
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -m "not gpu and not slow" -q
+	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q --ignore=tests/vllm
+
+# End to end with real vLLM engines on CPU (tests/vllm, docs/vllm.md): a separate virtualenv, because vLLM pins its
+# own transformers. The registry's torchaudio/torchcodec wheels link CUDA torch and break `import transformers`
+# on the CPU build, so they are removed; torchvision (vLLM's multimodal code imports it) stays, made importable by
+# the test-only startup hook tests/vllm/venv_site (see its docstring).
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.tensorwire-installed
+VLLM_PIP   := $(VLLM_PY) -m pip -q --disable-pip-version-check
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml requirements/vllm.txt requirements/nixl.txt tests/vllm/venv_site/_tensorwire_tv_cpu.py
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -r requirements/vllm.txt
+	$(VLLM_PIP) uninstall -y torchaudio torchcodec
+	$(VLLM_PIP) install --no-deps -r requirements/nixl.txt
+	$(VLLM_PIP) install --no-deps --no-build-isolation -e .
+	cp tests/vllm/venv_site/_tensorwire_tv_cpu.py tests/vllm/venv_site/_tensorwire_tv_cpu.pth \
+	   "$$($(VLLM_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	mkdir -p build
+	$(VLLM_PY) -m pytest tests/vllm -m vllm -q -p no:cacheprovider --basetemp=build/test-vllm
 
 # ruff and mypy --strict, both configured in pyproject.toml (mypy checks src/ only).
 lint: install
@@ -55,4 +81,4 @@ proto: install
 	$(PY) scripts/gen_proto.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build dist src/*.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

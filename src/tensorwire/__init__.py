@@ -6,6 +6,7 @@ Layers (imports point down only)::
     cli  ->  tp (CPU tensor-parallel broadcaster)                                                 ->  errors
     service  ->  encoder (reference vision encoders)                                              ->  errors
     cli  ->  bench, soak (measurements, fault injection: they drive the layers above)
+    integrations (vLLM connector)  ->  mm  ->  rdma  ->  errors; only integrations/vllm.py imports vLLM
 
 ``import tensorwire`` is cheap: torch, grpc and nixl are imported only by the subpackages that need them.
 """

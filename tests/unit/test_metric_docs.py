@@ -8,6 +8,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from tensorwire.integrations._vllm_ec.metrics import ECMetrics
+from tensorwire.integrations._vllm_router.metrics import RouterMetrics
 from tensorwire.mm import TransportMetrics
 from tensorwire.service._proxy import _Metrics
 from tensorwire.service._routes import RouteTable
@@ -35,6 +37,11 @@ def _proxy() -> dict[str, str]:
     return _exported(reg)
 
 
+def _vllm() -> dict[str, str]:
+    """The vLLM connector's and the EPD router's metrics (neither imports vLLM)."""
+    return {**_exported(ECMetrics(CollectorRegistry()).registry), **_exported(RouterMetrics().registry)}
+
+
 def _documented(*files: str) -> set[str]:
     return {m for f in files for m in NAME.findall((DOCS / f).read_text())}
 
@@ -49,15 +56,20 @@ def test_deployment_md_lists_exactly_the_proxy_metrics() -> None:
     assert documented == set(_proxy())
 
 
+def test_vllm_md_lists_exactly_the_connector_and_router_metrics() -> None:
+    documented = {n for n in _documented("vllm.md") if n.startswith("tensorwire_vllm_")}
+    assert documented == set(_vllm())
+
+
 def test_every_metric_any_doc_names_exists() -> None:
-    exported = set(_mm()) | set(_proxy())
+    exported = set(_mm()) | set(_proxy()) | set(_vllm())
     named = _documented(*(p.name for p in DOCS.glob("*.md")))
     named |= set(NAME.findall((DOCS.parent / "README.md").read_text()))
     assert named <= exported, sorted(named - exported)
 
 
 def test_names_follow_the_prometheus_conventions() -> None:
-    for name, kind in {**_mm(), **_proxy()}.items():
+    for name, kind in {**_mm(), **_proxy(), **_vllm()}.items():
         if kind == "counter":
             assert name.endswith("_total"), name
         else:

@@ -10,10 +10,13 @@ kind      tensorwire (shm, uds)                       vllm                      
 tensor    ``broadcast_(t)`` (in place; ``fresh``:      ``enqueue(t)`` / ``dequeue()``        ``broadcast`` /
           ``broadcast(t)``, new tensors)                                                    object list of bytes
 dict      ``broadcast(d)``                            ``enqueue(d)`` / ``dequeue()``        - / object list
-sched     pickle into a uint8 tensor, ``broadcast``,  ``enqueue(obj)`` / ``dequeue()``      - / object list
-          ``pickle.loads`` (tensorwire has no
-          object path yet)
+sched     ``broadcast_object(obj)``                   ``enqueue(obj)`` / ``dequeue()``      - / object list
 ========  ==========================================  ===================================  ====================
+
+Opt-in variants of ``shm`` (``--backends shm,shm_fixed,...``; not in the default set) run the same ring with other
+reader waits, to show what each part of the wait is worth in one run: ``shm_fixed`` is the wait before issue 17
+(fixed ``spin_s``, then sleep on the socket), ``shm_socket`` the adaptive spin with socket wake-ups, ``shm_nospin``
+fixed ``spin_s`` with futex wake-ups.
 """
 
 from __future__ import annotations
@@ -24,13 +27,18 @@ import gc
 import os
 import pickle
 import time
-import warnings
 from typing import Any
 
 from tensorwire.bench._payloads import KINDS
 from tensorwire.bench._vllm_loader import VllmSource
 
 NAMES = ("shm", "uds", "gloo", "gloo_obj", "vllm")
+# shm with other reader waits (BroadcastConfig overrides); opt-in, see the module docstring.
+SHM_VARIANTS: dict[str, dict[str, Any]] = {
+    "shm_fixed": {"spin_max_s": 0.0, "futex": False},
+    "shm_socket": {"futex": False},
+    "shm_nospin": {"spin_max_s": 0.0},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,27 +72,23 @@ class Endpoint(abc.ABC):
 
 class TensorwireEndpoint(Endpoint):
     def __init__(self, rank: int, world: int, backend: str, opts: Options) -> None:
-        from tensorwire.tp import CpuTpBroadcaster
+        from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
 
         self.rank = rank
         self._inplace = opts.tensor_api == "inplace"
-        self._b = CpuTpBroadcaster(rank, world, f"bench-{os.getppid()}-{backend}-{world}", backend=backend,
-                                   init_timeout_s=opts.init_timeout_s)
-        # The sched case views the pickle's immutable bytes as a tensor that is only read.
-        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        overrides = SHM_VARIANTS.get(backend, {})
+        config = BroadcastConfig.from_env(**overrides)  # as a user's ranks would: the environment, then ours
+        self._b = CpuTpBroadcaster(rank, world, f"bench-{os.getppid()}-{backend}-{world}",
+                                   backend="shm" if overrides else backend, init_timeout_s=opts.init_timeout_s,
+                                   config=config)
 
     def send(self, kind: str, value: Any) -> Any:
-        import torch
-
         b, root = self._b, self.rank == 0
         if kind == "tensor" and self._inplace:
             return b.broadcast_(value)
         if kind in ("tensor", "dict"):
             return b.broadcast(value if root else None)
-        if root:
-            b.broadcast(torch.frombuffer(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL), dtype=torch.uint8))
-            return value
-        return pickle.loads(b.broadcast(None).numpy())
+        return b.broadcast_object(value if root else None)
 
     def close(self) -> None:
         self._b.close()
@@ -185,7 +189,7 @@ def kinds_of(name: str) -> frozenset[str]:
 
 
 def make(name: str, rank: int, world: int, store: str, opts: Options) -> Endpoint:
-    if name in ("shm", "uds"):
+    if name in ("shm", "uds") or name in SHM_VARIANTS:
         return TensorwireEndpoint(rank, world, name, opts)
     if name == "gloo":
         return GlooEndpoint(rank, world, store)

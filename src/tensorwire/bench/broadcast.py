@@ -24,6 +24,7 @@ and they report the fraction over the whole wait and over its part after the fir
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -202,15 +203,20 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown case {c.kind!r} in --objects; expected {','.join(OBJECTS)}")
     chosen = _csv(args.backends) if args.backends is not None else list(BACKENDS)
     for b in chosen:
-        if b not in BACKENDS:
-            ap.error(f"unknown backend {b!r}")
+        if b not in BACKENDS and b not in backends.SHM_VARIANTS:
+            ap.error(f"unknown backend {b!r}; expected some of {','.join(BACKENDS + tuple(backends.SHM_VARIANTS))}")
     base_rounds = args.rounds or (200 if args.quick else 1000)
     idle_s = args.idle_s if args.idle_s is not None else (2.0 if args.quick else 3.0)
-    from tensorwire.tp import shm_available
+    from tensorwire.tp import BroadcastConfig, shm_available
 
-    if "shm" in chosen and not shm_available():
-        print("shm backend unavailable on this machine; skipping it", file=sys.stderr)
-        chosen.remove("shm")
+    for b in [b for b in chosen if b == "shm" or b in backends.SHM_VARIANTS]:
+        if not shm_available():
+            print(f"{b} backend unavailable on this machine (no shm fence); skipping it", file=sys.stderr)
+            chosen.remove(b)
+    tp_config = dataclasses.asdict(BroadcastConfig.from_env())
+    print("tensorwire BroadcastConfig (from the environment): " + ", ".join(
+        f"{k}={tp_config[k]}" for k in ("spin_s", "spin_max_s", "spin_gap_factor", "futex", "wait_poll_s")),
+        file=sys.stderr)
     vllm_info, opts = _vllm_setup(chosen, args)
     if vllm_info.get("reason") and args.backends is not None:
         print(f"vllm: {vllm_info['reason']}", file=sys.stderr)
@@ -247,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                    "warmup": args.warmup, "idle_s": idle_s, "quick": args.quick, "tensor_api": args.tensor_api,
                    "api": "CpuTpBroadcaster.broadcast_ (in place)" if args.tensor_api == "inplace"
                    else "CpuTpBroadcaster.broadcast (new tensors)",
+                   "tp_config": tp_config,
+                   "shm_variants": {b: backends.SHM_VARIANTS[b] for b in chosen if b in backends.SHM_VARIANTS},
                    "vllm_mq": {"max_chunk_bytes": opts.vllm_chunk_bytes, "max_chunks": opts.vllm_chunks},
                    "payload_bytes": {c.payload: payload_bytes(c) for c in cases},
                    "latency": "max over readers of (perf_counter after the receive returned the value) - "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -23,23 +23,14 @@ from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalInput
+from tensorwire.rdma import WIRE_DTYPES
 
 if TYPE_CHECKING:
     from tensorwire.mm._wire_receipt import WireReceipt
 
-# The allow-list, one place for both planes: wire enum <-> torch dtype.
-DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {
-    torch.float32: pb.FLOAT32,
-    torch.float16: pb.FLOAT16,
-    torch.bfloat16: pb.BFLOAT16,
-    torch.float64: pb.FLOAT64,
-    torch.int64: pb.INT64,
-    torch.int32: pb.INT32,
-    torch.int16: pb.INT16,
-    torch.int8: pb.INT8,
-    torch.uint8: pb.UINT8,
-    torch.bool: pb.BOOL,
-}
+# The allow-list: wire enum <-> torch dtype, built from the rdma layer's table (one table and one numbering for
+# both planes and both protos; tests/unit/test_wire_dtypes.py checks that encoder.proto's values are its values).
+DTYPE_TO_WIRE: dict[torch.dtype, pb.DType] = {dt: cast(pb.DType, wire) for dt, wire in WIRE_DTYPES.items()}
 WIRE_TO_DTYPE: dict[int, torch.dtype] = {v: k for k, v in DTYPE_TO_WIRE.items()}
 SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(DTYPE_TO_WIRE)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
-from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
+from tensorwire.rdma._dtypes import SUPPORTED_DTYPES, WIRE_DTYPES
 from tensorwire.rdma._exporter import Lease, TensorExporter
 from tensorwire.rdma._protocols import Exporter, Reader
 from tensorwire.rdma._reader import TensorReader
@@ -53,6 +53,7 @@ __all__ = [
     "PoolStats",
     "ProviderStats",
     "SUPPORTED_DTYPES",
+    "WIRE_DTYPES",
     "available_providers",
     "has_rdma",
     "known_providers",

@@ -9,7 +9,8 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
   (<= ``MAX_MANIFEST_ENTRIES``) -> DESCRIPTOR_MALFORMED / EMPTY_LEASE_ID / EMPTY_MANIFEST;
 - sizes: ``0 < payload_bytes <= max_slot_bytes`` -> OUT_OF_BOUNDS / SLOT_TOO_LARGE; slot_addr + payload_bytes
   must not wrap the 64-bit address space;
-- per tensor: known dtype (UNSUPPORTED_DTYPE); <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
+- per tensor: known dtype, and field 5 and the legacy field 2 agree when both are set (UNSUPPORTED_DTYPE);
+  <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
   itemsize computed in Python integers and capped at 2**63 (SIZE_OVERFLOW); nbytes equal to it
   (NBYTES_MISMATCH); offset a multiple of ``slot_align`` (MISALIGNED_OFFSET); offset + nbytes <= payload_bytes
   (OUT_OF_BOUNDS);
@@ -120,7 +121,8 @@ class Descriptor:
         )
         add = msg.manifest.add
         for m in self.manifest:
-            add(shape=m.shape, dtype=_dtypes.to_wire(m.dtype), offset=m.offset, nbytes=m.nbytes)
+            add(shape=m.shape, dtype=_dtypes.to_wire(m.dtype), legacy_dtype=_dtypes.to_legacy(m.dtype),
+                offset=m.offset, nbytes=m.nbytes)
         return _owner_field(self.owner) + msg.SerializeToString()
 
     @classmethod
@@ -149,10 +151,7 @@ class Descriptor:
             raise InvalidDescriptor(f"manifest has {len(wire_manifest)} entries, over {MAX_MANIFEST_ENTRIES}")
         entries = []
         for i, e in enumerate(wire_manifest):
-            dtype = _dtypes.from_wire(e.dtype)
-            if dtype is None:
-                raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}",
-                                        reason=Reason.UNSUPPORTED_DTYPE)
+            dtype = _manifest_dtype(i, e)
             shape = e.shape
             if len(shape) > MAX_DIMS:
                 raise InvalidDescriptor(f"manifest[{i}]: {len(shape)} dims, over {MAX_DIMS}")
@@ -318,6 +317,24 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(dim, 1)
     return tuple(reversed(strides))
+
+
+def _manifest_dtype(i: int, e: pb.TensorMetaPB) -> torch.dtype:
+    """The dtype of manifest entry ``i``: field 5 (the one numbering) when set, and then field 2 (legacy numbering,
+    still written for old readers) must agree when it is set too; field 2 alone from an owner that predates 5."""
+    if e.dtype:
+        dtype = _dtypes.from_wire(e.dtype)
+        if dtype is None:
+            raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
+        if e.legacy_dtype and _dtypes.from_legacy(e.legacy_dtype) is not dtype:
+            raise InvalidDescriptor(f"manifest[{i}]: dtype {e.dtype} ({_dtypes.dtype_name(dtype)}) and legacy dtype "
+                                    f"{e.legacy_dtype} disagree", reason=Reason.UNSUPPORTED_DTYPE)
+        return dtype
+    legacy = _dtypes.from_legacy(e.legacy_dtype)
+    if legacy is None:
+        raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.legacy_dtype} (legacy field; field 5 unset)",
+                                reason=Reason.UNSUPPORTED_DTYPE)
+    return legacy
 
 
 def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],

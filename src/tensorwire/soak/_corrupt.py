@@ -35,7 +35,8 @@ def _desc_mutation(fn: Callable[[dpb.DescriptorPB, random.Random], None]) -> Mut
 def _set_manifest(d: dpb.DescriptorPB, rng: random.Random, what: str) -> None:
     m = d.manifest[rng.randrange(len(d.manifest))]
     if what == "dtype":
-        m.dtype = dpb.DTYPE_UNSPECIFIED
+        m.dtype = dpb.DTYPE_UNSPECIFIED  # both numberings: a reader falls back to the legacy field alone
+        m.legacy_dtype = dpb.LEGACY_DTYPE_UNSPECIFIED
     elif what == "nbytes":
         m.nbytes = m.nbytes + rng.choice((-1, 1, 8, 4096))
     elif what == "offset":

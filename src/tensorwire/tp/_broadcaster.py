@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 import logging
+import pickle
 import sys
 import threading
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from ._connect import BACKENDS, open_transport, resolve_backend
 from ._frame import (
     CODE_OF,
     KIND_DATA,
+    S_OBJECT,
     S_TENSOR,
     SEQ,
     SEQ_AT,
@@ -41,6 +43,7 @@ from ._frame import (
     assemble,
     byte_view,
     check_inplace,
+    encode_object_prefix,
     encode_prefix,
     flatten,
     plain,
@@ -137,31 +140,25 @@ class CpuTpBroadcaster:
     # -- public API ------------------------------------------------------------------------------------------------
     def broadcast(self, value: Any = None) -> Any:
         """Rank 0: send ``value`` and return it. Other ranks: pass ``None``, get the same structure back."""
-        self._enter()
-        try:
-            if self.rank == 0:
-                if isinstance(value, torch.Tensor) and value.is_cpu:
-                    if self._transport is not None:
-                        self._send_one(plain(value))
-                    elif value.dtype not in CODE_OF:
-                        flatten(value, 0)
-                    return value
-                structure, keys, tensors = flatten(value, 0)
+        return self._guarded(self._broadcast, value)
+
+    def _broadcast(self, value: Any) -> Any:
+        if self.rank == 0:
+            if isinstance(value, torch.Tensor) and value.is_cpu:
                 if self._transport is not None:
-                    self._send(structure, keys, tensors)
+                    self._send_one(plain(value))
+                elif value.dtype not in CODE_OF:
+                    flatten(value, 0)
                 return value
-            if value is not None:
-                raise BroadcastError(f"rank {self.rank}: broadcast(value) takes None on ranks other than 0, got "
-                                     f"{type(value).__name__}; use broadcast_(tensor) to fill a tensor in place",
-                                     reason=Reason.INVALID_CONFIG)
-            return self._recv_new()
-        except _TERMINAL as exc:
-            self._fail(exc)
-            raise
-        finally:
-            if self._state is _CLOSED:
-                self._close_transport()
-            self._call_lock.release()
+            structure, keys, tensors = flatten(value, 0)
+            if self._transport is not None:
+                self._send(structure, keys, tensors)
+            return value
+        if value is not None:
+            raise BroadcastError(f"rank {self.rank}: broadcast(value) takes None on ranks other than 0, got "
+                                 f"{type(value).__name__}; use broadcast_(tensor) to fill a tensor in place",
+                                 reason=Reason.INVALID_CONFIG)
+        return self._recv_new()
 
     def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
         """In-place, fixed-shape form for hot loops: rank 0 sends ``tensor``; other ranks receive into theirs
@@ -198,6 +195,66 @@ class CpuTpBroadcaster:
             if self._state is _CLOSED:
                 self._close_transport()
             self._call_lock.release()
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Rank 0: send any picklable ``obj`` and return it. Other ranks: pass ``None``, get an equal object back.
+
+        The object is pickled once (protocol 5) straight into the transport; shm readers unpickle it straight from
+        the ring, with no copy in between. Lockstep, ownership and failures as for ``broadcast``. Unpickling runs
+        whatever rank 0 pickled: peers are checked to be our own uid (``check_peer_uid``), so only use it between
+        processes that trust each other. An object that cannot be pickled raises ``BroadcastError``
+        (``INVALID_CONFIG``) on rank 0 before anything is sent; one that cannot be unpickled on a reader, or a
+        reader that calls ``broadcast_object`` while rank 0 called ``broadcast``, is a terminal ``FrameMismatch``.
+        """
+        return self._guarded(self._broadcast_object, obj)
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        transport = self._transport
+        if self.rank == 0:
+            try:
+                data = pickle.dumps(obj, protocol=5)
+            except Exception as exc:  # pickling runs arbitrary __reduce__ code; anything can come out
+                raise BroadcastError(f"rank 0: broadcast_object cannot pickle the {type(obj).__name__}: {exc}",
+                                     reason=Reason.INVALID_CONFIG) from exc
+            if transport is not None:
+                seq = self._seq + 1
+                transport.send(seq, encode_object_prefix(seq, len(data)), (memoryview(data),), (0,), len(data))
+                self._seq = seq
+            return obj
+        if obj is not None:
+            raise BroadcastError(f"rank {self.rank}: broadcast_object(obj) takes None on ranks other than 0, got "
+                                 f"{type(obj).__name__}", reason=Reason.INVALID_CONFIG)
+        assert transport is not None  # world_size 1 has only rank 0
+        seq = self._seq + 1
+        got = transport.recv_view(seq, self._unpickle)
+        self._seq = seq
+        return got
+
+    def _guarded(self, body: Callable[[Any], Any], value: Any) -> Any:
+        """One public call around ``body(value)``: enter (lifecycle, one call at a time), fail the group on a
+        terminal error, and release the transport on the way out when a close() overlapped the call."""
+        self._enter()
+        try:
+            return body(value)
+        except _TERMINAL as exc:
+            self._fail(exc)
+            raise
+        finally:
+            if self._state is _CLOSED:
+                self._close_transport()
+            self._call_lock.release()
+
+    def _unpickle(self, layout: Layout, payload: memoryview) -> Any:
+        if layout.structure != S_OBJECT or len(layout.entries) != 1:
+            raise FrameMismatch(f"rank {self.rank}: broadcast_object expected an object, rank 0 sent "
+                                f"{len(layout.entries)} tensors (structure {layout.structure}); the ranks called "
+                                f"different methods")
+        e = layout.entries[0]
+        try:
+            return pickle.loads(payload[e.offset: e.offset + e.nbytes])
+        except Exception as exc:  # a corrupt or foreign pickle: anything can come out of unpickling
+            raise FrameMismatch(f"rank {self.rank}: cannot unpickle the object of message {layout.seq}: "
+                                f"{type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         """Release sockets, the ring and the watchdog, and tell the group. Idempotent; safe on a half-built object
@@ -259,7 +316,7 @@ class CpuTpBroadcaster:
 
     def _in_call_on_this_thread(self) -> bool:
         """Is a broadcast()/broadcast_() of ours on this thread's stack (close() from a signal handler)?"""
-        codes = (CpuTpBroadcaster.broadcast.__code__, CpuTpBroadcaster.broadcast_.__code__)
+        codes = (CpuTpBroadcaster._guarded.__code__, CpuTpBroadcaster.broadcast_.__code__)
         f: types.FrameType | None = sys._getframe(1)
         while f is not None:
             if f.f_code in codes and f.f_locals.get("self") is self:

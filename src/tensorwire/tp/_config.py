@@ -41,7 +41,12 @@ class BroadcastConfig:
     timeout_s: float | None = None  # per broadcast; None waits forever (idle TP workers legitimately wait)
     stall_warn_s: float = 30.0  # while waiting without a limit, warn this often
     connect_retry_s: float = 0.05  # sleep between connect attempts during bootstrap
-    spin_s: float = 100e-6  # shm readers poll the sequence word this long before sleeping
+    spin_s: float = 100e-6  # readers busy-poll at least this long for a message before sleeping
+    # ... and up to spin_gap_factor x the median of their recent waits, at most spin_max_s (see tp/_spin.py);
+    # 0 (or <= spin_s) keeps the fixed spin_s. The CPU of an idle reader is spin_max_s once per silence.
+    spin_max_s: float = 5e-3
+    spin_gap_factor: float = 2.0
+    futex: bool = True  # shm readers sleep on a futex on the ring's PUB word (Linux), else on their socket
     wait_poll_s: float = 0.1  # a sleeping waiter re-checks shared state (abort word, lost wake-up) this often
     slot_bytes: int = 256 * 1024  # shm ring slot, frame header included; larger frames go to the arena
     n_slots: int = 8
@@ -61,6 +66,10 @@ class BroadcastConfig:
             positive("timeout_s", self.timeout_s)
         if not (isinstance(self.spin_s, (int, float)) and 0 <= self.spin_s <= 1.0):
             raise ConfigError(f"BroadcastConfig.spin_s must be in [0, 1] seconds, got {self.spin_s!r}")
+        if not (isinstance(self.spin_max_s, (int, float)) and 0 <= self.spin_max_s <= 1.0):
+            raise ConfigError(f"BroadcastConfig.spin_max_s must be in [0, 1] seconds, got {self.spin_max_s!r}")
+        if not (isinstance(self.spin_gap_factor, (int, float)) and 1.0 <= self.spin_gap_factor <= 100.0):
+            raise ConfigError(f"BroadcastConfig.spin_gap_factor must be in [1, 100], got {self.spin_gap_factor!r}")
         slot_ok = isinstance(self.slot_bytes, int) and 4096 <= self.slot_bytes <= (1 << 30)
         if not (slot_ok and self.slot_bytes % 64 == 0):
             raise ConfigError(

@@ -15,7 +15,7 @@ from tensorwire.errors import ConfigError
 from . import _fence
 from ._config import BroadcastConfig
 from ._link import Link
-from ._paths import make_endpoint, session_digest
+from ._paths import Endpoint, make_endpoint, session_digest
 from ._ring import Ring
 from ._shm import ShmReader, ShmRoot
 from ._star import Hello, RootBootstrap, peer_bootstrap
@@ -58,6 +58,11 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
     """
     cfg = config
     endpoint = make_endpoint(session, base_dir, cfg.abstract)
+
+    def private() -> Endpoint:  # where an abstract group meets when its name is squatted (_star)
+        return make_endpoint(session, base_dir, False)
+
+    fallback = private if cfg.abstract else None
     hello = Hello(rank, world, backend, session_digest(session), params_digest(backend, cfg))
     if rank == 0:
         ring: Ring | None = None
@@ -69,11 +74,11 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
                 ring, fd = Ring.create(world, cfg.n_slots, cfg.slot_bytes, cfg.arena_bytes)
                 extra, fds = ring.size, [fd]
             root = RootBootstrap(endpoint, world, hello, cfg.init_timeout_s, cfg.socket_buffer_bytes,
-                                 cfg.check_peer_uid)
+                                 cfg.check_peer_uid, fallback)
             links = root.run(fds, extra)
             if ring is not None:
-                return ShmRoot(ring, links, endpoint, cfg, session)
-            return UdsRoot(links, endpoint, cfg, session)
+                return ShmRoot(ring, links, root.endpoint, cfg, session)
+            return UdsRoot(links, root.endpoint, cfg, session)
         except BaseException:
             for lk in links:
                 if lk is not None:
@@ -84,13 +89,14 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
         finally:
             if fd >= 0:
                 os.close(fd)  # peers received their own copy; our mapping keeps the memory
-    link, extra, fds = peer_bootstrap(endpoint, rank, hello, cfg.init_timeout_s, cfg.connect_retry_s,
-                                      cfg.socket_buffer_bytes, cfg.check_peer_uid, 1 if backend == "shm" else 0)
+    link, extra, fds, endpoint = peer_bootstrap(endpoint, rank, hello, cfg.init_timeout_s, cfg.connect_retry_s,
+                                                cfg.socket_buffer_bytes, cfg.check_peer_uid,
+                                                1 if backend == "shm" else 0, fallback)
     try:
         if backend == "shm":
             ring = Ring.attach(fds[0], extra, rank, world, cfg.n_slots, cfg.slot_bytes, cfg.arena_bytes)
             return ShmReader(ring, link, rank, endpoint, cfg)
-        return UdsReader(link, rank, endpoint, cfg)
+        return UdsReader(link, rank, endpoint, cfg, world)
     except BaseException:
         link.close()
         raise

@@ -8,9 +8,10 @@ Frame (little-endian)::
                    key_len bytes of UTF-8 key (dict keys; empty otherwise)
     payload        payload_bytes; tensor i occupies [offset_i, offset_i + nbytes_i)
 
-``kind`` is DATA (a broadcast) or ABORT (rank 0 gives up; the payload is a UTF-8 reason). The receiver validates
-every field before allocating, so a corrupt or hostile frame raises FrameMismatch instead of allocating
-terabytes. Tensor offsets are packed for the socket path and 64-byte aligned in shared memory.
+``structure`` says what the tensors form (one tensor, a list, a tuple, a dict, or, for ``broadcast_object``, one
+uint8 entry holding a pickle). ``kind`` is DATA (a broadcast) or ABORT (rank 0 gives up; the payload is a UTF-8
+reason). The receiver validates every field before allocating, so a corrupt or hostile frame raises FrameMismatch
+instead of allocating terabytes. Tensor offsets are packed for the socket path and 64-byte aligned in shared memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ KIND_DATA = 1
 KIND_ABORT = 2
 
 S_TENSOR, S_LIST, S_TUPLE, S_DICT = 0, 1, 2, 3
+S_OBJECT = 4  # broadcast_object: one uint8 entry holding a pickle (protocol 5) of the object
 
 HEADER = struct.Struct("<4sHHQIIQB7x")
 SEQ_AT = struct.calcsize("<4sHH")  # header bytes [SEQ_AT, SEQ_END) hold the sequence number
@@ -212,11 +214,11 @@ def decode_header(buf: bytes | memoryview, rank: int) -> tuple[int, int, int, in
     if magic != MAGIC or version != VERSION:
         raise FrameMismatch(f"rank {rank}: bad frame header (magic {magic!r}, version {version}); "
                             f"expected {MAGIC!r} v{VERSION}: the ranks are out of step or the stream is corrupt")
-    if kind not in (KIND_DATA, KIND_ABORT) or structure > S_DICT or n > MAX_TENSORS or table_bytes > MAX_TABLE_BYTES:
+    if kind not in (KIND_DATA, KIND_ABORT) or structure > S_OBJECT or n > MAX_TENSORS or table_bytes > MAX_TABLE_BYTES:
         raise FrameMismatch(f"rank {rank}: frame header out of range (kind {kind}, structure {structure}, "
                             f"{n} tensors, table {table_bytes} B)")
-    if structure == S_TENSOR and kind == KIND_DATA and n != 1:
-        raise FrameMismatch(f"rank {rank}: single-tensor frame carries {n} tensors")
+    if structure in (S_TENSOR, S_OBJECT) and kind == KIND_DATA and n != 1:
+        raise FrameMismatch(f"rank {rank}: single-entry frame (structure {structure}) carries {n} entries")
     return kind, seq, n, table_bytes, payload_bytes, structure
 
 
@@ -255,7 +257,16 @@ def allocate(layout: Layout) -> list[torch.Tensor]:
     return [torch.empty(e.shape, dtype=e.dtype) for e in layout.entries]
 
 
+def encode_object_prefix(seq: int, nbytes: int) -> bytes:
+    """Header + table of a ``broadcast_object`` frame: one uint8 entry of ``nbytes`` (the pickle) at offset 0."""
+    table = ENTRY.pack(CODE_OF[torch.uint8], 1, 0, 0, nbytes) + struct.pack("<q", nbytes)
+    return HEADER.pack(MAGIC, VERSION, KIND_DATA, seq, 1, len(table), nbytes, S_OBJECT) + table
+
+
 def assemble(structure: int, entries: Sequence[Entry], tensors: list[torch.Tensor]) -> Any:
+    if structure == S_OBJECT:
+        raise FrameMismatch("rank 0 sent an object (broadcast_object) where this rank called broadcast; the ranks "
+                            "called different methods")
     if structure == S_TENSOR:
         return tensors[0]
     if structure == S_LIST:

@@ -1,14 +1,27 @@
-"""Where the rendezvous socket lives: per-user private directory, session sanitizing, sun_path limit."""
+"""Where the rendezvous socket lives: per-user private directory, session sanitizing, sun_path limit.
+
+Directory, first that applies: ``base_dir=``; ``$TENSORWIRE_BROADCAST_DIR``; ``$XDG_RUNTIME_DIR/tensorwire`` when
+``$XDG_RUNTIME_DIR`` is set and is a directory we own that no one else may write (else it is ignored, with a
+warning); ``$TMPDIR/tensorwire-<uid>`` (TMPDIR defaulting to /tmp). An explicit directory (the first two) that
+fails the checks of ``ensure_private_dir`` is an error. A default one that fails them (another user pre-created
+``/tmp/tensorwire-0``, for example) is skipped with a warning for ``~/.cache/tensorwire/<host>``, which only we
+can create: every rank skips the same directories, so the group still meets, and no other user can make every
+rank fail by planting a directory.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
+import socket
 import stat
 from dataclasses import dataclass
 
 from tensorwire.errors import BootstrapError, ConfigError, Reason
+
+log = logging.getLogger(__name__)
 
 SUN_PATH_LIMIT = 108  # sizeof(sockaddr_un.sun_path) on Linux; one byte is the terminating NUL
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -32,11 +45,60 @@ def session_digest(session: str) -> bytes:
     return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def default_base_dir() -> str:
+def _xdg_runtime_dir() -> str | None:
+    """``$XDG_RUNTIME_DIR`` when it is usable: absolute, a real directory, ours, not group/world-writable."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if not xdg:
+        return None
+    problem = None
+    try:
+        st = os.lstat(xdg)
+    except OSError as exc:
+        problem = str(exc)
+    else:
+        if not os.path.isabs(xdg) or not stat.S_ISDIR(st.st_mode):
+            problem = "not an absolute path to a directory"
+        elif st.st_uid != effective_uid():
+            problem = f"owned by uid {st.st_uid}, not by us (uid {effective_uid()})"
+        elif st.st_mode & 0o022:
+            problem = f"group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem is not None:
+        log.warning("ignoring XDG_RUNTIME_DIR=%s for the broadcaster socket: %s", xdg, problem)
+        return None
+    return xdg
+
+
+def _default_dirs() -> list[str]:
+    """The default directories in order of preference (see the module docstring)."""
+    out = []
+    xdg = _xdg_runtime_dir()
+    if xdg is not None:
+        out.append(os.path.join(xdg, "tensorwire"))
+    out.append(os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{effective_uid()}"))
+    # Last resort, a directory no other user can create. Per host: a home on NFS is shared between hosts, and one
+    # host's socket file is only a stale file to another.
+    out.append(os.path.join(os.path.expanduser("~"), ".cache", "tensorwire", _UNSAFE.sub("_", socket.gethostname())))
+    return out
+
+
+def default_base_dir(leaf: str = "") -> str:
+    """The directory the socket goes in when no ``base_dir`` is given, created and checked by
+    ``ensure_private_dir``. ``leaf``: the socket's file name, whose path must fit ``sun_path`` (checked before
+    anything is created, so every rank fails the same way)."""
     explicit = os.environ.get(ENV_DIR)
     if explicit:
-        return explicit
-    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{effective_uid()}")
+        _check_length(os.path.join(os.path.abspath(explicit), leaf))
+        return ensure_private_dir(explicit)
+    refused = []
+    for candidate in _default_dirs():
+        _check_length(os.path.join(os.path.abspath(candidate), leaf))
+        try:
+            return ensure_private_dir(candidate)
+        except BootstrapError as exc:
+            log.warning("broadcaster directory skipped: %s", exc)
+            refused.append(str(exc))
+    raise BootstrapError(f"no private directory for the broadcaster socket: {'; '.join(refused)}",
+                         reason=Reason.INSECURE_PATH)
 
 
 def ensure_private_dir(path: str) -> str:
@@ -98,15 +160,23 @@ def make_endpoint(session: str, base_dir: str | None, abstract: bool) -> Endpoin
                 reason=Reason.PATH_TOO_LONG,
             )
         return Endpoint(name, "@" + name[1:].decode(), True)
-    directory = os.path.abspath(base_dir if base_dir is not None else default_base_dir())
-    path = os.path.join(directory, f"tw-{token}.sock")
+    leaf = f"tw-{token}.sock"
+    if base_dir is not None:
+        directory = os.path.abspath(base_dir)
+        # Checked before touching the file system so every rank fails the same way, with the numbers.
+        _check_length(os.path.join(directory, leaf))
+        ensure_private_dir(directory)
+    else:
+        directory = default_base_dir(leaf)
+    path = os.path.join(directory, leaf)
+    return Endpoint(path, path, False)
+
+
+def _check_length(path: str) -> None:
     n = len(os.fsencode(path))
     if n >= SUN_PATH_LIMIT:
-        # Checked before touching the file system so every rank fails the same way, with the numbers.
         raise BootstrapError(
             f"UDS path too long ({n} bytes, limit {SUN_PATH_LIMIT - 1}): {path}; "
             f"use a shorter base_dir/TMPDIR or session id, or abstract=True",
             reason=Reason.PATH_TOO_LONG,
         )
-    ensure_private_dir(directory)
-    return Endpoint(path, path, False)

@@ -3,22 +3,30 @@
 Publication protocol (sequence numbers start at 1 and only grow; message s uses slot s % n_slots)::
 
     writer (ShmRoot.send)                           reader r (ShmReader.recv)
-    wait until min(ACK) >= s - n_slots (slot free)  spin: until PUB >= s (sched_yield between polls), spin_s
-    wait for arena room (frames freed by ACKs)      then sleep: SLEEP_r = 1; full fence; re-check PUB;
-    copy frame; write slot header                           poll(socket) -> woken by a byte from rank 0
-    release fence                                   acquire fence
-    PUB = s                                         check slot.seq == s; copy payload out
-    full fence                                      release fence
-    for r with SLEEP_r == 1: send 1 byte to r       ACK_r = s
+    wait until min(ACK) >= s - n_slots (slot free)  spin: until PUB >= s (sched_yield between polls), for the
+    wait for arena room (frames freed by ACKs)            adaptive window (``_spin.SpinWindow``)
+    copy frame; write slot header                   then sleep: SLEEP_r = 2 (futex) or 1 (socket); full fence;
+    release fence                                         p = PUB; if p >= s: done; else
+    PUB = s                                               futex_wait(&PUB low 32 bits, p) or poll(socket)
+    full fence                                      acquire fence
+    if some SLEEP_r == 2: futex_wake(&PUB, all)     check slot.seq == s; copy payload out
+    for r with SLEEP_r == 1: send 1 byte to r       release fence; ACK_r = s
 
 The release/acquire pair orders the payload before PUB (writer) and PUB before the payload loads (reader); the
-reader's release before ACK keeps its loads of the slot before the writer may overwrite it. The full fences make
-the sleep hand-off a Dekker pair: either the writer sees SLEEP_r and wakes r, or r sees PUB >= s before sleeping,
-so no wake-up is lost; the sleeping reader still re-checks every ``wait_poll_s`` as a safety net. See ``_fence``
-for what the fences are on each architecture.
+reader's release before ACK keeps its loads of the slot before the writer may overwrite it.
 
-The wake-up mechanism (sleep flags plus a byte on the reader's socket) is confined to ``ShmRoot._wake`` and
-``ShmReader._sleep_until``; a futex or an adaptive wait replaces those two methods and nothing else.
+No lost wake-up. The full fences make the sleep hand-off a Dekker pair: either the writer's load of SLEEP_r sees
+the flag (and it wakes r), or r's load of PUB sees s (and r does not sleep). In the futex case, r passes the PUB
+value p it saw to FUTEX_WAIT, which the kernel compares and queues atomically with respect to FUTEX_WAKE on the
+same word: if the writer stored s before that compare, the wait returns at once; if after, r is queued before the
+writer's wake, which the flag guarantees comes. The futex word is PUB's low half, so the comparison is exact short
+of 2**32 messages between r's load and its syscall. Socket sleepers are woken by a byte, as before (the fallback
+without a futex, ``BroadcastConfig.futex=False``). Every sleep is bounded by ``wait_poll_s`` (0.1 s), after which
+the reader re-checks PUB, the abort word, its own abort (close from another thread also FUTEX_WAKEs the word) and
+whether rank 0 hung up its socket (a futex sleeper learns of rank 0's death there, within ``wait_poll_s``). See
+``_fence`` for what the fences are on each architecture.
+
+The wake-up mechanism is confined to ``ShmRoot._wake`` and ``ShmReader._sleep_until``.
 """
 
 from __future__ import annotations
@@ -29,17 +37,19 @@ import select
 import time
 from collections.abc import Sequence
 
-from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason
+from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason, TensorwireError
 
-from . import _fence
+from . import _fence, _futex
 from ._config import BroadcastConfig
 from ._frame import HEADER, KIND_DATA, LastFrame, Layout, decode_header, decode_table
 from ._link import Link, Waiter
 from ._paths import Endpoint
 from ._ring import ABORT, ABORT_PEER_DIED, ABORT_ROOT_CLOSED, PUB, SLOT_HEADER, Ring, align
-from ._transport import Into, ReaderSide, RootSide, again
+from ._spin import PREEMPTED_S, SpinWindow
+from ._transport import Into, ReaderSide, RootSide, Use, again
 
 _WAKE = b"\x01"
+ASLEEP_SOCKET, ASLEEP_FUTEX = 1, 2  # values of a reader's sleep flag
 
 
 class ShmRoot(RootSide):
@@ -57,6 +67,7 @@ class ShmRoot(RootSide):
         self._sleep_word_idx = range(len(ring.sleep_words))
         self._arena_live: collections.deque[tuple[int, int, int]] = collections.deque()  # (seq, start, end)
         self._known_ack = 0  # a lower bound of min(ACK): acks only grow, so re-read only when it is too low
+        self._pub_addr = _futex.address_of(ring.mm, PUB * 8) if _futex.AVAILABLE else 0
         super().__init__(links, endpoint, config, session)
 
     def send(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
@@ -95,7 +106,8 @@ class ShmRoot(RootSide):
         self._wake()
 
     def _wake(self) -> None:
-        """Send one wake byte to every reader whose sleep flag is set (none while readers keep up)."""
+        """Wake every reader whose sleep flag is set (none while readers keep up): one FUTEX_WAKE for all futex
+        sleepers, one byte to each socket sleeper."""
         words = self._ring.sleep_words
         for i in self._sleep_word_idx:
             if words[i]:
@@ -103,10 +115,14 @@ class ShmRoot(RootSide):
         else:
             return
         ring = self._ring
-        for r, f in enumerate(bytes(ring.mv[ring.sleep_off: ring.sleep_off + ring.world])):
-            lk = self._links[r]
-            if f and lk is not None:
-                lk.send_nowait(_WAKE)  # a full buffer already holds wake bytes; a dead peer shows elsewhere
+        flags = bytes(ring.mv[ring.sleep_off: ring.sleep_off + ring.world])
+        if self._pub_addr and ASLEEP_FUTEX in flags:
+            _futex.wake(self._pub_addr)
+        if ASLEEP_SOCKET in flags:
+            for r, f in enumerate(flags):
+                lk = self._links[r]
+                if f == ASLEEP_SOCKET and lk is not None:
+                    lk.send_nowait(_WAKE)  # a full buffer already holds wake bytes; a dead peer shows elsewhere
 
     def _min_ack(self) -> tuple[int, int]:
         ring = self._ring
@@ -166,6 +182,9 @@ class ShmRoot(RootSide):
 
     def _tell_group(self, dead: int, cause: str) -> None:
         self._ring.set_abort(ABORT_PEER_DIED if dead > 0 else ABORT_ROOT_CLOSED, dead)
+        if self._pub_addr:
+            _fence.full()
+            _futex.wake(self._pub_addr)  # futex sleepers see the abort word now, not after wait_poll_s
 
     def _release(self) -> None:
         self._ring.release()
@@ -186,6 +205,8 @@ class ShmReader(ReaderSide):
         self._last = LastFrame()
         self._hit_len = -1  # frame_len of self._last.layout when that frame sat in a slot, else -1
         self._hit_pstart = 0  # ... and its payload offset
+        self._window = SpinWindow(config.spin_s, config.spin_max_s, config.spin_gap_factor, ring.world)
+        self._futex_addr = _futex.address_of(ring.mm, PUB * 8) if config.futex and _futex.AVAILABLE else 0
 
     def recv(self, seq: int, into: Into) -> Layout:
         if self._error is not None:
@@ -193,19 +214,11 @@ class ShmReader(ReaderSide):
         w = self._w
         if w[PUB] >= seq:
             _fence.acquire()
+            self._window.record(0.0)
         else:
             self._wait_published(seq)
-        slot = seq % self._n_slots
-        h = self._hdr[slot]
+        layout, pbase = self._locate(seq)
         mv = self._mv
-        layout = None
-        if h[0] == seq and h[1] == self._hit_len and h[2] == 0:
-            # The hot loop of broadcast_: the same dtype and shape as the last message, in a slot.
-            base = self._bases[slot]
-            layout = self._last.match(mv, base, base + self._hit_len)
-            pbase = base + self._hit_pstart
-        if layout is None:
-            layout, pbase = self._frame(seq)
         entries, views = layout.entries, into(layout)
         if len(entries) == 1:  # the common case, without the loop
             e = entries[0]
@@ -218,40 +231,102 @@ class ShmReader(ReaderSide):
         w[self._ack] = seq
         return layout
 
+    def _locate(self, seq: int) -> tuple[Layout, int]:
+        """Message ``seq``'s layout and the absolute offset of its payload (published: PUB >= seq)."""
+        slot = seq % self._n_slots
+        h = self._hdr[slot]
+        if h[0] == seq and h[1] == self._hit_len and h[2] == 0:
+            # The hot loop: the same header and table (but the sequence number) as the last message, in a slot.
+            base = self._bases[slot]
+            layout = self._last.match(self._mv, base, base + self._hit_len)
+            if layout is not None:
+                return layout, base + self._hit_pstart
+        return self._frame(seq)
+
+    def recv_view(self, seq: int, use: Use) -> object:
+        """Zero-copy: ``use`` reads the payload straight from the ring; the slot is acked after it returns."""
+        if self._error is not None:
+            raise again(self._error)
+        if self._w[PUB] >= seq:
+            _fence.acquire()
+            self._window.record(0.0)
+        else:
+            self._wait_published(seq)
+        layout, pbase = self._locate(seq)
+        view = self._mv[pbase: pbase + layout.payload_bytes].toreadonly()
+        try:
+            return use(layout, view)
+        finally:
+            try:
+                view.release()
+            except BufferError:
+                pass  # ``use`` kept an export against the contract; the mapping then outlives close()
+            _fence.release()
+            self._w[self._ack] = seq
+
     def _wait_published(self, seq: int) -> None:
-        w = self._ring.w
-        spin_until = time.monotonic() + self._cfg.spin_s
-        while time.monotonic() < spin_until:
+        """Spin for the adaptive window (``_spin``), then sleep; records how long the message took to come."""
+        w = self._w
+        t0 = last = time.monotonic()
+        spin_until = t0 + self._window.budget()
+        while True:
             if w[PUB] >= seq:
                 _fence.acquire()
+                self._window.record(time.monotonic() - t0)
                 return
+            now = time.monotonic()
+            if now >= spin_until:
+                break
+            if now - last > PREEMPTED_S:  # another task had our CPU: sleeping serves us (and rank 0) better
+                self._window.preempted()
+                break
+            last = now
+            if self._error is not None:  # close() from another thread while we spin
+                raise again(self._error)
             if w[ABORT]:
                 raise self._ring.abort_error()  # type: ignore[misc]
             os.sched_yield()
         self._sleep_until(seq, self._waiter_for(seq))
+        self._window.record(time.monotonic() - t0)
+
+    def abort(self, error: TensorwireError) -> None:
+        super().abort(error)
+        if self._futex_addr:
+            _futex.wake(self._futex_addr)  # a futex sleeper is not woken by the link's shutdown
 
     def _sleep_until(self, seq: int, waiter: Waiter) -> None:
-        """Sleep on the socket until PUB >= seq: raise the flag, fence, re-check, poll (see the module docstring)."""
+        """Sleep until PUB >= seq: raise the flag, fence, re-check, then FUTEX_WAIT on PUB or poll the socket (see
+        the module docstring)."""
         ring, link = self._ring, self._link
         w, mv = ring.w, ring.mv
         me = ring.sleep_off + self._rank
         poll_s = self._cfg.wait_poll_s
+        addr = self._futex_addr
+        flag = ASLEEP_FUTEX if addr else ASLEEP_SOCKET
         poller = select.poll()
         poller.register(link.fd, select.POLLIN)
         try:
             while True:
-                mv[me] = 1
+                mv[me] = flag
                 _fence.full()
-                if w[PUB] >= seq:
+                pub = w[PUB]
+                if pub >= seq:
                     _fence.acquire()
                     return
+                if self._error is not None:  # our own abort first: rank 0's echo of it must not win
+                    raise again(self._error)
                 err = ring.abort_error()
                 if err is not None:
                     raise err
-                if self._error is not None:
-                    raise again(self._error)
                 until = waiter.check()
-                if poller.poll(max(1, int(min(until, poll_s) * 1000))) and not link.drain():
+                if addr:
+                    _futex.wait(addr, pub, min(until, poll_s))
+                    if w[PUB] >= seq or self._error is not None or w[ABORT]:
+                        continue  # the loop's checks deliver it or raise
+                    ready = poller.poll(0)  # woken for nothing, or timed out: did rank 0 hang up?
+                else:
+                    ready = poller.poll(max(1, int(min(until, poll_s) * 1000)))
+                if ready and not link.drain():
                     if w[PUB] >= seq:  # published before the hang-up: deliver it, fail on the next call
                         _fence.acquire()
                         return

@@ -7,8 +7,9 @@ Sequence (every read and write bounded by one ``init_timeout_s`` deadline)::
     accept; SO_PEERCRED uid check                   SO_PEERCRED uid check of the listener
     read HELLO  <----------------------------------  HELLO: magic, version, rank, world, backend,
                                                             session digest, params digest
-    validate: rank range, duplicate, world size, session, params
-      (on failure: REPLY(reject, reason, message) to every connected peer, clean up, raise)
+    validate: magic/version, session; then rank range, duplicate, world size, params
+      (a connection that is not one of ours is dropped and rank 0 keeps accepting; a peer of our session that
+       disagrees fails the group: REPLY(reject, reason, message) to every connected peer, clean up, raise)
     ... after all world-1 peers said HELLO:
     REPLY(ok, nonce)  ----------------------------->  read REPLY
     read echo  <------------------------------------  echo nonce          (rank 0 checks: link probe)
@@ -17,6 +18,17 @@ Sequence (every read and write bounded by one ``init_timeout_s`` deadline)::
 
 Rank 0 closes the listener as soon as every peer is in: nothing accepts later, and a new broadcaster with the same
 session can bind again after close(). No message is pickled; all structs are little-endian.
+
+Connections that are not one of ours never fail the group (issue 15, finding 9): rank 0 reads every pending
+handshake at once (poll), so a connection that sends nothing cannot hold up the others, and it drops (closes,
+with a warning, without failing) a connection from another uid, one that closes or sends garbage before its
+HELLO, one of another session, one that has not sent its HELLO within ``HELLO_TIMEOUT_S``, and the oldest pending
+one when ``MAX_PENDING`` are waiting. Bootstrap then goes on until its deadline; a timeout names what was dropped.
+
+Abstract names (``abstract=True``) can be bound by any local user first. Rank 0 then checks who holds the name:
+another uid (or a holder it cannot identify) means squatted, and the group meets at the private socket path
+(``_paths``) instead, with a warning; peers try that path whenever the abstract name refuses them or is held by
+another uid. A holder of our own uid is another group with our session: an error, as for socket files.
 """
 
 from __future__ import annotations
@@ -25,11 +37,13 @@ import errno
 import logging
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorwire.errors import BootstrapError, BootstrapTimeout, BroadcastTimeout, PeerClosed, Reason
@@ -50,6 +64,10 @@ _REASONS = [Reason.HANDSHAKE_FAILED, Reason.BAD_RANK, Reason.DUPLICATE_RANK, Rea
             Reason.PARAMS_MISMATCH, Reason.BOOTSTRAP_FAILED]
 _umask_lock = threading.Lock()
 _RETRYABLE_CONNECT = (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EINTR)
+# A connection gets this long to deliver its HELLO (a real peer sends it right after connect), and at most this
+# many connections wait for theirs at once (the oldest is dropped first): idle connections cannot pin rank 0.
+HELLO_TIMEOUT_S = 10.0
+MAX_PENDING = 64
 
 
 @dataclass(frozen=True)
@@ -61,13 +79,47 @@ class Hello:
     params_digest: bytes
 
 
-def _peer_uid_check(sock: socket.socket, who: str, my_rank: int) -> None:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
+def _peer_creds(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid, uid
+
+
+def _foreign(sock: socket.socket, who: str, my_rank: int) -> str | None:
+    """Why ``sock``'s other end is refused (it runs as another uid than ours), or None when it is ours."""
+    pid, uid = _peer_creds(sock)
     want = effective_uid()
     if uid != want:
-        raise BootstrapError(f"rank {my_rank}: {who} (pid {pid}) runs as uid {uid}, we run as uid {want}; refusing "
-                             f"the connection (SO_PEERCRED)", reason=Reason.HANDSHAKE_FAILED)
+        return (f"rank {my_rank}: {who} (pid {pid}) runs as uid {uid}, we run as uid {want}; refusing the connection "
+                f"(SO_PEERCRED)")
+    return None
+
+
+class _Dropped(BootstrapError):
+    """A connection rank 0 drops without failing the group (see the module docstring)."""
+
+
+class _Squatted(Exception):
+    """An abstract name is held by a process that is not one of ours (its message says who, as far as known)."""
+
+
+def _check_holder(endpoint: Endpoint) -> None:
+    """Who holds the abstract name ``endpoint`` that we could not bind: ``_Squatted`` for another uid or a holder
+    we cannot identify, BootstrapError for a live listener of our own uid (another group with our session)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(endpoint.address)
+        pid, uid = _peer_creds(probe)
+    except OSError as exc:
+        raise _Squatted(f"is bound by a process that does not accept connections ({exc}); we cannot tell who "
+                        f"it is") from None
+    finally:
+        probe.close()
+    if uid != effective_uid():
+        raise _Squatted(f"is held by pid {pid} of uid {uid}, not by us (uid {effective_uid()})")
+    raise BootstrapError(f"rank 0: {endpoint.display} is in use by a live broadcaster of our uid (pid {pid}); two "
+                         f"groups share one session id", reason=Reason.BOOTSTRAP_FAILED)
 
 
 def _set_buffers(sock: socket.socket, nbytes: int) -> None:
@@ -89,41 +141,71 @@ def _timeout(exc: BroadcastTimeout, rank: int, what: str, timeout_s: float) -> B
                             reason=Reason.BOOTSTRAP_TIMEOUT)
 
 
+class _Pending:
+    """An accepted connection whose HELLO has not fully arrived."""
+
+    __slots__ = ("link", "since", "who")
+
+    def __init__(self, link: Link, since: float, who: str) -> None:
+        self.link = link
+        self.since = since
+        self.who = who
+
+
 class RootBootstrap:
-    """Rank 0's half. ``run()`` returns one Link per peer (index = peer rank; index 0 is None)."""
+    """Rank 0's half. ``run()`` returns one Link per peer (index = peer rank; index 0 is None). ``fallback``
+    builds the private socket-file endpoint an abstract endpoint falls back to when its name is squatted;
+    ``endpoint`` is where the group met once ``run()`` returns."""
 
     def __init__(self, endpoint: Endpoint, world: int, hello: Hello, timeout_s: float, sock_buf: int,
-                 check_uid: bool) -> None:
+                 check_uid: bool, fallback: Callable[[], Endpoint] | None = None) -> None:
         self.endpoint = endpoint
         self.world = world
         self.hello = hello
         self.timeout_s = timeout_s
         self.sock_buf = sock_buf
         self.check_uid = check_uid
+        self.fallback = fallback
         self.listener: socket.socket | None = None
         self.bound_path: str | None = None
+        self.dropped: list[str] = []  # why each dropped connection was dropped, for the timeout message
 
     def _bind(self) -> socket.socket:
+        try:
+            return self._bind_to(self.endpoint)
+        except _Squatted as squat:
+            if self.fallback is None:
+                raise BootstrapError(f"rank 0: cannot listen on {self.endpoint.display}: {squat}",
+                                     reason=Reason.BOOTSTRAP_FAILED) from None
+            private = self.fallback()
+            log.warning("rank 0: abstract socket %s %s; the group meets at %s instead", self.endpoint.display, squat,
+                        private.display)
+            self.endpoint = private
+            return self._bind_to(private)
+
+    def _bind_to(self, endpoint: Endpoint) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            path = self.endpoint.path
+            path = endpoint.path
             if path is not None:
                 _remove_stale(path)
             with _umask_lock:  # umask is process-wide; 0o177 makes the socket file 0600 from birth
                 old = os.umask(0o177)
                 try:
-                    s.bind(self.endpoint.address)
+                    s.bind(endpoint.address)
                 finally:
                     os.umask(old)
             if path is not None:
                 self.bound_path = path
                 os.chmod(path, 0o600)
-            s.listen(self.world)
+            s.listen(max(self.world, MAX_PENDING))
             s.setblocking(False)
         except OSError as exc:
             s.close()
             self.cleanup_listener()
-            raise BootstrapError(f"rank 0: cannot listen on {self.endpoint.display}: {exc}",
+            if endpoint.is_abstract and exc.errno == errno.EADDRINUSE:
+                _check_holder(endpoint)  # raises _Squatted unless the holder is one of ours
+            raise BootstrapError(f"rank 0: cannot listen on {endpoint.display}: {exc}",
                                  reason=Reason.BOOTSTRAP_FAILED) from exc
         except BaseException:
             s.close()
@@ -144,46 +226,60 @@ class RootBootstrap:
     def run(self, ready_fds: list[int], ready_extra: int) -> list[Link | None]:
         deadline = time.monotonic() + self.timeout_s
         links: list[Link | None] = [None] * self.world
-        pending: list[socket.socket] = []
+        pending: dict[int, _Pending] = {}
+        if not self.check_uid:
+            log.warning("rank 0: the SO_PEERCRED uid check is off (check_peer_uid=False): any local user who can "
+                        "reach %s can join or disrupt this group; unsafe outside a single-user machine",
+                        self.endpoint.display)
         self.listener = self._bind()
-        import select
-
         poller = select.poll()
         poller.register(self.listener.fileno(), select.POLLIN)
         try:
             connected = 0
             while connected < self.world - 1:
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     missing = [r for r in range(1, self.world) if links[r] is None]
+                    dropped = (f"; dropped {len(self.dropped)} connection(s) that were not peers of this group: "
+                               f"{'; '.join(self.dropped[-4:])}" if self.dropped else "")
                     raise BootstrapTimeout(
                         f"rank 0: accept timed out after {self.timeout_s:.3f} s on {self.endpoint.display} while "
                         f"waiting for peer {connected + 1}/{self.world - 1} (missing ranks {missing}); did every rank "
-                        f"start with the same session and world_size?", reason=Reason.BOOTSTRAP_TIMEOUT)
-                if not poller.poll(max(1, int(min(remaining, 1.0) * 1000))):
-                    continue
-                try:
-                    conn, _ = self.listener.accept()
-                except (BlockingIOError, InterruptedError):
-                    continue
-                pending.append(conn)
-                conn.setblocking(False)
-                _set_buffers(conn, self.sock_buf)
-                if self.check_uid:
-                    _peer_uid_check(conn, "a connecting peer", 0)
-                link = Link(conn, 0, -1)
-                try:
+                        f"start with the same session and world_size?{dropped}", reason=Reason.BOOTSTRAP_TIMEOUT)
+                for fd, p in list(pending.items()):
+                    if now - p.since > HELLO_TIMEOUT_S:
+                        self._drop(pending, poller, fd, f"{p.who} sent no handshake within {HELLO_TIMEOUT_S:.0f} s")
+                wait_s = min(remaining, 1.0, *(p.since + HELLO_TIMEOUT_S - now for p in pending.values()))
+                for fd, _ev in poller.poll(max(1, int(wait_s * 1000))):
+                    if fd == self.listener.fileno():
+                        self._accept(pending, poller)
+                        continue
+                    waiting = pending.get(fd)
+                    if waiting is None:
+                        continue
+                    try:
+                        waiting.link.fill(None)
+                    except PeerClosed:
+                        self._drop(pending, poller, fd, f"{waiting.who} closed before completing its handshake")
+                        continue
+                    if waiting.link.buffered() < HELLO.size:
+                        continue
+                    link = waiting.link
                     raw = link.read_exact(HELLO.size, _boot_waiter(0, "handshake read", deadline, self.timeout_s))
-                except BroadcastTimeout as exc:
-                    raise _timeout(exc, 0, "reading a peer's handshake", self.timeout_s) from exc
-                except PeerClosed as exc:
-                    raise BootstrapError(f"rank 0: a peer closed its connection before the handshake ({exc})",
-                                         reason=Reason.HANDSHAKE_FAILED) from exc
-                peer = self._validate(raw, links, link)
-                link.peer = peer
-                links[peer] = link
-                pending.remove(conn)
-                connected += 1
+                    del pending[fd]
+                    poller.unregister(fd)
+                    try:
+                        peer = self._validate(raw, links, link)
+                    except _Dropped as exc:
+                        self._note_drop(f"{waiting.who}: {exc}")
+                        continue
+                    link.peer = peer
+                    links[peer] = link
+                    connected += 1
+            for p in pending.values():
+                p.link.close()
+            pending.clear()
             # Two-way link probe: every peer echoes a fresh nonce; then READY carries it back.
             nonce = secrets.token_bytes(8)
             for r in range(1, self.world):
@@ -224,10 +320,47 @@ class RootBootstrap:
                 if lk is not None:
                     _reject(lk, reason, str(exc))
                     lk.close()
-            for conn in pending:
-                conn.close()
+            for p in pending.values():
+                p.link.close()
             self.cleanup_listener()
             raise
+
+    def _accept(self, pending: dict[int, _Pending], poller: select.poll) -> None:
+        """Accept every connection waiting on the listener; drop at once those of another uid."""
+        assert self.listener is not None
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # ECONNABORTED, EMFILE, ...: that one connection is lost, not the group
+                self._note_drop(f"accept failed: {exc}")
+                return
+            pid, uid = _peer_creds(conn)
+            who = f"a connection from pid {pid} (uid {uid})"
+            if self.check_uid and uid != effective_uid():
+                conn.close()  # not a word to another user's process
+                self._note_drop(f"{who} runs as another uid than ours ({effective_uid()}) (SO_PEERCRED)")
+                continue
+            if len(pending) >= MAX_PENDING:
+                oldest = min(pending, key=lambda fd: pending[fd].since)
+                self._drop(pending, poller, oldest, f"{pending[oldest].who} was the oldest of {MAX_PENDING} "
+                                                    f"connections waiting for their handshake")
+            conn.setblocking(False)
+            _set_buffers(conn, self.sock_buf)
+            link = Link(conn, 0, -1)
+            pending[link.fd] = _Pending(link, time.monotonic(), who)
+            poller.register(link.fd, select.POLLIN)
+
+    def _drop(self, pending: dict[int, _Pending], poller: select.poll, fd: int, why: str) -> None:
+        p = pending.pop(fd)
+        poller.unregister(fd)
+        p.link.close()
+        self._note_drop(why)
+
+    def _note_drop(self, why: str) -> None:
+        log.warning("rank 0: dropped a connection during bootstrap, still accepting: %s", why)
+        self.dropped.append(why)
 
     def _send(self, lk: Link, data: bytes, deadline: float) -> None:
         try:
@@ -247,11 +380,16 @@ class RootBootstrap:
             link.close()
             return BootstrapError(msg, reason=reason)
 
+        def drop(reason: Reason, msg: str) -> _Dropped:
+            _reject(link, reason, msg)  # it may be a broadcaster that can report why; we go on accepting
+            link.close()
+            return _Dropped(msg, reason=reason)
+
         if magic != HELLO_MAGIC or version != PROTO_VERSION:
-            raise fail(Reason.HANDSHAKE_FAILED, f"rank 0: bad handshake from a peer (magic {magic!r}, version "
+            raise drop(Reason.HANDSHAKE_FAILED, f"rank 0: bad handshake from a peer (magic {magic!r}, version "
                                                 f"{version}); is it a tensorwire broadcaster of the same version?")
         if session != me.session_digest:
-            raise fail(Reason.SESSION_MISMATCH, f"rank 0: peer rank {rank} belongs to a different session (its "
+            raise drop(Reason.SESSION_MISMATCH, f"rank 0: peer rank {rank} belongs to a different session (its "
                                                 f"session id differs from ours, though both map to "
                                                 f"{self.endpoint.display})")
         if not 0 < rank < self.world:
@@ -299,35 +437,18 @@ def _remove_stale(path: str) -> None:
 
 
 def peer_bootstrap(endpoint: Endpoint, rank: int, hello: Hello, timeout_s: float, retry_s: float, sock_buf: int,
-                   check_uid: bool, want_fds: int) -> tuple[Link, int, list[int]]:
-    """Rank k's half: returns the link to rank 0, READY's extra field and the fds passed with it."""
+                   check_uid: bool, want_fds: int, fallback: Callable[[], Endpoint] | None = None,
+                   ) -> tuple[Link, int, list[int], Endpoint]:
+    """Rank k's half: returns the link to rank 0, READY's extra field, the fds passed with it, and the endpoint
+    the group met at (``fallback()`` when rank 0 had to leave a squatted abstract name for it)."""
     deadline = time.monotonic() + timeout_s
-    attempts = 0
-    last: OSError | None = None
-    while True:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            _set_buffers(s, sock_buf)
-            s.connect(endpoint.address)
-            break
-        except OSError as exc:
-            s.close()
-            attempts += 1
-            last = exc
-            if exc.errno not in _RETRYABLE_CONNECT:
-                raise BootstrapError(f"rank {rank}: connect({endpoint.display}) failed: {exc}",
-                                     reason=Reason.BOOTSTRAP_FAILED) from exc
-            if time.monotonic() + retry_s > deadline:
-                raise BootstrapTimeout(
-                    f"rank {rank}: connect({endpoint.display}) failed after {attempts} attempts in "
-                    f"{timeout_s:.3f} s: {last}; is rank 0 running with the same session?",
-                    reason=Reason.BOOTSTRAP_TIMEOUT) from exc
-            time.sleep(retry_s)
+    if not check_uid:
+        log.warning("rank %d: the SO_PEERCRED uid check is off (check_peer_uid=False): whoever listens on %s gets "
+                    "this rank's handshake and feeds it broadcasts; unsafe outside a single-user machine", rank,
+                    endpoint.display)
+    s, endpoint = _connect_root(endpoint, fallback, rank, timeout_s, retry_s, sock_buf, check_uid, deadline)
     link = Link(s, rank, 0)
     try:
-        if check_uid:
-            _peer_uid_check(s, "rank 0's listener", rank)
-
         def waiter(what: str) -> Waiter:
             return _boot_waiter(rank, what, deadline, timeout_s)
 
@@ -364,7 +485,7 @@ def peer_bootstrap(endpoint: Endpoint, rank: int, hello: Hello, timeout_s: float
                     os.close(fd)
                 raise BootstrapError(f"rank {rank}: READY carried {len(fds)} fds, expected {want_fds}",
                                      reason=Reason.HANDSHAKE_FAILED)
-            return link, extra, fds
+            return link, extra, fds, endpoint
         except BroadcastTimeout as exc:
             raise _timeout(exc, rank, "during the handshake with rank 0", timeout_s) from exc
         except PeerClosed as exc:
@@ -375,9 +496,56 @@ def peer_bootstrap(endpoint: Endpoint, rank: int, hello: Hello, timeout_s: float
         raise
 
 
-def _recv_ready(link: Link, want_fds: int, waiter: Waiter) -> tuple[bytes, list[int]]:
-    import select
+def _connect_root(endpoint: Endpoint, fallback: Callable[[], Endpoint] | None, rank: int, timeout_s: float,
+                  retry_s: float, sock_buf: int, check_uid: bool, deadline: float) -> tuple[socket.socket, Endpoint]:
+    """A socket connected to rank 0's listener (of our uid when ``check_uid``) and the endpoint it is at.
 
+    An abstract endpoint with a ``fallback``: when the name refuses us or is held by another uid (squatted), the
+    private path is tried too on every round, since rank 0 may have moved there (see the module docstring)."""
+    targets = [endpoint]
+    squat_noted = False
+    attempts = 0
+    last: OSError | None = None
+    while True:
+        for ep in targets:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                _set_buffers(s, sock_buf)
+                s.connect(ep.address)
+            except OSError as exc:
+                s.close()
+                last = exc
+                if exc.errno not in _RETRYABLE_CONNECT:
+                    raise BootstrapError(f"rank {rank}: connect({ep.display}) failed: {exc}",
+                                         reason=Reason.BOOTSTRAP_FAILED) from exc
+                continue
+            why = _foreign(s, "rank 0's listener", rank) if check_uid else None
+            if why is None:
+                return s, ep
+            s.close()
+            if not (ep.is_abstract and fallback is not None):
+                raise BootstrapError(why, reason=Reason.HANDSHAKE_FAILED)
+            if not squat_noted:
+                log.warning("%s: the abstract name is squatted; looking for rank 0 at the private path too", why)
+                squat_noted = True
+            last = ConnectionRefusedError(why)
+        attempts += 1
+        if fallback is not None and endpoint.is_abstract and len(targets) == 1:
+            try:
+                targets.append(fallback())
+            except BootstrapError as exc:  # no private path here: the abstract name is all there is
+                log.warning("rank %d: no private path to fall back to if %s is squatted: %s", rank,
+                            endpoint.display, exc)
+                fallback = None
+        if time.monotonic() + retry_s > deadline:
+            where = " or ".join(ep.display for ep in targets)
+            raise BootstrapTimeout(
+                f"rank {rank}: connect({where}) failed after {attempts} attempts in {timeout_s:.3f} s: {last}; is "
+                f"rank 0 running with the same session?", reason=Reason.BOOTSTRAP_TIMEOUT) from last
+        time.sleep(retry_s)
+
+
+def _recv_ready(link: Link, want_fds: int, waiter: Waiter) -> tuple[bytes, list[int]]:
     poller = select.poll()
     poller.register(link.fd, select.POLLIN)
     while True:

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 BYE = b"BYE!"  # a reader's goodbye to rank 0's watchdog
 Into = Callable[[Layout], Sequence[memoryview]]
+Use = Callable[[Layout, memoryview], object]
 
 
 def again(error: TensorwireError) -> TensorwireError:
@@ -74,6 +75,23 @@ class Transport(abc.ABC):
     def recv(self, seq: int, into: Into) -> Layout:
         """A reader: receive message ``seq`` into the views ``into(layout)`` returns; returns its layout."""
         raise BroadcastError("recv() is a reader's; this is rank 0's transport", reason=Reason.INVALID_CONFIG)
+
+    def recv_view(self, seq: int, use: Use) -> object:
+        """A reader: receive message ``seq`` and return ``use(layout, payload)``, ``payload`` a read-only view of its
+        ``payload_bytes`` (entries at their offsets). The view is valid only during the call: ``use`` must copy
+        what it keeps and hold no export of it after it returns (shm passes the ring itself, with no copy; the
+        message's slot is released once ``use`` returns or raises). Errors as ``recv``, plus whatever ``use`` raises.
+        This default receives into one buffer through ``recv``."""
+        buf = bytearray(0)
+
+        def into(layout: Layout) -> Sequence[memoryview]:
+            buf.extend(bytes(layout.payload_bytes))
+            mv = memoryview(buf)
+            return [mv[e.offset: e.offset + e.nbytes] for e in layout.entries]
+
+        layout = self.recv(seq, into)
+        with memoryview(buf) as mv:
+            return use(layout, mv.toreadonly())
 
     @abc.abstractmethod
     def abort(self, error: TensorwireError) -> None:

@@ -17,6 +17,7 @@ from ._config import BroadcastConfig
 from ._frame import HEADER, KIND_ABORT, LastFrame, Layout, decode_header, decode_table, encode_abort, frame_seq
 from ._link import Link, Waiter
 from ._paths import Endpoint
+from ._spin import SpinWindow
 from ._transport import Into, ReaderSide, RootSide, again
 
 
@@ -76,9 +77,10 @@ class UdsReader(ReaderSide):
 
     align = 1
 
-    def __init__(self, link: Link, rank: int, endpoint: Endpoint, config: BroadcastConfig) -> None:
+    def __init__(self, link: Link, rank: int, endpoint: Endpoint, config: BroadcastConfig, world: int) -> None:
         super().__init__(link, rank, endpoint, config)
         self._last = LastFrame()
+        self._window = SpinWindow(config.spin_s, config.spin_max_s, config.spin_gap_factor, world)
 
     def recv(self, seq: int, into: Into) -> Layout:
         if self._error is not None:
@@ -97,9 +99,13 @@ class UdsReader(ReaderSide):
             return self._waiter_for(seq)
 
         if link.buffered() < HEADER.size:
-            spin_until = time.monotonic() + self._cfg.spin_s
+            t0 = time.monotonic()
+            spin_until = t0 + self._window.budget()
             while link.buffered() < HEADER.size:
                 link.fill(waiter, spin_until)
+            self._window.record(time.monotonic() - t0)
+        else:
+            self._window.record(0.0)
         last = self._last
         buf, start, end = link.window()
         layout = last.match(buf, start, end)

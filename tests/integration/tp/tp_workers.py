@@ -409,3 +409,12 @@ def _timed(fn: Any) -> float:
     t0 = time.monotonic()
     fn()
     return time.monotonic() - t0
+
+
+def real_where(rank: int, world: int, base: str | None, session: str = "s", init_timeout_s: float = 60) -> list[str]:
+    """One broadcast; returns [the value, where the group met] (``base=None``: the default directory rules)."""
+    with CpuTpBroadcaster(rank, world, session, backend="uds", base_dir=base, init_timeout_s=init_timeout_s) as b:
+        t = torch.tensor([42]) if rank == 0 else None
+        value = str(int(b.broadcast(t)[0]))
+        assert b.endpoint is not None
+        return [value, b.endpoint.display]

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorwire.errors import InvalidDescriptor, Reason
-from tensorwire.rdma import Descriptor, Owner, TensorMeta
+from tensorwire.rdma import Descriptor, Owner, TensorMeta, _dtypes
 from tensorwire.rdma._descriptor import MAX_DESCRIPTOR_BYTES, MAX_DIMS, MAX_MANIFEST_ENTRIES
 from tensorwire.rdma._proto import descriptor_pb2 as pb
 
@@ -53,9 +53,7 @@ def test_wire_form_is_one_message_and_follows_the_owner() -> None:
         mem_type=pb.MEM_DRAM, device_id=d.device_id, slot_addr=d.slot_addr, payload_bytes=d.payload_bytes,
         lease_id=d.lease_id, generation=d.generation, generation_addr=d.generation_addr)
     for e in d.manifest:
-        whole.manifest.add(shape=list(e.shape), dtype={torch.float32: pb.DTYPE_FLOAT32,
-                                                       torch.bfloat16: pb.DTYPE_BFLOAT16,
-                                                       torch.int64: pb.DTYPE_INT64}[e.dtype],
+        whole.manifest.add(shape=list(e.shape), dtype=_dtypes.to_wire(e.dtype), legacy_dtype=_dtypes.to_legacy(e.dtype),
                            offset=e.offset, nbytes=e.nbytes)
     parsed = pb.DescriptorPB()
     parsed.ParseFromString(d.to_bytes())
@@ -180,6 +178,7 @@ def test_unspecified_dtype_is_rejected_on_the_wire() -> None:
     msg = pb.DescriptorPB()
     msg.ParseFromString(valid().to_bytes())
     msg.manifest[0].dtype = pb.DTYPE_UNSPECIFIED
+    msg.manifest[0].legacy_dtype = pb.LEGACY_DTYPE_UNSPECIFIED  # alone it is an old owner's descriptor
     with pytest.raises(InvalidDescriptor) as info:
         Descriptor.from_bytes(msg.SerializeToString())
     assert info.value.reason is Reason.UNSUPPORTED_DTYPE

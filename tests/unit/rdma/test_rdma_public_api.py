@@ -12,7 +12,7 @@ from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 
 RDMA_ALL = [
     "RdmaConfig", "TensorExporter", "TensorReader", "Exporter", "Reader", "Descriptor", "TensorMeta", "Owner",
-    "Lease", "ExporterStats", "ReaderStats", "PoolStats", "ProviderStats", "SUPPORTED_DTYPES",
+    "Lease", "ExporterStats", "ReaderStats", "PoolStats", "ProviderStats", "SUPPORTED_DTYPES", "WIRE_DTYPES",
     "available_providers", "has_rdma", "known_providers", "register_provider", "is_staged_gpu_transport",
 ]
 PROVIDERS_ALL = [

@@ -89,10 +89,37 @@ def test_session_sanitizing_and_digest():
 
 def test_tmpdir_is_honoured(monkeypatch, tmp_path):
     monkeypatch.delenv(P.ENV_DIR, raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     assert P.default_base_dir() == os.path.join(str(tmp_path), f"tensorwire-{os.geteuid()}")
-    monkeypatch.setenv(P.ENV_DIR, "/x/y")
-    assert P.default_base_dir() == "/x/y"
+    monkeypatch.setenv(P.ENV_DIR, str(tmp_path / "explicit"))
+    assert P.default_base_dir() == str(tmp_path / "explicit")
+
+
+@pytest.mark.parametrize("problem", ["group-writable", "missing", "file"])
+def test_unusable_xdg_runtime_dir_is_ignored(monkeypatch, tmp_path, problem):
+    monkeypatch.delenv(P.ENV_DIR, raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    xdg = tmp_path / "xdg"
+    if problem == "group-writable":
+        xdg.mkdir()
+        os.chmod(xdg, 0o770)
+    elif problem == "file":
+        xdg.write_text("")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert P.default_base_dir() == os.path.join(str(tmp_path / "tmp"), f"tensorwire-{os.geteuid()}")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/dir")
+    assert P.default_base_dir() == os.path.join(str(tmp_path / "tmp"), f"tensorwire-{os.geteuid()}")
+
+
+def test_explicit_dir_that_fails_the_checks_is_an_error_not_skipped(monkeypatch, tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    monkeypatch.setenv(P.ENV_DIR, str(d))
+    with pytest.raises(BootstrapError) as ei:
+        P.default_base_dir()
+    assert ei.value.reason is Reason.INSECURE_PATH
 
 
 def test_private_dir_is_created_0700(tmp_path):

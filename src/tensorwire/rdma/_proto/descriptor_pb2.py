@@ -15,21 +15,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'tensorwire/rdma/_proto/descriptor.proto\x12\x0ftensorwire.rdma\"d\n\x0cTensorMetaPB\x12\r\n\x05shape\x18\x01 \x03(\x03\x12%\n\x05\x64type\x18\x02 \x01(\x0e\x32\x16.tensorwire.rdma.DType\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"m\n\x07OwnerPB\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x1a\n\x12registration_epoch\x18\x04 \x01(\x04\x12\x16\n\x0emetadata_token\x18\x05 \x01(\x0c\"\xa1\x02\n\x0c\x44\x65scriptorPB\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\'\n\x05owner\x18\x02 \x01(\x0b\x32\x18.tensorwire.rdma.OwnerPB\x12*\n\x08mem_type\x18\x03 \x01(\x0e\x32\x18.tensorwire.rdma.MemType\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x11\n\tslot_addr\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x17\n\x0fgeneration_addr\x18\t \x01(\x04\x12/\n\x08manifest\x18\n \x03(\x0b\x32\x1d.tensorwire.rdma.TensorMetaPB*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0e\n\nDTYPE_INT8\x10\x05\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0f\n\x0b\x44TYPE_INT32\x10\x08\x12\x0f\n\x0b\x44TYPE_INT64\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*:\n\x07MemType\x12\x13\n\x0fMEM_UNSPECIFIED\x10\x00\x12\x0c\n\x08MEM_DRAM\x10\x01\x12\x0c\n\x08MEM_VRAM\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'tensorwire/rdma/_proto/descriptor.proto\x12\x0ftensorwire.rdma\"\x98\x01\n\x0cTensorMetaPB\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\x32\n\x0clegacy_dtype\x18\x02 \x01(\x0e\x32\x1c.tensorwire.rdma.LegacyDType\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12%\n\x05\x64type\x18\x05 \x01(\x0e\x32\x16.tensorwire.rdma.DType\"m\n\x07OwnerPB\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x1a\n\x12registration_epoch\x18\x04 \x01(\x04\x12\x16\n\x0emetadata_token\x18\x05 \x01(\x0c\"\xa1\x02\n\x0c\x44\x65scriptorPB\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\'\n\x05owner\x18\x02 \x01(\x0b\x32\x18.tensorwire.rdma.OwnerPB\x12*\n\x08mem_type\x18\x03 \x01(\x0e\x32\x18.tensorwire.rdma.MemType\x12\x11\n\tdevice_id\x18\x04 \x01(\r\x12\x11\n\tslot_addr\x18\x05 \x01(\x04\x12\x15\n\rpayload_bytes\x18\x06 \x01(\x04\x12\x10\n\x08lease_id\x18\x07 \x01(\t\x12\x12\n\ngeneration\x18\x08 \x01(\x04\x12\x17\n\x0fgeneration_addr\x18\t \x01(\x04\x12/\n\x08manifest\x18\n \x03(\x0b\x32\x1d.tensorwire.rdma.TensorMetaPB*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x11\n\rDTYPE_FLOAT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\xe6\x01\n\x0bLegacyDType\x12\x1c\n\x18LEGACY_DTYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0eLEGACY_FLOAT32\x10\x01\x12\x12\n\x0eLEGACY_FLOAT16\x10\x02\x12\x13\n\x0fLEGACY_BFLOAT16\x10\x03\x12\x12\n\x0eLEGACY_FLOAT64\x10\x04\x12\x0f\n\x0bLEGACY_INT8\x10\x05\x12\x10\n\x0cLEGACY_UINT8\x10\x06\x12\x10\n\x0cLEGACY_INT16\x10\x07\x12\x10\n\x0cLEGACY_INT32\x10\x08\x12\x10\n\x0cLEGACY_INT64\x10\t\x12\x0f\n\x0bLEGACY_BOOL\x10\n*:\n\x07MemType\x12\x13\n\x0fMEM_UNSPECIFIED\x10\x00\x12\x0c\n\x08MEM_DRAM\x10\x01\x12\x0c\n\x08MEM_VRAM\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tensorwire.rdma._proto.descriptor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=566
-  _globals['_DTYPE']._serialized_end=773
-  _globals['_MEMTYPE']._serialized_start=775
-  _globals['_MEMTYPE']._serialized_end=833
-  _globals['_TENSORMETAPB']._serialized_start=60
-  _globals['_TENSORMETAPB']._serialized_end=160
-  _globals['_OWNERPB']._serialized_start=162
-  _globals['_OWNERPB']._serialized_end=271
-  _globals['_DESCRIPTORPB']._serialized_start=274
-  _globals['_DESCRIPTORPB']._serialized_end=563
+  _globals['_DTYPE']._serialized_start=619
+  _globals['_DTYPE']._serialized_end=826
+  _globals['_LEGACYDTYPE']._serialized_start=829
+  _globals['_LEGACYDTYPE']._serialized_end=1059
+  _globals['_MEMTYPE']._serialized_start=1061
+  _globals['_MEMTYPE']._serialized_end=1119
+  _globals['_TENSORMETAPB']._serialized_start=61
+  _globals['_TENSORMETAPB']._serialized_end=213
+  _globals['_OWNERPB']._serialized_start=215
+  _globals['_OWNERPB']._serialized_end=324
+  _globals['_DESCRIPTORPB']._serialized_start=327
+  _globals['_DESCRIPTORPB']._serialized_end=616
 # @@protoc_insertion_point(module_scope)

@@ -14,12 +14,26 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT16: _ClassVar[DType]
     DTYPE_INT8: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
-    DTYPE_INT16: _ClassVar[DType]
-    DTYPE_INT32: _ClassVar[DType]
-    DTYPE_INT64: _ClassVar[DType]
     DTYPE_BOOL: _ClassVar[DType]
+
+class LegacyDType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LEGACY_DTYPE_UNSPECIFIED: _ClassVar[LegacyDType]
+    LEGACY_FLOAT32: _ClassVar[LegacyDType]
+    LEGACY_FLOAT16: _ClassVar[LegacyDType]
+    LEGACY_BFLOAT16: _ClassVar[LegacyDType]
+    LEGACY_FLOAT64: _ClassVar[LegacyDType]
+    LEGACY_INT8: _ClassVar[LegacyDType]
+    LEGACY_UINT8: _ClassVar[LegacyDType]
+    LEGACY_INT16: _ClassVar[LegacyDType]
+    LEGACY_INT32: _ClassVar[LegacyDType]
+    LEGACY_INT64: _ClassVar[LegacyDType]
+    LEGACY_BOOL: _ClassVar[LegacyDType]
 
 class MemType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,27 +45,40 @@ DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_FLOAT64: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DTYPE_INT16: DType
 DTYPE_INT8: DType
 DTYPE_UINT8: DType
-DTYPE_INT16: DType
-DTYPE_INT32: DType
-DTYPE_INT64: DType
 DTYPE_BOOL: DType
+LEGACY_DTYPE_UNSPECIFIED: LegacyDType
+LEGACY_FLOAT32: LegacyDType
+LEGACY_FLOAT16: LegacyDType
+LEGACY_BFLOAT16: LegacyDType
+LEGACY_FLOAT64: LegacyDType
+LEGACY_INT8: LegacyDType
+LEGACY_UINT8: LegacyDType
+LEGACY_INT16: LegacyDType
+LEGACY_INT32: LegacyDType
+LEGACY_INT64: LegacyDType
+LEGACY_BOOL: LegacyDType
 MEM_UNSPECIFIED: MemType
 MEM_DRAM: MemType
 MEM_VRAM: MemType
 
 class TensorMetaPB(_message.Message):
-    __slots__ = ("shape", "dtype", "offset", "nbytes")
+    __slots__ = ("shape", "legacy_dtype", "offset", "nbytes", "dtype")
     SHAPE_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LEGACY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     shape: _containers.RepeatedScalarFieldContainer[int]
-    dtype: DType
+    legacy_dtype: LegacyDType
     offset: int
     nbytes: int
-    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    dtype: DType
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., legacy_dtype: _Optional[_Union[LegacyDType, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class OwnerPB(_message.Message):
     __slots__ = ("agent_name", "host", "port", "registration_epoch", "metadata_token")

@@ -1,0 +1,147 @@
+"""``ECConfig``: every setting of the vLLM connector and its default, from ``ec_connector_extra_config``.
+
+Precedence: the ``ec_connector_extra_config`` key > ``TENSORWIRE_VLLM_EC_<KEY>`` in the environment > the default
+here. vLLM does not coerce extra-config values, so strings from a CLI ("5000", "true") are accepted for numbers
+and booleans. An unknown key is a ConfigError naming the known ones (a typo must not silently keep a default).
+No vLLM import: the settings are testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tensorwire.errors import ConfigError
+
+ENV_PREFIX = "TENSORWIRE_VLLM_EC_"
+FALLBACKS = ("local", "fail")
+
+
+@dataclass(frozen=True)
+class ECConfig:
+    """Connector settings (both roles read the same keys; each uses its own).
+
+    Producer (encoder instance): ``host``/``port`` bind the held-outputs gRPC service (port 0: the OS picks;
+    needs no fixed port, the scheduler learns it from a file under ``runtime_dir``); ``rdma_port`` is the RDMA
+    metadata endpoint's port (0: any; fix it to open one port in a firewall); ``advertise_host`` is the
+    host written into ``ec_transfer_params`` and into the RDMA descriptors (default: ``host`` when it is a specific
+    address, else this host's detected address; the RDMA metadata endpoint follows ``host``); ``lease_ttl_ms`` is
+    how long an item stays exported without being released (the rdma slot GC);
+    ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced).
+
+    Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every
+    rank holding the tensors (lookup, reads, the hold on the request); ``lookup_timeout_ms`` and
+    ``release_timeout_ms`` bound the two control RPCs; ``fetch_threads`` items are fetched at once;
+    ``failures_to_open`` consecutive endpoint faults open an endpoint's breaker for ``open_seconds``;
+    ``fallback``: ``local`` encodes an item locally when the request still carries its media (else the request
+    fails), ``fail`` always fails the request.
+
+    Both: ``device`` (``auto``: the worker's device; ``cpu`` or ``cuda:N``), ``rdma_provider`` (``auto``, ``nixl``,
+    ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
+    ``$TMPDIR/tensorwire-vllm``), ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
+    worker of TP rank r on N + 1 + r).
+    """
+
+    host: str = "0.0.0.0"
+    port: int = 0
+    rdma_port: int = 0
+    advertise_host: str = ""
+    lease_ttl_ms: int = 60000
+    pool_cap_bytes: int = 8 * 1024**3
+    fetch_timeout_ms: int = 10000
+    lookup_timeout_ms: int = 2000
+    release_timeout_ms: int = 1000
+    fetch_threads: int = 4
+    failures_to_open: int = 3
+    open_seconds: float = 30.0
+    fallback: str = "local"
+    device: str = "auto"
+    rdma_provider: str = "auto"
+    runtime_dir: str = ""
+    metrics_port: int = 0
+
+    def __post_init__(self) -> None:
+        _int("port", self.port, 0, 65535)
+        _int("rdma_port", self.rdma_port, 0, 65535)
+        _int("lease_ttl_ms", self.lease_ttl_ms, 1, 86_400_000)
+        _int("pool_cap_bytes", self.pool_cap_bytes, 1, 1 << 52)
+        _int("fetch_timeout_ms", self.fetch_timeout_ms, 1, 3_600_000)
+        _int("lookup_timeout_ms", self.lookup_timeout_ms, 1, 3_600_000)
+        _int("release_timeout_ms", self.release_timeout_ms, 1, 3_600_000)
+        _int("fetch_threads", self.fetch_threads, 1, 256)
+        _int("failures_to_open", self.failures_to_open, 1, 1_000_000)
+        _int("metrics_port", self.metrics_port, 0, 65535)
+        if not isinstance(self.open_seconds, (int, float)) or not 0 < self.open_seconds <= 86_400:
+            raise ConfigError(f"ec_connector_extra_config.open_seconds={self.open_seconds!r}: expected (0, 86400]")
+        if self.fallback not in FALLBACKS:
+            raise ConfigError(f"ec_connector_extra_config.fallback={self.fallback!r}: expected one of {FALLBACKS}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"ec_connector_extra_config.host={self.host!r}: expected an address to bind")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda:")):
+            raise ConfigError(f"ec_connector_extra_config.device={self.device!r}: expected auto, cpu or cuda:N")
+
+    @property
+    def effective_runtime_dir(self) -> str:
+        return self.runtime_dir or os.path.join(tempfile.gettempdir(), "tensorwire-vllm")
+
+    @classmethod
+    def known_keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None) -> ECConfig:
+        """Build from ``ec_connector_extra_config`` (plus ``TENSORWIRE_VLLM_EC_*``); ConfigError on a bad key."""
+        extra = dict(extra or {})
+        environ = os.environ if environ is None else environ
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(f"ec_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        kwargs: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in extra:
+                raw, where = extra[name], f"ec_connector_extra_config.{name}"
+            elif ENV_PREFIX + name.upper() in environ:
+                raw, where = environ[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper()
+            else:
+                continue
+            kwargs[name] = _coerce(raw, f.type, where)
+        return cls(**kwargs)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(raw: Any, typ: Any, where: str) -> Any:
+    typ = typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))
+    try:
+        if typ == "int":
+            if isinstance(raw, bool):
+                raise ValueError("a boolean is not an integer")
+            return int(raw, 0) if isinstance(raw, str) else int(raw)
+        if typ == "float":
+            return float(raw)
+        if typ == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{raw!r} is not a boolean")
+        return str(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}={raw!r}: expected {typ} ({exc})") from exc
+
+
+def _int(name: str, value: object, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"ec_connector_extra_config.{name}={value!r}: expected an integer in [{lo}, {hi}]")
+
+
+__all__ = ["ECConfig", "ENV_PREFIX", "FALLBACKS"]

@@ -1,0 +1,337 @@
+"""The LLM side's fetch of one item: lookup -> every rank stages it -> the grant is released.
+
+Who reads: every tensor-parallel rank needs the tensors in its own process (its own GPU). The scheduler side
+looks the item up once (one control RPC to the encoder instance), then hands the receipt to one *stager* per
+rank; each stager reads the item with its own ``TensorReader`` (into its own device) and answers only when the
+tensors are local. The grant goes back to the encoder instance when the last rank has answered, success or
+not (:class:`RankCountdown`, a reference count with one reference per rank); the encoder's TTL GC is the
+backstop for a release that is lost. Only when every rank succeeded is the item delivered; the scheduler then
+announces it to vLLM, so a failed read never reaches a worker.
+
+Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor) and
+:class:`RemoteStager` (the Staging gRPC service of a worker process, over a unix socket: the multiprocess
+executor, which is vLLM's default on CPU even at TP=1, and any TP > 1).
+
+Budget: ``fetch_timeout_ms`` from the start of the fetch covers the lookup (at most ``lookup_timeout_ms``) and
+every rank's read; the release has its own ``release_timeout_ms``. A breaker per endpoint
+(``tensorwire.mm.BreakerBoard``) stops trying an encoder instance after ``failures_to_open`` consecutive faults;
+a missing item (released early, expired: reason ``not_held``) and budget exhaustion do not count as faults.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from tensorwire.errors import DeadlineExceeded, ReadTimeout, Reason, TensorwireError
+from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.integrations._vllm_ec.metrics import ECMetrics
+from tensorwire.integrations._vllm_ec.params import ItemGrant
+from tensorwire.mm._breaker import BreakerBoard
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm._store_rpc import HeldStoreClient, StagingClient
+
+log = logging.getLogger(__name__)
+
+# Failures that say nothing about the encoder instance's health.
+# (A lookup that times out at lookup_timeout_ms is DEADLINE_EXCEEDED, a fault; one cut short by the item's
+# budget is BUDGET_EXHAUSTED.)
+_NEUTRAL = frozenset({Reason.NOT_HELD, Reason.BUDGET_EXHAUSTED, Reason.CLOSED, Reason.RESULT_MISMATCH,
+                      Reason.INVALID_REQUEST})
+
+
+class Stager(Protocol):
+    """One rank's staging area, local or behind a socket. ``stage`` raises on failure."""
+
+    name: str
+
+    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int: ...
+
+    def drop(self, keys: Sequence[str]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalStager:
+    """A StagingArea in this process (vLLM's uniproc executor: the worker shares the scheduler's process)."""
+
+    def __init__(self, area: StagingArea, name: str = "rank0") -> None:
+        self.area = area
+        self.name = name
+
+    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
+        return self.area.stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
+
+    def drop(self, keys: Sequence[str]) -> None:
+        self.area.drop(keys)
+
+    def close(self) -> None:
+        pass  # the area belongs to the worker side
+
+
+class RemoteStager:
+    """A worker process's Staging service (unix socket)."""
+
+    def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0) -> None:
+        self.client = StagingClient(address)
+        self.name = name
+        self._drop_timeout_s = drop_timeout_s
+
+    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
+        return self.client.stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
+
+    def drop(self, keys: Sequence[str]) -> None:
+        self.client.drop(keys, timeout_s=self._drop_timeout_s)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RankCountdown:
+    """Calls ``release`` once, when every one of ``ranks`` has reported ``done`` (success or failure).
+
+    ``done(rank)`` is idempotent per rank, so a retried or duplicated report cannot release early; ``force()``
+    releases now (the fetch gave up on a rank that never answers). Thread-safe.
+    """
+
+    def __init__(self, ranks: int, release: Callable[[], None]) -> None:
+        if ranks < 1:
+            raise ValueError("RankCountdown needs at least one rank")
+        self._ranks = ranks
+        self._left = set(range(ranks))
+        self._release = release
+        self._lock = threading.Lock()
+        self._fired = False
+
+    @property
+    def outstanding(self) -> int:
+        with self._lock:
+            return len(self._left)
+
+    @property
+    def released(self) -> bool:
+        with self._lock:
+            return self._fired
+
+    def done(self, rank: int) -> bool:
+        """Marks ``rank`` done; True when this call released."""
+        with self._lock:
+            if not 0 <= rank < self._ranks:
+                raise ValueError(f"rank {rank} is not in [0, {self._ranks})")
+            self._left.discard(rank)
+            fire = not self._left and not self._fired
+            self._fired = self._fired or fire
+        if fire:
+            self._release()
+        return fire
+
+    def force(self) -> bool:
+        with self._lock:
+            fire = not self._fired
+            self._fired = True
+            self._left.clear()
+        if fire:
+            self._release()
+        return fire
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """``ok``: every rank holds the item under ``staging_key``. Else ``reason``/``error`` say why."""
+
+    ok: bool
+    staging_key: str
+    plane: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    reason: Reason | None = None
+    error: str = ""
+
+
+class Fetcher:
+    """Runs item fetches on a thread pool; the scheduler polls the futures (it never blocks on one)."""
+
+    def __init__(self, cfg: ECConfig, stagers: Sequence[Stager], metrics: ECMetrics, *,
+                 breakers: BreakerBoard | None = None, support_rdma: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not stagers:
+            raise ValueError("Fetcher needs at least one stager (one per rank)")
+        self._cfg = cfg
+        self._stagers = list(stagers)
+        self._metrics = metrics
+        self._support_rdma = support_rdma
+        self._clock = clock
+        self.breakers = breakers or BreakerBoard("endpoint", cfg.failures_to_open, cfg.open_seconds)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.fetch_threads, thread_name_prefix="tensorwire-ec-fetch")
+        # Ranks other than the first stage in parallel on their own threads (the fetch thread takes rank 0).
+        self._rank_pool = (ThreadPoolExecutor(max_workers=max(1, cfg.fetch_threads * (len(self._stagers) - 1)),
+                                              thread_name_prefix="tensorwire-ec-rank")
+                           if len(self._stagers) > 1 else None)
+        self._side_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorwire-ec-release")
+        self._clients: dict[str, HeldStoreClient] = {}
+        self._clients_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def ranks(self) -> int:
+        return len(self._stagers)
+
+    def start(self, grant: ItemGrant, staging_key: str, expect: Expect) -> Future[FetchResult]:
+        deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
+        return self._pool.submit(self._run, grant, staging_key, expect, deadline)
+
+    def release_async(self, grants: Sequence[ItemGrant]) -> None:
+        """Gives grants back without reading them (the item came another way, or is no longer needed)."""
+        for g in grants:
+            if not self._closed:
+                self._side_pool.submit(self._release, g)
+
+    def drop_async(self, staging_keys: Sequence[str]) -> None:
+        """Forgets staged items on every rank."""
+        keys = list(staging_keys)
+        if keys and not self._closed:
+            self._side_pool.submit(self._drop_all, keys)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Queued releases still go out (they end leases on encoder instances); running fetches finish.
+        for pool in (self._pool, self._rank_pool, self._side_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=False)
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+        for s in self._stagers:
+            s.close()
+
+    # -- internals --
+
+    def _client(self, endpoint: str) -> HeldStoreClient:
+        with self._clients_lock:
+            c = self._clients.get(endpoint)
+            if c is None:
+                c = self._clients[endpoint] = HeldStoreClient(endpoint)
+            return c
+
+    def _remaining_ms(self, deadline: float) -> int:
+        return int((deadline - self._clock()) * 1000)
+
+    def _run(self, grant: ItemGrant, key: str, expect: Expect, deadline: float) -> FetchResult:
+        t0 = self._clock()
+        endpoint = grant.endpoint
+        if not self.breakers.allow(endpoint):
+            self.release_async([grant])  # best effort: the endpoint is failing, the TTL GC is the backstop
+            return self._failed(key, t0, Reason.BREAKER_OPEN, f"breaker open for {endpoint}")
+        try:
+            receipt = self._lookup(grant, deadline)
+        except TensorwireError as exc:
+            self._judge(endpoint, exc.reason)
+            if exc.reason is not Reason.NOT_HELD:
+                self.release_async([grant])  # the owner may still hold it (lookup timed out, say)
+            return self._failed(key, t0, exc.reason, str(exc))
+        countdown = RankCountdown(len(self._stagers), lambda: self._release(grant))
+        try:
+            result = self._stage_everywhere(grant, key, receipt, expect, deadline, countdown)
+        finally:
+            countdown.force()  # no-op when every rank reported; otherwise a rank never answered
+        if result.ok:
+            self.breakers.record_success(endpoint)
+        else:
+            self._judge(endpoint, result.reason or Reason.UNKNOWN)
+        return result
+
+    def _lookup(self, grant: ItemGrant, deadline: float) -> pb.EncodeResponse:
+        remaining = self._remaining_ms(deadline)
+        budget_s = min(self._cfg.lookup_timeout_ms, remaining) / 1000.0
+        if budget_s <= 0:
+            raise DeadlineExceeded("no budget left for the lookup", reason=Reason.BUDGET_EXHAUSTED)
+        try:
+            (outcome,) = self._client(grant.endpoint).lookup([(grant.key, grant.secret)], timeout_s=budget_s,
+                                                              support_rdma=self._support_rdma)
+        except DeadlineExceeded as exc:
+            if remaining < self._cfg.lookup_timeout_ms:
+                raise DeadlineExceeded(str(exc), reason=Reason.BUDGET_EXHAUSTED) from exc
+            raise
+        if outcome.error is not None:
+            raise outcome.error
+        assert outcome.receipt is not None
+        return outcome.receipt
+
+    def _stage_everywhere(self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect,
+                          deadline: float, countdown: RankCountdown) -> FetchResult:
+        t0 = self._clock()
+        plane = "rdma" if receipt.rdma_slots else "inline"
+
+        def one(rank: int) -> int:
+            try:
+                timeout_ms = self._remaining_ms(deadline)
+                if timeout_ms <= 0:
+                    raise ReadTimeout("no budget left for the read", reason=Reason.BUDGET_EXHAUSTED)
+                return self._stagers[rank].stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
+            finally:
+                countdown.done(rank)
+
+        others: list[Future[int]] = []
+        if self._rank_pool is not None:
+            others = [self._rank_pool.submit(one, r) for r in range(1, len(self._stagers))]
+        errors: list[tuple[int, BaseException]] = []
+        staged: list[int] = []
+        nbytes = 0
+        try:
+            nbytes += one(0)
+            staged.append(0)
+        except Exception as exc:
+            errors.append((0, exc))
+        for r, fut in enumerate(others, start=1):
+            wait_s = max(0.0, deadline - self._clock()) + 2.0  # a stager answers within its read budget
+            try:
+                nbytes += fut.result(timeout=wait_s)
+                staged.append(r)
+            except Exception as exc:
+                errors.append((r, exc))
+        if not errors:
+            return FetchResult(True, key, plane=plane, nbytes=nbytes, seconds=self._clock() - t0)
+        if staged:
+            self.drop_async([key])  # the ranks that have it must not keep it
+        rank, first = errors[0]
+        reason = first.reason if isinstance(first, TensorwireError) else Reason.UNKNOWN
+        if isinstance(first, TimeoutError) and not isinstance(first, TensorwireError):
+            reason = Reason.READ_TIMEOUT
+        return self._failed(key, t0, reason, f"rank {self._stagers[rank].name}: {first}", plane=plane)
+
+    def _judge(self, endpoint: str, reason: Reason) -> None:
+        if reason in _NEUTRAL:
+            self.breakers.record_neutral(endpoint)
+        else:
+            self.breakers.record_failure(endpoint)
+
+    def _failed(self, key: str, t0: float, reason: Reason, error: str, plane: str = "") -> FetchResult:
+        return FetchResult(False, key, plane=plane, seconds=self._clock() - t0, reason=reason, error=error)
+
+    def _release(self, grant: ItemGrant) -> None:
+        try:
+            n = self._client(grant.endpoint).release([(grant.key, grant.secret)],
+                                                     timeout_s=self._cfg.release_timeout_ms / 1000.0)
+            self._metrics.releases.labels("ok" if n else "unknown").inc()
+        except Exception as exc:
+            self._metrics.releases.labels("failed").inc()
+            log.info("release of an item grant on %s failed (%s); its TTL GC reclaims it", grant.endpoint, exc)
+
+    def _drop_all(self, keys: list[str]) -> None:
+        for s in self._stagers:
+            try:
+                s.drop(keys)
+            except Exception as exc:
+                log.warning("dropping %d staged item(s) on %s failed: %s", len(keys), s.name, exc)
+
+
+__all__ = ["Stager", "LocalStager", "RemoteStager", "RankCountdown", "FetchResult", "Fetcher"]

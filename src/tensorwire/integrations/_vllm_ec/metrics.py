@@ -1,0 +1,85 @@
+"""Prometheus metrics of the vLLM connector (``tensorwire_vllm_ec_*``), bounded labels only.
+
+Labels: ``plane`` (rdma/inline), ``reason`` (a :class:`~tensorwire.errors.Reason` value), ``outcome`` (fixed
+strings below). Never mm_hashes, endpoints, secrets or request ids.
+
+Each vLLM process registers its own (the scheduler side lives in the EngineCore process, workers in theirs).
+Under ``vllm serve`` (which sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the engine) prometheus_client's
+multiprocess mode writes them where vLLM's ``/metrics`` collects them; otherwise ``metrics_port`` serves a
+process's registry. Gauges use ``livesum`` so that multiprocess mode sums the live processes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class ECMetrics:
+    """The connector's metric family; one instance per registry (``metrics_for``)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else REGISTRY
+        self.registry = reg
+        # encoder instance
+        self.saved = Counter("tensorwire_vllm_ec_saved_total",
+                             "Encoder outputs exported into the held-outputs store, by plane", ["plane"],
+                             registry=reg)
+        self.save_failures = Counter("tensorwire_vllm_ec_save_failures_total",
+                                     "Encoder outputs that could not be exported (not announced), by reason",
+                                     ["reason"], registry=reg)
+        self.grants = Counter("tensorwire_vllm_ec_grants_total",
+                              "Grants by event: issued (scheduler), announced (in ec_transfer_params), "
+                              "revoked (request did not finish)", ["event"], registry=reg)
+        self.held_items = Gauge("tensorwire_vllm_ec_held_items", "Items held for LLM instances right now",
+                                registry=reg, multiprocess_mode="livesum")
+        self.held_bytes = Gauge("tensorwire_vllm_ec_held_bytes", "Bytes held for LLM instances right now",
+                                registry=reg, multiprocess_mode="livesum")
+        # LLM instance
+        self.fetches = Counter("tensorwire_vllm_ec_fetches_total",
+                               "Item fetches by outcome (delivered: every rank holds it; failed)", ["outcome"],
+                               registry=reg)
+        self.delivered = Counter("tensorwire_vllm_ec_delivered_total",
+                                 "Items every rank holds, by the plane that carried them", ["plane"], registry=reg)
+        self.bytes = Counter("tensorwire_vllm_ec_bytes_total", "Payload bytes staged (all ranks), by plane",
+                             ["plane"], registry=reg)
+        self.fetch_seconds = Histogram("tensorwire_vllm_ec_fetch_seconds",
+                                       "From the start of a fetch to every rank holding the item",
+                                       buckets=_BUCKETS, registry=reg)
+        self.fallbacks = Counter("tensorwire_vllm_ec_fallbacks_total",
+                                 "Items encoded locally instead (the request carried the media), by reason",
+                                 ["reason"], registry=reg)
+        self.unavailable = Counter("tensorwire_vllm_ec_unavailable_requests_total",
+                                   "Requests failed through vLLM (an item could not be fetched and the request "
+                                   "had no media to encode), by reason", ["reason"], registry=reg)
+        self.releases = Counter("tensorwire_vllm_ec_releases_total",
+                                "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: "
+                                "the encoder no longer held it)", ["outcome"], registry=reg)
+        self.held_requests = Gauge("tensorwire_vllm_ec_waiting_requests",
+                                   "Requests held back while their items are fetched", registry=reg,
+                                   multiprocess_mode="livesum")
+        self.placed = Counter("tensorwire_vllm_ec_placed_total",
+                              "Items a worker placed into vLLM's encoder cache", registry=reg)
+        self.place_misses = Counter("tensorwire_vllm_ec_place_misses_total",
+                                    "Items announced to a worker that it did not hold (a bug: vLLM then fails "
+                                    "with an encoder cache miss)", registry=reg)
+
+
+_lock = threading.Lock()
+_by_registry: dict[int, ECMetrics] = {}
+
+
+def metrics_for(registry: CollectorRegistry | None) -> ECMetrics:
+    """The shared ECMetrics of ``registry`` (None: prometheus_client's default registry)."""
+    reg = registry if registry is not None else REGISTRY
+    with _lock:
+        m = _by_registry.get(id(reg))
+        if m is None:
+            m = _by_registry[id(reg)] = ECMetrics(reg)
+        return m
+
+
+__all__ = ["ECMetrics", "metrics_for"]

@@ -1,0 +1,240 @@
+"""Per-process pieces of the connector: servers, staging areas, unix sockets, the endpoint rendezvous.
+
+vLLM builds one connector per role and process, and the two halves of one instance may or may not share a
+process (uniproc executor: yes; multiprocess executor, vLLM's default on CPU: no). Whatever must be shared
+between the halves, or found by the other process, lives here, keyed by the *instance name*
+``<engine_id>-dp<data parallel rank>`` (vLLM hands every process of an instance the same ``engine_id``):
+
+- Producer: the worker (first rank) owns a :class:`ProducerRuntime` (exporter, HeldStore, its gRPC server).
+  Its scheduler finds the endpoint in this process's registry, else in ``<runtime_dir>/<name>.producer.json``
+  (written atomically by the worker at start-up, removed at shutdown), else from a fixed ``port``.
+- Consumer: each worker rank owns a :class:`StagingRuntime` (StagingArea on the rank's device). When the
+  scheduler is in another process it serves the Staging service on ``unix:<runtime_dir>/<name>-tp<rank>.sock``
+  (the directory is created 0700: the socket is the access control); in the same process the scheduler uses
+  the area directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from tensorwire.errors import ConfigError, ExportError, Reason
+from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.mm._staging import StagingArea
+from tensorwire.mm._store import HeldStore
+from tensorwire.mm._store_rpc import StoreServer, serve_store
+from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
+from tensorwire.rdma._endpoint import detect, is_wildcard
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_producers: dict[str, ProducerRuntime] = {}
+_staging: dict[tuple[str, int], StagingRuntime] = {}
+_metrics_servers: set[int] = set()
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_MAX_SLOT = 1024**3
+
+
+def instance_name(engine_id: str | None, dp_rank: int) -> str:
+    return f"{_SAFE.sub('_', str(engine_id or 'engine'))[:64]}-dp{int(dp_rank)}"
+
+
+def runtime_dir(cfg: ECConfig) -> Path:
+    """The directory for sockets and rendezvous files, created 0700 and checked to be this user's."""
+    path = Path(cfg.effective_runtime_dir)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise ConfigError(f"runtime_dir {path} must be owned by uid {os.getuid()} with mode 0700 (it holds the "
+                          "connector's sockets); set ec_connector_extra_config.runtime_dir",
+                          reason=Reason.INSECURE_PATH)
+    return path
+
+
+def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
+    # control_host: the metadata endpoint follows the store's gRPC address, and advertises what the store's
+    # endpoint advertises (the rules of tensorwire.rdma._endpoint, docs/deployment.md "Addresses").
+    return RdmaConfig(provider=cfg.rdma_provider, device=device, slot_gc_timeout_ms=cfg.lease_ttl_ms,
+                      pool_cap_bytes=cfg.pool_cap_bytes, max_slot_bytes=min(_MAX_SLOT, cfg.pool_cap_bytes),
+                      control_host=cfg.host, advertise_host=cfg.advertise_host, port=cfg.rdma_port)
+
+
+def _advertise(cfg: ECConfig) -> str:
+    """The host written into ec_transfer_params: ``advertise_host``, a specific ``host``, else the address the
+    RDMA metadata endpoint detects too (the default route's source address), so both planes name one host."""
+    if cfg.advertise_host:
+        return cfg.advertise_host
+    if not is_wildcard(cfg.host):
+        return cfg.host
+    return detect()[0]
+
+
+class ProducerRuntime:
+    """The encoder instance's exporter, held-outputs store and gRPC server (in the exporting worker)."""
+
+    def __init__(self, cfg: ECConfig, name: str, device: str,
+                 on_change: Callable[[int, int], None] | None = None) -> None:
+        self.name = name
+        self._file: Path | None = None
+        self.exporter: TensorExporter | None = None
+        self.store: HeldStore | None = None
+        self.server: StoreServer | None = None
+        try:
+            try:
+                self.exporter = TensorExporter(_rdma_config(cfg, device))
+            except ExportError as exc:
+                if exc.reason is not Reason.PROVIDER_UNAVAILABLE:
+                    raise
+                log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC",
+                            exc)
+            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change)
+            self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg))
+            self.endpoint = self.server.address
+            if cfg.port == 0:
+                self._file = runtime_dir(cfg) / f"{name}.producer.json"
+                tmp = self._file.with_suffix(f".tmp{os.getpid()}")
+                tmp.write_text(json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}))
+                os.replace(tmp, self._file)
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensorwire EC producer %s: held outputs on %s (%s, device %s, ttl %d ms)", name, self.endpoint,
+                 "rdma" if self.exporter is not None else "inline", device, cfg.lease_ttl_ms)
+
+    def close(self) -> None:
+        if self._file is not None:
+            try:
+                self._file.unlink()
+            except OSError:
+                pass
+            self._file = None
+        if self.server is not None:
+            self.server.stop(0.5)
+            self.server = None
+        if self.store is not None:
+            self.store.close()
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+
+
+def producer_runtime(cfg: ECConfig, name: str, device: str,
+                     on_change: Callable[[int, int], None] | None = None) -> ProducerRuntime:
+    with _lock:
+        rt = _producers.get(name)
+        if rt is None:
+            rt = _producers[name] = ProducerRuntime(cfg, name, device, on_change)
+        return rt
+
+
+def producer_endpoint(cfg: ECConfig, name: str) -> str | None:
+    """Where the instance's store is: this process, the rendezvous file, or the fixed port; None if unknown."""
+    with _lock:
+        rt = _producers.get(name)
+    if rt is not None:
+        return rt.endpoint
+    if cfg.port:
+        return f"{_advertise(cfg)}:{cfg.port}"
+    try:
+        data = json.loads((runtime_dir(cfg) / f"{name}.producer.json").read_text())
+        endpoint = data.get("endpoint")
+        return endpoint if isinstance(endpoint, str) and endpoint else None
+    except (OSError, ValueError):
+        return None
+
+
+def close_producer(name: str) -> None:
+    with _lock:
+        rt = _producers.pop(name, None)
+    if rt is not None:
+        rt.close()
+
+
+def staging_address(cfg: ECConfig, name: str, rank: int) -> str:
+    path = runtime_dir(cfg) / f"{name}-tp{int(rank)}.sock"
+    if len(str(path)) > 100:
+        raise ConfigError(f"socket path {path} is too long for a unix socket; set a shorter runtime_dir",
+                          reason=Reason.PATH_TOO_LONG)
+    return f"unix:{path}"
+
+
+class StagingRuntime:
+    """One consumer rank's StagingArea (reader on the rank's device), served on a socket when asked."""
+
+    def __init__(self, cfg: ECConfig, name: str, rank: int, device: str, *, serve: bool) -> None:
+        rdma = _rdma_config(cfg, device)
+        factory = None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma))
+        self.area = StagingArea(factory, device=device)
+        self.server: StoreServer | None = None
+        self._socket: Path | None = None
+        try:
+            if serve:
+                address = staging_address(cfg, name, rank)
+                self._socket = Path(address[len("unix:"):])
+                if self._socket.exists():
+                    self._socket.unlink()  # a dead instance's socket under the same name
+                self.server = serve_store(address, staging=self.area, threads=max(4, cfg.fetch_threads))
+            # The NIXL agent takes a fraction of a second to build: do it now, not in the first fetch.
+            threading.Thread(target=self.area.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensorwire EC consumer %s rank %d: staging on %s (device %s)", name, rank,
+                 self.server.address if self.server else "this process", device)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop(0.5)
+            self.server = None
+        if self._socket is not None:
+            try:
+                self._socket.unlink()
+            except OSError:
+                pass
+            self._socket = None
+        self.area.close()
+
+
+def staging_runtime(cfg: ECConfig, name: str, rank: int, device: str, *, serve: bool) -> StagingRuntime:
+    with _lock:
+        rt = _staging.get((name, rank))
+        if rt is None:
+            rt = _staging[(name, rank)] = StagingRuntime(cfg, name, rank, device, serve=serve)
+        return rt
+
+
+def close_staging(name: str, rank: int) -> None:
+    with _lock:
+        rt = _staging.pop((name, rank), None)
+    if rt is not None:
+        rt.close()
+
+
+def serve_metrics(port: int) -> None:
+    """Serves this process's default Prometheus registry on ``port`` (once per port and process)."""
+    if port <= 0:
+        return
+    with _lock:
+        if port in _metrics_servers:
+            return
+        _metrics_servers.add(port)
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(port)
+        log.info("tensorwire EC metrics on :%d", port)
+    except OSError as exc:
+        log.warning("cannot serve metrics on port %d: %s", port, exc)
+
+
+__all__ = ["instance_name", "runtime_dir", "ProducerRuntime", "producer_runtime", "producer_endpoint",
+           "close_producer", "StagingRuntime", "staging_runtime", "close_staging", "staging_address",
+           "serve_metrics"]

