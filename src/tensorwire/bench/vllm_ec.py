@@ -13,7 +13,8 @@ Paths, alternated item by item in one run (the machine is noisy; each round star
   exports into the connector's held store (gRPC in that process) and builds the ``ec_transfer_params``; the LLM
   process parses them and runs the connector's ``Fetcher`` (Lookup RPC, RDMA read into the staging area with
   the equality check; the Release RPC after the last rank, queued off the critical path as in the
-  connector: the fetch answers once the item is staged). ``--stager local``: the staging area in the LLM process (vLLM's uniproc executor, GPU TP=1);
+  connector: the fetch answers once the item is staged). ``--stager local``: the staging area in the LLM
+  process (vLLM's uniproc executor, GPU TP=1);
   ``remote``: in a worker process behind a unix socket (the multiprocess executor, vLLM's default on CPU).
 - ``file_tmpfs`` / ``file_disk``: ``ECExampleConnector``'s library calls (safetensors ``save_file`` of
   ``{"ec_cache": t.detach().cpu()}`` into ``<dir>/<mm_hash>/encoder_cache.safetensors``, ``os.path.exists``,
@@ -24,7 +25,8 @@ Stages per item (``time.monotonic_ns``, one clock for every process of a host): 
 export + params, or the save), ``notify`` (the params / the mm_hash over a pipe: the stand-in for the request
 travelling through a router; the same for every path), ``consume`` (LLM side up to the equal tensor),
 ``total`` (their sum, the headline; for tensorwire also ``staged``: until the LLM process's staging area holds
-the checked tensor, and ``answer``: from there until the fetch's future answers the caller), ``cleanup`` (after, not in ``total``: dropping
+the checked tensor, and ``answer``: from there until the fetch's future answers the caller), ``cleanup``
+(after, not in ``total``: dropping
 the staged item, or deleting the file, which vLLM's example connector never does: without it the series would
 fill the disk).
 
@@ -479,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                  "tensor in the LLM process (after the element-wise check), CLOCK_MONOTONIC across processes; "
                  "medians over items; paths alternate item by item, each round starting with another path; "
                  "tensorwire runs the connector's ProducerScheduler/ProducerWorker/ProducerRuntime and Fetcher "
-                 "(the fetch answers once staged; the Release RPC goes out after, off the critical path); the file paths make ECExampleConnector's safetensors "
+                 "(the fetch answers once staged; the Release RPC goes out after, off the critical path); the "
+                 "file paths make ECExampleConnector's safetensors "
                  "and os calls; cleanup (drop / delete) is timed apart and not in total; ratios: file median "
                  "total over tensorwire's",
     }
