@@ -191,7 +191,10 @@ class Fetcher:
 
     def start(self, grant: ItemGrant, staging_key: str, expect: Expect) -> Future[FetchResult]:
         deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
-        return self._pool.submit(self._run, grant, staging_key, expect, deadline)
+        fut: Future[FetchResult] = Future()
+        fut.set_running_or_notify_cancel()
+        self._pool.submit(self._answer_then_release, fut, grant, staging_key, expect, deadline)
+        return fut
 
     def release_async(self, grants: Sequence[ItemGrant]) -> None:
         """Gives grants back without reading them (the item came another way, or is no longer needed)."""
@@ -238,7 +241,23 @@ class Fetcher:
     def _remaining_ms(self, deadline: float) -> int:
         return int((deadline - self._clock()) * 1000)
 
-    def _run(self, grant: ItemGrant, key: str, expect: Expect, deadline: float) -> FetchResult:
+    def _answer_then_release(self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect,
+                             deadline: float) -> None:
+        """Runs the fetch, answers ``fut``, and only then queues the release, so that the caller wakes before the
+        release thread does (on a loaded machine each wake-up can cost a scheduler slice)."""
+        later: list[ItemGrant] = []
+        try:
+            fut.set_result(self._run(grant, key, expect, deadline, later))
+        except BaseException as exc:
+            fut.set_exception(exc)
+        finally:
+            for g in later:
+                self._release_later(g)
+
+    def _run(self, grant: ItemGrant, key: str, expect: Expect, deadline: float,
+             later: list[ItemGrant]) -> FetchResult:
+        """One fetch; the grant's release is appended to ``later`` (the countdown fires before this returns:
+        every rank answered, or ``force``)."""
         t0 = self._clock()
         endpoint = grant.endpoint
         if not self.breakers.allow(endpoint):
@@ -251,7 +270,7 @@ class Fetcher:
             if exc.reason is not Reason.NOT_HELD:
                 self.release_async([grant])  # the owner may still hold it (lookup timed out, say)
             return self._failed(key, t0, exc.reason, str(exc))
-        countdown = RankCountdown(len(self._stagers), lambda: self._release_later(grant))
+        countdown = RankCountdown(len(self._stagers), lambda: later.append(grant))
         try:
             result = self._stage_everywhere(grant, key, receipt, expect, deadline, countdown)
         finally:
