@@ -70,6 +70,18 @@ def summarize(samples_s: Sequence[float]) -> dict[str, float]:
     }
 
 
+def bench_tls(directory: str | Path) -> tuple[Any, Any]:
+    """(server, client) ``TlsConfig`` for an mTLS benchmark: a throwaway CA and two identities made under
+    ``directory`` at run time (``tensorwire.testing.pki``)."""
+    from tensorwire.mm._tls import TlsConfig
+    from tensorwire.testing.pki import make_pki
+
+    pki = make_pki(directory, ["bench-encoder", "bench-llm"])
+    server, client = pki["bench-encoder"], pki["bench-llm"]
+    return (TlsConfig(cert=str(server.cert), key=str(server.key), ca=str(pki.ca)),
+            TlsConfig(cert=str(client.cert), key=str(client.key), ca=str(pki.ca)))
+
+
 def write_result(name: str, payload: dict[str, Any], out: str | Path | None = None) -> Path:
     """Write ``payload`` (plus the machine description) as JSON; returns the path written."""
     path = Path(out) if out else RESULTS_DIR / f"{name}-{machine_tag()}.json"

@@ -1,6 +1,6 @@
 """Benchmark: the control plane's round trip, unary RPCs against an open bidirectional stream, hot and after idling.
 
-    python -m tensorwire.bench control [--n 300] [--gaps-ms 0,1.5] [--out PATH]
+    python -m tensorwire.bench control [--n 300] [--gaps-ms 0,1.5] [--tls] [--out PATH]
 
 Two measurements, each across two processes on loopback, in one run so their ratios share the machine's state:
 
@@ -14,6 +14,9 @@ Two measurements, each across two processes on loopback, in one run so their rat
 
 Each runs back to back (gap 0) and with a sleep between calls: on virtual machines a thread that slept wakes up
 slowly and runs cold for a while, which a hot loop never shows. Writes benchmarks/results/control-<machine>.json.
+
+``--tls``: both servers and every client over mTLS (a throwaway CA made at run time), to see what TLS adds to a
+small request's round trip; writes control-tls-<machine>.json.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 _ECHO_SERVICE = "tensorwire.bench.Echo"
 
 
-def _echo_server(q: Any) -> None:
+def _echo_server(q: Any, tls: Any = None) -> None:
     import grpc
 
     def unary(req: bytes, ctx: Any) -> bytes:
@@ -46,18 +49,26 @@ def _echo_server(q: Any) -> None:
     })
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers((handler,))
-    q.put(server.add_insecure_port("127.0.0.1:0"))
+    if tls is not None:
+        from tensorwire.mm._tls import server_credentials
+
+        q.put(server.add_secure_port("127.0.0.1:0", server_credentials(tls)[0]))
+    else:
+        q.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     server.wait_for_termination()
 
 
-def _encoder(q: Any) -> None:
+def _encoder(q: Any, tls: Any = None) -> None:
+    import dataclasses
+
     import torch
 
     from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
 
     out = EncoderOutput(embeddings=torch.ones(8, 64, dtype=torch.bfloat16), split_sizes=[8])
-    server = serve_encoder(lambda inputs: out, TransportConfig(mode="grpc", worker_id="bench-control"),
+    cfg = TransportConfig(mode="grpc", worker_id="bench-control")
+    server = serve_encoder(lambda inputs: out, cfg if tls is None else dataclasses.replace(cfg, tls=tls),
                            "127.0.0.1:0")
     q.put(server.port)
     server.wait()
@@ -98,22 +109,27 @@ def _timed(fn: Callable[[], Any], n: int, gap_s: float, warmup: int = 30) -> dic
     return summarize(samples)
 
 
-def _spawn(target: Callable[[Any], None]) -> tuple[Any, Any]:
+def _spawn(target: Callable[..., None], *extra: Any) -> tuple[Any, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=target, args=(q,), daemon=True)
+    proc = ctx.Process(target=target, args=(q, *extra), daemon=True)
     proc.start()
     return proc, q.get(timeout=120)
 
 
-def _echo(port: int, uds_path: str, n: int, gaps: list[float]) -> dict[str, Any]:
+def _echo(port: int, uds_path: str, n: int, gaps: list[float], tls: Any = None) -> dict[str, Any]:
     import socket
 
     import grpc
 
     from tensorwire import _unix
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    if tls is not None:
+        from tensorwire.mm._tls import channel_credentials
+
+        channel = grpc.secure_channel(f"localhost:{port}", channel_credentials(tls))
+    else:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     unary: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{_ECHO_SERVICE}/Unary")
     outbox: queue.Queue[bytes | None] = queue.Queue()
 
@@ -148,12 +164,14 @@ def _echo(port: int, uds_path: str, n: int, gaps: list[float]) -> dict[str, Any]
     return out
 
 
-def _fetch(port: int, n: int, gaps: list[float]) -> dict[str, Any]:
+def _fetch(port: int, n: int, gaps: list[float], tls: Any = None) -> dict[str, Any]:
     import dataclasses
 
     from tensorwire.mm import MultimodalInput, Plane, RemoteOutputTransport, TransportConfig
 
     cfg = TransportConfig(mode="grpc", local_channel="off")
+    if tls is not None:
+        cfg = dataclasses.replace(cfg, tls=tls)
     inputs = [MultimodalInput(b"image")]
     out: dict[str, Any] = {"unary": {}, "stream": {}, "local": {}}
     address = f"127.0.0.1:{port}"
@@ -185,26 +203,33 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench control", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=300, help="timed calls per path and gap")
     ap.add_argument("--gaps-ms", default="0,1.5", help="sleeps between calls, comma-separated")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/control-<machine>.json)")
+    ap.add_argument("--tls", action="store_true", help="everything over mTLS (certificates made at run time)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/control[-tls]-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from tensorwire.bench._common import write_result
+    import tempfile
+
+    from tensorwire.bench._common import bench_tls, write_result
+
+    tmp = tempfile.TemporaryDirectory(prefix="tensorwire-bench-tls-")
+    server_tls, client_tls = bench_tls(tmp.name) if args.tls else (None, None)
 
     gaps = [float(g) / 1e3 for g in args.gaps_ms.split(",") if g]
     procs = []
     try:
-        echo_proc, echo_port = _spawn(_echo_server)
+        echo_proc, echo_port = _spawn(_echo_server, server_tls)
         procs.append(echo_proc)
-        uds_proc, uds_path = _spawn(_uds_echo_server)
+        uds_proc, uds_path = _spawn(_uds_echo_server)  # the same-host channel has no TLS: a Unix socket, 0600
         procs.append(uds_proc)
-        enc_proc, enc_port = _spawn(_encoder)
+        enc_proc, enc_port = _spawn(_encoder, server_tls)
         procs.append(enc_proc)
-        echo = _echo(int(echo_port), str(uds_path), args.n, gaps)
-        fetch = _fetch(int(enc_port), args.n, gaps)
+        echo = _echo(int(echo_port), str(uds_path), args.n, gaps, client_tls)
+        fetch = _fetch(int(enc_port), args.n, gaps, client_tls)
     finally:
         for p in procs:
             p.kill()
             p.join(10)
+        tmp.cleanup()
     print(f"{'ms, median / p99':28}" + "".join(f"{'gap ' + k:>20}" for k in echo["unary"]))
     for name, table in (("echo", echo), ("fetch (inline, tiny)", fetch)):
         for path in ("unary", "stream", "local"):
@@ -217,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     load = os.getloadavg()
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    written = write_result("control", {"n": args.n, "loadavg": list(load), "gaps_ms": [g * 1e3 for g in gaps],
-                                       "echo": echo, "fetch": fetch,
-                                       "ratios": ratios}, args.out)
+    written = write_result("control-tls" if args.tls else "control",
+                           {"n": args.n, "loadavg": list(load), "gaps_ms": [g * 1e3 for g in gaps],
+                            "tls": "mtls" if args.tls else "plaintext", "echo": echo, "fetch": fetch,
+                            "ratios": ratios}, args.out)
     print(f"wrote {written}")
     return 0
 

@@ -1,6 +1,6 @@
 """Benchmark: encoder output through both planes (RDMA via tensorwire.rdma, inline gRPC bytes) and one plain gRPC call.
 
-    python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick]
+    python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick] [--tls]
     python -m tensorwire.bench transfer --rows 128 1280 13760     # issue 17: 1 MiB, 10 MiB, the seed's 112.7 MB
 
 The encoder runs in a spawned process (real gRPC server, real exporter); this process fetches through a mode
@@ -34,6 +34,10 @@ read. ``memcpy`` is one device-local copy of the payload into a preallocated buf
 (torch's default thread count; on host memory also with one thread, since a CMA read is one thread's copy).
 On CUDA the fetch's total includes synchronizing the current stream, where the read queues its device copies,
 and, for a plane that delivers on the host (inline today), the synchronized copy to the device (``to_device``).
+
+``--tls``: the control plane runs over mTLS (a throwaway CA and certificates made at run time); the bulk bytes
+still go over the data plane, so this measures what TLS adds per fetch (issue 15). The plain-gRPC baseline stays
+plaintext. Writes ``transfer-tls-<machine>.json``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ GPU_SWEEP_ROWS = [8, 128, 1024, 8192, 13760, 32768, 131072]
 SLOW_INLINE_BYTES = 256 << 20  # from here on the inline plane takes seconds per fetch: one timed fetch, no warmup
 
 
-def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any) -> None:
+def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any, tls: Any = None) -> None:
     import torch
 
     from tensorwire.bench._plain_grpc import embedding
@@ -79,6 +83,8 @@ def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any) -> None:
         return EncoderOutput(embeddings=emb[:n], split_sizes=[n])
 
     cfg = TransportConfig(worker_id="bench-encoder", rdma=RdmaConfig(device=device))
+    if tls is not None:
+        cfg = dataclasses.replace(cfg, tls=tls)
     server = serve_encoder(encode_fn, cfg, "127.0.0.1:0")
     servers.append(server)
     try:
@@ -245,15 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) "
                     "instead of the sweep")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer-<machine>.json)")
+    ap.add_argument("--tls", action="store_true", help="the control plane over mTLS (certificates made at run time)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer[-tls]-<machine>.json)")
     args = ap.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+    import tempfile
 
     import torch
     from prometheus_client import CollectorRegistry
 
     from tensorwire.bench import _plain_grpc as plain_grpc
-    from tensorwire.bench._common import write_result
+    from tensorwire.bench._common import bench_tls, write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
     from tensorwire.mm._grpc_channel import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
@@ -268,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     iters = 3 if args.quick else args.iters
     inline_iters = 2 if args.quick else args.inline_iters
     cols = SEED_SHAPE[1]
+    tmp = tempfile.TemporaryDirectory(prefix="tensorwire-bench-tls-")
+    server_tls, client_tls = bench_tls(tmp.name) if args.tls else (None, None)
     ctx = mp.get_context("spawn")
     q, plain_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_encoder, args=(args.device, max(rows_list), cols, q, stop), daemon=True)
+    proc = ctx.Process(target=_encoder, args=(args.device, max(rows_list), cols, q, stop, server_tls), daemon=True)
     plain_proc = ctx.Process(target=plain_grpc.serve, args=(max(rows_list), cols, plain_q, stop), daemon=True)
     proc.start()
     plain_proc.start()
@@ -284,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         plain_endpoint = f"127.0.0.1:{plain_q.get(timeout=120)}"
         rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000,
                                    local_channel="off")
-        local_cfg = dataclasses.replace(rdma_cfg, local_channel="auto")
+        if client_tls is not None:
+            rdma_cfg = dataclasses.replace(rdma_cfg, tls=client_tls)
+        local_cfg = dataclasses.replace(rdma_cfg, local_channel="auto")  # control over a Unix socket: no TLS
         local_reg = CollectorRegistry()  # its own: the local channel's counters prove it was used
         control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
         with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
@@ -377,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
             if pr.is_alive():
                 pr.kill()
                 pr.join(5)
+        tmp.cleanup()
 
     seed = next((r for r in results if r["rows"] == SEED_SHAPE[0]), results[-1])
     small = results[0]
@@ -442,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     print("targets:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in targets.items()})
     payload = {
         "device": args.device,
+        "control_plane": "mtls" if args.tls else "plaintext",
         "seed_shape": list(SEED_SHAPE),
         "release_rpc_rtt_ms": {"median_ms": _median(release_rtt), "n": len(release_rtt)},
         "sizes": results,
@@ -456,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": torch.get_num_threads(),
         "load_avg_1_5_15m": {"start": list(load_start), "end": list(os.getloadavg())},
     }
-    path = write_result("transfer", payload, args.out)
-    print(f"wrote {path}")
+    written = write_result("transfer-tls" if args.tls else "transfer", payload, args.out)
+    print(f"wrote {written}")
     return 0
 
 

@@ -5,6 +5,9 @@ and prints, per image, the embedding shape and dtype, then the plane used and th
 one object, also on failure; its keys are in ``EPILOG`` (``tensorwire fetch --help``), in
 ``tensorwire.bench._e2e`` (which builds it) and in docs/deployment.md.
 Exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files.
+
+TLS: ``--tls-ca`` (verify the server), ``--tls-cert``/``--tls-key`` (mTLS), ``--tls-server-name``, or the same
+``TENSORWIRE_MM_TLS_*`` variables the servers read.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request budget (default: worker budget + margin from TransportConfig)")
     parser.add_argument("--wait-reader-s", type=float, default=10.0,
                         help="wait this long for the RDMA reader before the request (default: 10)")
+    from tensorwire.cli.serve_encoder import _TLS_HELP
+    from tensorwire.mm._tls import TlsConfig
+    from tensorwire.service._flags import add_flags
+
+    add_flags(parser.add_argument_group("TLS (TlsConfig; docs/security.md)"), TlsConfig, prefix="tls_",
+              skip=("client_auth",), help_extra=_TLS_HELP)
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (JPEG, PNG, ...)")
 
 
@@ -58,13 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from tensorwire.bench._e2e import fetch_document, fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
+    from tensorwire.mm._tls import TlsConfig
     from tensorwire.service._endpoint import parse_endpoint
+    from tensorwire.service._flags import flag_values
     from tensorwire.service._runtime import drain_releases, stdout_to_stderr
 
     try:
         endpoint = str(parse_endpoint(args.endpoint, "--endpoint"))
         data = [Path(p).read_bytes() for p in args.images]
         cfg = TransportConfig.from_env(os.environ)
+        cfg = dataclasses.replace(cfg, tls=dataclasses.replace(cfg.tls, **flag_values(args, TlsConfig, prefix="tls_")))
         if args.mode:
             cfg = cfg.with_mode(args.mode)
         if args.device:

@@ -9,12 +9,21 @@ Health: SERVING while at least one worker answers its health probe with SERVING 
 state in ``tensorwire_proxy_worker_up``. SIGTERM/SIGINT: NOT_SERVING for ``--drain-s``, then new Encodes are
 refused while ReleaseLeases is still routed, in-flight calls finish within ``--grace-s``. Exit codes:
 ``tensorwire.service._runtime`` (3: the port is in use).
+
+TLS (``--tls-*``, ``TENSORWIRE_MM_TLS_*``) applies to both sides: the listener (mTLS by default) and the channels to
+the workers (the proxy's certificate is its client certificate there). Limits as serve-encoder's (``ServerLimits``).
+A plaintext listener on a non-loopback address needs ``--insecure``; ``/metrics`` stays on loopback unless
+``--metrics-host`` says otherwise (then TLS or ``--insecure``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tensorwire.service._proxy import ProxyConfig
 
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
@@ -33,6 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
     parser.add_argument("--metrics-port", type=int, default=0,
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
+    from tensorwire.cli.serve_encoder import add_security_arguments
+    from tensorwire.mm._limits import ServerLimits
+
+    add_security_arguments(parser)
+    add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits)
     add_stop_flags(parser)
     add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
         "max_attempts": "attempts per Encode, in rounds over the workers; 0 = three rounds of every worker",
@@ -45,29 +61,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     })
 
 
+def build_config(args: argparse.Namespace) -> ProxyConfig:
+    """ProxyConfig from flags; its TLS and limits from flags over ``TENSORWIRE_MM_TLS_*`` / ``TENSORWIRE_MM_*``."""
+    import dataclasses
+    import os
+
+    from tensorwire.mm._config import dataclass_from_env
+    from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
+    from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
+    from tensorwire.service._flags import flag_values
+    from tensorwire.service._proxy import ProxyConfig
+
+    tls = dataclasses.replace(dataclass_from_env(TlsConfig, ENV_TLS_PREFIX, os.environ),
+                              **flag_values(args, TlsConfig, prefix="tls_"))
+    limits = dataclasses.replace(dataclass_from_env(ServerLimits, ENV_LIMITS_PREFIX, os.environ),
+                                 **flag_values(args, ServerLimits))
+    return ProxyConfig(workers=tuple(args.worker), tls=tls, limits=limits, **flag_values(args, ProxyConfig))
+
+
 def run(args: argparse.Namespace) -> int:
     from tensorwire.errors import TensorwireError
-    from tensorwire.service._flags import flag_values, stop_config
-    from tensorwire.service._proxy import EncoderProxy, ProxyConfig
-    from tensorwire.service._runtime import EXIT_USAGE, MetricsServer, exit_code_for, fail, print_ready, wait_for_signal
+    from tensorwire.service._flags import stop_config
+    from tensorwire.service._proxy import EncoderProxy
+    from tensorwire.service._runtime import (
+        EXIT_USAGE,
+        MetricsServer,
+        exit_code_for,
+        fail,
+        print_ready,
+        serve_metrics,
+        wait_for_signal,
+    )
 
     try:
-        config = ProxyConfig(workers=tuple(args.worker), **flag_values(args, ProxyConfig))
+        config = build_config(args)
         stop = stop_config(args)
     except (TensorwireError, ValueError, TypeError) as exc:
         return fail(str(exc), EXIT_USAGE)
     proxy = EncoderProxy(config, reuse_port=args.reuse_port)
-    metrics = None
+    metrics: MetricsServer | None = None
     served = False  # the drain period is for peers that saw us SERVING; a failed start has none
     try:
         try:
-            proxy.start(f"{args.host}:{args.port}")
+            proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
-                metrics = MetricsServer(args.metrics_port, args.host)
+                metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:
             return fail(str(exc), exit_code_for(exc))
         print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
-                    workers=len(config.workers))
+                    workers=len(config.workers), tls=config.tls.describe())
         served = True
         got = wait_for_signal()
         log.info("%s: stopping proxy (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)

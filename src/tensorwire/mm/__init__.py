@@ -8,7 +8,7 @@ inline gRPC bytes are the terminal plane. Protocol and tables: ``docs/transport.
 
 Encoder::
 
-    server = serve_encoder(encode_fn, TransportConfig.from_env(), "0.0.0.0:0")   # server.port
+    server = serve_encoder(encode_fn, TransportConfig.from_env(), "0.0.0.0:0")   # TLS from TENSORWIRE_MM_TLS_*
 
 LLM::
 
@@ -24,9 +24,14 @@ Public names (``__all__``, pinned by tests/unit/mm/test_mm_public_api.py):
 
 ``tensorwire.mm.wire`` is public too: the protocol every peer of the EncoderService shares (method paths, message
 limits, the status table, the budget formula), used by the proxy. Every other module is private. Sibling packages
-import the few internals they need explicitly from their module: ``_host.GrpcHost``, ``_receipt.check_receipt``
-and ``_ratelog.RateLimitedLog`` (``tensorwire.service``), ``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``,
-the fuzz harness).
+import the few internals they need explicitly from their module: ``_host.GrpcHost``/``Service``/``Method``,
+``_service.encoder_host``, ``_scope.current_call``, ``_tls.TlsConfig``, ``_limits.ServerLimits``,
+``_receipt.check_receipt`` and ``_ratelog.RateLimitedLog`` (``tensorwire.service``, the CLI),
+``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
+
+Security (issue 15, docs/security.md): ``TransportConfig.tls`` turns TLS / mTLS on for both ends,
+``TransportConfig.limits`` bounds what a caller may hold on a server; a plaintext server binds a non-loopback
+address only with ``serve_encoder(..., insecure=True)``.
 """
 
 from __future__ import annotations

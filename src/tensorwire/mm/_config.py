@@ -1,8 +1,10 @@
 """TransportConfig: every knob of the encoder-output transport, with its default, in one place.
 
 Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the seed's
-name, kept as the one-switch rollback) and ``TENSORWIRE_MM_<FIELD>`` for the other fields; the nested RDMA
-settings come from ``TENSORWIRE_MM_RDMA_<FIELD>``. The CLI builds its flags from :func:`fields_for_cli`.
+name, kept as the one-switch rollback) and ``TENSORWIRE_MM_<FIELD>`` for the other fields; the nested settings
+come from ``TENSORWIRE_MM_RDMA_<FIELD>`` (``RdmaConfig``), ``TENSORWIRE_MM_TLS_<FIELD>`` (``TlsConfig``) and
+``TENSORWIRE_MM_<FIELD>`` (``ServerLimits``, whose field names are distinct). The CLI builds its flags from
+:func:`fields_for_cli` and the nested dataclasses.
 """
 
 from __future__ import annotations
@@ -14,18 +16,27 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 from tensorwire.errors import ConfigError
+from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
+from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 from tensorwire.rdma import RdmaConfig
 
 MODE_AUTO = "auto"
 MODE_GRPC = "grpc"
 MODES: tuple[str, ...] = (MODE_AUTO, MODE_GRPC)
 Mode = Literal["auto", "grpc"]
-LOCAL_CHANNELS: tuple[str, ...] = ("auto", "off")
-LocalChannel = Literal["auto", "off"]
+LOCAL_CHANNELS: tuple[str, ...] = ("auto", "on", "off")
+LocalChannel = Literal["auto", "on", "off"]
 
 ENV_MODE = "MM_TRANSPORT_MODE"
 ENV_PREFIX = "TENSORWIRE_MM_"
 ENV_RDMA_PREFIX = "TENSORWIRE_MM_RDMA_"
+# The nested dataclasses and the environment prefix of their fields.
+NESTED: dict[str, tuple[type, str]] = {
+    "rdma": (RdmaConfig, ENV_RDMA_PREFIX),
+    "tls": (TlsConfig, ENV_TLS_PREFIX),
+    "limits": (ServerLimits, ENV_LIMITS_PREFIX),
+}
+DEFAULT_STREAM_CAP = 64
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,10 @@ class TransportConfig:
 
     mode: Mode = "auto"
     rdma: RdmaConfig = field(default_factory=RdmaConfig)
+    # Both sides: TLS / mTLS of the control plane (docs/security.md), and the server's limits (the client reads
+    # its keepalive and stream idle settings from the same object).
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    limits: ServerLimits = field(default_factory=ServerLimits)
     # Deadlines. A fetch's budget is max over items of (item timeout_ms or worker_timeout_ms) plus the margin.
     worker_timeout_ms: int = 120_000
     rpc_timeout_margin_ms: int = 5_000
@@ -62,16 +77,23 @@ class TransportConfig:
     # Encoder side: exporter start-up retries back off from init_backoff_ms, doubling up to init_backoff_max_ms.
     init_backoff_ms: int = 200
     init_backoff_max_ms: int = 30_000
+    # Encoder side: Encode calls (unary or on a stream) that run at once; the rest wait for one within their
+    # deadline. ReleaseLeases, WorkerInfo and health never wait for these (GrpcHost lanes).
     server_threads: int = 8
-    # Encoder side: EncodeStream calls open at once. Each holds a server thread for its whole life, so the cap
-    # stays below server_threads (unary Encode, ReleaseLeases and health keep threads); a stream over it is
-    # refused with RESOURCE_EXHAUSTED and its client uses unary. 0: server_threads // 2 (none with 1 thread).
+    # Encoder side: EncodeStream calls open at once. Each holds a server thread (of limits.max_inflight_calls)
+    # while open, not a work slot; a stream over the cap is refused with RESOURCE_EXHAUSTED and its client uses
+    # unary. 0: DEFAULT_STREAM_CAP (64), at most half of limits.max_inflight_calls.
     server_stream_cap: int = 0
+    # Encoder side: bytes of exported slots one peer may hold leased at once; over it, its outputs come inline
+    # until it releases (one client cannot pin the pool). 0: half of rdma.pool_cap_bytes.
+    peer_leased_bytes: int = 0
     worker_id: str = ""  # empty: "<hostname>-<pid>"
     # Same-host control channel (issue 18): "auto" on the worker listens on a Unix socket in a private directory
-    # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC; "auto" on
-    # the client asks once and then sends Encodes and success-path releases there (gRPC stays the way in, the
-    # cross-host path and the fallback). "off" on either side: gRPC only.
+    # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC, unless its
+    # gRPC listener requires client certificates (mTLS): the socket's trust is "same uid", and an operator who
+    # asked for certificates gets them everywhere; "on" listens with mTLS too. "auto"/"on" on the client asks once
+    # and then sends Encodes and success-path releases there (gRPC stays the way in, the cross-host path and the
+    # fallback). "off" on either side: gRPC only.
     local_channel: LocalChannel = "auto"
     local_channel_dir: str = ""  # empty: $XDG_RUNTIME_DIR/tensorwire, else $TMPDIR or /tmp /tensorwire-<uid>
     local_channel_conns: int = 64  # worker: connections open at once (each holds a thread); one more is refused
@@ -82,8 +104,9 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode={self.mode!r} is not one of {list(MODES)} (set {ENV_MODE} or --mm-transport-mode)")
-        if not isinstance(self.rdma, RdmaConfig):
-            raise ConfigError(f"rdma must be an RdmaConfig, got {type(self.rdma).__name__}")
+        for name, (cls, _) in NESTED.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
                     "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms",
                     "control_stream_pool", "local_channel_conns", "local_channel_wait_ms")
@@ -91,7 +114,8 @@ class TransportConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "server_stream_cap"):
+        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "server_stream_cap",
+                     "peer_leased_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
@@ -102,10 +126,10 @@ class TransportConfig:
             raise ConfigError(f"local_channel={self.local_channel!r} is not one of {list(LOCAL_CHANNELS)}")
         if not isinstance(self.control_stream, bool):
             raise ConfigError(f"control_stream={self.control_stream!r} must be a bool")
-        if self.server_stream_cap >= self.server_threads:
-            raise ConfigError(f"server_stream_cap={self.server_stream_cap} must be < server_threads="
-                              f"{self.server_threads}: every open stream holds a server thread, and unary Encode, "
-                              "ReleaseLeases and health need at least one")
+        if self.server_stream_cap > self.limits.max_inflight_calls // 2:
+            raise ConfigError(f"server_stream_cap={self.server_stream_cap} must be <= half of max_inflight_calls="
+                              f"{self.limits.max_inflight_calls}: every open stream holds a server thread, and unary "
+                              "calls, releases and health need theirs")
         if self.init_backoff_max_ms < self.init_backoff_ms:
             raise ConfigError(f"init_backoff_max_ms={self.init_backoff_max_ms} must be >= "
                               f"init_backoff_ms={self.init_backoff_ms}")
@@ -117,8 +141,13 @@ class TransportConfig:
 
     @property
     def effective_server_stream_cap(self) -> int:
-        """How many EncodeStream calls an encoder keeps open at once (server_stream_cap, or server_threads // 2)."""
-        return self.server_stream_cap or self.server_threads // 2
+        """How many EncodeStream calls an encoder keeps open at once (server_stream_cap, or the default)."""
+        return self.server_stream_cap or min(DEFAULT_STREAM_CAP, self.limits.max_inflight_calls // 2)
+
+    @property
+    def effective_peer_leased_bytes(self) -> int:
+        """The per-peer lease quota in bytes (peer_leased_bytes, or half of the pool)."""
+        return self.peer_leased_bytes or int(self.rdma.pool_cap_bytes) // 2
 
     def with_mode(self, mode: str) -> TransportConfig:
         """This config with ``mode`` (a CLI or environment string: ``__post_init__`` raises ConfigError unless it
@@ -133,26 +162,38 @@ class TransportConfig:
         if ENV_MODE in env:
             values["mode"] = env[ENV_MODE].strip().lower()
         for f in dataclasses.fields(cls):
-            if f.name in ("mode", "rdma"):
+            if f.name == "mode" or f.name in NESTED:
                 continue
             key = ENV_PREFIX + f.name.upper()
             if key in env:
                 values[f.name] = _convert(key, env[key], _default_of(cls, f))
-        rdma_values: dict[str, Any] = {}
-        base_rdma = overrides.get("rdma") or RdmaConfig()
-        for f in dataclasses.fields(base_rdma):
-            key = ENV_RDMA_PREFIX + f.name.upper()
-            if key in env:
-                rdma_values[f.name] = _convert(key, env[key], getattr(base_rdma, f.name))
-        if rdma_values:
-            try:
-                values["rdma"] = dataclasses.replace(base_rdma, **rdma_values)
-            except ConfigError:
-                raise
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"invalid {ENV_RDMA_PREFIX}* setting: {exc}") from exc
+        for name, (nested_cls, prefix) in NESTED.items():
+            base = overrides.get(name) or nested_cls()
+            nested = dataclass_from_env(nested_cls, prefix, env, base=base)
+            if nested != base:
+                values[name] = nested
         values.update(overrides)
         return cls(**values)
+
+
+def dataclass_from_env(cls: type[Any], prefix: str, environ: Mapping[str, str] | None = None, *,
+                       base: Any = None) -> Any:
+    """``base`` (default: ``cls()``) with every scalar field that ``<prefix><FIELD>`` sets in the environment."""
+    env = os.environ if environ is None else environ
+    base = base if base is not None else cls()
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(base):
+        key = prefix + f.name.upper()
+        if key in env:
+            values[f.name] = _convert(key, env[key], getattr(base, f.name))
+    if not values:
+        return base
+    try:
+        return dataclasses.replace(base, **values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid {prefix}* setting: {exc}") from exc
 
 
 def _default_of(cls: type, f: dataclasses.Field[Any]) -> Any:
@@ -184,11 +225,12 @@ def fields_for_cli() -> list[tuple[str, Any, str]]:
     """(field name, default, type name) of every scalar field, for building CLI flags from the dataclass."""
     out = []
     for f in dataclasses.fields(TransportConfig):
-        if f.name == "rdma":
+        if f.name in NESTED:
             continue
         default = _default_of(TransportConfig, f)
         out.append((f.name, default, type(default).__name__))
     return out
 
 
-__all__ = ["TransportConfig", "MODES", "MODE_AUTO", "MODE_GRPC", "ENV_MODE", "fields_for_cli"]
+__all__ = ["TransportConfig", "MODES", "MODE_AUTO", "MODE_GRPC", "ENV_MODE", "NESTED", "dataclass_from_env",
+           "fields_for_cli"]

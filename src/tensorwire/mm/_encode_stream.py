@@ -66,6 +66,7 @@ class StreamCall:
         self._sent_id = 0     # the last Encode handed to gRPC
         self._deadline_hit = False
         self._ended = threading.Event()
+        self.last_used = time.monotonic()  # when a request was last handed to it (the pool's reuse limit)
         self._call = method(self._requests())
         self._call.add_done_callback(self._on_done)
 
@@ -84,6 +85,7 @@ class StreamCall:
                 raise NotExecuted(self._why_ended(self._call))
             self._outbox.append(_Outgoing(data, rid, None))
             self._waiting_id = rid
+            self.last_used = time.monotonic()
             self._cv.notify()
         self._watchdog.watch(deadline, self, rid)
         raw: bytes | None = None
@@ -156,6 +158,7 @@ class StreamCall:
             if self.broken or self._done or self._half_closed:
                 return False
             self._outbox.append(_Outgoing(data, 0, lease_ids))
+            self.last_used = time.monotonic()
             self._cv.notify()
         return True
 

@@ -1,8 +1,9 @@
 """Encoder side: OutputTransport turns an EncoderOutput into a receipt (RDMA slots or inline tensors).
 
 Decision (per request): RDMA only when the config mode is ``auto``, the caller advertised ``support_rdma``, the
-caller did not exclude this worker, the exporter is built, and every tensor is exportable; otherwise inline in
-the same response. An RDMA attempt that fails in any way (planning, export, descriptor serialization) rolls
+caller did not exclude this worker, the exporter is built, every tensor is exportable, and the caller's peer
+stays within its quota of leased bytes (``PeerLeases``; the peer is ``current_call().peer``); otherwise inline
+in the same response. An RDMA attempt that fails in any way (planning, export, descriptor serialization) rolls
 back every lease of the request and answers inline, counting the reason on ``tensorwire_mm_fallbacks_total``
 (degrades are not errors).
 
@@ -46,10 +47,13 @@ from tensorwire.mm._config import MODE_AUTO, TransportConfig
 from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm._quota import PeerLeases
 from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._scope import current_call
 from tensorwire.mm._types import EncoderOutput
 from tensorwire.mm._wire_receipt import WireReceipt
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
+from tensorwire.rdma._pool import bucket_bytes
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +193,7 @@ class OutputTransport:
         self._closed = False
         self._buffers: dict[int, OutputBuffers] = {}  # embedding data_ptr -> allocation awaiting transfer()
         self._buffers_lock = threading.Lock()
+        self.peer_leases = PeerLeases(cfg.effective_peer_leased_bytes, cfg.rdma.slot_gc_timeout_ms / 1000.0)
 
     def rdma_config(self) -> RdmaConfig:
         """The RdmaConfig the exporter is built with: ``config.rdma`` with ``control_host`` set to the host of
@@ -296,13 +301,27 @@ class OutputTransport:
         receipt.split_sizes[:] = splits
         exporter, why_not = self._rdma_choice(request, emb, pos, extras)
         if exporter is not None:
+            peer = current_call().peer.key
+            payload = sum(t.numel() * t.element_size() for t in (emb, *([pos] if pos is not None else []), *extras))
+            nbytes = self._pinned(payload)
+            if not self.peer_leases.reserve(peer, nbytes):
+                exporter, why_not = None, Reason.PEER_QUOTA.value
+                self._rl.log(logging.INFO, "peer-quota", "a peer holds its quota of %d leased bytes; answering "
+                             "it inline until it releases (peer_leased_bytes)", self.peer_leases.cap_bytes)
+        if exporter is not None:
             t0 = time.perf_counter()
-            if buffers is not None and buffers.matches(emb, pos, extras):
-                slots = self._try_publish(exporter, buffers, emb, pos)
-                if slots is not None:
-                    receipt.encoder_stage_us["allocate"] = buffers.allocate_us
-            else:
-                slots = self._try_export(exporter, emb, pos, extras)
+            slots: list[pb.RdmaSlot] | None = None
+            leased: list[Descriptor] = []
+            try:
+                if buffers is not None and buffers.matches(emb, pos, extras):
+                    slots = self._try_publish(exporter, buffers, emb, pos, leased)
+                    if slots is not None:
+                        receipt.encoder_stage_us["allocate"] = buffers.allocate_us
+                else:
+                    slots = self._try_export(exporter, emb, pos, extras, leased)
+            finally:
+                self.peer_leases.settle(peer, nbytes, [(d.lease_id, self._pinned(int(d.payload_bytes)))
+                                                       for d in leased] if slots is not None else [])
             if slots is not None:
                 receipt.rdma_slots.extend(slots)
                 receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
@@ -326,6 +345,10 @@ class OutputTransport:
         self.metrics.requests.labels("encoder", "inline").inc()
         return out
 
+    def _pinned(self, payload: int) -> int:
+        """Pool bytes ``payload`` bytes hold: the size of the slot it lands in (quotas count what is pinned)."""
+        return bucket_bytes(payload, int(self.config.rdma.max_slot_bytes))
+
     def _rdma_choice(self, request: pb.EncodeRequest, emb: torch.Tensor, pos: torch.Tensor | None,
                      extras: list[torch.Tensor]) -> tuple[Exporter | None, str | None]:
         """(exporter, None) to try RDMA; (None, reason) for a counted degrade; (None, None) when not asked."""
@@ -344,10 +367,11 @@ class OutputTransport:
         return exporter, None
 
     def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, emb: torch.Tensor,
-                     pos: torch.Tensor | None) -> list[pb.RdmaSlot] | None:
+                     pos: torch.Tensor | None, leased: list[Descriptor]) -> list[pb.RdmaSlot] | None:
         """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
         try:
             desc = exporter.export_allocated(buffers.lease)
+            leased.append(desc)
             slot = pb.RdmaSlot(descriptor=desc.to_bytes())
             slot.roles.append(pb.EMBEDDING)
             if pos is not None:
@@ -368,7 +392,7 @@ class OutputTransport:
                      type(exc).__name__, exc, rolled_back)
 
     def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
-                    extras: list[torch.Tensor]) -> list[pb.RdmaSlot] | None:
+                    extras: list[torch.Tensor], leased: list[Descriptor]) -> list[pb.RdmaSlot] | None:
         descs: list[Descriptor] = []
         try:
             emb = emb.contiguous()
@@ -377,6 +401,7 @@ class OutputTransport:
             groups = plan_slots(emb, pos, extras, int(self.config.rdma.max_slot_bytes),
                                 int(self.config.rdma.slot_align))
             descs = list(exporter.export_batch([g for g, _ in groups]))
+            leased.extend(descs)
             if len(descs) != len(groups):
                 raise ExportError(f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
                                   reason=Reason.RESULT_MISMATCH)
@@ -414,25 +439,30 @@ class OutputTransport:
         return self.release(ids)
 
     def release(self, lease_ids: Sequence[str]) -> int:
-        """Returns leases to the exporter (idempotent; unknown ids are ignored). Returns the count accepted."""
+        """Returns leases to the exporter (idempotent). Returns how many ids named a live lease; the rest (already
+        released, reclaimed, never minted, or not ours) are counted as unknown."""
         ids = [i for i in lease_ids if i]
         if not ids:
             return 0
+        self.peer_leases.remove(ids)
         exporter = self._holder.get()
         if exporter is None:
             # Closed or never built: nothing of ours can be leased; the ids are stale or foreign.
             self.metrics.exported_leases_released.labels("no_exporter").inc(len(ids))
             return 0
         try:
-            exporter.release(ids)
+            ended = exporter.release(ids)
         except Exception as exc:
             self.metrics.errors.labels("encoder", "rdma_release_error").inc()
             self.metrics.exported_leases_released.labels("error").inc(len(ids))
             self._rl.log(logging.WARNING, "release", "releasing %d lease(s) failed: %r; the TTL GC reclaims them",
                          len(ids), exc)
             return 0
-        self.metrics.child(self.metrics.exported_leases_released, "ok").inc(len(ids))
-        return len(ids)
+        released = len(ids) if ended is None else int(ended)  # None: an exporter of the older protocol
+        self.metrics.child(self.metrics.exported_leases_released, "ok").inc(released)
+        if released < len(ids):
+            self.metrics.child(self.metrics.exported_leases_released, "unknown").inc(len(ids) - released)
+        return released
 
     def live_leases(self) -> int:
         """Exported leases not yet released or reclaimed (0 without an exporter)."""
@@ -460,6 +490,7 @@ class OutputTransport:
     def close(self) -> None:
         self._closed = True
         self._holder.close()
+        self.peer_leases.clear()
         self.metrics.exporter_ready.set(0)
 
     def __enter__(self) -> OutputTransport:

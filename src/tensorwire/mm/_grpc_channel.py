@@ -25,6 +25,7 @@ from tensorwire.mm._encode_stream import NotExecuted, StreamCall
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._tls import secure_or_insecure_channel
 from tensorwire.mm._watchdog import DeadlineWatchdog
 from tensorwire.mm._wire_receipt import WireReceipt, parse_receipt
 
@@ -42,9 +43,10 @@ class GrpcControlChannel(ControlChannel):
     """The ``ControlChannel`` over one gRPC channel to ``endpoint``: unary Encode and ReleaseLeases, and the pool
     of EncodeStreams on the same channel.
 
-    ``grpc_channel``: a channel to use instead of an insecure one to ``endpoint`` built with
-    ``wire.channel_options()`` (tests, or a secure channel until the transport builds one itself); the control
-    channel owns it and closes it. ``open_streams`` and ``watchdog`` are read-only views for tests and benchmarks.
+    The gRPC channel is TLS when ``config.tls`` says so (``_tls``: the server verified against ``tls.ca``, this
+    process's ``tls.cert`` presented for mTLS), plaintext otherwise, with the keepalive of ``config.limits``.
+    ``grpc_channel``: a channel to use instead (tests); the control channel owns it and closes it.
+    ``open_streams`` and ``watchdog`` are read-only views for tests and benchmarks.
     """
 
     def __init__(self, endpoint: str, config: TransportConfig | None = None, metrics: TransportMetrics | None = None,
@@ -53,9 +55,8 @@ class GrpcControlChannel(ControlChannel):
         config = config if config is not None else TransportConfig()
         self._metrics = metrics if metrics is not None else metrics_for(None)
         self._requeue: Requeue = _no_requeue
-        # Issue 15 puts TLS here: a secure channel with the configured credentials instead of an insecure one.
-        self._channel = grpc_channel if grpc_channel is not None else grpc.insecure_channel(
-            endpoint, options=wire.channel_options())
+        self._channel = grpc_channel if grpc_channel is not None else secure_or_insecure_channel(
+            endpoint, config.tls, config.limits.client_options())
         self._encode: grpc.UnaryUnaryMultiCallable[pb.EncodeRequest, bytes] = self._channel.unary_unary(
             wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString, response_deserializer=None)
         self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
@@ -178,6 +179,8 @@ class _StreamPool:
     """The open EncodeStreams of one transport: at most ``control_stream_pool``; one fetch uses one at a time.
 
     ``checkout`` returns an idle stream, opens one below the cap, or returns None (use unary): beyond the cap,
+    (a stream idle for half the server's ``stream_idle_timeout_ms`` is ended instead of reused: the server ends
+    idle streams, and a request must not race that)
     after the encoder answered UNIMPLEMENTED (remembered for the transport's life), for ``open_seconds`` after
     it refused a stream, with ``control_stream`` off, and after ``close``. ``checkin`` keeps a healthy stream
     and ends a broken one (a broken stream is never reused). One watchdog thread enforces every waiting
@@ -194,6 +197,7 @@ class _StreamPool:
         self._cap = config.control_stream_pool
         self._enabled = config.control_stream
         self._refusal_s = float(config.open_seconds)
+        self._reuse_s = config.limits.stream_idle_timeout_ms / 2000.0
         self._lock = threading.Lock()
         self._idle: list[StreamCall] = []
         self._open = 0
@@ -216,9 +220,10 @@ class _StreamPool:
             with self._lock:
                 if self._closed or self._unimplemented:
                     return None
+                now = time.monotonic()
                 while self._idle:
                     stream = self._idle.pop()  # LIFO: the most recently used stream is the warmest
-                    if stream.usable():
+                    if stream.usable() and now - stream.last_used < self._reuse_s:
                         return stream
                     stale.append(stream)
                     self._open -= 1

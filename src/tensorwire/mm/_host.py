@@ -1,8 +1,9 @@
-"""GrpcHost: one gRPC server on one port, assembled, bound, started, health-marked and stopped in one order.
+"""GrpcHost: one gRPC server on one port, assembled, bound, started, health-marked and stopped in one order, with
+its transport security and its limits.
 
 The encoder server (``serve_encoder``), the encoder worker and the proxy (``tensorwire.service``) all serve
-through it, so the stop sequence and its waits are written once. The caller owns what its handlers use (an
-OutputTransport, worker channels) and closes it after ``stop`` returns.
+through it, so the stop sequence, TLS and the limits of ``ServerLimits`` are written once. The caller owns what
+its handlers use (an OutputTransport, worker channels) and closes it after ``stop`` returns.
 
 Lifecycle (``HostState``)::
 
@@ -33,7 +34,26 @@ Port sharing: gRPC sets SO_REUSEPORT by default, so a second server on a port in
 take half its connections. ``GrpcHost`` turns it off unless ``reuse_port=True``; binding a port in use is then a
 ``ConfigError`` with reason ``BIND_FAILED``.
 
-Places kept for what comes: server credentials (TLS / mTLS, issue 15) belong in ``_bind``.
+Calls (issue 15, finding 4). Methods are declared as ``Service``/``Method`` specs; the host registers every one
+of them behind the same guard, health included (Check, and Watch on a thread of its own):
+
+1. admission: the caller's ``Peer`` (``_scope``) may hold at most ``max_inflight_per_peer`` calls, of which at
+   most ``max_streams_per_peer`` streams; one more is refused at once with RESOURCE_EXHAUSTED (reason
+   ``peer_limit``; a refused stream also carries the stream-refused marker, so its client uses unary). The
+   server holds at most ``max_inflight_calls`` calls: gRPC refuses the next one before it takes a thread.
+2. the request: every method is registered with a streaming request side, so the guard runs when the call's
+   headers arrive and gives the request ``request_timeout_ms`` to arrive; a call that has not sent it by then is
+   cancelled and its thread is free again. A stream's later messages get ``stream_idle_timeout_ms`` each.
+3. lanes: a ``Lane.WORK`` method (Encode) runs only while it holds one of ``work_slots`` slots (waiting for one
+   within its deadline, stopping when its caller goes); ``Lane.CONTROL`` methods (ReleaseLeases, WorkerInfo,
+   health) never wait for one. Calls of both lanes have threads of their own (the pool has one per admissible
+   call), so a release or a health check never waits behind an Encode.
+4. scope: the handler runs inside a ``CallScope`` (peer, deadline, liveness, and ``work_slot`` for streams that
+   run work per message) that the code below reads with ``current_call()``.
+
+Transport security: ``tls`` with a certificate makes the listener TLS (mTLS unless ``client_auth`` is off), with
+certificate files reloaded when they change (``_tls``). Without TLS, ``bind`` refuses a non-loopback address
+unless ``insecure=True`` (the CLI's ``--insecure``): plaintext leaves the loopback only on purpose.
 """
 
 from __future__ import annotations
@@ -41,23 +61,35 @@ from __future__ import annotations
 import enum
 import errno
 import logging
+import math
+import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import grpc
+from grpc_health.v1 import health_pb2
 
-from tensorwire.errors import ClosedError, ConfigError, Reason
+from tensorwire.errors import ClosedError, ConfigError, Reason, TensorwireError
 from tensorwire.mm import wire
 from tensorwire.mm._health import NOT_SERVING, SERVING, HealthService
+from tensorwire.mm._limits import ServerLimits
+from tensorwire.mm._scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
+from tensorwire.mm._tls import TlsConfig, server_credentials
+from tensorwire.mm._watchdog import DeadlineWatchdog
 
 log = logging.getLogger(__name__)
 
 # How long past its grace a stop waits for gRPC to report termination (cancelled calls unwinding).
 STOP_SLACK_S = 5.0
+HEALTH_SERVICE = "grpc.health.v1.Health"
+# How often a call waiting for a work slot looks at its caller (gone: it stops waiting).
+WORK_WAIT_POLL_S = 0.05
 
 Settle = Callable[[float], None]
 """settle(deadline): returns when the caller's in-flight work is done, or at ``deadline`` (time.monotonic)."""
@@ -70,54 +102,223 @@ class HostState(str, enum.Enum):
     STOPPED = "stopped"
 
 
-class GrpcHost:
-    """``bind(address) -> port``, ``start(serving=True)``, ``set_serving(bool)``, ``stop(grace_s, ...)``, ``wait``.
+class Lane(str, enum.Enum):
+    WORK = "work"  # needs a work slot (Encode)
+    CONTROL = "control"  # never waits for one (ReleaseLeases, WorkerInfo, health)
 
-    ``what`` names the server in errors and logs ("encoder", "proxy"). ``handlers`` are generic RPC handlers;
-    ``serving`` the service names health reports (besides ``""``). Threads: ``threads`` server workers named
-    ``thread_prefix``-N. Messages up to ``wire.MAX_MESSAGE_BYTES`` both ways, plus ``extra_options``.
-    ``reuse_port``: let other processes bind the same port (SO_REUSEPORT); off by default.
-    ``stop`` may be called from any thread, any number of times (the first one stops, later ones return at once).
+
+MethodKind = Literal["unary", "unary_stream", "stream"]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One RPC method. ``handler(request, context)`` for ``unary`` (returns the response) and ``unary_stream``
+    (returns an iterator of responses); ``handler(requests, context)`` for ``stream`` (an iterator of raw request
+    messages in, one of responses out). ``context`` is gRPC's server context; ``current_call()`` is the scope."""
+
+    name: str
+    handler: Callable[..., Any]
+    kind: MethodKind = "unary"
+    lane: Lane = Lane.CONTROL
+    request_deserializer: Callable[[bytes], Any] | None = None
+    response_serializer: Callable[[Any], bytes] | None = None
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    methods: tuple[Method, ...]
+
+
+@dataclass
+class HostStats:
+    """What the guard refused or ended, since start (``GrpcHost.stats()``)."""
+
+    peer_limit_refusals: int = 0
+    stream_peer_limit_refusals: int = 0
+    request_timeouts: int = 0
+    stream_idle_ends: int = 0
+    work_wait_timeouts: int = 0
+    inflight: int = 0
+    peers: int = 0
+
+
+class _Wait:
+    """One call waiting for its next request message; the watchdog cancels it unless the message came first."""
+
+    __slots__ = ("context", "on_expire", "lock", "token", "waiting", "expired")
+
+    def __init__(self, context: grpc.ServicerContext, on_expire: Callable[[], None]) -> None:
+        self.context = context
+        self.on_expire = on_expire
+        self.lock = threading.Lock()
+        self.token = 0
+        self.waiting = 0
+        self.expired = False
+
+    def arm(self) -> int:
+        with self.lock:
+            self.token += 1
+            self.waiting = self.token
+            return self.token
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.waiting = 0
+
+    def waiting_for(self, token: int) -> bool:
+        return self.waiting == token
+
+    def expire(self, token: int) -> None:
+        with self.lock:
+            if self.waiting != token:
+                return
+            self.expired = True
+        self.on_expire()  # counted before the caller can see the cancellation
+        self.context.cancel()  # wakes the handler blocked on the request iterator (it raises RpcError)
+
+
+class _Admission:
+    """In-flight calls and streams per peer key, under one lock."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self._limits = limits
+        self._lock = threading.Lock()
+        self._calls: dict[str, int] = {}
+        self._streams: dict[str, int] = {}
+        self.total = 0
+
+    def enter(self, key: str, stream: bool) -> Reason | None:
+        """Counts the call in, or returns why not (nothing counted then)."""
+        with self._lock:
+            calls = self._calls.get(key, 0)
+            if calls >= self._limits.max_inflight_per_peer:
+                return Reason.PEER_LIMIT
+            if stream:
+                streams = self._streams.get(key, 0)
+                if streams >= self._limits.max_streams_per_peer:
+                    return Reason.PEER_LIMIT
+                self._streams[key] = streams + 1
+            self._calls[key] = calls + 1
+            self.total += 1
+            return None
+
+    def leave(self, key: str, stream: bool) -> None:
+        with self._lock:
+            self.total -= 1
+            left = self._calls.get(key, 1) - 1
+            if left:
+                self._calls[key] = left
+            else:
+                self._calls.pop(key, None)
+            if stream:
+                left = self._streams.get(key, 1) - 1
+                if left:
+                    self._streams[key] = left
+                else:
+                    self._streams.pop(key, None)
+
+    def peers(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+
+def health_service(servicer: HealthService) -> Service:
+    """The standard grpc.health.v1 service as a ``Service``, so health calls pass the same guard. Watch runs on a
+    thread of its own here (the guard's calls are generators), ending when the service ends its watches or the
+    caller goes."""
+
+    def watch(request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Iterator[Any]:
+        sent: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        context.add_callback(lambda: sent.put(None))  # the caller went: end the generator, free the thread
+        servicer.Watch(request, context, sent.put)
+        while (response := sent.get()) is not None:
+            yield response
+
+    return Service(HEALTH_SERVICE, (
+        Method("Check", servicer.Check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+               response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+        Method("Watch", watch, kind="unary_stream",
+               request_deserializer=health_pb2.HealthCheckRequest.FromString,
+               response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
+    ))
+
+
+class GrpcHost:
+    """``bind(address, insecure=False) -> port``, ``start(serving=True)``, ``set_serving(bool)``,
+    ``stop(grace_s, ...)``, ``wait(timeout_s)``.
+
+    ``what`` names the server in errors and logs ("encoder", "proxy"). ``services``: the methods to serve (see
+    ``Method``); ``serving`` the service names health reports (besides ``""``). ``work_slots``: how many
+    ``Lane.WORK`` calls run at once (the encoder's ``server_threads``). ``limits``: ``ServerLimits``; ``tls``:
+    a ``TlsConfig`` (None or one without a certificate: plaintext). ``on_refuse(reason)`` is called for every
+    call the guard refuses or ends (a bounded label: ``peer_limit``, ``request_timeout``, ``stream_idle``,
+    ``work_wait``), for metrics. ``reuse_port``: let other processes bind the same port (SO_REUSEPORT); off by
+    default. ``stop`` may be called from any thread, any number of times (the first stops).
     """
 
-    def __init__(self, what: str, handlers: Sequence[grpc.GenericRpcHandler], *, threads: int, thread_prefix: str,
+    def __init__(self, what: str, services: Sequence[Service], *, work_slots: int, thread_prefix: str,
+                 limits: ServerLimits | None = None, tls: TlsConfig | None = None,
                  serving: Sequence[str] = (wire.SERVICE_NAME,), extra_options: Sequence[tuple[str, Any]] = (),
-                 reuse_port: bool = False) -> None:
+                 on_refuse: Callable[[str], None] | None = None, reuse_port: bool = False) -> None:
+        if work_slots <= 0:
+            raise ConfigError(f"{what}: work_slots={work_slots} must be > 0")
         self.what = what
+        self.limits = limits if limits is not None else ServerLimits()
+        self.tls = tls if tls is not None and tls.server_enabled else None
         self.health = HealthService(("", *serving), NOT_SERVING)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=thread_prefix),
-                                   options=self._options(extra_options, reuse_port))
-        self._server.add_generic_rpc_handlers(tuple(handlers))
-        self.health.add_to(self._server)
+        self._forwarders = self.limits.forwarders
+        self._on_refuse = on_refuse
+        self._work = threading.BoundedSemaphore(work_slots)
+        self._admission = _Admission(self.limits)
+        self._stats = HostStats()
+        self._stats_lock = threading.Lock()
+        self._watchdog = DeadlineWatchdog(f"{thread_prefix}-guard")
+        n = self.limits.max_inflight_calls
+        # One thread per admissible call: a call waiting for its request or a slot never delays another's start.
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=thread_prefix),
+                                   options=[*self.limits.server_options(),
+                                            ("grpc.so_reuseport", 1 if reuse_port else 0), *extra_options],
+                                   maximum_concurrent_rpcs=n)
+        self._server.add_generic_rpc_handlers(tuple(self._handler(s) for s in (*services,
+                                                                             health_service(self.health))))
         self._lock = threading.Lock()
         self.state = HostState.NEW
         self._stopping = False
         self.host = ""
         self.port = 0
+        self.certificates: Any = None  # the TLS certificate source (reload counter), when TLS is on
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    @staticmethod
-    def _options(extra: Sequence[tuple[str, Any]], reuse_port: bool) -> list[tuple[str, Any]]:
-        return [*wire.channel_options(), ("grpc.so_reuseport", 1 if reuse_port else 0), *extra]
-
-    def bind(self, address: str) -> int:
-        """Binds ``address`` ("host:0" picks a port) and returns the port; ``ConfigError`` (reason
-        ``BIND_FAILED``) when it cannot."""
+    def bind(self, address: str, *, insecure: bool = False) -> int:
+        """Binds ``address`` ("host:0" picks a port) and returns the port; ``ConfigError`` when it cannot, or when
+        a plaintext listener would face a non-loopback address without ``insecure``."""
         with self._lock:
             if self.state is not HostState.NEW:
                 raise ClosedError(f"{self.what} server is {self.state.value}; bind() comes once, first")
+            host = address.rsplit(":", 1)[0]
+            if self.tls is None and not insecure and not is_loopback_host(host):
+                raise ConfigError(
+                    f"refusing a plaintext {self.what} listener on {address!r}, which is not a loopback address: "
+                    "anyone who can reach it could call it and read its answers. Give it a certificate "
+                    "(--tls-cert, --tls-key, --tls-ca; see docs/security.md) or pass --insecure on a network you "
+                    "trust")
             port = self._bind(address)
-            self.host = address.rsplit(":", 1)[0] or "127.0.0.1"
+            self.host = host or "127.0.0.1"
             self.port = port
             self.state = HostState.BOUND
             return port
 
     def _bind(self, address: str) -> int:
         try:
-            port = self._server.add_insecure_port(address)
+            if self.tls is not None:
+                creds, self.certificates = server_credentials(self.tls)
+                port = self._server.add_secure_port(address, creds)
+            else:
+                port = self._server.add_insecure_port(address)
         except RuntimeError:  # newer grpcio raises instead of returning 0
             port = 0
         if port == 0:
@@ -132,6 +333,8 @@ class GrpcHost:
                 raise ClosedError(f"{self.what} server is {self.state.value}; start() needs a bound, unstarted server")
             self._server.start()
             self.state = HostState.SERVING
+        log.info("%s on %s: %s, limits %s", self.what, self.address,
+                 self.tls.describe() if self.tls else "plaintext", self.limits)
         if serving:
             self.set_serving(True)
 
@@ -150,32 +353,205 @@ class GrpcHost:
             was, self.state, self._stopping = self.state, HostState.STOPPED, True
         if was is HostState.STOPPED:
             return
-        self.health.set_all(NOT_SERVING)
-        if was is HostState.SERVING:
-            if drain_s > 0:
-                log.info("%s on %s: NOT_SERVING for %.1f s before it stops taking work", self.what, self.address,
-                         drain_s)
-                time.sleep(drain_s)
-            deadline = None if grace_s is None else time.monotonic() + grace_s
-            if quiesce is not None:
-                quiesce()
-            if settle is not None:
-                settle(float("inf") if deadline is None else deadline)
-            grace_left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        else:
-            grace_left = grace_s
-        stopped = self._server.stop(grace_left)  # no new calls from here on
-        if was is HostState.SERVING and drain is not None:
-            drain()
-        self.health.end_watches()
-        if not stopped.wait(None if grace_left is None else grace_left + STOP_SLACK_S):
-            log.warning("%s server on %s had not terminated %.1f s after its grace", self.what, self.address,
-                        STOP_SLACK_S)
+        try:
+            self.health.set_all(NOT_SERVING)
+            if was is HostState.SERVING:
+                if drain_s > 0:
+                    log.info("%s on %s: NOT_SERVING for %.1f s before it stops taking work", self.what,
+                             self.address, drain_s)
+                    time.sleep(drain_s)
+                deadline = None if grace_s is None else time.monotonic() + grace_s
+                if quiesce is not None:
+                    quiesce()
+                if settle is not None:
+                    settle(float("inf") if deadline is None else deadline)
+                grace_left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            else:
+                grace_left = grace_s
+            stopped = self._server.stop(grace_left)  # no new calls from here on
+            if was is HostState.SERVING and drain is not None:
+                drain()
+            self.health.end_watches()
+            if not stopped.wait(None if grace_left is None else grace_left + STOP_SLACK_S):
+                log.warning("%s server on %s had not terminated %.1f s after its grace", self.what, self.address,
+                            STOP_SLACK_S)
+        finally:
+            self._watchdog.close()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until the server stops (True) or ``timeout_s`` passes (False)."""
         timed_out = self._server.wait_for_termination(timeout_s)  # grpc returns True when the timeout passed
         return not timed_out
+
+    def stats(self) -> HostStats:
+        with self._stats_lock:
+            out = HostStats(**self._stats.__dict__)
+        out.inflight = self._admission.total
+        out.peers = self._admission.peers()
+        return out
+
+    # -- the guard ----------------------------------------------------------------------------------------
+
+    def _count(self, what: str, label: str) -> None:
+        with self._stats_lock:
+            setattr(self._stats, what, getattr(self._stats, what) + 1)
+        if self._on_refuse is not None:
+            self._on_refuse(label)
+
+    def _handler(self, service: Service) -> grpc.GenericRpcHandler:
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        for m in service.methods:
+            if m.kind == "unary":
+                handlers[m.name] = grpc.stream_unary_rpc_method_handler(
+                    self._guard_unary(m), response_serializer=m.response_serializer)
+            else:
+                handlers[m.name] = grpc.stream_stream_rpc_method_handler(
+                    self._guard_streaming(m), response_serializer=m.response_serializer)
+        return grpc.method_handlers_generic_handler(service.name, handlers)
+
+    def _peer(self, context: grpc.ServicerContext) -> Peer:
+        peer = peer_of(context, tls=self.tls is not None)
+        if peer.key in self._forwarders:
+            return forwarded_peer(context, peer)
+        return peer
+
+    def _scope(self, context: grpc.ServicerContext, peer: Peer) -> CallScope:
+        left = context.time_remaining()
+        deadline = math.inf if left is None else time.monotonic() + float(left)
+        return _HostScope(peer, deadline=deadline, is_active=context.is_active, host=self)
+
+    def _admit(self, context: grpc.ServicerContext, stream: bool) -> Peer:
+        peer = self._peer(context)
+        why = self._admission.enter(peer.key, stream)
+        if why is not None:
+            self._count("stream_peer_limit_refusals" if stream else "peer_limit_refusals", why.value)
+            limit = self.limits.max_streams_per_peer if stream else self.limits.max_inflight_per_peer
+            metadata: tuple[tuple[str, str], ...] = ((wire.REASON_METADATA_KEY, why.value),)
+            if stream:
+                metadata += (wire.STREAM_REFUSED_METADATA,)  # the client sends that request over unary instead
+            context.set_trailing_metadata(metadata)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.what}: this peer already has {limit} {'stream' if stream else 'call'}(s) in "
+                          f"flight ({'max_streams_per_peer' if stream else 'max_inflight_per_peer'})")
+        return peer
+
+    def _next_message(self, requests: Iterator[bytes], context: grpc.ServicerContext, timeout_s: float,
+                      label: str) -> bytes | None:
+        """The next request message within ``timeout_s``; None when the client half-closed. A message that does not
+        come in time cancels the call (the RpcError the iterator raises then propagates)."""
+        what = "request_timeouts" if label == "request_timeout" else "stream_idle_ends"
+        wait = _Wait(context, lambda: self._count(what, label))
+        token = wait.arm()
+        self._watchdog.watch(time.monotonic() + timeout_s, wait, token)
+        try:
+            return next(requests)
+        except StopIteration:
+            return None
+        finally:
+            wait.disarm()
+
+    def _first_request(self, requests: Iterator[bytes], context: grpc.ServicerContext,
+                       method: Method) -> Any:
+        raw = self._next_message(requests, context, self.limits.request_timeout_ms / 1000.0, "request_timeout")
+        if raw is None:
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} needs one request message; none came")
+        if method.request_deserializer is None:
+            return raw
+        try:
+            return method.request_deserializer(raw)
+        except Exception as exc:
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} request does not parse: {exc}")
+
+    def _guard_unary(self, method: Method) -> Callable[..., Any]:
+        def guarded(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            peer = self._admit(context, stream=False)
+            try:
+                request = self._first_request(requests, context, method)
+                scope = self._scope(context, peer)
+                with call_scope(scope):
+                    if method.lane is not Lane.WORK:
+                        return method.handler(request, context)
+                    try:
+                        self._acquire_work(scope)
+                    except TensorwireError as exc:  # the caller went, or its deadline passed while it waited
+                        wire.abort_with(context, exc)
+                        raise
+                    try:
+                        return method.handler(request, context)
+                    finally:
+                        self._work.release()
+            finally:
+                self._admission.leave(peer.key, False)
+
+        return guarded
+
+    def _guard_streaming(self, method: Method) -> Callable[..., Any]:
+        def guarded(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+            stream = method.kind == "stream"
+            peer = self._admit(context, stream=stream)
+            try:
+                scope = self._scope(context, peer)
+                if stream:
+                    with call_scope(scope):
+                        yield from method.handler(self._messages(requests, context), context)
+                    return
+                request = self._first_request(requests, context, method)
+                with call_scope(scope):
+                    yield from method.handler(request, context)
+            finally:
+                self._admission.leave(peer.key, stream)
+
+        return guarded
+
+    def _messages(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A stream's request messages: the first within ``request_timeout_ms``, each next one within
+        ``stream_idle_timeout_ms`` of the handler asking for it (the handler asks only when idle)."""
+        timeout_s, label = self.limits.request_timeout_ms / 1000.0, "request_timeout"
+        while True:
+            raw = self._next_message(requests, context, timeout_s, label)
+            if raw is None:
+                return
+            yield raw
+            timeout_s, label = self.limits.stream_idle_timeout_ms / 1000.0, "stream_idle"
+
+    def _acquire_work(self, scope: CallScope) -> None:
+        """Takes one work slot, waiting within the call's deadline; raises (``scope.check``) when the caller goes
+        or the deadline passes first."""
+        if self._work.acquire(blocking=False):
+            return
+        while True:
+            left = scope.remaining_s()
+            if left <= 0 or not scope.active():
+                self._count("work_wait_timeouts", "work_wait")
+                scope.check("waiting for a work slot")
+                raise AssertionError("unreachable: check() raises for an expired or inactive call")
+            if self._work.acquire(timeout=min(WORK_WAIT_POLL_S, left)):
+                return
+
+    @contextmanager
+    def _work_slot(self, scope: CallScope) -> Iterator[None]:
+        self._acquire_work(scope)
+        try:
+            yield
+        finally:
+            self._work.release()
+
+
+class _HostScope(CallScope):
+    """A CallScope whose ``work_slot()`` takes one of its host's work slots (for work a stream runs per message)."""
+
+    def __init__(self, peer: Peer, *, deadline: float, is_active: Callable[[], bool], host: GrpcHost) -> None:
+        super().__init__(peer, deadline=deadline, is_active=is_active)
+        self._host = host
+
+    def narrowed(self, budget_s: float) -> CallScope:
+        return _HostScope(self.peer, deadline=min(self.deadline, time.monotonic() + budget_s),
+                          is_active=self._is_active or (lambda: True), host=self._host)
+
+    def work_slot(self) -> AbstractContextManager[None]:
+        return self._host._work_slot(self)
 
 
 class Admission:
@@ -239,4 +615,5 @@ def _why_not(address: str) -> str:
     return "gRPC refused the address (see its log line above)"
 
 
-__all__ = ["Admission", "GrpcHost", "HostState", "STOP_SLACK_S", "Settle"]
+__all__ = ["Admission", "GrpcHost", "HostState", "HostStats", "Lane", "Method", "STOP_SLACK_S", "Service", "Settle",
+           "health_service"]

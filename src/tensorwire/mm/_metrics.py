@@ -101,6 +101,9 @@ class TransportMetrics:
         self.encoder_streams_open = Gauge("tensorwire_mm_encoder_control_streams",
                                           "EncodeStream calls open on the encoder (each holds a server thread)",
                                           registry=reg)
+        self.server_refused = Counter("tensorwire_mm_server_refused_total",
+                                      "Calls an encoder server refused or ended before serving them, by reason: "
+                                      "peer_limit, request_timeout, stream_idle, work_wait", ["reason"], registry=reg)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, family: Any, *values: str) -> Any:

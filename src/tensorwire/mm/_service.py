@@ -8,6 +8,12 @@ Two control paths reach the same ``run_encode``: the unary ``Encode`` RPC and th
 (a bidi stream a client keeps open and sends its Encodes and success-path releases on; see encoder.proto for
 the message contract). A failure ends a unary call with a status and is a ``StreamError`` on the stream, built
 from the same table, so a caller sees the same exception on either path.
+
+Limits (issue 15): the service is served through ``GrpcHost`` (``methods()``), which admits, times and lanes
+every call; ``run_encode`` refuses more than ``max_request_items`` items or an item over ``max_item_bytes``
+(INVALID_ARGUMENT) and runs the encode function inside the call's scope narrowed to the request's worker budget,
+so an encode function that checks ``current_call()`` between items stops when the caller cancels or the budget
+passes; nothing is exported for a caller that is gone.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reas
 from tensorwire.mm import _codec, wire
 from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm._host import Admission, GrpcHost
+from tensorwire.mm._host import Admission, GrpcHost, Lane, Method, Service
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._scope import CallScope, call_scope, current_call
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
 from tensorwire.mm._uds_service import LocalControlServer, start_local_server
 from tensorwire.mm._wire_receipt import WireReceipt
@@ -82,9 +89,11 @@ class EncoderService:
     reason picks the status code), NotImplementedError (UNIMPLEMENTED) or ValueError (INVALID_ARGUMENT).
     The service does not own the transport; ``serve_encoder`` closes it on stop.
 
-    Streams: every open EncodeStream holds a server worker thread for its whole life, so at most
-    ``max_streams`` (default ``config.effective_server_stream_cap``) are open at once; one more is refused with
-    RESOURCE_EXHAUSTED before any of its messages is read (its client then uses the unary Encode).
+    Streams: every open EncodeStream holds a server thread for its whole life (not a work slot: it takes one per
+    Encode it runs), so at most ``max_streams`` (default ``config.effective_server_stream_cap``) are open at
+    once, and ``GrpcHost`` allows a peer ``max_streams_per_peer`` and ends a stream idle for
+    ``stream_idle_timeout_ms``; one more is refused with RESOURCE_EXHAUSTED before any of its messages is read
+    (its client then uses the unary Encode).
 
     Stopping (the ``GrpcHost`` stop sequence): ``quiesce()`` refuses every later Encode and EncodeStream with
     UNAVAILABLE (reason ``peer_unavailable``: a proxy retries it on another worker); ReleaseLeases keeps working,
@@ -110,8 +119,14 @@ class EncoderService:
         """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
         it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
         cfg = self.transport.config
-        if cfg.local_channel == "auto" and self.local is None:
-            self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+        if self.local is not None or cfg.local_channel == "off":
+            return
+        if cfg.local_channel == "auto" and cfg.tls.mutual:
+            # The socket authenticates by uid, not by certificate: with mTLS asked for, only an explicit "on" opens it.
+            log.info("same-host control channel off: the gRPC listener requires client certificates (mTLS); "
+                     "local_channel='on' serves it anyway, trusting processes of this uid")
+            return
+        self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
 
     def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
@@ -126,10 +141,13 @@ class EncoderService:
     def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
         """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
 
-        Both control paths call this. Failures are counted and logged here. When ``is_active()`` is False after
-        the export (the caller gave up), the receipt's leases are released at once: nobody will read them. An
-        inline receipt views the output's bytes: the caller serializes it before anything else runs.
+        Both control paths call this. Failures are counted and logged here. ``encode_fn`` runs inside the call's
+        scope (``current_call()``) narrowed to the request's worker budget. When ``is_active()`` is False once it
+        returned (the caller gave up), nothing is exported: the work is dropped and ``PeerUnavailable(CANCELLED)``
+        raised; when the caller goes while the export runs, the receipt's leases are released at once. An inline
+        receipt views the output's bytes: the caller serializes it before anything else runs.
         """
+        self._check_limits(request)
         if not self._encodes.enter():
             raise _draining()
         try:
@@ -140,20 +158,28 @@ class EncoderService:
     def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
         metrics = self.transport.metrics
         inputs = _codec.inputs_from_pb(request)
-        t0 = time.perf_counter()
-        try:
-            output = self._encode_fn(inputs)
-        except Exception as exc:
-            self.transport.release_pending()  # output buffers the encoder allocated before failing
-            self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
-            raise
-        compute_s = time.perf_counter() - t0
-        metrics.encoder_compute_seconds.observe(compute_s)
-        try:
-            receipt = self.transport.transfer(request, output)
-        except Exception as exc:
-            self._count_failure(exc, "transfer failed: %r", exc)
-            raise
+        cfg = self.transport.config
+        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=cfg.worker_timeout_ms,
+                                       margin_ms=0)
+        outer = current_call()
+        scope = CallScope(outer.peer, deadline=min(outer.deadline, time.monotonic() + budget_ms / 1000.0),
+                          is_active=is_active)
+        with call_scope(scope):
+            t0 = time.perf_counter()
+            try:
+                output = self._encode_fn(inputs)
+                scope.check("the request")  # stopped or expired while encoding: export nothing
+            except Exception as exc:
+                self.transport.release_pending()  # output buffers the encoder allocated before failing
+                self._count_failure(exc, "encode_fn failed on %d input(s): %r", len(inputs), exc)
+                raise
+            compute_s = time.perf_counter() - t0
+            metrics.encoder_compute_seconds.observe(compute_s)
+            try:
+                receipt = self.transport.transfer(request, output)
+            except Exception as exc:
+                self._count_failure(exc, "transfer failed: %r", exc)
+                raise
         receipt.message.encoder_stage_us["encode"] = int(compute_s * 1e6)
         plane = "rdma" if receipt.message.rdma_slots else "inline"
         metrics.child(metrics.encoder_request_seconds, plane).observe(time.perf_counter() - t0)
@@ -163,9 +189,21 @@ class EncoderService:
             log.info("caller went away after export; released %d lease(s) at once", released)
         return receipt
 
+    def _check_limits(self, request: pb.EncodeRequest) -> None:
+        limits = self.transport.config.limits
+        if len(request.inputs) > limits.max_request_items:
+            raise InvalidPayload(f"{len(request.inputs)} items in one request exceed max_request_items="
+                                 f"{limits.max_request_items}; split the request", reason=Reason.INVALID_REQUEST)
+        for i, item in enumerate(request.inputs):
+            if len(item.data) > limits.max_item_bytes:
+                raise InvalidPayload(f"item {i} is {len(item.data)} bytes, over max_item_bytes="
+                                     f"{limits.max_item_bytes}", reason=Reason.INVALID_REQUEST)
+
     def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
-        self.transport.metrics.errors.labels("encoder", wire.status_for(exc)[1].value).inc()
-        log.warning(msg, *args)
+        reason = wire.status_for(exc)[1].value
+        self.transport.metrics.errors.labels("encoder", reason).inc()
+        # Rate-limited per reason: a caller sending bad requests must not flood the log (counted above anyway).
+        self._rl.log(logging.WARNING, "failure-" + reason, msg, *args)
 
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.EncodeRequest, raw, context)
@@ -180,8 +218,9 @@ class EncoderService:
         if len(request.lease_ids) > MAX_RELEASE_IDS:
             wire.abort_with(context, InvalidPayload(f"{len(request.lease_ids)} lease ids in one call exceed "
                                                     f"{MAX_RELEASE_IDS}", reason=Reason.INVALID_REQUEST))
-        released = self.transport.release(list(request.lease_ids))
-        return pb.ReleaseLeasesResponse(released=released).SerializeToString()
+        ids = list(request.lease_ids)
+        released = self.transport.release(ids)
+        return pb.ReleaseLeasesResponse(released=released, unknown=len(ids) - released).SerializeToString()
 
     # -- EncodeStream -------------------------------------------------------------------------------------
 
@@ -233,7 +272,8 @@ class EncoderService:
                     stream.busy = True
                 receipt: WireReceipt | None = None
                 try:
-                    encoded = self.run_encode(msg.encode, context.is_active)
+                    with current_call().work_slot():  # one Encode at a time per slot, as on the unary path
+                        encoded = self.run_encode(msg.encode, context.is_active)
                     data = encoded.to_stream_frame(msg.id)
                     receipt = encoded
                 except Exception as exc:
@@ -314,13 +354,15 @@ class EncoderService:
         if local is not None:
             local.close(grace_s)
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
-            "Encode": grpc.unary_unary_rpc_method_handler(self.encode),
-            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(self.release_leases),
-            "EncodeStream": grpc.stream_stream_rpc_method_handler(self.encode_stream),
-            "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
-        })
+    def methods(self) -> Service:
+        """The EncoderService methods for ``GrpcHost``: Encode needs a work slot; ReleaseLeases and LocalChannel
+        never wait for one."""
+        return Service(wire.SERVICE_NAME, (
+            Method("Encode", self.encode, lane=Lane.WORK),
+            Method("ReleaseLeases", self.release_leases),
+            Method("EncodeStream", self.encode_stream, kind="stream"),
+            Method("LocalChannel", self.local_channel),
+        ))
 
 
 class EncoderServer:
@@ -368,23 +410,34 @@ class EncoderServer:
         self.stop()
 
 
+def encoder_host(what: str, services: Sequence[Service], cfg: TransportConfig, metrics: TransportMetrics, *,
+                 thread_prefix: str, extra_options: Sequence[tuple[str, Any]] = (),
+                 reuse_port: bool = False) -> GrpcHost:
+    """The ``GrpcHost`` of an encoder: ``server_threads`` work slots, the config's limits and TLS, refusals
+    counted on ``tensorwire_mm_server_refused_total``."""
+    return GrpcHost(what, services, work_slots=cfg.server_threads, thread_prefix=thread_prefix, limits=cfg.limits,
+                    tls=cfg.tls, extra_options=extra_options, reuse_port=reuse_port,
+                    on_refuse=lambda reason: metrics.server_refused.labels(reason).inc())
+
+
 def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, address: str = "127.0.0.1:0", *,
                   transport: OutputTransport | None = None, metrics: TransportMetrics | None = None,
                   exporter_factory: ExporterFactory | None = None,
-                  extra_options: Sequence[tuple[str, Any]] = ()) -> EncoderServer:
+                  extra_options: Sequence[tuple[str, Any]] = (), insecure: bool = False) -> EncoderServer:
     """Starts a gRPC server with EncoderService and grpc.health.v1 on ``address`` ("host:0" picks a port).
 
-    The exporter starts building now, in the background (``transport.wait_ready`` waits for it). Raises
-    ConfigError when the address cannot be bound (the transport is closed then).
+    TLS and limits come from ``config.tls`` and ``config.limits``; a plaintext server on a non-loopback address
+    needs ``insecure=True``. The exporter starts building now, in the background (``transport.wait_ready``
+    waits for it). Raises ConfigError when the address cannot (or may not) be bound (the transport is closed).
     """
     cfg = config if config is not None else TransportConfig()
     transport = transport if transport is not None else OutputTransport(cfg, exporter_factory=exporter_factory,
                                                                         metrics=metrics)
     service = EncoderService(encode_fn, transport)
-    host = GrpcHost("encoder server", (service.handler(),), threads=cfg.server_threads,
-                    thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
+    host = encoder_host("encoder server", (service.methods(),), cfg, transport.metrics,
+                        thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
     try:
-        host.bind(address)
+        host.bind(address, insecure=insecure)
     except ConfigError:
         transport.close()
         raise
@@ -397,4 +450,4 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     return EncoderServer(host, service)
 
 
-__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "EncodeFn"]
+__all__ = ["EncoderService", "EncoderServer", "serve_encoder", "encoder_host", "EncodeFn"]

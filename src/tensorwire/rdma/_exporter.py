@@ -1,9 +1,11 @@
 """``TensorExporter``: copies tensors into pooled registered slots and hands out descriptors + leases.
 
-Lease life: ``export``/``allocate`` create a lease (globally unique id: a per-exporter uuid4 plus a counter) on
-a busy slot. ``release`` (idempotent; unknown ids are counted) or the TTL GC (``slot_gc_timeout_ms`` after the
-lease was created) ends it: the slot's generation is bumped, then the slot goes back to its free list with its
-registration kept. ``close`` voids every lease.
+Lease life: ``export``/``allocate`` create a lease on a busy slot. Its id is 128 bits from ``secrets`` (nothing
+about it is derived from another lease, the exporter or a counter), so the id is the lease's release capability:
+only whoever was handed the descriptor can name it (issue 15, finding 3); tensorwire never logs more of an id than
+``lease_ref`` shows. ``release`` (idempotent; returns how many ids named a live lease, counts the others as unknown)
+or the TTL GC (``slot_gc_timeout_ms`` after the lease was created) ends it: the slot's generation is bumped, then
+the slot goes back to its free list with its registration kept. ``close`` voids every lease.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import secrets
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +31,18 @@ from tensorwire.rdma.providers import create_provider
 from tensorwire.rdma.providers.base import ROLE_EXPORTER, Provider
 
 log = logging.getLogger(__name__)
+
+LEASE_ID_BYTES = 16  # 128 random bits
+
+
+def new_lease_id() -> str:
+    """A fresh lease id: ``LEASE_ID_BYTES`` random bytes as hex."""
+    return secrets.token_hex(LEASE_ID_BYTES)
+
+
+def lease_ref(lease_id: str) -> str:
+    """A short, non-secret reference to a lease for messages and logs (the first 32 of its 128 bits)."""
+    return lease_id[:8] + "..." if len(lease_id) > 8 else lease_id
 
 
 @dataclass(eq=False)
@@ -61,8 +75,6 @@ class TensorExporter:
         self._lock = threading.RLock()
         self._closed = False
         self._leases: dict[str, Lease] = {}
-        self._counter = 0
-        self._prefix = uuid.uuid4().hex
         self._tally = Tally(ExporterStats())  # counters only; stats() fills in the gauges
         self._gc_stop = threading.Event()
         self._gc_thread: threading.Thread | None = None
@@ -176,17 +188,18 @@ class TensorExporter:
         with self._lock:
             current = self._leases.get(lease.lease_id)
         if current is not lease:
-            raise ExportError(f"lease {lease.lease_id} is released, reclaimed or not from this exporter",
+            raise ExportError(f"lease {lease_ref(lease.lease_id)} is released, reclaimed or not from this exporter",
                               reason=Reason.LEASE_EXPIRED)
         if lease.exported:
-            raise ExportError(f"lease {lease.lease_id} is already exported")
+            raise ExportError(f"lease {lease_ref(lease.lease_id)} is already exported")
         self._sync_device()
         return self._publish(lease)
 
     # -- release / GC --
 
-    def release(self, lease_ids: Iterable[str]) -> None:
-        """End these leases (idempotent). Unknown ids are counted in ``stats().unknown_releases``."""
+    def release(self, lease_ids: Iterable[str]) -> int:
+        """End these leases (idempotent); returns how many named a live lease. The others (already released,
+        reclaimed, or never minted here) are counted in ``stats().unknown_releases``."""
         if isinstance(lease_ids, str):
             lease_ids = [lease_ids]
         ended = unknown = 0
@@ -200,6 +213,7 @@ class TensorExporter:
             with self._tally.locked() as c:
                 c.releases += ended
                 c.unknown_releases += unknown
+        return ended
 
     def collect_garbage(self, now: float | None = None) -> int:
         """Reclaim leases older than ``slot_gc_timeout_ms``; the GC thread calls this. Returns the count."""
@@ -313,8 +327,10 @@ class TensorExporter:
             if self._closed:
                 self._pool.release(slot)
                 raise ClosedError("TensorExporter is closed")
-            self._counter += 1
-            lease = Lease(lease_id=f"{self._prefix}-{self._counter:x}", slot=slot, manifest=manifest,
+            lease_id = new_lease_id()
+            while lease_id in self._leases:  # 2**-128 per live lease: never in practice, but never a shared id
+                lease_id = new_lease_id()
+            lease = Lease(lease_id=lease_id, slot=slot, manifest=manifest,
                           payload_bytes=payload, created_s=time.monotonic())
             self._leases[lease.lease_id] = lease
         return lease

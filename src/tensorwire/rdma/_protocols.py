@@ -36,8 +36,9 @@ class Exporter(Protocol):
         """Publish an allocated lease (ExportError if it was released, reclaimed or already exported)."""
         ...
 
-    def release(self, lease_ids: Iterable[str]) -> None:
-        """End these leases; idempotent, unknown ids are counted, never raised."""
+    def release(self, lease_ids: Iterable[str]) -> int:
+        """End these leases; idempotent. Returns how many named a live lease; unknown ids are counted, never
+        raised."""
         ...
 
     def stats(self) -> ExporterStats:

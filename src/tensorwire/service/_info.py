@@ -5,6 +5,10 @@ listener settings with ``WorkerInfo/Get`` before it serves, and refuses to start
 were given the same non-zero ``--rdma-port`` (only one of them could bind it; the other would serve inline
 forever without anyone noticing). Receipts are checked too, at run time: two workers whose descriptors name
 the same owner endpoint are logged and counted (``check_receipt_owner`` in the proxy).
+
+Who may ask (issue 15, finding 2): WorkerInfo names the worker's host, pid, ports and model, so a worker answers
+it only to loopback callers and to callers that presented a client certificate it verified (mTLS); anyone else
+gets PERMISSION_DENIED. A proxy on another host therefore needs mTLS, or ``--no-check-workers``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from typing import Any
 
 import grpc
 
-from tensorwire.errors import ConfigError, PeerUnavailable
+from tensorwire.errors import ConfigError, PeerUnavailable, Reason
+from tensorwire.mm import wire
+from tensorwire.mm._host import Method, Service
+from tensorwire.mm._scope import current_call
 from tensorwire.service._proto import service_pb2 as pb
 
 INFO_SERVICE = "tensorwire.service.v1.WorkerInfo"
@@ -48,15 +55,29 @@ class WorkerInfo:
                    hidden_size=msg.hidden_size, version=msg.version)
 
 
-def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericRpcHandler:
-    """A generic handler serving ``WorkerInfo/Get`` from ``get_info()``."""
-
-    def get(_request: pb.WorkerInfoRequest, _context: grpc.ServicerContext) -> pb.WorkerInfoResponse:
+def _answer(get_info: Callable[[], pb.WorkerInfoResponse]) -> Callable[..., pb.WorkerInfoResponse]:
+    def get(_request: pb.WorkerInfoRequest, context: grpc.ServicerContext) -> pb.WorkerInfoResponse:
+        peer = current_call().peer
+        if not (peer.loopback or peer.authenticated):
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PERMISSION_DENIED.value),))
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "WorkerInfo answers loopback and mTLS-authenticated "
+                          "callers only")
         return get_info()
 
+    return get
+
+
+def info_service(get_info: Callable[[], pb.WorkerInfoResponse]) -> Service:
+    """``WorkerInfo/Get`` from ``get_info()`` as a ``GrpcHost`` service (loopback and mTLS callers only)."""
+    return Service(INFO_SERVICE, (Method("Get", _answer(get_info), request_deserializer=pb.WorkerInfoRequest.FromString,
+                                         response_serializer=pb.WorkerInfoResponse.SerializeToString),))
+
+
+def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericRpcHandler:
+    """The same method as a plain generic handler, for a server built without ``GrpcHost`` (test doubles)."""
     return grpc.method_handlers_generic_handler(INFO_SERVICE, {
         "Get": grpc.unary_unary_rpc_method_handler(
-            get, request_deserializer=pb.WorkerInfoRequest.FromString,
+            _answer(get_info), request_deserializer=pb.WorkerInfoRequest.FromString,
             response_serializer=pb.WorkerInfoResponse.SerializeToString),
     })
 
@@ -108,4 +129,5 @@ def check_workers(infos: Sequence[WorkerInfo]) -> None:
                     "worker its own --rdma-port, or use --rdma-port 0 (the default)")
 
 
-__all__ = ["INFO_METHOD", "INFO_SERVICE", "WorkerInfo", "check_workers", "fetch_info", "info_handler", "make_info"]
+__all__ = ["INFO_METHOD", "INFO_SERVICE", "WorkerInfo", "check_workers", "fetch_info", "info_handler", "info_service",
+           "make_info"]

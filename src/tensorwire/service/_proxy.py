@@ -16,6 +16,13 @@ call timed out or the connection broke). Their lease ids never reach a reader; t
 them after ``slot_gc_timeout_ms``. Each such attempt is logged with the worker and counted in
 ``tensorwire_proxy_slots_possibly_orphaned_total``; size the workers' pool for it (docs/deployment.md).
 
+Security and limits (issue 15): the proxy's listener has the TLS and ``ServerLimits`` of its config, as a worker's
+has (``GrpcHost``: per-peer call limits, a request deadline, a work lane for the Encode forwards so ReleaseLeases
+never waits behind them); its channels to the workers use the same ``TlsConfig`` as a client (mTLS: its ``cert``
+is its client certificate). A forwarded Encode names the caller in ``tensorwire-peer`` metadata, which a worker
+believes when it lists the proxy in its ``trusted_forwarders`` (then per-peer limits and lease quotas apply per
+caller, not to the proxy as a whole), and is cancelled on the worker when its caller cancels.
+
 Health: the proxy probes every worker's ``grpc.health.v1`` (``HealthProber``) and answers SERVING itself only
 while at least one worker is UP; ``tensorwire_proxy_worker_up{worker}`` shows each one.
 
@@ -34,7 +41,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import grpc
@@ -43,8 +51,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire.errors import ConfigError, Reason
 from tensorwire.mm import TransportConfig, _receipt, wire
-from tensorwire.mm._host import Admission, GrpcHost
+from tensorwire.mm._host import Admission, GrpcHost, Lane, Method, Service
+from tensorwire.mm._limits import ServerLimits
 from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._scope import FORWARDED_PEER_METADATA, current_call
+from tensorwire.mm._tls import TlsConfig, secure_or_insecure_channel
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._endpoint import parse_endpoint
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
@@ -89,6 +100,7 @@ class ProxyConfig:
     # Ask every worker for WorkerInfo at start-up (RDMA port check, route TTL); wait this long for each.
     check_workers: bool = True
     worker_wait_s: float = 30.0
+    # Encode forwards in flight at once (the rest wait within their deadline); releases never wait for these.
     server_threads: int = 16
     # Worker health probes (grpc.health.v1 Check): period, per-probe timeout, unanswered probes before DOWN.
     probe_interval_s: float = 1.0
@@ -96,6 +108,8 @@ class ProxyConfig:
     probe_failures: int = 2
     # Check every receipt as a reader would before forwarding it; a broken one is retried on another worker.
     check_receipts: bool = True
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -115,6 +129,8 @@ class ProxyConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         if self.probe_failures < 1:
             raise ConfigError(f"probe_failures={self.probe_failures} must be >= 1")
+        if not isinstance(self.tls, TlsConfig) or not isinstance(self.limits, ServerLimits):
+            raise ConfigError("tls must be a TlsConfig and limits a ServerLimits")
 
     @property
     def attempts(self) -> int:
@@ -161,6 +177,9 @@ class _Metrics:
                                        registry=registry)
         self.bad_receipts = Counter("tensorwire_proxy_bad_receipts_total",
                                     "Worker responses the proxy could not parse for lease ids", registry=registry)
+        self.refused = Counter("tensorwire_proxy_refused_total",
+                               "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
+                               "request_timeout, work_wait", ["reason"], registry=registry)
         for i in range(n_workers):
             self.orphaned.labels(str(i))
             self.worker_downs.labels(str(i))
@@ -181,6 +200,10 @@ class _RouteCollector:
             ("tensorwire_proxy_routes_expired", s.expired_total, "Routes dropped by TTL without a release"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+
+
+def _cancel(call: grpc.Future[Any]) -> None:
+    call.cancel()
 
 
 def _remaining_s(context: grpc.ServicerContext) -> float | None:
@@ -217,10 +240,10 @@ class EncoderProxy:
                  clock: Callable[[], float] = time.monotonic, reuse_port: bool = False) -> None:
         self.config = config
         self._clock = clock
-        opts = wire.channel_options()
+        opts = config.limits.client_options()
         self._workers = []
         for i, address in enumerate(config.workers):
-            ch = grpc.insecure_channel(address, options=opts)
+            ch = secure_or_insecure_channel(address, config.tls, opts)
             self._workers.append(_Worker(
                 index=i, address=address, channel=ch,
                 encode=ch.unary_unary(wire.ENCODE_METHOD),  # bytes in, bytes out: forwarded unparsed
@@ -248,7 +271,9 @@ class EncoderProxy:
         self.port: int | None = None
 
     # ---- lifecycle
-    def start(self, address: str = "127.0.0.1:0") -> int:
+    def start(self, address: str = "127.0.0.1:0", *, insecure: bool = False) -> int:
+        """Asks the workers (unless ``check_workers`` is off), then binds and serves. A plaintext proxy on a
+        non-loopback address needs ``insecure`` (``--insecure``)."""
         if self._host is not None:
             raise RuntimeError("proxy already started")
         if self.config.check_workers:
@@ -256,14 +281,14 @@ class EncoderProxy:
             check_workers(infos)
             ttl = route_ttl_s(max(i.slot_gc_timeout_ms for i in infos))
             self.routes = RouteTable(ttl, clock=self._clock)
-        self._metrics = _Metrics(self._registry, self.routes, len(self._workers))
-        host = GrpcHost("proxy", (grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
-            "Encode": grpc.unary_unary_rpc_method_handler(self._encode),  # raw bytes both ways
-            "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-                self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
-                response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
-        }),), threads=self.config.server_threads, thread_prefix="proxy", reuse_port=self._reuse_port)
-        port = host.bind(address)
+        self._metrics = m = _Metrics(self._registry, self.routes, len(self._workers))
+        host = GrpcHost("proxy", (Service(wire.SERVICE_NAME, (
+            Method("Encode", self._encode, lane=Lane.WORK),  # raw bytes both ways
+            Method("ReleaseLeases", self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
+                   response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
+        )),), work_slots=self.config.server_threads, thread_prefix="proxy", limits=self.config.limits,
+            tls=self.config.tls, on_refuse=lambda reason: m.refused.labels(reason).inc(), reuse_port=self._reuse_port)
+        port = host.bind(address, insecure=insecure)
         self._host, self.port = host, port
         host.start(serving=self.health.any_up())
         self._prober.start()
@@ -366,6 +391,12 @@ class EncoderProxy:
             m.requests.labels("invalid").inc()
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeRequest does not parse")
+        too_big = self._over_limits(request)
+        if too_big:
+            m.requests.labels("invalid").inc()
+            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_big)
+        forward = ((FORWARDED_PEER_METADATA, current_call().peer.key),)
         # Each attempt gets the worker budget (the seed's formula), capped by what the caller has left overall.
         budget_s = self._attempt_budget_s(request)
         caller_left = _remaining_s(context)
@@ -389,7 +420,9 @@ class EncoderProxy:
             if attempt:
                 m.retries.inc()
             try:
-                response = worker.encode(raw, timeout=left)
+                call = worker.encode.future(raw, timeout=left, metadata=forward)
+                context.add_callback(partial(_cancel, call))  # the caller went: the worker stops too
+                response = call.result()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
                 m.worker_errors.labels(str(worker.index), code.name).inc()
@@ -418,6 +451,16 @@ class EncoderProxy:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no time left to call an encoder worker")
         self._forward_error(last_error, context, tried)
         raise AssertionError("unreachable")  # context.abort raises
+
+    def _over_limits(self, request: Any) -> str:
+        """Why ``request`` is over this proxy's item limits ('' when it is not)."""
+        limits = self.config.limits
+        if len(request.inputs) > limits.max_request_items:
+            return f"{len(request.inputs)} items in one request exceed max_request_items={limits.max_request_items}"
+        for i, item in enumerate(request.inputs):
+            if len(item.data) > limits.max_item_bytes:
+                return f"item {i} is {len(item.data)} bytes, over max_item_bytes={limits.max_item_bytes}"
+        return ""
 
     @staticmethod
     def _forward_error(exc: grpc.RpcError, context: grpc.ServicerContext, tried: Sequence[str] = ()) -> None:
@@ -505,7 +548,7 @@ class EncoderProxy:
     # ---- ReleaseLeases
     def _release_on(self, worker: _Worker, lease_ids: Sequence[str], timeout_s: float) -> int:
         resp = worker.release(wire.ReleaseLeasesRequest(lease_ids=list(lease_ids)), timeout=timeout_s)
-        return int(resp.released)
+        return int(resp.released)  # the rest of the batch named no live lease there (answered as unknown below)
 
     def _release(self, request: Any, context: grpc.ServicerContext) -> Any:
         assert self._metrics is not None
@@ -544,7 +587,8 @@ class EncoderProxy:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"release failed on {len(failed)} of {len(plan.by_worker)} worker(s) {failed}; "
                           "routes kept, retry the release")
-        return wire.ReleaseLeasesResponse(released=released)
+        asked = len(set(request.lease_ids))
+        return wire.ReleaseLeasesResponse(released=released, unknown=asked - released)
 
 
 __all__ = ["EncoderProxy", "MAY_HAVE_EXPORTED", "ProxyConfig", "RETRYABLE", "may_have_orphaned"]

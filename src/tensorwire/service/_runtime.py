@@ -49,17 +49,26 @@ log = logging.getLogger(__name__)
 
 
 class MetricsServer:
-    """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close."""
+    """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close.
 
-    def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None) -> None:
+    ``tls`` (a ``TlsConfig`` with a certificate): HTTPS with that certificate, and client certificates signed by
+    its CA required when it asks for client authentication (the gRPC listener's rules)."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None, *, tls: Any = None) -> None:
         from prometheus_client import REGISTRY, start_http_server
 
+        kwargs: dict[str, Any] = {}
+        if tls is not None and tls.server_enabled:
+            kwargs = {"certfile": tls.cert, "keyfile": tls.key}
+            if tls.mutual:
+                kwargs.update(client_cafile=tls.ca, client_auth_required=True)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY)
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY, **kwargs)
         except OSError as exc:
             why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise ConfigError(f"cannot listen on {host}:{port} for /metrics: {why} (pick another --metrics-port, "
                               "or -1 for none)", reason=Reason.BIND_FAILED) from exc
+        self.scheme = "https" if kwargs else "http"
         self.host = host
         self.port = int(self._server.server_address[1])
         self._closed = False
@@ -74,6 +83,21 @@ class MetricsServer:
         self._closed = True
         self._server.shutdown()
         self._server.server_close()
+
+
+def serve_metrics(port: int, host: str, *, tls: Any, insecure: bool) -> MetricsServer:
+    """The /metrics server of a serve command: plaintext on loopback (or anywhere with ``insecure``), HTTPS with the
+    gRPC certificate elsewhere (client certificates required under mTLS); ConfigError for a plaintext non-loopback
+    address (issue 15: /metrics stays on loopback unless it is protected or the operator says otherwise)."""
+    from tensorwire.errors import ConfigError
+    from tensorwire.mm._scope import is_loopback_host
+
+    if is_loopback_host(host) or insecure:
+        return MetricsServer(port, host)
+    if tls is None or not tls.server_enabled:
+        raise ConfigError(f"refusing plaintext /metrics on {host!r} (not loopback): give the server a certificate "
+                          "(--tls-cert, --tls-key) or pass --insecure")
+    return MetricsServer(port, host, tls=tls)
 
 
 def print_ready(**fields: object) -> None:
@@ -165,4 +189,5 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 __all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "StopConfig", "drain_releases",
-           "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "stdout_to_stderr", "wait_for_signal"]
+           "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "serve_metrics", "stdout_to_stderr",
+           "wait_for_signal"]

@@ -4,7 +4,11 @@ One gRPC server carries three services: ``tensorwire.mm.v1.EncoderService`` (Enc
 standard ``grpc.health.v1.Health``, and ``tensorwire.service.v1.WorkerInfo`` (what a proxy checks at start-up).
 ``mm.serve_encoder`` builds the first two on a server of its own; the worker needs the third on the same port,
 so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` on mm's ``GrpcHost``,
-the one place that binds, starts and stops a gRPC server.
+the one place that binds, starts and stops a gRPC server (with the config's TLS and limits).
+
+Work per request (issue 15, finding 7): the pixel budget (``ImageLimits``) is checked from the headers before
+anything is decoded, then the images are encoded one at a time, and between two of them the call is checked:
+a caller that cancelled, or a worker budget that passed, stops the request there.
 
 Health follows what the worker can do: NOT_SERVING while the model loads (``EncoderWorker.loading``: the port is
 bound and answers health and WorkerInfo at once, Encode gets UNAVAILABLE), SERVING once it is loaded, NOT_SERVING
@@ -29,25 +33,39 @@ from tensorwire.mm import (
     TransportMetrics,
 )
 from tensorwire.mm._host import GrpcHost
-from tensorwire.service._info import info_handler, make_info
+from tensorwire.mm._scope import current_call
+from tensorwire.mm._service import encoder_host
+from tensorwire.service._images import ImageLimits, check_pixels
+from tensorwire.service._info import info_service, make_info
 
 log = logging.getLogger(__name__)
 
 
-def make_encode_fn(encoder: VisionEncoder) -> Any:
+def make_encode_fn(encoder: VisionEncoder, limits: ImageLimits | None = None) -> Any:
     """The ``EncodeFn`` contract of ``tensorwire.mm``: ``encode_fn(inputs) -> EncoderOutput``.
 
     Only ``kind == "image"`` items are accepted (anything else is ``InvalidPayload``); each image gives one
-    embedding [tokens, hidden] and its (row, col) position ids [tokens, 2]. Bad images raise ``InvalidPayload``,
-    which the service answers with INVALID_ARGUMENT while it keeps serving.
+    embedding [tokens, hidden] and its (row, col) position ids [tokens, 2]. Bad images, and images over the pixel
+    budget (read from their headers before any decoding), raise ``InvalidPayload``, which the service answers
+    with INVALID_ARGUMENT while it keeps serving. Images are encoded one per forward, and the call
+    (``current_call()``) is checked before each: a cancelled or expired request stops between two images.
     """
+    budget = limits if limits is not None else ImageLimits()
 
     def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
         for i, item in enumerate(inputs):
             if item.kind != "image":
                 raise InvalidPayload(f"input {i}: kind {item.kind!r} is not supported; this encoder takes 'image'",
                                      reason=Reason.INVALID_REQUEST)
-        results = encoder.encode([item.data for item in inputs])
+        images = [item.data for item in inputs]
+        if not images or len(images) > encoder.preprocess.max_images:
+            encoder.encode(images)  # raises the encoder's own refusal (empty, too many) before any decoding
+        check_pixels(images, budget)
+        call = current_call()
+        results = []
+        for i, data in enumerate(images):
+            call.check(f"image {i} of {len(images)}")
+            results.extend(encoder.encode([data]))
         return EncoderOutput(embeddings=[r.embedding for r in results],
                              position_ids=[r.position_ids for r in results])
 
@@ -66,13 +84,15 @@ class EncoderWorker:
 
     def __init__(self, encoder: VisionEncoder | None, config: TransportConfig, *, model: str = "builtin",
                  metrics: TransportMetrics | None = None, reuse_port: bool = False,
-                 load: Callable[[], VisionEncoder] | None = None, device: str = "cpu") -> None:
+                 load: Callable[[], VisionEncoder] | None = None, device: str = "cpu",
+                 image_limits: ImageLimits | None = None) -> None:
         if (encoder is None) == (load is None):
             raise ConfigError("EncoderWorker needs an encoder or a loader (EncoderWorker.loading), not both")
         self.encoder: VisionEncoder | None = encoder
         self._load = load
         self._device = str(encoder.device) if encoder is not None else device
-        self._encode_fn = make_encode_fn(encoder) if encoder is not None else None
+        self.image_limits = image_limits if image_limits is not None else ImageLimits()
+        self._encode_fn = make_encode_fn(encoder, self.image_limits) if encoder is not None else None
         self.config = config
         self.model = model
         self.reuse_port = reuse_port
@@ -114,16 +134,16 @@ class EncoderWorker:
                          device=str(enc.device) if enc is not None else self._device,
                          hidden_size=enc.hidden_size if enc is not None else 0)
 
-    def start(self, address: str = "127.0.0.1:0") -> int:
+    def start(self, address: str = "127.0.0.1:0", *, insecure: bool = False) -> int:
         """Binds ``address`` (``ConfigError`` with reason ``BIND_FAILED`` when it cannot) and serves; SERVING when
-        the encoder is loaded, NOT_SERVING until ``load()`` otherwise."""
+        the encoder is loaded, NOT_SERVING until ``load()`` otherwise. A plaintext worker on a non-loopback
+        address needs ``insecure`` (``--insecure``)."""
         if self._host is not None:
             raise RuntimeError("worker already started")
-        host = GrpcHost("encoder", (self.service.handler(), info_handler(self._info)),
-                        threads=self.config.server_threads, thread_prefix="tensorwire-encoder",
-                        reuse_port=self.reuse_port)
+        host = encoder_host("encoder", (self.service.methods(), info_service(self._info)), self.config,
+                            self.transport.metrics, thread_prefix="tensorwire-encoder", reuse_port=self.reuse_port)
         try:
-            port = host.bind(address)
+            port = host.bind(address, insecure=insecure)
         except ConfigError:
             self.transport.close()
             raise
@@ -144,7 +164,7 @@ class EncoderWorker:
             assert self._load is not None
             encoder = self._load()
             self.encoder = encoder
-            self._encode_fn = make_encode_fn(encoder)
+            self._encode_fn = make_encode_fn(encoder, self.image_limits)
             log.info("encoder worker %s loaded %s", self.worker_id, encoder.describe())
         if self._host is not None and not self._stopped:
             self._host.set_serving(True)

@@ -158,8 +158,12 @@ class SoakRunner:
         self.relays = [FaultRelay(f"w{i}", w.address, seed=self.cfg.seed + i) for i, w in enumerate(started)]
         from prometheus_client import CollectorRegistry
 
+        # Across hosts the workers see the relays' non-loopback addresses, and WorkerInfo answers only loopback or
+        # mTLS callers: the proxy then takes the route TTL from the soak's GC window instead of asking.
         self.proxy = EncoderProxy(ProxyConfig(workers=tuple(r.address for r in self.relays),
                                               release_timeout_ms=self.cfg.release_timeout_ms,
+                                              slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
+                                              check_workers=self.cfg.topology is None,
                                               worker_wait_s=30.0), registry=CollectorRegistry())
         proxy_port = self.proxy.start("127.0.0.1:0")
         self.front = FaultRelay("front", f"127.0.0.1:{proxy_port}", seed=self.cfg.seed + 99,

@@ -372,19 +372,40 @@ def test_empty_output_and_unreachable_endpoint(env: Env) -> None:
 def test_encoder_releases_at_once_when_the_caller_left_during_export(env: Env) -> None:
     import threading
 
+    gate, entered = threading.Event(), threading.Event()
+
+    class SlowExporter(FakeExporter):
+        def export_batch(self, groups):  # type: ignore[no-untyped-def]
+            entered.set()
+            gate.wait(5)
+            return super().export_batch(groups)
+
+    srv = env.server(factory=lambda cfg: SlowExporter(env.fabric, cfg))
+    c = env.client(srv.address)
+    with pytest.raises(DeadlineExceeded):
+        c.fetch(INPUTS, timeout_ms=300)  # gives up while the encoder is exporting
+    assert entered.is_set()
+    gate.set()
+    wait_for(lambda: len(env.fabric.exported) == 1)
+    wait_for(lambda: not env.fabric.live())  # released by the encoder itself, long before any TTL GC
+
+
+def test_encoder_exports_nothing_when_the_caller_left_during_encode(env: Env) -> None:
+    import threading
+
     gate = threading.Event()
 
     def slow(inputs):  # type: ignore[no-untyped-def]
         gate.wait(5)
         return encode_fn(inputs)
 
-    srv = env.server(fn=slow)
-    c = env.client(srv.address)
+    env.server(fn=slow)
+    c = env.client(env.servers[-1].address)
     with pytest.raises(DeadlineExceeded):
         c.fetch(INPUTS, timeout_ms=200)  # gives up while the encoder is still working
     gate.set()
-    wait_for(lambda: len(env.fabric.exported) == 1)
-    wait_for(lambda: not env.fabric.live())  # released by the encoder itself, long before any TTL GC
+    wait_for(lambda: env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"}) == 1)
+    assert env.fabric.exported == [] and not env.fabric.live()
 
 
 def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporter(

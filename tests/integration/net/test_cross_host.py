@@ -37,8 +37,9 @@ class Deployment:
 
 
 def _encoder_argv(name: str, grpc_host: str, *extra: str) -> list[str]:
-    return ["serve-encoder", "--host", grpc_host, "--port", "0", "--metrics-port", "-1", "--worker-id", name,
-            "--wait-exporter-s", "60", *extra]
+    # --insecure: plaintext off loopback, on a fabric that exists only inside this test (docs/security.md).
+    return ["serve-encoder", "--host", grpc_host, "--insecure", "--port", "0", "--metrics-port", "-1", "--worker-id",
+            name, "--wait-exporter-s", "60", *extra]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, nixl_available: bool, c
         }
         workers = {name: f"{net[name].ip}:{c.ready(START_S)['grpc'].rsplit(':', 1)[1]}" for name, c in started.items()}
         proxy_host = net["proxy"]
-        proxy = kids.start(proxy_host, "proxy", ["serve-proxy", "--host", proxy_host.ip, "--port", "0",
+        proxy = kids.start(proxy_host, "proxy", ["serve-proxy", "--host", proxy_host.ip, "--insecure", "--port", "0",
+                                                 "--no-check-workers",  # WorkerInfo: loopback or mTLS only
                                                  "--metrics-port", "-1", "--worker", workers["w0"],
                                                  "--worker", workers["w1"]])
         proxy_address = f"{proxy_host.ip}:{proxy.ready(START_S)['grpc'].rsplit(':', 1)[1]}"

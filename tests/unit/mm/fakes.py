@@ -71,11 +71,14 @@ class FakeExporter:
             raise
         return out
 
-    def release(self, lease_ids: Sequence[str]) -> None:
+    def release(self, lease_ids: Sequence[str]) -> int:
+        ended = 0
         with self.fabric.lock:
             for lid in lease_ids:
                 if self.fabric.slots.pop(lid, None) is not None:
                     self.fabric.released.append(lid)
+                    ended += 1
+        return ended
 
     def allocate(
         self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]]

@@ -6,7 +6,9 @@ import pytest
 
 from tensorwire.errors import ConfigError
 from tensorwire.mm import MODES, TransportConfig
-from tensorwire.mm._config import fields_for_cli
+from tensorwire.mm._config import DEFAULT_STREAM_CAP, NESTED, fields_for_cli
+from tensorwire.mm._limits import ServerLimits
+from tensorwire.mm._tls import TlsConfig
 from tensorwire.rdma import RdmaConfig
 
 
@@ -20,12 +22,16 @@ def test_defaults_live_in_one_place() -> None:
     assert (cfg.release_timeout_ms, cfg.release_queue_max) == (1000, 1024)
     assert (cfg.failures_to_open, cfg.open_seconds) == (3, 30.0)
     assert (cfg.control_stream, cfg.control_stream_pool, cfg.server_stream_cap) == (True, 8, 0)
-    assert cfg.effective_server_stream_cap == cfg.server_threads // 2 == 4
+    # Streams hold a server thread (of limits.max_inflight_calls), not a work slot (server_threads).
+    assert cfg.effective_server_stream_cap == DEFAULT_STREAM_CAP == 64 <= cfg.limits.max_inflight_calls // 2
+    assert cfg.effective_peer_leased_bytes == cfg.rdma.pool_cap_bytes // 2
+    assert isinstance(cfg.tls, TlsConfig) and cfg.tls.describe() == "plaintext"
+    assert isinstance(cfg.limits, ServerLimits)
     assert MODES == ("auto", "grpc")
     # The CLI builds its flags from the dataclass, so its defaults cannot drift.
     cli = {name: default for name, default, _ in fields_for_cli()}
     for f in dataclasses.fields(TransportConfig):
-        if f.name != "rdma":
+        if f.name not in NESTED:
             assert cli[f.name] == getattr(cfg, f.name)
 
 
@@ -69,11 +75,29 @@ def test_control_stream_fields_from_env_and_their_bounds() -> None:
     assert TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "1"}).control_stream is True
     with pytest.raises(ConfigError, match="TENSORWIRE_MM_CONTROL_STREAM"):
         TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "sometimes"})
-    # Every open stream holds a server thread: the cap leaves at least one for unary calls and health.
+    # Every open stream holds a server thread: the cap leaves at least half of them for unary calls and health.
     with pytest.raises(ConfigError, match="server_stream_cap"):
-        TransportConfig(server_threads=4, server_stream_cap=4)
+        TransportConfig(server_stream_cap=257)
     assert TransportConfig(server_threads=4, server_stream_cap=3).effective_server_stream_cap == 3
-    assert TransportConfig(server_threads=1).effective_server_stream_cap == 0  # one thread: no streams at all
+    small = TransportConfig(limits=ServerLimits(max_inflight_calls=8, max_inflight_per_peer=8, max_streams_per_peer=4))
+    assert small.effective_server_stream_cap == 4
+
+
+def test_tls_and_limits_from_env() -> None:
+    cfg = TransportConfig.from_env({"TENSORWIRE_MM_TLS_CA": "/etc/ca.pem", "TENSORWIRE_MM_TLS_CLIENT_AUTH": "off",
+                                    "TENSORWIRE_MM_MAX_INFLIGHT_PER_PEER": "7",
+                                    "TENSORWIRE_MM_TRUSTED_FORWARDERS": "cn:proxy"})
+    assert cfg.tls == TlsConfig(ca="/etc/ca.pem", client_auth=False) and cfg.tls.client_enabled
+    assert not cfg.tls.server_enabled
+    assert cfg.limits.max_inflight_per_peer == 7 and cfg.limits.forwarders == {"cn:proxy"}
+    with pytest.raises(ConfigError, match="cert and tls.key"):
+        TransportConfig.from_env({"TENSORWIRE_MM_TLS_CERT": "/etc/c.pem"})
+    with pytest.raises(ConfigError, match="max_inflight_per_peer"):
+        TransportConfig.from_env({"TENSORWIRE_MM_MAX_INFLIGHT_PER_PEER": "0"})
+    # The request limit is derived from the item limits, and stays far below protobuf's 2 GiB.
+    limits = ServerLimits()
+    assert limits.max_request_bytes >= limits.max_request_items * limits.max_item_bytes
+    assert limits.max_request_bytes < 256 << 20
 
 
 @pytest.mark.parametrize("field,value", [

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tensorwire.errors import ClosedError, ConfigError
+from tensorwire.errors import ClosedError, ConfigError, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._host import STOP_SLACK_S, GrpcHost, HostState
+from tensorwire.mm._host import STOP_SLACK_S, GrpcHost, HostState, Lane, Method, Service
+from tensorwire.mm._limits import ServerLimits
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,8 +33,8 @@ class Echo:
             self.gate.wait(10)
         return raw
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(SERVICE, {"Echo": grpc.unary_unary_rpc_method_handler(self)})
+    def service(self) -> Service:
+        return Service(SERVICE, (Method("Echo", self),))
 
 
 def health_of(address: str, name: str) -> int:
@@ -43,7 +45,7 @@ def health_of(address: str, name: str) -> int:
 
 def test_bind_start_serve_and_report_health() -> None:
     echo = Echo()
-    host = GrpcHost("test", (echo.handler(),), threads=2, thread_prefix="test-host", serving=(SERVICE,))
+    host = GrpcHost("test", (echo.service(),), work_slots=2, thread_prefix="test-host", serving=(SERVICE,))
     assert host.state is HostState.NEW
     port = host.bind("127.0.0.1:0")
     assert port > 0 and host.address == f"127.0.0.1:{port}" and host.state is HostState.BOUND
@@ -61,7 +63,7 @@ def test_bind_start_serve_and_report_health() -> None:
 
 def test_the_stop_sequence_lets_in_flight_calls_finish_then_drains_once() -> None:
     echo = Echo()
-    host = GrpcHost("test", (echo.handler(),), threads=2, thread_prefix="test-host", serving=(SERVICE,))
+    host = GrpcHost("test", (echo.service(),), work_slots=2, thread_prefix="test-host", serving=(SERVICE,))
     host.bind("127.0.0.1:0")
     host.start()
     events: list[str] = []
@@ -83,7 +85,7 @@ def test_the_stop_sequence_lets_in_flight_calls_finish_then_drains_once() -> Non
 
 
 def test_a_stop_before_start_drains_nothing_and_refuses_a_later_start() -> None:
-    host = GrpcHost("test", (), threads=1, thread_prefix="test-host")
+    host = GrpcHost("test", (), work_slots=1, thread_prefix="test-host")
     host.bind("127.0.0.1:0")
     host.stop(0, drain=lambda: pytest.fail("nothing was serving"))
     assert host.state is HostState.STOPPED
@@ -94,15 +96,175 @@ def test_a_stop_before_start_drains_nothing_and_refuses_a_later_start() -> None:
 
 
 def test_an_address_that_cannot_be_bound_is_a_config_error_naming_it() -> None:
-    host = GrpcHost("proxy", (), threads=1, thread_prefix="test-host")
-    with pytest.raises(ConfigError, match="cannot listen on 256.1.1.1:0 for the proxy"):
-        host.bind("256.1.1.1:0")
+    host = GrpcHost("proxy", (), work_slots=1, thread_prefix="test-host")
+    with pytest.raises(ConfigError, match="cannot listen on 256.1.1.1:0 for the proxy") as info:
+        host.bind("256.1.1.1:0", insecure=True)
+    assert info.value.reason is Reason.BIND_FAILED
     assert host.state is HostState.NEW
     host.stop(0)
 
 
 def test_stop_slack_is_bounded() -> None:
     assert 0 < STOP_SLACK_S <= 10  # a stop never waits unboundedly past its grace
+
+
+# -- the guard (issue 15, finding 4): request deadline, per-peer limits, lanes, plaintext only on loopback ------
+
+class Gate:
+    """A method that blocks until released, recording the calls that reached it."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.calls = 0
+
+    def __call__(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self.calls += 1
+        self.entered.release()
+        if raw == b"hold":
+            self.gate.wait(20)
+        return raw
+
+
+def _host(limits: ServerLimits, gate: Gate, *, work_slots: int = 4) -> GrpcHost:
+    host = GrpcHost("test", (Service(SERVICE, (Method("Work", gate, lane=Lane.WORK), Method("Control", gate))),),
+                    work_slots=work_slots, thread_prefix="test-guard", limits=limits, serving=(SERVICE,))
+    host.bind("127.0.0.1:0")
+    host.start()
+    return host
+
+
+def _hold(ch: grpc.Channel, method: str, n: int, gate: Gate) -> list[grpc.Future]:
+    """``n`` calls of ``method`` that the gate holds, each already inside the handler."""
+    held = [ch.unary_unary(f"/{SERVICE}/{method}").future(b"hold", timeout=20) for _ in range(n)]
+    for _ in held:
+        assert gate.entered.acquire(timeout=10)
+    return held
+
+
+def _release_all(held: list[grpc.Future], gate: Gate) -> None:
+    gate.gate.set()
+    assert [f.result(timeout=10) for f in held] == [b"hold"] * len(held)
+
+
+def _unsent(ch: grpc.Channel, method: str) -> tuple[grpc.Future, threading.Event]:
+    release = threading.Event()
+
+    def never() -> Iterator[bytes]:
+        release.wait(30)
+        return
+        yield b""
+
+    return ch.stream_unary(f"/{SERVICE}/{method}").future(never(), timeout=30), release
+
+
+def test_a_call_that_never_sends_its_request_is_dropped_after_request_timeout() -> None:
+    gate = Gate()
+    host = _host(ServerLimits(request_timeout_ms=300), gate)
+    try:
+        with grpc.insecure_channel(host.address) as ch:
+            t0 = time.monotonic()
+            pending = [_unsent(ch, "Work") for _ in range(10)]
+            for fut, _ in pending:
+                with pytest.raises(grpc.RpcError) as info:
+                    fut.result(timeout=10)
+                assert info.value.code() is grpc.StatusCode.CANCELLED
+            assert time.monotonic() - t0 < 5.0  # dropped at the request deadline, not at the client's 30 s
+            for _, release in pending:
+                release.set()
+            assert gate.calls == 0 and host.stats().request_timeouts == 10
+            assert ch.unary_unary(f"/{SERVICE}/Work")(b"x", timeout=5) == b"x"  # and the server serves on
+    finally:
+        host.stop(0)
+
+
+def test_a_peer_over_its_share_is_refused_at_once_and_the_refusal_says_why() -> None:
+    gate = Gate()
+    host = _host(ServerLimits(max_inflight_per_peer=3, max_streams_per_peer=1), gate)
+    try:
+        with grpc.insecure_channel(host.address) as ch:
+            held = _hold(ch, "Control", 3, gate)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                ch.unary_unary(f"/{SERVICE}/Control")(b"x", timeout=10)
+            assert time.monotonic() - t0 < 2.0
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert wire.reason_from_rpc(info.value) is Reason.PEER_LIMIT
+            assert host.stats().peer_limit_refusals == 1 and host.stats().inflight == 3
+            _release_all(held, gate)
+            assert ch.unary_unary(f"/{SERVICE}/Control")(b"y", timeout=5) == b"y"
+    finally:
+        host.stop(0)
+
+
+def test_control_calls_never_wait_behind_work_and_work_waits_within_its_deadline() -> None:
+    gate = Gate()
+    host = _host(ServerLimits(), gate, work_slots=2)
+    try:
+        with grpc.insecure_channel(host.address) as ch:
+            work = _hold(ch, "Work", 2, gate)  # both work slots taken
+            t0 = time.monotonic()
+            for _ in range(5):
+                assert ch.unary_unary(f"/{SERVICE}/Control")(b"c", timeout=5) == b"c"
+            assert health_of(host.address, "") == health_pb2.HealthCheckResponse.SERVING
+            assert time.monotonic() - t0 < 3.0
+            with pytest.raises(grpc.RpcError) as info:  # a third Work waits for a slot, within its deadline only
+                ch.unary_unary(f"/{SERVICE}/Work")(b"w", timeout=0.5)
+            assert info.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            _release_all(work, gate)
+            assert ch.unary_unary(f"/{SERVICE}/Work")(b"w", timeout=5) == b"w"
+    finally:
+        host.stop(0)
+
+
+def test_plaintext_leaves_the_loopback_only_with_insecure() -> None:
+    for address in ("0.0.0.0:0", "[::]:0", "192.0.2.1:0", "example.com:0"):
+        host = GrpcHost("encoder", (), work_slots=1, thread_prefix="test-host")
+        with pytest.raises(ConfigError, match="refusing a plaintext encoder listener.*--insecure"):
+            host.bind(address)
+        host.stop(0)
+    host = GrpcHost("encoder", (), work_slots=1, thread_prefix="test-host")
+    assert host.bind("0.0.0.0:0", insecure=True) > 0
+    host.stop(0)
+    for address in ("127.0.0.1:0", "localhost:0", "[::1]:0"):
+        host = GrpcHost("encoder", (), work_slots=1, thread_prefix="test-host")
+        try:
+            assert host.bind(address) > 0
+        except ConfigError as exc:  # no IPv6 loopback on this machine: only that is acceptable
+            assert "::1" in address and "cannot listen" in str(exc)
+        host.stop(0)
+
+
+def test_a_stream_is_ended_when_it_idles_past_stream_idle_timeout() -> None:
+    def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        yield from requests
+
+    host = GrpcHost("test", (Service(SERVICE, (Method("Echo", echo, kind="stream"),)),), work_slots=1,
+                    thread_prefix="test-guard", limits=ServerLimits(stream_idle_timeout_ms=400), serving=(SERVICE,))
+    host.bind("127.0.0.1:0")
+    host.start()
+    try:
+        with grpc.insecure_channel(host.address) as ch:
+            release = threading.Event()
+
+            def one_then_idle() -> Iterator[bytes]:
+                yield b"hello"
+                release.wait(30)
+
+            t0 = time.monotonic()
+            call = ch.stream_stream(f"/{SERVICE}/Echo")(one_then_idle(), timeout=30)
+            assert next(call) == b"hello"  # a stream in use is not idle
+            with pytest.raises(grpc.RpcError) as info:
+                next(call)
+            release.set()
+            assert info.value.code() is grpc.StatusCode.CANCELLED
+            assert 0.3 < time.monotonic() - t0 < 10.0 and host.stats().stream_idle_ends == 1
+            deadline = time.monotonic() + 10
+            while host.stats().inflight and time.monotonic() < deadline:  # the handler unwinds after the cancel
+                time.sleep(0.01)
+            assert host.stats().inflight == 0
+    finally:
+        host.stop(0)
 
 
 # ---- issue 16: health phases, the drain period, Watch, port sharing
@@ -137,7 +299,7 @@ def _wait(cond, timeout_s: float = 10.0) -> bool:
 
 
 def test_start_not_serving_until_set_serving() -> None:
-    host = GrpcHost("test", (Echo().handler(),), threads=2, thread_prefix="test-host", serving=(SERVICE,))
+    host = GrpcHost("test", (Echo().service(),), work_slots=2, thread_prefix="test-host", serving=(SERVICE,))
     host.bind("127.0.0.1:0")
     host.start(serving=False)  # a worker whose model is still loading: reachable, but not ready
     try:
@@ -150,7 +312,7 @@ def test_start_not_serving_until_set_serving() -> None:
 
 def test_stop_is_not_serving_for_the_drain_period_then_drains_settles_and_ends_watches() -> None:
     echo = Echo()
-    host = GrpcHost("test", (echo.handler(),), threads=4, thread_prefix="test-host", serving=(SERVICE,))
+    host = GrpcHost("test", (echo.service(),), work_slots=4, thread_prefix="test-host", serving=(SERVICE,))
     host.bind("127.0.0.1:0")
     host.start()
     events: list[str] = []
@@ -185,11 +347,11 @@ def test_stop_is_not_serving_for_the_drain_period_then_drains_settles_and_ends_w
 
 
 def test_a_port_in_use_is_refused_unless_both_ask_to_share_it() -> None:
-    first = GrpcHost("first", (), threads=1, thread_prefix="test-host")
+    first = GrpcHost("first", (), work_slots=1, thread_prefix="test-host")
     port = first.bind("127.0.0.1:0")
     first.start()
     try:
-        second = GrpcHost("encoder", (), threads=1, thread_prefix="test-host")
+        second = GrpcHost("encoder", (), work_slots=1, thread_prefix="test-host")
         # gRPC's default (SO_REUSEPORT on) let a second server share the port and take half its connections.
         with pytest.raises(ConfigError, match=f"port {port} is in use") as info:
             second.bind(f"127.0.0.1:{port}")
@@ -197,8 +359,8 @@ def test_a_port_in_use_is_refused_unless_both_ask_to_share_it() -> None:
         second.stop(0)
     finally:
         first.stop(0)
-    a = GrpcHost("a", (), threads=1, thread_prefix="test-host", reuse_port=True)
-    b = GrpcHost("b", (), threads=1, thread_prefix="test-host", reuse_port=True)
+    a = GrpcHost("a", (), work_slots=1, thread_prefix="test-host", reuse_port=True)
+    b = GrpcHost("b", (), work_slots=1, thread_prefix="test-host", reuse_port=True)
     try:
         shared = a.bind("127.0.0.1:0")
         assert b.bind(f"127.0.0.1:{shared}") == shared  # asked for explicitly: allowed

@@ -126,3 +126,13 @@ def test_close_deregisters_everything() -> None:
     assert pool.close() == 1  # one still busy
     pool.release(b)  # freed on release after close
     assert all(reg.addr == gens.addr_of(0) for reg in prov.live.values())  # only the generation table is left
+
+
+def test_lease_ids_are_128_random_bits_and_never_logged_whole() -> None:
+    from tensorwire.rdma._exporter import LEASE_ID_BYTES, lease_ref, new_lease_id
+
+    ids = [new_lease_id() for _ in range(2000)]
+    assert LEASE_ID_BYTES * 8 >= 128
+    assert all(len(i) == 2 * LEASE_ID_BYTES and int(i, 16) >= 0 for i in ids)
+    assert len(set(ids)) == len(ids) and len({i[:6] for i in ids}) > 1900  # no shared prefix, no counter
+    assert lease_ref(ids[0]) == ids[0][:8] + "..." and ids[0] not in lease_ref(ids[0])

@@ -132,10 +132,12 @@ class ReleaseLeasesRequest(_message.Message):
     def __init__(self, lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseLeasesResponse(_message.Message):
-    __slots__ = ("released",)
+    __slots__ = ("released", "unknown")
     RELEASED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     released: int
-    def __init__(self, released: _Optional[int] = ...) -> None: ...
+    unknown: int
+    def __init__(self, released: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("id", "encode", "release")
