@@ -150,7 +150,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model = build(work / "model")
     tamper = work / "tamper"
     runtime = tmp_path_factory.mktemp("rt")
-    common = {"host": "127.0.0.1", "runtime_dir": str(runtime)}
+    common = {"runtime_dir": str(runtime)}  # the store binds the default host, 127.0.0.1
     t0 = time.monotonic()
     # vLLM's CPU workers pin themselves (and every thread they start, the connector's gRPC and NIXL threads
     # included) to cores; left to "auto", every instance on this 2-core box takes core 0, and a store server

@@ -115,7 +115,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     template = work / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     runtime = tmp_path_factory.mktemp("rt-serve")
-    common = {"host": "127.0.0.1", "runtime_dir": str(runtime)}
+    common = {"runtime_dir": str(runtime)}  # the store binds the default host, 127.0.0.1
     t0 = time.monotonic()
     encoder = _vllm_serve("encoder", model, template, work, "ec_producer", dict(common, lease_ttl_ms=120000))
     llm = _vllm_serve("llm", model, template, work, "ec_consumer", dict(common, **BUDGETS))

@@ -12,8 +12,9 @@ Paths, alternated item by item in one run (the machine is noisy; each round star
 - ``tensorwire``: ``TensorwireECConnector``'s own code (``_ec_paths`` says which parts): the encoder process
   exports into the connector's held store (gRPC in that process) and builds the ``ec_transfer_params``; the LLM
   process parses them and runs the connector's ``Fetcher`` (Lookup RPC, RDMA read into the staging area with
-  the equality check, Release RPC after the last rank; the fetch answers after the release, as in the
-  connector). ``--stager local``: the staging area in the LLM process (vLLM's uniproc executor, GPU TP=1);
+  the equality check; the Release RPC after the last rank, queued off the critical path as in the
+  connector: the fetch answers once the item is staged). ``--stager local``: the staging area in the LLM
+  process (vLLM's uniproc executor, GPU TP=1);
   ``remote``: in a worker process behind a unix socket (the multiprocess executor, vLLM's default on CPU).
 - ``file_tmpfs`` / ``file_disk``: ``ECExampleConnector``'s library calls (safetensors ``save_file`` of
   ``{"ec_cache": t.detach().cpu()}`` into ``<dir>/<mm_hash>/encoder_cache.safetensors``, ``os.path.exists``,
@@ -24,7 +25,8 @@ Stages per item (``time.monotonic_ns``, one clock for every process of a host): 
 export + params, or the save), ``notify`` (the params / the mm_hash over a pipe: the stand-in for the request
 travelling through a router; the same for every path), ``consume`` (LLM side up to the equal tensor),
 ``total`` (their sum, the headline; for tensorwire also ``staged``: until the LLM process's staging area holds
-the checked tensor, before the Release RPC the fetch waits for), ``cleanup`` (after, not in ``total``: dropping
+the checked tensor, and ``answer``: from there until the fetch's future answers the caller), ``cleanup``
+(after, not in ``total``: dropping
 the staged item, or deleting the file, which vLLM's example connector never does: without it the series would
 fill the disk).
 
@@ -54,7 +56,7 @@ from typing import Any
 PATHS = ("tensorwire", "file_tmpfs", "file_disk")
 # Stages of every path, then each path's own split of "consume" (see the module docstring).
 STAGES = ("total", "produce", "notify", "consume", "cleanup")
-SPLIT = {"tensorwire": ("lookup", "stage", "check", "release", "staged"), "file_tmpfs": ("load", "check"),
+SPLIT = {"tensorwire": ("lookup", "stage", "check", "answer", "staged"), "file_tmpfs": ("load", "check"),
          "file_disk": ("load", "check")}
 DEFAULT_ROWS = [128, 1280, 12800]  # x 4096 x bf16: 1.05 MB, 10.5 MB, 105 MB
 COLS = 4096
@@ -86,7 +88,7 @@ def flatness(totals: Sequence[float], window: int = 100) -> dict[str, float]:
 
 def ratios_of(by_path: dict[str, dict[str, dict[str, float]]]) -> dict[str, float]:
     """Median total of each file path over tensorwire's (how many times faster tensorwire is), and over
-    tensorwire's ``staged`` (the LLM process holds the checked tensor; the fetch answers after the Release)."""
+    tensorwire's ``staged`` (the LLM process holds the checked tensor, before the fetch's answer reaches the caller)."""
     tw = by_path.get("tensorwire", {})
     out: dict[str, float] = {}
     for p in PATHS[1:]:
@@ -130,7 +132,7 @@ def targets_of(sizes: Sequence[dict[str, Any]], series: dict[str, Any], leftover
 
 class TimedStager:
     """Wraps the connector's stager to time its ``stage`` call (the read, with the check inside): what comes
-    before it in a fetch is the lookup (thread hand-off + Lookup RPC), what comes after the Release RPC."""
+    before it in a fetch is the lookup (thread hand-off + Lookup RPC), after it the hand-back to the caller."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -241,7 +243,7 @@ class _Run:
             st = self.stager
             check_ns = self.area.last_check_ns if self.area is not None else 0
             split = {"lookup": (st.started_ns - t_recv) * ms, "stage": (st.ended_ns - st.started_ns) * ms,
-                     "release": (t_held - st.ended_ns) * ms, "staged": (st.ended_ns - t0) * ms}
+                     "answer": (t_held - st.ended_ns) * ms, "staged": (st.ended_ns - t0) * ms}
             if self.area is not None:  # a remote area checks in its own process (inside "stage" either way)
                 split["check"] = check_ns * ms
             self.stager.drop([key])
@@ -287,6 +289,8 @@ class _Run:
     def leftovers(self) -> dict[str, Any]:
         from tensorwire.bench._ec_paths import files_left
 
+        if not self.fetcher.wait_released(RPC_TIMEOUT_S):  # the last items' releases may still be on their way
+            self.failures.append(f"releases still queued after {RPC_TIMEOUT_S:.0f} s")
         self.conn.send(("stats",))
         producer = self._recv(self.conn, "the encoder process")
         if self.stage_conn is not None:
@@ -477,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                  "tensor in the LLM process (after the element-wise check), CLOCK_MONOTONIC across processes; "
                  "medians over items; paths alternate item by item, each round starting with another path; "
                  "tensorwire runs the connector's ProducerScheduler/ProducerWorker/ProducerRuntime and Fetcher "
-                 "(the fetch answers after the Release RPC); the file paths make ECExampleConnector's safetensors "
+                 "(the fetch answers once staged; the Release RPC goes out after, off the critical path); the "
+                 "file paths make ECExampleConnector's safetensors "
                  "and os calls; cleanup (drop / delete) is timed apart and not in total; ratios: file median "
                  "total over tensorwire's",
     }

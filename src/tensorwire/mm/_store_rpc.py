@@ -220,6 +220,8 @@ class _Client:
     def __init__(self, address: str) -> None:
         self.address = address
         self._channel = grpc.insecure_channel(address, options=wire.channel_options())
+        # One multicallable per method for the channel's life (not one per call: each is a native object).
+        self._calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._closed = False
 
     def _call(self, method: str, request: Any, response: Any, timeout_s: float, what: str) -> Any:
@@ -227,8 +229,10 @@ class _Client:
             raise ClosedError(f"{type(self).__name__} for {self.address} is closed")
         if timeout_s <= 0:
             raise DeadlineExceeded(f"{what} on {self.address}: no time left", reason=Reason.BUDGET_EXHAUSTED)
-        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(
-            method, request_serializer=None, response_deserializer=None)
+        call = self._calls.get(method)
+        if call is None:  # a race builds two; either works
+            call = self._calls[method] = self._channel.unary_unary(
+                method, request_serializer=None, response_deserializer=None)
         try:
             raw = call(request.SerializeToString(), timeout=timeout_s)
         except grpc.RpcError as exc:

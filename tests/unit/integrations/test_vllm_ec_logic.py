@@ -32,7 +32,7 @@ from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for, parse_params
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerWorker
 from tensorwire.integrations._vllm_ec.version import check_version
-from tensorwire.mm._staging import StagingArea
+from tensorwire.mm._staging import Expect, StagingArea
 from tensorwire.mm._store import HeldStore, new_secret
 from tensorwire.mm._store_rpc import serve_store
 from tensorwire.rdma import RdmaConfig
@@ -496,3 +496,92 @@ def test_producer_rdma_endpoint_and_params_name_the_same_host() -> None:
     assert _advertise(ECConfig()) == resolve(wild.bind_ip, wild.advertise_host, wild.control_host).advertise_host
     chosen = ECConfig(advertise_host="enc-1.example")
     assert _advertise(chosen) == _rdma_config(chosen, "cpu").advertise_host == "enc-1.example"
+
+
+# -- the release is off the fetch's critical path ------------------------------------------------------------
+
+class _GatedStore(HeldStore):
+    """A HeldStore whose release waits for ``gate`` (the encoder instance is slow to answer the Release)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.release_started = threading.Event()
+
+    def release(self, key: str, secret: bytes) -> bool:
+        self.release_started.set()
+        self.gate.wait(20)
+        return super().release(key, secret)
+
+
+def _fetch_one(rig: Rig, store_endpoint: str, fetcher: Fetcher, name: str) -> Any:
+    params = rig.produce(Req(f"p-{name}", [feat(name)]))
+    assert params
+    params[name]["tensorwire"]["endpoint"] = store_endpoint
+    grant = parse_params(params)[name]
+    assert isinstance(grant, ItemGrant)
+    return fetcher.start(grant, f"k-{name}", Expect(shape=(ROWS, WIDTH), dtype=torch.float32)).result(timeout=20)
+
+
+def test_fetch_answers_before_the_release_and_the_release_still_happens(rig: Rig) -> None:
+    fabric = rig.fabric
+    store = _GatedStore(FakeExporter(fabric, RdmaConfig(provider="none")), ttl_s=60)  # type: ignore[arg-type]
+    server = serve_store("127.0.0.1:0", store=store)
+    rig.servers.append(server)
+    rig.pworker.store = store  # the rig's producer exports into the gated store
+    area = StagingArea(lambda: FakeReader(fabric, RdmaConfig(provider="none")))
+    metrics = ECMetrics(CollectorRegistry())
+    fetcher = Fetcher(ECConfig(host="127.0.0.1"), [LocalStager(area)], metrics)
+    try:
+        res = _fetch_one(rig, server.address, fetcher, "g1")
+        # The item is staged and reported while the Release RPC is still blocked on the encoder side.
+        assert res.ok and area.stats().staged_items == 1
+        assert store.release_started.wait(20)
+        assert store.stats().held_items == 1 and _val(metrics, metrics.releases, "ok") == 0
+        store.gate.set()
+        _wait(lambda: store.stats().held_items == 0)  # the grant went back: the lease ended
+        _wait(lambda: _val(metrics, metrics.releases, "ok") == 1)
+    finally:
+        store.gate.set()
+        fetcher.close()
+        area.close()
+
+
+def test_a_failed_release_is_counted_and_left_to_the_ttl(rig: Rig) -> None:
+    area = StagingArea(lambda: FakeReader(rig.fabric, RdmaConfig(provider="none")))
+    server = rig.servers[0]
+
+    class StopsTheEncoder(LocalStager):
+        """Stages, then the encoder instance goes away before the release can reach it."""
+
+        def stage(self, key: str, receipt: Any, *, timeout_ms: int, expect: Any) -> int:
+            n = super().stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
+            server.stop(0)
+            return n
+
+    metrics = ECMetrics(CollectorRegistry())
+    fetcher = Fetcher(ECConfig(host="127.0.0.1", release_timeout_ms=2000), [StopsTheEncoder(area)], metrics)
+    try:
+        res = _fetch_one(rig, rig.endpoint, fetcher, "f1")
+        assert res.ok and area.stats().staged_items == 1  # the item is delivered all the same
+        _wait(lambda: _val(metrics, metrics.releases, "failed") == 1, timeout_s=30)
+        assert _val(metrics, metrics.releases, "ok") == 0
+        assert rig.store.stats().held_items == 1  # still held: the store's TTL GC reclaims it
+        assert rig.store.stats().releases == 0
+    finally:
+        fetcher.close()
+        area.close()
+
+
+def test_the_producer_store_listens_on_loopback_unless_host_says_otherwise(tmp_path: Path, caplog: Any) -> None:
+    from tensorwire.integrations._vllm_ec.runtime import ProducerRuntime
+
+    assert ECConfig.from_extra({}, {}).host == "127.0.0.1"  # no wildcard listener by default (docs/security.md)
+    with caplog.at_level("WARNING", logger="tensorwire.integrations._vllm_ec.runtime"):
+        rt = ProducerRuntime(ECConfig(runtime_dir=str(tmp_path), rdma_provider="none"), "enc-test", "cpu")
+    try:
+        assert rt.endpoint.startswith("127.0.0.1:")
+        assert any("loopback only" in r.getMessage() and "ec_connector_extra_config.host" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        rt.close()

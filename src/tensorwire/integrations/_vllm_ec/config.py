@@ -25,7 +25,9 @@ FALLBACKS = ("local", "fail")
 class ECConfig:
     """Connector settings (both roles read the same keys; each uses its own).
 
-    Producer (encoder instance): ``host``/``port`` bind the held-outputs gRPC service (port 0: the OS picks;
+    Producer (encoder instance): ``host``/``port`` bind the held-outputs gRPC service (``host`` defaults to the
+    loopback address, as every tensorwire listener does, docs/security.md "No wildcard listener by default": an
+    LLM instance on another host needs ``host`` set to an address it can reach, or ``0.0.0.0``; port 0: the OS picks;
     needs no fixed port, the scheduler learns it from a file under ``runtime_dir``); ``rdma_port`` is the RDMA
     metadata endpoint's port (0: any; fix it to open one port in a firewall); ``advertise_host`` is the
     host written into ``ec_transfer_params`` and into the RDMA descriptors (default: ``host`` when it is a specific
@@ -46,7 +48,7 @@ class ECConfig:
     worker of TP rank r on N + 1 + r).
     """
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 0
     rdma_port: int = 0
     advertise_host: str = ""

@@ -31,7 +31,7 @@ from tensorwire.mm._staging import StagingArea
 from tensorwire.mm._store import HeldStore
 from tensorwire.mm._store_rpc import StoreServer, serve_store
 from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
-from tensorwire.rdma._endpoint import detect, is_wildcard
+from tensorwire.rdma._endpoint import detect, is_loopback, is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,9 @@ class ProducerRuntime:
             raise
         log.info("tensorwire EC producer %s: held outputs on %s (%s, device %s, ttl %d ms)", name, self.endpoint,
                  "rdma" if self.exporter is not None else "inline", device, cfg.lease_ttl_ms)
+        if is_loopback(cfg.host):  # a warning: vLLM leaves non-vllm loggers at WARNING, and this decides reachability
+            log.warning("tensorwire EC producer %s listens on loopback only (%s): LLM instances on other hosts cannot "
+                     "reach it; set ec_connector_extra_config.host to an address they can reach", name, cfg.host)
 
     def close(self) -> None:
         if self._file is not None:
