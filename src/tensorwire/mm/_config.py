@@ -24,8 +24,8 @@ MODE_AUTO = "auto"
 MODE_GRPC = "grpc"
 MODES: tuple[str, ...] = (MODE_AUTO, MODE_GRPC)
 Mode = Literal["auto", "grpc"]
-LOCAL_CHANNELS: tuple[str, ...] = ("auto", "off")
-LocalChannel = Literal["auto", "off"]
+LOCAL_CHANNELS: tuple[str, ...] = ("auto", "on", "off")
+LocalChannel = Literal["auto", "on", "off"]
 
 ENV_MODE = "MM_TRANSPORT_MODE"
 ENV_PREFIX = "TENSORWIRE_MM_"
@@ -89,9 +89,11 @@ class TransportConfig:
     peer_leased_bytes: int = 0
     worker_id: str = ""  # empty: "<hostname>-<pid>"
     # Same-host control channel (issue 18): "auto" on the worker listens on a Unix socket in a private directory
-    # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC; "auto" on
-    # the client asks once and then sends Encodes and success-path releases there (gRPC stays the way in, the
-    # cross-host path and the fallback). "off" on either side: gRPC only.
+    # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC, unless its
+    # gRPC listener requires client certificates (mTLS): the socket's trust is "same uid", and an operator who
+    # asked for certificates gets them everywhere; "on" listens with mTLS too. "auto"/"on" on the client asks once
+    # and then sends Encodes and success-path releases there (gRPC stays the way in, the cross-host path and the
+    # fallback). "off" on either side: gRPC only.
     local_channel: LocalChannel = "auto"
     local_channel_dir: str = ""  # empty: $XDG_RUNTIME_DIR/tensorwire, else $TMPDIR or /tmp /tensorwire-<uid>
     local_channel_conns: int = 64  # worker: connections open at once (each holds a thread); one more is refused

@@ -119,8 +119,14 @@ class EncoderService:
         """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
         it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
         cfg = self.transport.config
-        if cfg.local_channel == "auto" and self.local is None:
-            self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+        if self.local is not None or cfg.local_channel == "off":
+            return
+        if cfg.local_channel == "auto" and cfg.tls.mutual:
+            # The socket authenticates by uid, not by certificate: with mTLS asked for, only an explicit "on" opens it.
+            log.info("same-host control channel off: the gRPC listener requires client certificates (mTLS); "
+                     "local_channel='on' serves it anyway, trusting processes of this uid")
+            return
+        self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
 
     def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.LocalChannelRequest, raw, context)

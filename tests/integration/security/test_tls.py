@@ -187,3 +187,26 @@ def test_new_connections_get_replaced_certificates_without_a_restart(tmp_path: P
         assert server._host.certificates.reloads >= 1
     finally:
         server.stop(0)
+
+
+@pytest.mark.timeout(120)
+def test_the_same_host_channel_stays_closed_under_mtls_unless_asked_for(tmp_path: Path) -> None:
+    """The Unix-socket channel authenticates by uid, not by certificate: a worker whose gRPC listener requires
+    client certificates does not open it under ``local_channel="auto"``; ``"on"`` opens it; plaintext opens it."""
+    pki = pki_or_skip(tmp_path / "pki")
+    emb = torch.ones(4, 8)
+
+    def opened(**kw: object) -> bool:
+        cfg = TransportConfig(rdma=RdmaConfig(provider="none"), local_channel_dir=str(tmp_path / "run"),
+                              **kw)  # type: ignore[arg-type]
+        server = serve_encoder(lambda inputs: EncoderOutput(embeddings=[emb], split_sizes=[4]), cfg, "127.0.0.1:0")
+        try:
+            return server.service.local is not None
+        finally:
+            server.stop(0)
+
+    assert opened()  # plaintext on loopback
+    assert not opened(tls=tls_of(pki, "worker"))
+    assert opened(tls=tls_of(pki, "worker"), local_channel="on")
+    assert opened(tls=tls_of(pki, "worker", client_auth=False))  # TLS without client certificates: uid is as good
+    assert not opened(local_channel="off")
