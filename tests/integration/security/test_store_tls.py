@@ -21,7 +21,7 @@ from _sec import pki_or_skip, tls_of
 from _store_owner import owner_main
 from prometheus_client import CollectorRegistry
 
-from tensorwire.errors import ConfigError, PeerUnavailable
+from tensorwire.errors import ConfigError, PeerUnavailable, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
@@ -106,6 +106,21 @@ def test_the_connectors_fetcher_reads_over_mtls_from_its_extra_config(mtls_owner
         assert res.ok, res
         got = area.get("k")
         assert got is not None and torch.equal(got[0], want)
+    finally:
+        fetcher.close()
+        area.close()
+    # The same connector without a client certificate (only the CA): the store refuses it, the fetch says why.
+    certless = ECConfig.from_extra({"fetch_timeout_ms": 30000, "lookup_timeout_ms": 15000, "rdma_provider": "none",
+                                    "tls_ca": str(pki.ca)}, environ={})
+    secret = new_secret()
+    want = mtls_owner.hold("item-2b", secret, 5)  # held: only the handshake can make this fetch fail
+    area = StagingArea(None)
+    fetcher = Fetcher(certless, [LocalStager(area)], ECMetrics(CollectorRegistry()), support_rdma=False)
+    try:
+        grant = ItemGrant(mtls_owner.endpoint, "item-2b", secret, tuple(want.shape), "float32")
+        res = fetcher.start(grant, "k2", Expect(tuple(want.shape), torch.float32)).result(timeout=90)
+        assert not res.ok and res.reason is Reason.PEER_UNAVAILABLE, res
+        assert area.get("k2") is None
     finally:
         fetcher.close()
         area.close()
