@@ -34,6 +34,8 @@ read. ``memcpy`` is one device-local copy of the payload into a preallocated buf
 (torch's default thread count; on host memory also with one thread, since a CMA read is one thread's copy).
 On CUDA the fetch's total includes synchronizing the current stream, where the read queues its device copies,
 and, for a plane that delivers on the host (inline today), the synchronized copy to the device (``to_device``).
+With a zero-copy output the encoder does not synchronize its write into the slot (the export's stream sync is
+the one a model pays too), so on CUDA that copy's device time shows in ``export``, not in compute.
 
 ``--tls``: the control plane runs over mTLS (a throwaway CA and certificates made at run time); the bulk bytes
 still go over the data plane, so this measures what TLS adds per fetch (issue 15). The plain-gRPC baseline stays
@@ -59,8 +61,6 @@ SLOW_INLINE_BYTES = 256 << 20  # from here on the inline plane takes seconds per
 
 
 def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any, tls: Any = None) -> None:
-    import torch
-
     from tensorwire.bench._plain_grpc import embedding
     from tensorwire.mm import EncoderOutput, TransportConfig, serve_encoder
     from tensorwire.rdma import RdmaConfig
@@ -76,9 +76,10 @@ def _encoder(device: str, rows: int, cols: int, q: Any, stop: Any, tls: Any = No
             # write is the encoder's compute either way, and the export then publishes without a copy.
             bufs = servers[0].transport.allocate_output(n, cols, emb.dtype)
             if bufs is not None:
+                # No stream sync here: the export syncs the current stream before it publishes (as it must for
+                # any model), and a second sync cost a driver round trip per fetch. On CUDA the copy's device time
+                # therefore shows in the export stage, not in compute.
                 bufs.embedding.copy_(emb[:n])
-                if bufs.embedding.is_cuda:  # the write is compute: counted there, not in the export's sync
-                    torch.cuda.current_stream().synchronize()
                 return EncoderOutput(embeddings=bufs.embedding, split_sizes=[n])
         return EncoderOutput(embeddings=emb[:n], split_sizes=[n])
 

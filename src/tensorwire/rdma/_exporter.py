@@ -362,8 +362,8 @@ class TensorExporter:
 
     def _sync_device(self) -> None:
         if self._device.type == "cuda":
-            with torch.cuda.device(self._device):
-                torch.cuda.current_stream(self._device).synchronize()
+            # Stream.synchronize sets its own device (c10 DeviceGuard): no torch.cuda.device() switch around it.
+            torch.cuda.current_stream(self._device).synchronize()
 
     def _publish(self, lease: Lease) -> Descriptor:
         assert self._owner is not None and self._provider is not None and self._gens is not None

@@ -1,19 +1,20 @@
 """``TensorReader``: validates descriptors, READs the slots, checks generations, returns owned tensors.
 
-Destinations: a payload below ``LARGE_READ_BYTES`` lands in a pooled registered buffer and is cloned out. A
+Destinations: a payload below ``LOAN_READ_BYTES`` lands in a pooled registered buffer and is cloned out. A
 larger payload is READ into a *loaned* registered buffer and the result tensors are views of it: no second copy
-of hundreds of MiB (on the H200 the clone of 112.7 MB cost as much as the READ itself), no page faults and no
-registration per read. Host loans are numpy views (``torch.from_numpy``); device loans are small objects exposing
-``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the tensor's storage). The loan ends
-when the caller drops the last result tensor (``weakref.finalize`` on that object), and the buffer goes back to
-its pool still registered. A device loan records a CUDA event on the dropping thread's current stream when it
-comes back (as does a pooled device buffer once the clones out of it are queued), and the next READ into that
-buffer waits for the event: like the caching allocator, work the caller
+(on the H200 the clone of 112.7 MB cost as much as the READ itself, and a 1 MiB device clone ~100 us, one more
+GPU operation per fetch), no page faults and no registration per read. Below the threshold a clone is cheap and
+a loan would pin a whole bucket for a few bytes. Host loans are numpy views (``torch.from_numpy``); device loans
+are small objects exposing ``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the
+tensor's storage). The loan ends when the caller drops the last result tensor (``weakref.finalize`` on that
+object), and the buffer goes back to its pool still registered. A device loan records a CUDA event on the
+dropping thread's current stream when it comes back (as does a pooled device buffer once the clones out of it
+are queued), and the next READ into that buffer waits for the event: like the caching allocator, work the caller
 queued on that stream before dropping the tensor is safe; work on other streams needs ``record_stream``-style
 care (keep the tensor until it is done). The tensors of one descriptor share that storage; they outlive the
 reader, later reads and the remote lease (at ``close`` the loaned buffers are deregistered but stay allocated
-while referenced). When loans exceed their share of the cap, large host reads fall back to fresh result tensors
-registered for the one read, large device reads to the pooled buffer and a clone.
+while referenced). When loans exceed their share of the cap, host reads of ``LARGE_READ_BYTES`` or more fall
+back to fresh result tensors registered for the one read, other reads to the pooled buffer and a clone.
 After a ``ReadTimeout`` the destinations are quarantined until the provider reports the transfer finished; a
 quarantined pooled buffer is never handed out again before that, and a fresh tensor is never returned.
 """
@@ -50,6 +51,9 @@ from tensorwire.rdma.providers.base import ROLE_READER, PendingTransfer, Provide
 
 log = logging.getLogger(__name__)
 
+LOAN_READ_BYTES = 256 << 10  # payloads from here on are READ into loaned buffers (no clone out)
+# Host reads from here on fall back to fresh tensors registered for the one read when loans are exhausted; below
+# it registering per read costs more than the pooled buffer's clone.
 LARGE_READ_BYTES = 4 << 20
 # Loaned host buffers: at most this share of pool_cap_bytes may be out with callers at once; beyond it large
 # reads fall back to freshly allocated, registered-per-read tensors (slow: page faults + registration).
@@ -336,7 +340,7 @@ class TensorReader:
         staged = not host and d.mem_type == "DRAM"
         x = _Dest(d=d, cell=cell, staged=staged, local_mem="DRAM" if staged else self._mem_type)
         dev = self._cfg.device_index
-        loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LARGE_READ_BYTES else None
+        loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LOAN_READ_BYTES else None
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
         if loaned is not None and wrapped is not None:
             base, x.loan = wrapped
@@ -418,8 +422,9 @@ class TensorReader:
             with torch.cuda.device(self._device):
                 return src.to(self._device)
         if self._device.type == "cuda":
-            with torch.cuda.device(self._device):
-                return src.clone()
+            # clone() allocates and runs on src's device (the reader's) and that device's current stream, the one
+            # _mark_ready records on, whatever device is current: no torch.cuda.device() switch per tensor.
+            return src.clone()
         # A plain single-threaded memcpy: torch's parallel copy wakes its OpenMP pool, which costs milliseconds
         # on a small, busy host (measured 2 ms for 1 MiB on 2 cores next to the NIXL progress thread).
         out = torch.empty(m.shape, dtype=m.dtype)

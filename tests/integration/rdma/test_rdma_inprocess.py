@@ -81,16 +81,33 @@ def test_results_outlive_lease_and_reader(exporter: TensorExporter) -> None:
     assert same_bytes(out[0], big) and same_bytes(out[1], small)
 
 
-def test_loaned_buffers_return_when_results_die(exporter: TensorExporter, reader: TensorReader) -> None:
-    d = exporter.export([make_tensor((6 << 20,), "uint8", seed=5)])
+@pytest.mark.parametrize("nbytes", [6 << 20, 1 << 20, 256 << 10])
+def test_loaned_buffers_return_when_results_die(exporter: TensorExporter, reader: TensorReader, nbytes: int) -> None:
+    # 1 MiB and 256 KiB too: the fixed-cost fetch reads into a loan instead of cloning out of a pooled buffer.
+    src = make_tensor((nbytes,), "uint8", seed=5)
+    d = exporter.export([src])
     before = reader.stats().loans.busy_slots
     out = reader.read([d])
     assert reader.stats().loans.busy_slots == before + 1
+    assert same_bytes(out[0], src)
     del out
     assert reader.stats().loans.busy_slots == before
     allocs = reader.stats().loans.pool_bytes
     reader.read([d])
     assert reader.stats().loans.pool_bytes == allocs  # reused, not reallocated
+
+
+def test_small_reads_are_cloned_not_loaned(exporter: TensorExporter, reader: TensorReader) -> None:
+    # Below LOAN_READ_BYTES a loan would pin a whole bucket for a few bytes: the result is a clone.
+    src = make_tensor(((256 << 10) - 4096,), "uint8", seed=6)
+    d = exporter.export([src])
+    before = reader.stats().loans.busy_slots
+    out = reader.read([d])
+    assert reader.stats().loans.busy_slots == before
+    exporter.release([d.lease_id])
+    exporter.export([torch.zeros(256 << 10, dtype=torch.uint8)])  # the owner slot reused with other bytes
+    reader.read([exporter.export([torch.ones(256 << 10, dtype=torch.uint8)])])  # and the reader's buffer
+    assert same_bytes(out[0], src)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tensorwire.errors import InvalidDescriptor, Reason
-from tensorwire.rdma import Descriptor, Owner, TensorMeta
+from tensorwire.rdma import Descriptor, Owner, TensorMeta, _dtypes
 from tensorwire.rdma._descriptor import MAX_DESCRIPTOR_BYTES, MAX_DIMS, MAX_MANIFEST_ENTRIES
 from tensorwire.rdma._proto import descriptor_pb2 as pb
 
@@ -40,6 +40,29 @@ def test_round_trip() -> None:
     assert Descriptor.from_bytes(d.to_bytes()) == d
     assert d.nbytes == 32
     assert d.owner.endpoint == "127.0.0.1:4242"
+
+
+def test_wire_form_is_one_message_and_follows_the_owner() -> None:
+    # to_bytes prepends a cached serialization of the owner field: the result must parse as the same message a
+    # single DescriptorPB with every field serializes to, and a changed owner must not reuse another's bytes.
+    d = valid()
+    o = d.owner
+    whole = pb.DescriptorPB(
+        version=1, owner=pb.OwnerPB(agent_name=o.agent_name, host=o.host, port=o.port,
+                                    registration_epoch=o.registration_epoch, metadata_token=o.metadata_token),
+        mem_type=pb.MEM_DRAM, device_id=d.device_id, slot_addr=d.slot_addr, payload_bytes=d.payload_bytes,
+        lease_id=d.lease_id, generation=d.generation, generation_addr=d.generation_addr)
+    for e in d.manifest:
+        whole.manifest.add(shape=list(e.shape), dtype=_dtypes.to_wire(e.dtype), legacy_dtype=_dtypes.to_legacy(e.dtype),
+                           offset=e.offset, nbytes=e.nbytes)
+    parsed = pb.DescriptorPB()
+    parsed.ParseFromString(d.to_bytes())
+    assert parsed == whole
+    for owner in (dataclasses.replace(o, registration_epoch=4), dataclasses.replace(o, metadata_token=b"t" * 32),
+                  dataclasses.replace(o, port=4243)):
+        moved = dataclasses.replace(d, owner=owner)
+        assert Descriptor.from_bytes(moved.to_bytes()).owner == owner
+    assert Descriptor.from_bytes(d.to_bytes()).owner == o
 
 
 def test_round_trip_every_dtype() -> None:

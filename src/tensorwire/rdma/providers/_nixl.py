@@ -463,8 +463,16 @@ def _make_agent(api: Any, name: str, config: RdmaConfig) -> Any:
 
 
 def _ranges(ranges: Sequence[Range]) -> tuple[Range, ...]:
-    """Ranges as a hashable tuple of plain (addr, length, device) tuples (callers may pass lists)."""
-    return tuple((a, n, d) for a, n, d in ranges)
+    """Ranges as a hashable tuple of plain (addr, length, device) tuples (callers may pass lists of lists).
+
+    The reader passes tuples already: ``tuple()`` plus a hash is ~0.1 us, rebuilding each range ~0.7 us (4 per fetch).
+    """
+    out = tuple(ranges)
+    try:
+        hash(out)
+    except TypeError:
+        out = tuple((a, n, d) for a, n, d in out)
+    return out
 
 
 def _is(exc: BaseException, fragment: str) -> bool:
