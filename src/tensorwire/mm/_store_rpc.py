@@ -5,8 +5,15 @@
 in one :class:`StoreServer` (``GrpcHost``: the encoder server's bind / health / stop sequence) on ``host:port``
 or ``unix:/path``. Methods are registered as ``GrpcHost`` services
 (raw bytes in and out, as ``EncoderService``): a malformed message is INVALID_ARGUMENT with a reason and the
-server keeps serving. Errors cross as status + ``tensorwire-reason`` (``tensorwire.mm.wire``); per-grant lookup
-failures are fields of the answer (one bad grant does not fail the others). ``grpc.RpcError`` never leaves here.
+server keeps serving.
+
+Transport security is the encoder's (``tensorwire.mm._tls``, docs/security.md): ``serve_store(tls=...)`` with a
+certificate listens with TLS (mTLS unless ``client_auth`` is off); without one a TCP listener binds only a
+loopback address unless ``insecure=True``. A ``unix:`` socket is plaintext (its directory's mode is the access
+control). The clients take the same ``TlsConfig`` and speak TLS when it has a CA or a certificate; a refused
+handshake is a ``PeerUnavailable``. Errors cross as status + ``tensorwire-reason`` (``tensorwire.mm.wire``);
+per-grant lookup failures are fields of the answer (one bad grant does not fail the others). ``grpc.RpcError``
+never leaves here.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from tensorwire.mm._proto import held_pb2 as hpb
 from tensorwire.mm._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
 from tensorwire.mm._staging import Expect, StagingArea
 from tensorwire.mm._store import HeldItem, HeldStore
+from tensorwire.mm._tls import TlsConfig, secure_or_insecure_channel
 
 log = logging.getLogger(__name__)
 
@@ -178,11 +186,14 @@ class StoreServer:
 
 
 def serve_store(address: str, *, store: HeldStore | None = None, staging: StagingArea | None = None,
-                threads: int = 4, advertise_host: str = "") -> StoreServer:
+                threads: int = 4, advertise_host: str = "", tls: TlsConfig | None = None,
+                insecure: bool = False) -> StoreServer:
     """Starts a StoreServer on ``address`` (``host:0`` picks a port; ``unix:/path`` a socket).
 
-    ``advertise_host`` replaces the bind host in ``StoreServer.address`` (for ``0.0.0.0`` binds). Raises
-    ConfigError when nothing is served or the address cannot be bound.
+    ``advertise_host`` replaces the bind host in ``StoreServer.address`` (for ``0.0.0.0`` binds). ``tls`` with a
+    certificate: a TLS listener (mTLS unless ``tls.client_auth`` is off); without one, a TCP address that is not
+    loopback needs ``insecure=True``. Raises ConfigError when nothing is served, the address cannot be bound, the
+    TLS files do not load, or a plaintext listener would face a non-loopback address without ``insecure``.
     """
     if store is None and staging is None:
         raise ConfigError("serve_store needs a store, a staging area, or both")
@@ -194,16 +205,20 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
     if staging is not None:
         services.append(StagingServicer(staging).service())
         names.append(STAGING_SERVICE)
-    host = GrpcHost("store server", services, work_slots=threads, thread_prefix="tensorwire-store", serving=names)
-    # The held-outputs store has no TLS yet (issue 14 came after issue 15's TLS): it keeps listening in plaintext
-    # wherever it is told to, as before; docs/security.md lists it as a hop still to protect.
-    port = host.bind(address, insecure=True)
+    unix = address.startswith("unix:")
+    if unix and tls is not None and tls.server_enabled:
+        raise ConfigError(f"serve_store({address!r}): TLS on a unix socket is not supported (the socket's directory "
+                          "is its access control); give a host:port address or no certificate")
+    host = GrpcHost("store server", services, work_slots=threads, thread_prefix="tensorwire-store", serving=names,
+                    tls=tls)
+    # A unix socket never leaves the host: GrpcHost's loopback rule is about TCP addresses.
+    port = host.bind(address, insecure=insecure or unix)
     host.start()
-    if address.startswith("unix:"):
+    if unix:
         dial = address
     else:
         dial = f"{advertise_host or host.host}:{port}"
-    log.info("store server on %s (%s)", dial, ", ".join(names))
+    log.info("store server on %s (%s, %s)", dial, ", ".join(names), host.tls.describe() if host.tls else "plaintext")
     return StoreServer(host, dial, port)
 
 
@@ -217,9 +232,15 @@ class LookupOutcome:
 
 
 class _Client:
-    def __init__(self, address: str) -> None:
+    """One channel to ``address``: TLS when ``tls`` has a CA or a certificate (``tensorwire.mm._tls``), else
+    plaintext (``unix:`` sockets are always plaintext)."""
+
+    def __init__(self, address: str, tls: TlsConfig | None = None) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=wire.channel_options())
+        tls = tls if tls is not None else TlsConfig()
+        if address.startswith("unix:") and tls.client_enabled:
+            raise ConfigError(f"{type(self).__name__}({address!r}): TLS on a unix socket is not supported")
+        self._channel = secure_or_insecure_channel(address, tls, wire.channel_options())
         # One multicallable per method for the channel's life (not one per call: each is a native object).
         self._calls: dict[str, grpc.UnaryUnaryMultiCallable[bytes, bytes]] = {}
         self._closed = False

@@ -175,12 +175,12 @@ def channel_options(tls: TlsConfig) -> list[tuple[str, Any]]:
 
 def secure_or_insecure_channel(target: str, tls: TlsConfig, options: list[tuple[str, Any]]) -> grpc.Channel:
     """A channel to ``target``: TLS when ``tls.client_enabled``, else plaintext (a WARNING once per process for a
-    plaintext channel to a non-loopback host)."""
+    plaintext channel to a non-loopback host; ``unix:`` sockets stay on the host)."""
     if tls.client_enabled:
         return grpc.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls))
     from tensorwire.mm._scope import is_loopback_host
 
-    if not is_loopback_host(target.rsplit(":", 1)[0]):
+    if not target.startswith("unix:") and not is_loopback_host(target.rsplit(":", 1)[0]):
         _warn_plaintext(target)
     return grpc.insecure_channel(target, options=options)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.errors import ConfigError
+from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 
 ENV_PREFIX = "TENSORWIRE_VLLM_EC_"
 FALLBACKS = ("local", "fail")
@@ -46,6 +47,15 @@ class ECConfig:
     ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
     ``$TMPDIR/tensorwire-vllm``), ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
     worker of TP rank r on N + 1 + r).
+
+    Transport security of the held-outputs store (docs/security.md, the CLI's ``--tls-*`` / ``--insecure``):
+    ``tls_cert``/``tls_key`` make the producer's store listen with TLS, with ``tls_ca`` (and ``tls_client_auth``,
+    on by default) requiring client certificates signed by it (mTLS); the consumer speaks TLS to the stores when
+    ``tls_ca`` or ``tls_cert`` is set, presents ``tls_cert`` and checks the store's certificate for the endpoint's
+    host (or ``tls_server_name``). Unset keys fall back to ``TENSORWIRE_VLLM_EC_TLS_*``, then to the rest of
+    tensorwire's ``TENSORWIRE_MM_TLS_*``. Without a certificate the store binds a non-loopback ``host`` only with
+    ``insecure: true``. The consumer's staging sockets are unix sockets (no TLS; the 0700 ``runtime_dir`` guards
+    them).
     """
 
     host: str = "127.0.0.1"
@@ -65,6 +75,12 @@ class ECConfig:
     rdma_provider: str = "auto"
     runtime_dir: str = ""
     metrics_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""
+    tls_client_auth: bool = True
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _int("port", self.port, 0, 65535)
@@ -85,6 +101,18 @@ class ECConfig:
             raise ConfigError(f"ec_connector_extra_config.host={self.host!r}: expected an address to bind")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda:")):
             raise ConfigError(f"ec_connector_extra_config.device={self.device!r}: expected auto, cpu or cuda:N")
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"ec_connector_extra_config.insecure={self.insecure!r}: expected a boolean")
+        try:
+            self.tls  # noqa: B018 (validates the TLS keys together)
+        except ConfigError as exc:
+            raise ConfigError(f"ec_connector_extra_config tls_*: {exc}") from exc
+
+    @property
+    def tls(self) -> TlsConfig:
+        """The store's TLS settings (server side in the producer, client side in the consumer)."""
+        return TlsConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name,
+                         client_auth=self.tls_client_auth)
 
     @property
     def effective_runtime_dir(self) -> str:
@@ -109,6 +137,9 @@ class ECConfig:
                 raw, where = extra[name], f"ec_connector_extra_config.{name}"
             elif ENV_PREFIX + name.upper() in environ:
                 raw, where = environ[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper()
+            elif name.startswith("tls_") and ENV_TLS_PREFIX + name[4:].upper() in environ:
+                # the rest of tensorwire's TLS settings (TransportConfig.from_env, the CLI's environment)
+                raw, where = environ[ENV_TLS_PREFIX + name[4:].upper()], ENV_TLS_PREFIX + name[4:].upper()
             else:
                 continue
             kwargs[name] = _coerce(raw, f.type, where)

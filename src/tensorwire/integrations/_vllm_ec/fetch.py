@@ -235,7 +235,7 @@ class Fetcher:
         with self._clients_lock:
             c = self._clients.get(endpoint)
             if c is None:
-                c = self._clients[endpoint] = HeldStoreClient(endpoint)
+                c = self._clients[endpoint] = HeldStoreClient(endpoint, tls=self._cfg.tls)
             return c
 
     def _remaining_ms(self, deadline: float) -> int:

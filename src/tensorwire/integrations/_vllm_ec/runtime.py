@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.mm._scope import is_loopback_host
 from tensorwire.mm._staging import StagingArea
 from tensorwire.mm._store import HeldStore
 from tensorwire.mm._store_rpc import StoreServer, serve_store
@@ -77,11 +78,22 @@ def _advertise(cfg: ECConfig) -> str:
     return detect()[0]
 
 
+def _check_listener(cfg: ECConfig) -> None:
+    """The store's bind rule (``GrpcHost.bind``'s, docs/security.md) in the connector's own terms, before anything
+    starts: plaintext on a non-loopback ``host`` only with ``insecure: true``."""
+    if not cfg.tls.server_enabled and not cfg.insecure and not is_loopback_host(cfg.host):
+        raise ConfigError(
+            f"refusing a plaintext held-outputs store on ec_connector_extra_config.host={cfg.host!r}, which is not a "
+            "loopback address: anyone who can reach it could look up and release items. Set tls_cert, tls_key and "
+            "tls_ca (mTLS; docs/security.md) or insecure: true on a network you trust")
+
+
 class ProducerRuntime:
     """The encoder instance's exporter, held-outputs store and gRPC server (in the exporting worker)."""
 
     def __init__(self, cfg: ECConfig, name: str, device: str,
                  on_change: Callable[[int, int], None] | None = None) -> None:
+        _check_listener(cfg)
         self.name = name
         self._file: Path | None = None
         self.exporter: TensorExporter | None = None
@@ -96,7 +108,8 @@ class ProducerRuntime:
                 log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC",
                             exc)
             self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change)
-            self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg))
+            self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg),
+                                      tls=cfg.tls, insecure=cfg.insecure)
             self.endpoint = self.server.address
             if cfg.port == 0:
                 self._file = runtime_dir(cfg) / f"{name}.producer.json"
