@@ -113,7 +113,7 @@ def test_slow_encoder_hits_the_budget_and_exports_nothing_for_a_caller_that_is_g
         c.fetch([MultimodalInput(b"slow"), MultimodalInput(b"x")], timeout_ms=300)
     elapsed = time.monotonic() - t0
     assert ei.value.reason is Reason.DEADLINE_EXCEEDED
-    assert 0.29 <= elapsed < 0.3 + 1.0, elapsed  # on time (a busy 2-core box's slack): no hung caller
+    assert 0.29 <= elapsed < 0.3 + 3.0, elapsed  # on time (a busy 2-core box's slack): no hung caller
     exported = len(env.fabric.exported)
     dropped = _encoder_errors(env)
     slow.gate.set()  # the encoder finishes for a caller that is gone: it drops the work, exports nothing (issue 15)
