@@ -6,7 +6,8 @@ Two encoder processes (``bench transfer``'s encoder: a fixed bf16 output of ``ro
 plaintext and one with mTLS (a throwaway CA and certificates made at run time). The client fetches from both in
 alternating rounds (the order flips every round), so both see the same machine state: per size, the RDMA plane
 with a zero-copy output (the bulk bytes go over the data plane, only the receipt and the release over TLS) and
-the inline plane (the bytes themselves through TLS). Medians over all rounds; ``tls_over_plaintext`` is the
+the inline plane (the bytes themselves through TLS), both over the gRPC control plane (the same-host
+channel off: an mTLS worker does not open it). Medians over all rounds; ``tls_over_plaintext`` is the
 ratio of the medians. Issue 15's target: the 112.7 MB GPU fetch (``--rows 13760 --device cuda:0``) within 10%.
 Writes benchmarks/results/tls-<machine>.json.
 """
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("plaintext", "mtls")}
     try:
         server_tls, client_tls = bench_tls(tmp.name)
-        base = TransportConfig(rdma=RdmaConfig(device=args.device))
+        # Both on the gRPC control plane: a plaintext worker would also serve the same-host Unix socket (issue 18),
+        # which an mTLS worker keeps closed, and the ratio would then measure the channel, not TLS.
+        base = TransportConfig(rdma=RdmaConfig(device=args.device), local_channel="off")
         clients: dict[str, tuple[Any, Any]] = {}
         for mode, s_tls, c_tls in (("plaintext", None, None), ("mtls", server_tls, client_tls)):
             proc, stop, port = _start(ctx, args.device, max(rows_list), s_tls)
