@@ -52,28 +52,32 @@ def default_runtime_dir() -> str:
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{os.geteuid()}")
 
 
-def ensure_private_dir(path: str) -> str:
-    """Creates ``path`` (0700) if missing and checks it: a plain directory, owned by our effective uid, not
-    group/world-writable (readable bits are tightened quietly). Returns the absolute path; ``InsecurePath``."""
+def ensure_private_dir(path: str, uid: int | None = None) -> str:
+    """Creates ``path`` (0700) if missing and checks it: a plain directory, owned by ``uid`` (default: our
+    effective uid), not group/world-writable (readable bits are tightened quietly). Returns the absolute path;
+    ``InsecurePath``. The one implementation of these checks: the broadcaster's directory (``tp._paths``) and the
+    same-host channel's both come here."""
     path = os.path.abspath(path)
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.lstat(path)
     except OSError as exc:
         raise InsecurePath(f"cannot create {path}: {exc}") from exc
-    check_private_dir(path, st)
+    check_private_dir(path, st, uid)
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)
     return path
 
 
-def check_private_dir(path: str, st: os.stat_result | None = None) -> None:
-    """``InsecurePath`` unless ``path`` is a plain directory of ours that nobody else can write to."""
+def check_private_dir(path: str, st: os.stat_result | None = None, uid: int | None = None) -> None:
+    """``InsecurePath`` unless ``path`` is a plain directory of ``uid`` (default: ours) that nobody else can
+    write to."""
     st = st if st is not None else os.lstat(path)
+    uid = os.geteuid() if uid is None else uid
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise InsecurePath(f"{path} is not a plain directory (symlink or file)")
-    if st.st_uid != os.geteuid():
-        raise InsecurePath(f"{path} is owned by uid {st.st_uid}, not by us (uid {os.geteuid()})")
+    if st.st_uid != uid:
+        raise InsecurePath(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
     if st.st_mode & 0o022:
         raise InsecurePath(f"{path} is group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})")
 

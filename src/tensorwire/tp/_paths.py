@@ -19,6 +19,7 @@ import socket
 import stat
 from dataclasses import dataclass
 
+from tensorwire import _unix
 from tensorwire.errors import BootstrapError, ConfigError, Reason
 
 log = logging.getLogger(__name__)
@@ -103,36 +104,16 @@ def default_base_dir(leaf: str = "") -> str:
 
 def ensure_private_dir(path: str) -> str:
     """Create ``path`` (mode 0700) if missing; refuse a symlink, a non-directory, a foreign owner or a
-    group/world-writable directory. Returns the absolute path."""
-    path = os.path.abspath(path)
+    group/world-writable directory (``_unix.ensure_private_dir``'s checks, against ``effective_uid()``): another
+    user could plant a socket there. Returns the absolute path."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as exc:
+        return _unix.ensure_private_dir(path, uid=effective_uid())
+    except _unix.InsecurePath as exc:
         raise BootstrapError(
-            f"cannot create broadcaster directory {path}: {exc}", reason=Reason.INSECURE_PATH
+            f"broadcaster directory refused: {exc}. Pass base_dir= or set {ENV_DIR} to a private (0700) "
+            "directory you own",
+            reason=Reason.INSECURE_PATH,
         ) from exc
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise BootstrapError(
-            f"broadcaster directory {path} is not a plain directory (symlink or file); refusing it",
-            reason=Reason.INSECURE_PATH,
-        )
-    uid = effective_uid()
-    if st.st_uid != uid:
-        raise BootstrapError(
-            f"broadcaster directory {path} is owned by uid {st.st_uid}, not by us (uid {uid}); refusing it. "
-            f"Pass base_dir= or set {ENV_DIR} to a directory you own",
-            reason=Reason.INSECURE_PATH,
-        )
-    if st.st_mode & 0o022:
-        raise BootstrapError(
-            f"broadcaster directory {path} is group/world-writable (mode {stat.S_IMODE(st.st_mode):04o}); "
-            f"refusing it: another user could plant a socket there. chmod 700 it or pick another base_dir",
-            reason=Reason.INSECURE_PATH,
-        )
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # ours and not writable by others: tighten readable bits quietly
-    return path
 
 
 @dataclass(frozen=True)
