@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tensorwire import _unix
 from tensorwire.errors import BootstrapError, BootstrapTimeout, BroadcastTimeout, PeerClosed, Reason
 
 from ._link import Link, Waiter
@@ -79,15 +80,9 @@ class Hello:
     params_digest: bytes
 
 
-def _peer_creds(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the other end of a connected AF_UNIX socket (SO_PEERCRED)."""
-    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid, uid
-
-
 def _foreign(sock: socket.socket, who: str, my_rank: int) -> str | None:
     """Why ``sock``'s other end is refused (it runs as another uid than ours), or None when it is ours."""
-    pid, uid = _peer_creds(sock)
+    pid, uid = _unix.peer_uid(sock)
     want = effective_uid()
     if uid != want:
         return (f"rank {my_rank}: {who} (pid {pid}) runs as uid {uid}, we run as uid {want}; refusing the connection "
@@ -110,7 +105,7 @@ def _check_holder(endpoint: Endpoint) -> None:
     try:
         probe.settimeout(0.5)
         probe.connect(endpoint.address)
-        pid, uid = _peer_creds(probe)
+        pid, uid = _unix.peer_uid(probe)
     except OSError as exc:
         raise _Squatted(f"is bound by a process that does not accept connections ({exc}); we cannot tell who "
                         f"it is") from None
@@ -336,7 +331,7 @@ class RootBootstrap:
             except OSError as exc:  # ECONNABORTED, EMFILE, ...: that one connection is lost, not the group
                 self._note_drop(f"accept failed: {exc}")
                 return
-            pid, uid = _peer_creds(conn)
+            pid, uid = _unix.peer_uid(conn)
             who = f"a connection from pid {pid} (uid {uid})"
             if self.check_uid and uid != effective_uid():
                 conn.close()  # not a word to another user's process
