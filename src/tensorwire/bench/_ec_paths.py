@@ -204,11 +204,13 @@ def serve_staging(base_rows: int, cols: int, device: str, provider: str, address
     ``address``; answers ``("stats",)`` and ``("stop",)`` on ``conn``."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from tensorwire.bench._plain_grpc import embedding
-    from tensorwire.mm._store_rpc import serve_store
+    from tensorwire.integrations._vllm_ec.runtime import staging_local_path
+    from tensorwire.mm._store_rpc import serve_staging_local, serve_store
 
     base = embedding(base_rows, cols).to(device)
     area = CheckedArea(base, device, provider)
     server = serve_store(address, staging=area, threads=4)
+    local = serve_staging_local(staging_local_path(address), area)  # as StagingRuntime serves it
     area.warm_up()
     conn.send(("ready", os.getpid()))
     try:
@@ -219,6 +221,7 @@ def serve_staging(base_rows: int, cols: int, device: str, provider: str, address
             elif msg[0] == "stop":
                 break
     finally:
+        local.close(0.5)
         server.stop(0.5)
         area.close()
         conn.send(("stopped",))

@@ -164,8 +164,8 @@ class _Run:
         from tensorwire.bench._plain_grpc import embedding
         from tensorwire.integrations._vllm_ec.config import ECConfig
         from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RemoteStager, Stager
-        from tensorwire.integrations._vllm_ec.metrics import ECMetrics
-        from tensorwire.integrations._vllm_ec.runtime import staging_address
+        from tensorwire.integrations._vllm_ec.metrics import metrics_for
+        from tensorwire.integrations._vllm_ec.runtime import staging_address, staging_local_path
 
         self.args = args
         self.run_id = run_id
@@ -199,7 +199,8 @@ class _Run:
             worker.start()
             self.procs.append(worker)
             self._recv(self.stage_conn, "the LLM worker process")
-            stager = RemoteStager(address, "tp0")
+            stager = RemoteStager(address, "tp0", local_path=staging_local_path(address),
+                                  metrics=metrics_for(self.registry))
         else:
             self.area = CheckedArea(self.base, self.device, args.rdma_provider)
             self.area.warm_up()
@@ -207,7 +208,7 @@ class _Run:
         ready = self._recv(self.conn, "the encoder process")
         self.endpoint, self.producer_plane = ready[1], ready[2]
         self.stager = TimedStager(stager)
-        self.fetcher = Fetcher(self.cfg, [self.stager], ECMetrics(self.registry),
+        self.fetcher = Fetcher(self.cfg, [self.stager], metrics_for(self.registry),
                                support_rdma=args.rdma_provider != "none")
         self.failures: list[str] = []
         self.planes: dict[str, int] = {}
@@ -303,12 +304,17 @@ class _Run:
         dirs = {p: sum(len(d) for _, d, _ in os.walk(root)) for p, root in self.roots.items()}
         releases = {o: self.registry.get_sample_value("tensorwire_vllm_ec_releases_total", {"outcome": o}) or 0.0
                     for o in ("ok", "unknown", "failed")}
+        calls = {f"{m}/{ch}": v for m in ("Lookup", "Release", "Stage", "Drop")
+                 for ch in ("local", "grpc", "local_fallback")
+                 if (v := self.registry.get_sample_value("tensorwire_vllm_ec_control_calls_total",
+                                                         {"method": m, "channel": ch}))}
         held = {k: producer.get(k, 0) for k in ("held_items", "grants", "pending_grants", "exporter_live_leases",
                                                 "pool_busy_slots")}
         clean = (not any(files.values()) and not any(dirs.values()) and not any(held.values())
                  and consumer.get("staged_items", 0) == 0 and consumer.get("reader_loaned_slots", 0) == 0)
         return {"clean": clean, "files_left": files, "dirs_left": dirs, "encoder_store": producer,
-                "llm_staging": consumer, "releases": releases, "failures": len(self.failures)}
+                "llm_staging": consumer, "releases": releases, "control_calls": calls,
+                "failures": len(self.failures)}
 
     def close(self) -> dict[str, Any]:
         """Stops the other processes; the encoder's final counters (after its store and exporter closed)."""
@@ -466,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
           "| encoder:", {k: leftovers["encoder_store"].get(k) for k in
                          ("held_items", "grants", "pending_grants", "exporter_live_leases", "pool_busy_slots")},
           "| llm:", {k: leftovers["llm_staging"].get(k) for k in ("staged_items", "reader_loaned_slots")},
-          "| releases:", leftovers["releases"], "| planes:", leftovers["planes"], flush=True)
+          "| releases:", leftovers["releases"], "| planes:", leftovers["planes"], "| control calls:",
+          leftovers["control_calls"], flush=True)
     print("targets:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in targets.items()}, flush=True)
     for f in failures[:10]:
         print("FAILED:", f, file=sys.stderr)

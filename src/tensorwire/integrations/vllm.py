@@ -144,7 +144,9 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             area = rt.staging_runtime(self._cfg, self._name, 0, self._worker_device(), serve=False).area
             stagers = [LocalStager(area)]
         else:
-            stagers = [RemoteStager(rt.staging_address(self._cfg, self._name, r), f"tp{r}") for r in range(self._tp)]
+            addresses = [rt.staging_address(self._cfg, self._name, r) for r in range(self._tp)]
+            stagers = [RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)
+                       for r, a in enumerate(addresses)]
         fetcher = Fetcher(self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none")
         self._consumer_sched = ConsumerScheduler(self._cfg, fetcher, self._metrics, has_media=self._has_media)
 

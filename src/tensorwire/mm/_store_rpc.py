@@ -19,13 +19,17 @@ never leaves here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
+from tensorwire import _unix
 from tensorwire.errors import (
     ClosedError,
     ConfigError,
@@ -41,6 +45,7 @@ from tensorwire.errors import (
 from tensorwire.mm import wire
 from tensorwire.mm._codec import encode_tensor
 from tensorwire.mm._host import GrpcHost, Method, Service
+from tensorwire.mm._local_rpc import LocalRpcClient, LocalRpcServer, LocalUnavailable, local_channel_request
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
 from tensorwire.mm._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
@@ -54,6 +59,7 @@ HELD_SERVICE = f"{wire.PACKAGE}.HeldOutputs"
 STAGING_SERVICE = f"{wire.PACKAGE}.Staging"
 LOOKUP_METHOD = f"/{HELD_SERVICE}/Lookup"
 RELEASE_METHOD = f"/{HELD_SERVICE}/Release"
+LOCAL_CHANNEL_METHOD = f"/{HELD_SERVICE}/LocalChannel"
 STAGE_METHOD = f"/{STAGING_SERVICE}/Stage"
 DROP_METHOD = f"/{STAGING_SERVICE}/Drop"
 MAX_GRANTS_PER_CALL = 4096
@@ -89,6 +95,13 @@ class HeldStoreServicer:
 
     def __init__(self, store: HeldStore) -> None:
         self.store = store
+        self.local: LocalRpcServer | None = None  # the same-host socket, when serve_store opened one
+
+    def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """The same-host socket's path for a client with our host token, else an empty answer."""
+        request = _parse(pb.LocalChannelRequest, raw, context)
+        local = self.local
+        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
 
     def lookup(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         req = _parse(hpb.LookupRequest, raw, context)
@@ -121,11 +134,17 @@ class HeldStoreServicer:
         return grpc.method_handlers_generic_handler(HELD_SERVICE, {
             "Lookup": grpc.unary_unary_rpc_method_handler(self.lookup),
             "Release": grpc.unary_unary_rpc_method_handler(self.release),
+            "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
         })
 
     def service(self) -> Service:
         """The same methods as a ``GrpcHost`` service (its per-peer limits and request deadline)."""
-        return Service(HELD_SERVICE, (Method("Lookup", self.lookup), Method("Release", self.release)))
+        return Service(HELD_SERVICE, (Method("Lookup", self.lookup), Method("Release", self.release),
+                                      Method("LocalChannel", self.local_channel)))
+
+    def local_methods(self) -> dict[str, Callable[[bytes, Any], bytes]]:
+        """What the same-host socket serves: the same functions, so the same semantics and errors."""
+        return {"Lookup": self.lookup, "Release": self.release}
 
 
 class StagingServicer:
@@ -162,6 +181,10 @@ class StagingServicer:
         """The same methods as a ``GrpcHost`` service (its per-peer limits and request deadline)."""
         return Service(STAGING_SERVICE, (Method("Stage", self.stage), Method("Drop", self.drop)))
 
+    def local_methods(self) -> dict[str, Callable[[bytes, Any], bytes]]:
+        """What a reader process's same-host socket serves (``serve_staging_local``)."""
+        return {"Stage": self.stage, "Drop": self.drop}
+
 
 class StoreServer:
     """A running gRPC server with HeldOutputs and/or Staging (and grpc.health.v1), on ``GrpcHost``.
@@ -170,13 +193,18 @@ class StoreServer:
     The server does not own the store or the area; their owner closes them after ``stop``.
     """
 
-    def __init__(self, host: GrpcHost, address: str, port: int) -> None:
+    def __init__(self, host: GrpcHost, address: str, port: int, local: LocalRpcServer | None = None) -> None:
         self._host = host
         self.address = address
         self.port = port
+        self.local = local  # the same-host socket for Lookup/Release, if one was opened
 
     def stop(self, grace: float | None = 1.0) -> None:
+        if self.local is not None:
+            self.local.stop_accepting()  # its file first: new same-host clients go to gRPC, which drains
         self._host.stop(grace)
+        if self.local is not None:
+            self.local.close(grace_s=0.5 if grace is None else min(grace, 0.5))
 
     def __enter__(self) -> StoreServer:
         return self
@@ -187,8 +215,13 @@ class StoreServer:
 
 def serve_store(address: str, *, store: HeldStore | None = None, staging: StagingArea | None = None,
                 threads: int = 4, advertise_host: str = "", tls: TlsConfig | None = None,
-                insecure: bool = False) -> StoreServer:
+                insecure: bool = False, local_dir: str = "") -> StoreServer:
     """Starts a StoreServer on ``address`` (``host:0`` picks a port; ``unix:/path`` a socket).
+
+    ``local_dir`` (with a store on a TCP address): also serve Lookup/Release on a same-host Unix socket in that
+    private directory (``_local_rpc``; clients on this host find it through ``LocalChannel``). The caller decides
+    whether same-uid trust is acceptable (the connector does not open it for an mTLS store unless asked). A
+    socket that cannot be made safely is logged and skipped: gRPC serves alone.
 
     ``advertise_host`` replaces the bind host in ``StoreServer.address`` (for ``0.0.0.0`` binds). ``tls`` with a
     certificate: a TLS listener (mTLS unless ``tls.client_auth`` is off); without one, a TCP address that is not
@@ -199,8 +232,10 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
         raise ConfigError("serve_store needs a store, a staging area, or both")
     services: list[Service] = []
     names: list[str] = []
+    held: HeldStoreServicer | None = None
     if store is not None:
-        services.append(HeldStoreServicer(store).service())
+        held = HeldStoreServicer(store)
+        services.append(held.service())
         names.append(HELD_SERVICE)
     if staging is not None:
         services.append(StagingServicer(staging).service())
@@ -213,13 +248,33 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
                     tls=tls)
     # A unix socket never leaves the host: GrpcHost's loopback rule is about TCP addresses.
     port = host.bind(address, insecure=insecure or unix)
-    host.start()
+    local: LocalRpcServer | None = None
+    if held is not None and local_dir and not unix:
+        try:
+            local = held.local = LocalRpcServer("held", held.local_methods(), local_dir)
+        except (OSError, _unix.InsecurePath) as exc:
+            log.warning("no same-host channel for the held-outputs store: %s; clients use gRPC", exc)
+    try:
+        host.start()
+    except BaseException:
+        if local is not None:
+            local.close(0.0)
+        raise
     if unix:
         dial = address
     else:
         dial = f"{advertise_host or host.host}:{port}"
-    log.info("store server on %s (%s, %s)", dial, ", ".join(names), host.tls.describe() if host.tls else "plaintext")
-    return StoreServer(host, dial, port)
+    log.info("store server on %s (%s, %s%s)", dial, ", ".join(names), host.tls.describe() if host.tls else "plaintext",
+             f"; same-host socket {local.path}" if local is not None else "")
+    return StoreServer(host, dial, port, local)
+
+
+def serve_staging_local(path: str, staging: StagingArea) -> LocalRpcServer:
+    """Stage and Drop of ``staging`` on a same-host socket at ``path`` (its directory must be private): the
+    multiprocess executor's scheduler -> worker hop without gRPC's thread hand-offs. No deadline cap beyond the
+    caller's (a Stage runs for its read budget)."""
+    return LocalRpcServer("staging", StagingServicer(staging).local_methods(), os.path.dirname(path), path=path,
+                          max_deadline_s=3600.0)
 
 
 @dataclass(frozen=True)
@@ -235,8 +290,12 @@ class _Client:
     """One channel to ``address``: TLS when ``tls`` has a CA or a certificate (``tensorwire.mm._tls``), else
     plaintext (``unix:`` sockets are always plaintext)."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None) -> None:
+    def __init__(self, address: str, tls: TlsConfig | None = None, *,
+                 on_call: Callable[[str, str], None] | None = None) -> None:
         self.address = address
+        self._on_call = on_call or (lambda _m, _c: None)
+        self._local: LocalRpcClient | None = None  # the same-host socket, when one is known (see _unary)
+        self._local_lock = threading.Lock()
         tls = tls if tls is not None else TlsConfig()
         if address.startswith("unix:") and tls.client_enabled:
             raise ConfigError(f"{type(self).__name__}({address!r}): TLS on a unix socket is not supported")
@@ -264,7 +323,51 @@ class _Client:
             raise ProtocolError(f"{what} on {self.address}: the answer does not parse: {exc}",
                                 reason=Reason.PROTOCOL_ERROR) from exc
 
+    def _unary(self, method: str, name: str, request: Any, response: Any, timeout_s: float) -> Any:
+        """One call: over the same-host socket when there is one (a call that gets no answer there is made
+        again over gRPC within what is left of ``timeout_s``: every method that goes this way is idempotent),
+        else over gRPC."""
+        local = self._local
+        if local is None:
+            self._local_missing()
+        else:
+            start = time.monotonic()
+            try:
+                raw = local.call(name, request.SerializeToString(), timeout_s, f"{name} on {self.address}")
+            except TensorwireError:
+                self._on_call(name, "local")  # answered (with an error) over the socket
+                raise
+            except LocalUnavailable as exc:
+                self._local_failed(local)
+                self._on_call(name, "local_fallback")
+                log.info("held-outputs store %s: %s; this call and the next go over gRPC", self.address, exc)
+                timeout_s -= time.monotonic() - start
+            else:
+                self._on_call(name, "local")
+                try:
+                    return response.FromString(raw)
+                except DecodeError as exc:
+                    raise ProtocolError(f"{name} on {self.address}: the answer does not parse: {exc}",
+                                        reason=Reason.PROTOCOL_ERROR) from exc
+        out = self._call(method, request, response, timeout_s, name)
+        self._on_call(name, "grpc")
+        return out
+
+    def _local_missing(self) -> None:
+        """Called before a gRPC call made for want of a socket (a client that discovers one starts it here)."""
+
+    def _local_failed(self, local: LocalRpcClient) -> None:
+        """The socket gave no answer: stop using it (a discovering client asks again later)."""
+        with self._local_lock:
+            if self._local is local:
+                self._local = None
+        local.close()
+
     def close(self) -> None:
+        with self._local_lock:
+            local, self._local = self._local, None
+        if local is not None:
+            local.close()
         if not self._closed:
             self._closed = True
             self._channel.close()
@@ -277,14 +380,75 @@ class _Client:
 
 
 class HeldStoreClient(_Client):
-    """Calls HeldOutputs on one owner. Thread-safe (one channel)."""
+    """Calls HeldOutputs on one owner. Thread-safe (one channel).
+
+    ``local_channel`` (a TCP address): ask the owner once, in the background, for its same-host socket
+    (``LocalChannel``); when it answers with one on this host, Lookup and Release go there (``_local_rpc``) and
+    gRPC is the fallback: a call that gets no answer over the socket (gone, refused, broken) is made again over
+    gRPC within the same budget (both methods are idempotent), and the socket is asked for again later. A
+    deadline that passes is not retried. ``on_call(method, channel)`` counts each answered call (channel
+    ``local`` or ``grpc``) and each fallback (channel ``local_fallback``).
+    """
+
+    def __init__(self, address: str, tls: TlsConfig | None = None, *, local_channel: bool = True,
+                 on_call: Callable[[str, str], None] | None = None) -> None:
+        super().__init__(address, tls, on_call=on_call)
+        self._local_wanted = local_channel and not address.startswith("unix:") and bool(_unix.host_token())
+        self._local_due = 0.0  # monotonic time of the next discovery (inf: one is running)
+        self._maybe_discover()
+
+    @property
+    def local_path(self) -> str:
+        """The same-host socket in use ("" when calls go over gRPC)."""
+        local = self._local
+        return local.path if local is not None else ""
+
+    def _maybe_discover(self) -> None:
+        if not self._local_wanted or self._closed:
+            return
+        with self._local_lock:
+            if self._local is not None or time.monotonic() < self._local_due:
+                return
+            self._local_due = float("inf")
+        threading.Thread(target=self._discover, name="tensorwire-held-discover", daemon=True).start()
+
+    def _discover(self) -> None:
+        retry_s = 30.0
+        try:
+            info = self._call(LOCAL_CHANNEL_METHOD, local_channel_request(), pb.LocalChannelInfo, 2.0,
+                              "LocalChannel")
+            if info.path and info.host_token == _unix.host_token():
+                _unix.check_socket_path(info.path)
+                with self._local_lock:
+                    if not self._closed:
+                        self._local = LocalRpcClient(info.path)
+                log.info("held-outputs store %s: Lookup/Release over the same-host socket %s", self.address,
+                         info.path)
+        except TensorwireError as exc:  # not up yet, or an owner without LocalChannel (UNIMPLEMENTED)
+            transient = exc.reason in (Reason.PEER_UNAVAILABLE, Reason.DEADLINE_EXCEEDED)
+            retry_s = 1.0 if transient else 30.0
+            log.debug("held-outputs store %s: no same-host channel (%s)", self.address, exc)
+        except (OSError, _unix.InsecurePath) as exc:
+            log.warning("held-outputs store %s advertised a same-host socket that fails its checks (%s); using gRPC",
+                        self.address, exc)
+        finally:
+            with self._local_lock:
+                self._local_due = time.monotonic() + retry_s
+
+    def _local_missing(self) -> None:
+        self._maybe_discover()
+
+    def _local_failed(self, local: LocalRpcClient) -> None:
+        super()._local_failed(local)
+        with self._local_lock:
+            self._local_due = time.monotonic() + 1.0
 
     def lookup(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float,
                support_rdma: bool = True) -> list[LookupOutcome]:
         req = hpb.LookupRequest(support_rdma=support_rdma)
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
-        resp = self._call(LOOKUP_METHOD, req, hpb.LookupResponse, timeout_s, "Lookup")
+        resp = self._unary(LOOKUP_METHOD, "Lookup", req, hpb.LookupResponse, timeout_s)
         if len(resp.results) != len(grants):
             raise ProtocolError(f"Lookup on {self.address}: {len(resp.results)} results for {len(grants)} grants",
                                 reason=Reason.PROTOCOL_ERROR)
@@ -308,7 +472,7 @@ class HeldStoreClient(_Client):
         req = hpb.ReleaseRequest()
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
-        return int(self._call(RELEASE_METHOD, req, hpb.ReleaseResponse, timeout_s, "Release").released)
+        return int(self._unary(RELEASE_METHOD, "Release", req, hpb.ReleaseResponse, timeout_s).released)
 
 
 # A failed Stage comes back as a status (INTERNAL for read failures) plus the reader's reason; rebuild the read
@@ -327,7 +491,26 @@ _STAGE_ERRORS: dict[Reason, type[TensorwireError]] = {
 
 
 class StagingClient(_Client):
-    """Calls Staging on one reader process. Thread-safe (one channel)."""
+    """Calls Staging on one reader process. Thread-safe (one channel).
+
+    ``local_path``: the reader process's same-host socket (``serve_staging_local``); Stage and Drop go there,
+    gRPC (``address``) is the fallback for a call that gets no answer on it (Stage is idempotent: a second one
+    replaces the first under its key). The socket is tried again on every call: a worker that restarted
+    serves it again at the same path.
+    """
+
+    def __init__(self, address: str, tls: TlsConfig | None = None, *, local_path: str = "",
+                 on_call: Callable[[str, str], None] | None = None) -> None:
+        super().__init__(address, tls, on_call=on_call)
+        self._local_path = local_path
+        if local_path:
+            self._local = LocalRpcClient(local_path)
+
+    def _local_missing(self) -> None:
+        if self._local_path and not self._closed:
+            with self._local_lock:
+                if self._local is None:
+                    self._local = LocalRpcClient(self._local_path)
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect | None = None) -> int:
         req = hpb.StageRequest(key=key, timeout_ms=max(1, int(timeout_ms)))
@@ -336,7 +519,7 @@ class StagingClient(_Client):
             expect.to_pb(req)
         # The RPC deadline leaves the reader its whole read budget plus a margin for the answer.
         try:
-            resp = self._call(STAGE_METHOD, req, hpb.StageResponse, timeout_ms / 1000.0 + 1.0, "Stage")
+            resp = self._unary(STAGE_METHOD, "Stage", req, hpb.StageResponse, timeout_ms / 1000.0 + 1.0)
         except TensorwireError as exc:
             cls = _STAGE_ERRORS.get(exc.reason)
             if cls is None or isinstance(exc, cls):
@@ -345,9 +528,10 @@ class StagingClient(_Client):
         return int(resp.nbytes)
 
     def drop(self, keys: Sequence[str], *, timeout_s: float) -> int:
-        return int(self._call(DROP_METHOD, hpb.DropRequest(keys=list(keys)), hpb.DropResponse, timeout_s,
-                              "Drop").dropped)
+        return int(self._unary(DROP_METHOD, "Drop", hpb.DropRequest(keys=list(keys)), hpb.DropResponse,
+                               timeout_s).dropped)
 
 
 __all__ = ["HeldStoreServicer", "StagingServicer", "StoreServer", "serve_store", "HeldStoreClient",
-           "StagingClient", "LookupOutcome", "receipt_for", "HELD_SERVICE", "STAGING_SERVICE"]
+           "StagingClient", "LookupOutcome", "receipt_for", "serve_staging_local", "HELD_SERVICE",
+           "STAGING_SERVICE"]

@@ -20,6 +20,7 @@ from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 
 ENV_PREFIX = "TENSORWIRE_VLLM_EC_"
 FALLBACKS = ("local", "fail")
+LOCAL_CHANNELS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,10 @@ class ECConfig:
 
     Both: ``device`` (``auto``: the worker's device; ``cpu`` or ``cuda:N``), ``rdma_provider`` (``auto``, ``nixl``,
     ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
-    ``$TMPDIR/tensorwire-vllm``), ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
+    ``$TMPDIR/tensorwire-vllm``), ``local_channel`` (``auto``: the producer's store also serves Lookup/Release on a
+    Unix socket under ``runtime_dir`` unless it requires client certificates, and a consumer on the same host uses
+    it; ``on``: open it even with mTLS (same uid is then trusted as much as a certificate); ``off``: gRPC only),
+    ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
     worker of TP rank r on N + 1 + r).
 
     Transport security of the held-outputs store (docs/security.md, the CLI's ``--tls-*`` / ``--insecure``):
@@ -74,6 +78,7 @@ class ECConfig:
     device: str = "auto"
     rdma_provider: str = "auto"
     runtime_dir: str = ""
+    local_channel: str = "auto"
     metrics_port: int = 0
     tls_cert: str = ""
     tls_key: str = ""
@@ -97,6 +102,9 @@ class ECConfig:
             raise ConfigError(f"ec_connector_extra_config.open_seconds={self.open_seconds!r}: expected (0, 86400]")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"ec_connector_extra_config.fallback={self.fallback!r}: expected one of {FALLBACKS}")
+        if self.local_channel not in LOCAL_CHANNELS:
+            raise ConfigError(f"ec_connector_extra_config.local_channel={self.local_channel!r}: expected one of "
+                              f"{LOCAL_CHANNELS}")
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"ec_connector_extra_config.host={self.host!r}: expected an address to bind")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda:")):
@@ -113,6 +121,11 @@ class ECConfig:
         """The store's TLS settings (server side in the producer, client side in the consumer)."""
         return TlsConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name,
                          client_auth=self.tls_client_auth)
+
+    @property
+    def serves_local_channel(self) -> bool:
+        """Producer: open the store's same-host socket (``auto`` keeps it closed for an mTLS store)."""
+        return self.local_channel == "on" or (self.local_channel == "auto" and not self.tls.mutual)
 
     @property
     def effective_runtime_dir(self) -> str:
@@ -177,4 +190,4 @@ def _int(name: str, value: object, lo: int, hi: int) -> None:
         raise ConfigError(f"ec_connector_extra_config.{name}={value!r}: expected an integer in [{lo}, {hi}]")
 
 
-__all__ = ["ECConfig", "ENV_PREFIX", "FALLBACKS"]
+__all__ = ["ECConfig", "ENV_PREFIX", "FALLBACKS", "LOCAL_CHANNELS"]

@@ -14,7 +14,8 @@ benchmark measured it at 1.3-1.8 ms of every item on a loaded 2-core box). A rel
 (``releases{outcome="failed"}``) and left to the encoder's TTL GC; ``close()`` still sends every queued one.
 
 Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor) and
-:class:`RemoteStager` (the Staging gRPC service of a worker process, over a unix socket: the multiprocess
+:class:`RemoteStager` (a worker process's Staging service, on its same-host socket, gRPC over a unix socket as
+the fallback: the multiprocess
 executor, which is vLLM's default on CPU even at TP=1, and any TP > 1).
 
 Budget: ``fetch_timeout_ms`` from the start of the fetch covers the lookup (at most ``lookup_timeout_ms``) and
@@ -81,10 +82,13 @@ class LocalStager:
 
 
 class RemoteStager:
-    """A worker process's Staging service (unix socket)."""
+    """A worker process's Staging service: its same-host socket (``tensorwire.mm._local_rpc``), with the
+    ``unix:`` gRPC service at ``address`` as the fallback."""
 
-    def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0) -> None:
-        self.client = StagingClient(address)
+    def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0, local_path: str = "",
+                 metrics: ECMetrics | None = None) -> None:
+        on_call = None if metrics is None else (lambda m, ch: metrics.control_calls.labels(m, ch).inc())
+        self.client = StagingClient(address, local_path=local_path, on_call=on_call)
         self.name = name
         self._drop_timeout_s = drop_timeout_s
 
@@ -235,7 +239,9 @@ class Fetcher:
         with self._clients_lock:
             c = self._clients.get(endpoint)
             if c is None:
-                c = self._clients[endpoint] = HeldStoreClient(endpoint, tls=self._cfg.tls)
+                c = self._clients[endpoint] = HeldStoreClient(
+                    endpoint, tls=self._cfg.tls, local_channel=self._cfg.local_channel != "off",
+                    on_call=lambda method, channel: self._metrics.control_calls.labels(method, channel).inc())
             return c
 
     def _remaining_ms(self, deadline: float) -> int:

@@ -58,6 +58,10 @@ class ECMetrics:
         self.releases = Counter("tensorwire_vllm_ec_releases_total",
                                 "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: "
                                 "the encoder no longer held it)", ["outcome"], registry=reg)
+        self.control_calls = Counter("tensorwire_vllm_ec_control_calls_total",
+                                     "Lookup/Release calls to encoder instances by channel (local: the same-host "
+                                     "socket; grpc; local_fallback: the socket gave no answer, retried over gRPC)",
+                                     ["method", "channel"], registry=reg)
         self.held_requests = Gauge("tensorwire_vllm_ec_waiting_requests",
                                    "Requests held back while their items are fetched", registry=reg,
                                    multiprocess_mode="livesum")

@@ -27,10 +27,11 @@ from pathlib import Path
 
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.mm._local_rpc import LocalRpcServer
 from tensorwire.mm._scope import is_loopback_host
 from tensorwire.mm._staging import StagingArea
 from tensorwire.mm._store import HeldStore
-from tensorwire.mm._store_rpc import StoreServer, serve_store
+from tensorwire.mm._store_rpc import StoreServer, serve_staging_local, serve_store
 from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
 from tensorwire.rdma._endpoint import detect, is_loopback, is_wildcard
 
@@ -108,8 +109,9 @@ class ProducerRuntime:
                 log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC",
                             exc)
             self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change)
+            local_dir = str(runtime_dir(cfg)) if cfg.serves_local_channel else ""
             self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg),
-                                      tls=cfg.tls, insecure=cfg.insecure)
+                                      tls=cfg.tls, insecure=cfg.insecure, local_dir=local_dir)
             self.endpoint = self.server.address
             if cfg.port == 0:
                 self._file = runtime_dir(cfg) / f"{name}.producer.json"
@@ -175,11 +177,19 @@ def close_producer(name: str) -> None:
 
 
 def staging_address(cfg: ECConfig, name: str, rank: int) -> str:
+    """``unix:<runtime_dir>/<name>-tp<rank>.sock``: the rank's Staging gRPC service; its same-host socket
+    (``staging_local_path``) is next to it."""
     path = runtime_dir(cfg) / f"{name}-tp{int(rank)}.sock"
-    if len(str(path)) > 100:
+    if len(staging_local_path(f"unix:{path}")) > 100:
         raise ConfigError(f"socket path {path} is too long for a unix socket; set a shorter runtime_dir",
                           reason=Reason.PATH_TOO_LONG)
     return f"unix:{path}"
+
+
+def staging_local_path(address: str) -> str:
+    """The same-host socket (``tensorwire.mm._local_rpc``) next to a rank's ``unix:`` Staging address."""
+    path = address[len("unix:"):] if address.startswith("unix:") else address
+    return path[:-len(".sock")] + ".local.sock" if path.endswith(".sock") else path + ".local"
 
 
 class StagingRuntime:
@@ -190,6 +200,7 @@ class StagingRuntime:
         factory = None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma))
         self.area = StagingArea(factory, device=device)
         self.server: StoreServer | None = None
+        self.local: LocalRpcServer | None = None
         self._socket: Path | None = None
         try:
             if serve:
@@ -198,6 +209,9 @@ class StagingRuntime:
                 if self._socket.exists():
                     self._socket.unlink()  # a dead instance's socket under the same name
                 self.server = serve_store(address, staging=self.area, threads=max(4, cfg.fetch_threads))
+                # Stage/Drop without gRPC's thread hand-offs (the scheduler's RemoteStager tries it first; a
+                # stale file of a dead instance is replaced by _unix.listen).
+                self.local = serve_staging_local(staging_local_path(address), self.area)
             # The NIXL agent takes a fraction of a second to build: do it now, not in the first fetch.
             threading.Thread(target=self.area.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
         except BaseException:
@@ -207,6 +221,9 @@ class StagingRuntime:
                  self.server.address if self.server else "this process", device)
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close(0.5)
+            self.local = None
         if self.server is not None:
             self.server.stop(0.5)
             self.server = None
@@ -253,4 +270,5 @@ def serve_metrics(port: int) -> None:
 
 __all__ = ["instance_name", "runtime_dir", "ProducerRuntime", "producer_runtime", "producer_endpoint",
            "close_producer", "StagingRuntime", "staging_runtime", "close_staging", "staging_address",
+           "staging_local_path",
            "serve_metrics"]
