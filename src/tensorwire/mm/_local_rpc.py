@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import socket
 import struct
 import threading
@@ -48,17 +47,15 @@ from tensorwire import _unix
 from tensorwire.errors import DeadlineExceeded, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._unix_server import HELLO_OK, Conn, UnixConnServer
 
 log = logging.getLogger(__name__)
 
 HELLO_MAGIC = b"TWR1"
-HELLO_OK, HELLO_FULL = 0, 1
 ANSWER_OK, ANSWER_ERROR = 0, 1
 REQUEST_HEAD = struct.Struct("<IB")
 MAX_REQUEST_BYTES = 1 << 20  # Lookup/Release of MAX_GRANTS_PER_CALL grants fit well under this
 REQUEST_DEADLINE_S = 2.0  # a request without a deadline gets the gRPC servers' own request deadline
-_JOIN_S = 5.0
 _THREAD = "tensorwire-local-rpc"
 
 Handler = Callable[[bytes, Any], bytes]
@@ -104,20 +101,13 @@ class _Context:
         raise _Abort(code, details, self._reason)
 
 
-class _Conn:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.lock = threading.Lock()
-        self.busy = False
-        self.thread: threading.Thread | None = None
-
-
-class LocalRpcServer:
+class LocalRpcServer(UnixConnServer):
     """Serves ``methods`` (name -> raw-bytes handler) on a Unix socket in ``directory`` (at ``path`` when given,
     which must be in it; else a fresh name); see the module doc. A request's deadline is the caller's, at most
     ``max_deadline_s``.
 
-    ``on_event(kind)`` counts connections: ``opened``, ``refused_uid``, ``refused_full``, ``bad_frame``.
+    ``on_event(kind)`` counts connections: ``opened``, ``ended``, ``refused_uid``, ``refused_full``,
+    ``bad_frame``.
     """
 
     def __init__(self, name: str, methods: Mapping[str, Handler], directory: str, *, path: str = "",
@@ -125,105 +115,41 @@ class LocalRpcServer:
                  max_deadline_s: float = REQUEST_DEADLINE_S,
                  on_event: Callable[[str], None] | None = None) -> None:
         self._methods = dict(methods)
-        self._max_conns = max_conns
         self._max_request = max_request_bytes
         self._max_deadline_s = max_deadline_s
-        self._on_event = on_event or (lambda _kind: None)
-        self.directory = _unix.ensure_private_dir(directory)
-        self.path = path or os.path.join(self.directory, f"{name}-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        self.host_token = _unix.host_token()
-        self._listener = _unix.listen(self.path)
-        self._lock = threading.Lock()
-        self._conns: set[_Conn] = set()
-        self._stopping = False
-        self._rl = RateLimitedLog(log)
-        self._acceptor = threading.Thread(target=self._accept_loop, name=_THREAD + "-accept", daemon=True)
-        self._acceptor.start()
+        self._event = on_event or (lambda _kind: None)
+        super().__init__(directory, prefix=name, magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
+                         path=path, on_event=self._event)
 
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
-
-    def info_for(self, request: pb.LocalChannelRequest) -> pb.LocalChannelInfo:
-        """The path for a client on this host (its token is ours), else an empty answer."""
-        if self._stopping or not self.host_token or request.host_token != self.host_token:
-            return pb.LocalChannelInfo()
-        return pb.LocalChannelInfo(path=self.path, host_token=self.host_token)
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # shut down by stop_accepting()
-            try:
-                self._admit(sock)
-            except OSError as exc:
-                sock.close()
-                self._rl.log(logging.INFO, "accept", "local rpc connection failed at accept: %s", exc)
-
-    def _admit(self, sock: socket.socket) -> None:
-        pid, uid = _unix.peer_uid(sock)
-        if uid != os.geteuid():
-            sock.close()
-            self._on_event("refused_uid")
-            self._rl.log(logging.WARNING, "uid", "refused a local rpc connection from pid %d running as uid %d (we "
-                         "run as uid %d; SO_PEERCRED)", pid, uid, os.geteuid())
-            return
-        conn = _Conn(sock)
-        with self._lock:
-            full = self._stopping or len(self._conns) >= self._max_conns
-            if not full:
-                self._conns.add(conn)
-        if full:
-            self._on_event("refused_full")
-            try:
-                _unix.send_frame(sock, HELLO_MAGIC + bytes((HELLO_FULL,)), time.monotonic() + 1.0)
-            finally:
-                sock.close()
-            return
-        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=_THREAD, daemon=True)
-        conn.thread.start()
-
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Conn) -> None:
         sock = conn.sock
-        self._on_event("opened")
-        try:
-            _unix.send_frame(sock, HELLO_MAGIC + bytes((HELLO_OK,)), time.monotonic() + 5.0)
-            while not self._stopping:
+        while not self.stopping:
+            try:
                 raw = _unix.recv_frame(sock, None, self._max_request)
-                if raw is None:
+            except ValueError as exc:  # a frame over the limit: not read
+                self._event("bad_frame")
+                self._rl.log(logging.WARNING, "frame", "local rpc: %s; ending the connection", exc)
+                return
+            if raw is None:
+                return
+            conn.set_busy(True)
+            try:
+                answer = self._answer(sock, raw)
+                if answer is None:
                     return
-                with conn.lock:
-                    conn.busy = True
-                try:
-                    answer = self._answer(sock, raw)
-                    if answer is None:
-                        return
-                    _unix.send_frame(sock, answer, time.monotonic() + REQUEST_DEADLINE_S)
-                finally:
-                    with conn.lock:
-                        conn.busy = False
-        except ValueError as exc:  # a frame over the limit
-            self._on_event("bad_frame")
-            self._rl.log(logging.WARNING, "frame", "local rpc: %s; ending the connection", exc)
-        except OSError:
-            return  # the client went away, or stop shut the connection down
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            sock.close()
+                _unix.send_frame(sock, answer, time.monotonic() + REQUEST_DEADLINE_S)
+            finally:
+                conn.set_busy(False)
 
     def _answer(self, sock: socket.socket, raw: bytearray) -> list[bytes | memoryview] | None:
         """The answer frame's pieces, or None when the request frame is malformed (the connection ends)."""
         view = memoryview(raw)
         if len(view) < REQUEST_HEAD.size:
-            self._on_event("bad_frame")
+            self._event("bad_frame")
             return None
         deadline_ms, n = REQUEST_HEAD.unpack_from(view)
         if len(view) < REQUEST_HEAD.size + n:
-            self._on_event("bad_frame")
+            self._event("bad_frame")
             return None
         method = bytes(view[REQUEST_HEAD.size:REQUEST_HEAD.size + n]).decode("ascii", "replace")
         body = bytes(view[REQUEST_HEAD.size + n:])
@@ -239,49 +165,6 @@ class LocalRpcServer:
         except Exception as exc:  # what gRPC would turn into a status: the same table
             err = wire.stream_error_for(exc)
         return [bytes((ANSWER_ERROR,)), err.SerializeToString()]
-
-    def stop_accepting(self) -> None:
-        """The listener goes (its file first: new clients use gRPC), idle connections end now, busy ones after
-        their answer. Never waits. Idempotent."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            conns = list(self._conns)
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        _shutdown(self._listener)
-        self._listener.close()
-        for conn in conns:
-            with conn.lock:
-                if not conn.busy:
-                    _shutdown(conn.sock)
-
-    def close(self, grace_s: float = 0.5) -> None:
-        """``stop_accepting``, up to ``grace_s`` for busy connections to answer, then cuts the rest and joins
-        every thread. Idempotent."""
-        self.stop_accepting()
-        with self._lock:
-            conns = list(self._conns)
-        deadline = time.monotonic() + grace_s
-        for conn in conns:
-            if conn.thread is not None:
-                conn.thread.join(max(0.0, deadline - time.monotonic()))
-        for conn in conns:
-            _shutdown(conn.sock)
-        for conn in conns:
-            if conn.thread is not None:
-                conn.thread.join(_JOIN_S)
-        self._acceptor.join(_JOIN_S)
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 # -- client ---------------------------------------------------------------------------------------------------

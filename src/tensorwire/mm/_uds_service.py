@@ -28,10 +28,6 @@ left and joins every thread.
 from __future__ import annotations
 
 import logging
-import os
-import secrets
-import socket
-import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -41,7 +37,7 @@ from tensorwire import _unix
 from tensorwire.mm import wire
 from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
+from tensorwire.mm._unix_server import HELLO_FULL, HELLO_OK, Conn, UnixConnServer
 from tensorwire.mm._wire_receipt import WireReceipt
 
 if TYPE_CHECKING:
@@ -50,123 +46,46 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HELLO_MAGIC = b"TWL1"
-HELLO_OK, HELLO_FULL = 0, 1
 _THREAD = "tensorwire-mm-local"
-_JOIN_S = 5.0  # a cut connection's thread unwinds at once; this only bounds a bug
 
 
-class _Conn:
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.lock = threading.Lock()
-        self.busy = False
-        self.thread: threading.Thread | None = None
-
-
-class LocalControlServer:
+class LocalControlServer(UnixConnServer):
     """The listening socket and its connection threads; ``path`` is what clients are told. See the module doc."""
 
     def __init__(self, service: EncoderService, directory: str, max_conns: int) -> None:
         self._service = service
-        self._max_conns = max_conns
-        self.directory = _unix.ensure_private_dir(directory)
-        self.path = os.path.join(self.directory, f"mm-{os.getpid()}-{secrets.token_hex(4)}.sock")
-        self.host_token = _unix.host_token()
-        self._listener = _unix.listen(self.path)
-        self._lock = threading.Lock()
-        self._conns: set[_Conn] = set()
-        self._stopping = False
-        self._rl = RateLimitedLog(log)
         self._metrics = service.transport.metrics
-        self._acceptor = threading.Thread(target=self._accept_loop, name=_THREAD + "-accept", daemon=True)
-        self._acceptor.start()
+        super().__init__(directory, prefix="mm", magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
+                         on_event=self._count)
 
-    @property
-    def open_connections(self) -> int:
-        with self._lock:
-            return len(self._conns)
-
-    def info_for(self, request: pb.LocalChannelRequest) -> pb.LocalChannelInfo:
-        """The path for a client on this host (its token is ours), else an empty answer."""
-        if self._stopping or not self.host_token or request.host_token != self.host_token:
-            return pb.LocalChannelInfo()
-        return pb.LocalChannelInfo(path=self.path, host_token=self.host_token)
-
-    # -- accept -------------------------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # shut down by close()
-            try:
-                self._admit(sock)
-            except OSError as exc:
-                sock.close()
-                self._rl.log(logging.INFO, "accept", "local control connection failed at accept: %s", exc)
-
-    def _admit(self, sock: socket.socket) -> None:
-        pid, uid = _unix.peer_uid(sock)
-        if uid != os.geteuid():
-            sock.close()
-            self._metrics.control_streams.labels("encoder", "local_refused_uid").inc()
-            self._rl.log(logging.WARNING, "uid", "refused a local control connection from pid %d running as uid "
-                         "%d (we run as uid %d; SO_PEERCRED)", pid, uid, os.geteuid())
-            return
-        conn = _Conn(sock)
-        with self._lock:
-            full = self._stopping or len(self._conns) >= self._max_conns
-            if not full:
-                self._conns.add(conn)
-        if full:
-            self._metrics.control_streams.labels("encoder", "local_refused").inc()
-            try:
-                _unix.send_frame(sock, HELLO_MAGIC + bytes((HELLO_FULL,)), time.monotonic() + 1.0)
-            finally:
-                sock.close()
-            return
-        conn.thread = threading.Thread(target=self._serve, args=(conn,), name=_THREAD, daemon=True)
-        conn.thread.start()
+    def _count(self, kind: str) -> None:
+        self._metrics.control_streams.labels("encoder", _EVENT_LABELS[kind]).inc()
 
     # -- one connection -----------------------------------------------------------------------------------
 
-    def _serve(self, conn: _Conn) -> None:
-        metrics = self._metrics
-        metrics.control_streams.labels("encoder", "local_opened").inc()
-        sock = conn.sock
-        try:
-            _unix.send_frame(sock, HELLO_MAGIC + bytes((HELLO_OK,)), time.monotonic() + 5.0)
-            while not self._stopping:
-                raw = _unix.recv_frame(sock, None, wire.MAX_MESSAGE_BYTES)
-                if raw is None:
-                    return
-                try:
-                    msg = pb.StreamRequest.FromString(bytes(raw))
-                except DecodeError as exc:
-                    metrics.errors.labels("encoder", "invalid_request").inc()
-                    self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
-                                 "ending the connection", exc)
-                    return
-                kind = msg.WhichOneof("body")
-                if kind == "release":
-                    self._service.release_unanswered(msg.release)
-                    continue
-                if not self._answer(conn, msg, kind):
-                    return
-        except OSError:
-            return  # the client went away, or close() shut the connection down
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-            sock.close()
-            metrics.control_streams.labels("encoder", "local_ended").inc()
+    def _serve(self, conn: Conn) -> None:
+        while not self.stopping:
+            raw = _unix.recv_frame(conn.sock, None, wire.MAX_MESSAGE_BYTES)
+            if raw is None:
+                return
+            try:
+                msg = pb.StreamRequest.FromString(bytes(raw))
+            except DecodeError as exc:
+                self._metrics.errors.labels("encoder", "invalid_request").inc()
+                self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
+                             "ending the connection", exc)
+                return
+            kind = msg.WhichOneof("body")
+            if kind == "release":
+                self._service.release_unanswered(msg.release)
+                continue
+            if not self._answer(conn, msg, kind):
+                return
 
-    def _answer(self, conn: _Conn, msg: pb.StreamRequest, kind: str | None) -> bool:
+    def _answer(self, conn: Conn, msg: pb.StreamRequest, kind: str | None) -> bool:
         """Runs one Encode and sends its answer; False when the connection is done."""
         sock = conn.sock
-        with conn.lock:
-            conn.busy = True
+        conn.set_busy(True)
         try:
             receipt: WireReceipt | None = None
             data: bytes | list[Buffer]
@@ -199,56 +118,11 @@ class LocalControlServer:
                 return False
             return True
         finally:
-            with conn.lock:
-                conn.busy = False
-
-    # -- stop ---------------------------------------------------------------------------------------------
-
-    def stop_accepting(self) -> None:
-        """The listener goes (its file first: new clients use gRPC), idle connections end now, busy ones after
-        their answer. Never waits. Idempotent."""
-        with self._lock:
-            if self._stopping:
-                return
-            self._stopping = True
-            conns = list(self._conns)
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        except OSError:
-            pass
-        self._listener.close()
-        for conn in conns:
-            with conn.lock:
-                if not conn.busy:
-                    _shutdown(conn.sock)  # wakes the thread waiting for the next request
-
-    def close(self, grace_s: float | None = 0.0) -> None:
-        """``stop_accepting``, then up to ``grace_s`` (None: no limit) for busy connections to answer; what is
-        left is cut (its clients get PeerUnavailable) and every thread is joined. Idempotent."""
-        self.stop_accepting()
-        with self._lock:
-            conns = list(self._conns)
-        deadline = None if grace_s is None else time.monotonic() + grace_s
-        for conn in conns:
-            if conn.thread is not None:
-                conn.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        for conn in conns:
-            _shutdown(conn.sock)
-        for conn in conns:
-            if conn.thread is not None:
-                conn.thread.join(_JOIN_S)
-        self._acceptor.join(_JOIN_S)
+            conn.set_busy(False)
 
 
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
+_EVENT_LABELS = {"refused_uid": "local_refused_uid", "refused_full": "local_refused", "opened": "local_opened",
+                 "ended": "local_ended"}
 
 
 def start_local_server(service: EncoderService, directory: str, max_conns: int) -> LocalControlServer | None:
