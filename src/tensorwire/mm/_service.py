@@ -184,8 +184,10 @@ class EncoderService:
         plane = "rdma" if receipt.message.rdma_slots else "inline"
         metrics.child(metrics.encoder_request_seconds, plane).observe(time.perf_counter() - t0)
         if receipt.message.rdma_slots and not is_active():
-            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
+            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these. Counted
+            # as the check before the export counts it (the caller may close its stream only after that check).
             released = self.transport.discard(receipt)
+            metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()
             log.info("caller went away after export; released %d lease(s) at once", released)
         return receipt
 
@@ -307,6 +309,7 @@ class EncoderService:
         receipt = stream.take_unsent()
         if receipt is not None:
             released = self.transport.discard(receipt)
+            self.transport.metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()  # as run_encode counts it
             log.info("EncodeStream ended while its receipt was being sent; released %d lease(s) at once", released)
 
     def quiesce(self) -> None:

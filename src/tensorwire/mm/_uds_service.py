@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 
 from tensorwire import _unix
+from tensorwire.errors import Reason
 from tensorwire.mm import wire
 from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
@@ -113,6 +114,7 @@ class LocalControlServer(UnixConnServer):
             except OSError:
                 if receipt is not None and receipt.message.rdma_slots:
                     released = self._service.transport.discard(receipt)
+                    self._metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()  # as run_encode counts it
                     log.info("local control connection ended while its receipt was being sent; released %d "
                              "lease(s) at once", released)
                 return False
