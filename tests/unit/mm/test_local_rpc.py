@@ -366,3 +366,24 @@ def test_a_ranks_socket_sits_next_to_its_grpc_socket() -> None:
     from tensorwire.integrations._vllm_ec.runtime import staging_local_path
 
     assert staging_local_path("unix:/run/tw/e-dp0-tp1.sock") == "/run/tw/e-dp0-tp1.local.sock"
+
+
+def test_a_rank_without_its_socket_still_serves_staging_over_grpc(tmp_path: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tensorwire.integrations._vllm_ec import runtime
+    from tensorwire.integrations._vllm_ec.config import ECConfig
+
+    def refuses(path: str, area: Any) -> Any:
+        raise _unix.InsecurePath(f"{path}: refused for the test")
+
+    monkeypatch.setattr(runtime, "serve_staging_local", refuses)
+    cfg = ECConfig(runtime_dir=str(tmp_path / "rt"), rdma_provider="none")
+    rt = runtime.StagingRuntime(cfg, "t-dp0", 0, "cpu", serve=True)
+    try:
+        assert rt.local is None and rt.server is not None  # the optional socket failed; the rank still serves
+        from tensorwire.mm._store_rpc import StagingClient
+
+        with StagingClient(rt.server.address, local_path=runtime.staging_local_path(rt.server.address)) as c:
+            assert c.drop(["nothing"], timeout_s=5.0) == 0  # no socket file: straight to gRPC
+    finally:
+        rt.close()

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tensorwire._unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.mm._local_rpc import LocalRpcServer
@@ -210,8 +211,12 @@ class StagingRuntime:
                     self._socket.unlink()  # a dead instance's socket under the same name
                 self.server = serve_store(address, staging=self.area, threads=max(4, cfg.fetch_threads))
                 # Stage/Drop without gRPC's thread hand-offs (the scheduler's RemoteStager tries it first; a
-                # stale file of a dead instance is replaced by _unix.listen).
-                self.local = serve_staging_local(staging_local_path(address), self.area)
+                # stale file of a dead instance is replaced by _unix.listen). Optional: without it, gRPC serves.
+                try:
+                    self.local = serve_staging_local(staging_local_path(address), self.area)
+                except (OSError, InsecurePath) as exc:
+                    log.warning("tensorwire EC consumer %s rank %d: no same-host staging socket (%s); the scheduler "
+                                "uses the gRPC socket", name, rank, exc)
             # The NIXL agent takes a fraction of a second to build: do it now, not in the first fetch.
             threading.Thread(target=self.area.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
         except BaseException:
