@@ -33,7 +33,6 @@ gone, broken frame); ``sent`` says whether the request may have run. Every metho
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import threading
@@ -47,7 +46,7 @@ from tensorwire import _unix
 from tensorwire.errors import DeadlineExceeded, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._unix_server import HELLO_OK, Conn, UnixConnServer
+from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, Conn, UnixConnServer, connect
 
 log = logging.getLogger(__name__)
 
@@ -246,28 +245,9 @@ class LocalRpcClient:
 
     def _open(self, timeout_s: float) -> socket.socket:
         try:
-            _unix.check_socket_path(self.path)
-        except (OSError, _unix.InsecurePath) as exc:
+            return connect(self.path, HELLO_MAGIC, timeout_s)
+        except (ChannelGone, ChannelBusy) as exc:
             raise LocalUnavailable(str(exc), sent=False) from exc
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(timeout_s)
-            sock.connect(self.path)
-            pid, uid = _unix.peer_uid(sock)
-            if uid != os.geteuid():
-                raise LocalUnavailable(f"{self.path} is served by pid {pid} running as uid {uid}, not us", sent=False)
-            hello = _unix.recv_frame(sock, time.monotonic() + timeout_s, 64)
-            if hello is None or len(hello) != 5 or hello[:4] != HELLO_MAGIC:
-                raise LocalUnavailable(f"{self.path} did not say hello", sent=False)
-            if hello[4] != HELLO_OK:
-                raise LocalUnavailable(f"{self.path} is full (it has its connections open)", sent=False)
-        except LocalUnavailable:
-            sock.close()
-            raise
-        except (OSError, ValueError) as exc:
-            sock.close()
-            raise LocalUnavailable(f"connect to {self.path}: {exc}", sent=False) from exc
-        return sock
 
 
 def local_channel_request() -> pb.LocalChannelRequest:

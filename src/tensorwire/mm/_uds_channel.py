@@ -34,9 +34,7 @@ release queue) go over gRPC's ReleaseLeases.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import socket
 import threading
 import time
@@ -50,14 +48,14 @@ from tensorwire.mm._grpc_channel import GrpcControlChannel
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._uds_service import HELLO_MAGIC, HELLO_OK
+from tensorwire.mm._uds_service import HELLO_MAGIC
+from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, connect
 from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
 
 log = logging.getLogger(__name__)
 
 PATH_LABEL = "local"
 _TRANSIENT_RETRY_S = 1.0  # discovery that found no endpoint (not up yet, restarting) is retried this soon
-_GONE_ERRNOS = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.EPERM)
 
 
 class _NotSent(Exception):
@@ -81,33 +79,11 @@ class _Conn:
         """Connects, checks the listener's uid and reads its hello. ``_Unusable``: the channel is not there or not
         ours; ``_NotSent``: it is, but will not take this connection now (full, slow)."""
         try:
-            _unix.check_socket_path(path)
-        except (OSError, _unix.InsecurePath) as exc:
+            sock = connect(path, HELLO_MAGIC, timeout_s)
+        except ChannelGone as exc:
             raise _Unusable(str(exc)) from exc
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            deadline = time.monotonic() + timeout_s
-            sock.settimeout(timeout_s)
-            try:
-                sock.connect(path)
-            except OSError as exc:
-                if exc.errno in _GONE_ERRNOS:
-                    raise _Unusable(f"connect to {path}: {exc}") from exc
-                raise _NotSent(f"connect to {path}: {exc}") from exc
-            pid, uid = _unix.peer_uid(sock)
-            if uid != os.geteuid():
-                raise _Unusable(f"{path} is served by pid {pid} running as uid {uid}, not us (uid {os.geteuid()})")
-            try:
-                hello = _unix.recv_frame(sock, deadline, 64)
-            except (OSError, ValueError) as exc:
-                raise _NotSent(f"no hello from {path}: {exc}") from exc
-            if hello is None or len(hello) != 5 or hello[:4] != HELLO_MAGIC:
-                raise _NotSent(f"{path} did not say hello")
-            if hello[4] != HELLO_OK:
-                raise _NotSent(f"{path} refused the connection (it has its local_channel_conns open)")
-        except BaseException:
-            sock.close()
-            raise
+        except ChannelBusy as exc:
+            raise _NotSent(str(exc)) from exc
         return cls(sock)
 
     def usable(self) -> bool:

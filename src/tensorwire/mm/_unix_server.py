@@ -13,10 +13,14 @@ connections are shut down at once, a busy one finishes its answer and then ends.
 the grace for those answers, cuts what is left and joins every thread.
 
 ``on_event(kind)``: ``refused_uid``, ``refused_full``, ``opened``, ``ended`` (for the owner's metrics).
+
+Client side, :func:`connect`: the same checks from the other end (owner and mode of the advertised path, the
+listener's SO_PEERCRED uid) and the hello, for both clients.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -32,6 +36,8 @@ from tensorwire.mm._ratelog import RateLimitedLog
 log = logging.getLogger(__name__)
 
 HELLO_OK, HELLO_FULL = 0, 1
+# connect() errors that mean "no channel here" (gone, not listening, not reachable for us), not "busy now".
+_GONE_ERRNOS = (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTDIR, errno.EACCES, errno.EPERM)
 _JOIN_S = 5.0  # a cut connection's thread unwinds at once; this only bounds a bug
 
 
@@ -181,6 +187,50 @@ class UnixConnServer:
         self._acceptor.join(_JOIN_S)
 
 
+class ChannelGone(Exception):
+    """The advertised socket is not there or not ours (fails a check, another uid listens)."""
+
+
+class ChannelBusy(Exception):
+    """The socket is there and ours but takes no connection now (connect failed otherwise, no hello, full)."""
+
+
+def connect(path: str, magic: bytes, timeout_s: float) -> socket.socket:
+    """A connection to a :class:`UnixConnServer` at ``path`` that said hello with ``magic`` and ``HELLO_OK``.
+    Checks first that ``path`` is a socket of ours in a private directory (``_unix.check_socket_path``), then
+    that the listener's SO_PEERCRED uid is ours: nothing is sent to anyone else. ``ChannelGone`` or
+    ``ChannelBusy``; nothing of the caller's was written in either case."""
+    try:
+        _unix.check_socket_path(path)
+    except (OSError, _unix.InsecurePath) as exc:
+        raise ChannelGone(str(exc)) from exc
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        deadline = time.monotonic() + timeout_s
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            if exc.errno in _GONE_ERRNOS:
+                raise ChannelGone(f"connect to {path}: {exc}") from exc
+            raise ChannelBusy(f"connect to {path}: {exc}") from exc
+        pid, uid = _unix.peer_uid(sock)
+        if uid != os.geteuid():
+            raise ChannelGone(f"{path} is served by pid {pid} running as uid {uid}, not us (uid {os.geteuid()})")
+        try:
+            hello = _unix.recv_frame(sock, deadline, 64)
+        except (OSError, ValueError) as exc:
+            raise ChannelBusy(f"no hello from {path}: {exc}") from exc
+        if hello is None or len(hello) != len(magic) + 1 or hello[:len(magic)] != magic:
+            raise ChannelBusy(f"{path} did not say hello")
+        if hello[-1] != HELLO_OK:
+            raise ChannelBusy(f"{path} refused the connection: it is full (its connection cap is reached)")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def shutdown(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -188,4 +238,4 @@ def shutdown(sock: socket.socket) -> None:
         pass
 
 
-__all__ = ["Conn", "HELLO_FULL", "HELLO_OK", "UnixConnServer", "shutdown"]
+__all__ = ["ChannelBusy", "ChannelGone", "Conn", "HELLO_FULL", "HELLO_OK", "UnixConnServer", "connect", "shutdown"]
