@@ -317,6 +317,9 @@ class _Client:
             raw = call(request.SerializeToString(), timeout=timeout_s)
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, f"{what} on {self.address}") from exc
+        return self._parse_answer(response, raw, what)
+
+    def _parse_answer(self, response: Any, raw: bytes, what: str) -> Any:
         try:
             return response.FromString(raw)
         except DecodeError as exc:
@@ -340,15 +343,11 @@ class _Client:
             except LocalUnavailable as exc:
                 self._local_failed(local)
                 self._on_call(name, "local_fallback")
-                log.info("held-outputs store %s: %s; this call and the next go over gRPC", self.address, exc)
+                log.info("%s %s: %s; this call and the next go over gRPC", type(self).__name__, self.address, exc)
                 timeout_s -= time.monotonic() - start
             else:
                 self._on_call(name, "local")
-                try:
-                    return response.FromString(raw)
-                except DecodeError as exc:
-                    raise ProtocolError(f"{name} on {self.address}: the answer does not parse: {exc}",
-                                        reason=Reason.PROTOCOL_ERROR) from exc
+                return self._parse_answer(response, raw, name)
         out = self._call(method, request, response, timeout_s, name)
         self._on_call(name, "grpc")
         return out
@@ -495,8 +494,8 @@ class StagingClient(_Client):
 
     ``local_path``: the reader process's same-host socket (``serve_staging_local``); Stage and Drop go there,
     gRPC (``address``) is the fallback for a call that gets no answer on it (Stage is idempotent: a second one
-    replaces the first under its key). The socket is tried again on every call: a worker that restarted
-    serves it again at the same path.
+    replaces the first under its key). After such a call the next one goes over gRPC and the one after tries
+    the socket again: a worker that restarted serves it again at the same path.
     """
 
     def __init__(self, address: str, tls: TlsConfig | None = None, *, local_path: str = "",
