@@ -184,12 +184,17 @@ class EncoderService:
         plane = "rdma" if receipt.message.rdma_slots else "inline"
         metrics.child(metrics.encoder_request_seconds, plane).observe(time.perf_counter() - t0)
         if receipt.message.rdma_slots and not is_active():
-            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these. Counted
-            # as the check before the export counts it (the caller may close its stream only after that check).
-            released = self.transport.discard(receipt)
-            metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()
-            log.info("caller went away after export; released %d lease(s) at once", released)
+            # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.
+            self.discard_for_gone_caller(receipt, "after export")
         return receipt
+
+    def discard_for_gone_caller(self, receipt: WireReceipt, when: str) -> None:
+        """Releases the leases of a receipt its caller will never read (it went away ``when``: after the export,
+        while the answer was being sent) and counts the dropped work as the check before the export counts it
+        (``errors{encoder,cancelled}``): the caller may close its stream only after that check."""
+        released = self.transport.discard(receipt)
+        self.transport.metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()
+        log.info("caller went away %s; released %d lease(s) at once", when, released)
 
     def _check_limits(self, request: pb.EncodeRequest) -> None:
         limits = self.transport.config.limits
@@ -308,9 +313,7 @@ class EncoderService:
     def _discard_unsent(self, stream: _OpenStream) -> None:
         receipt = stream.take_unsent()
         if receipt is not None:
-            released = self.transport.discard(receipt)
-            self.transport.metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()  # as run_encode counts it
-            log.info("EncodeStream ended while its receipt was being sent; released %d lease(s) at once", released)
+            self.discard_for_gone_caller(receipt, "while its EncodeStream answer was being sent")
 
     def quiesce(self) -> None:
         """Refuses every later Encode and EncodeStream (UNAVAILABLE); open streams still carry releases."""

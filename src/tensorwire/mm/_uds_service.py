@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import DecodeError
 
 from tensorwire import _unix
-from tensorwire.errors import Reason
 from tensorwire.mm import wire
 from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
@@ -113,10 +112,7 @@ class LocalControlServer(UnixConnServer):
                 _unix.send_frame(sock, data, None)
             except OSError:
                 if receipt is not None and receipt.message.rdma_slots:
-                    released = self._service.transport.discard(receipt)
-                    self._metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()  # as run_encode counts it
-                    log.info("local control connection ended while its receipt was being sent; released %d "
-                             "lease(s) at once", released)
+                    self._service.discard_for_gone_caller(receipt, "while its local-channel answer was being sent")
                 return False
             return True
         finally:

@@ -87,8 +87,8 @@ class RemoteStager:
 
     def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0, local_path: str = "",
                  metrics: ECMetrics | None = None) -> None:
-        on_call = None if metrics is None else (lambda m, ch: metrics.control_calls.labels(m, ch).inc())
-        self.client = StagingClient(address, local_path=local_path, on_call=on_call)
+        self.client = StagingClient(address, local_path=local_path,
+                                    on_call=None if metrics is None else metrics.count_control_call)
         self.name = name
         self._drop_timeout_s = drop_timeout_s
 
@@ -241,7 +241,7 @@ class Fetcher:
             if c is None:
                 c = self._clients[endpoint] = HeldStoreClient(
                     endpoint, tls=self._cfg.tls, local_channel=self._cfg.local_channel != "off",
-                    on_call=lambda method, channel: self._metrics.control_calls.labels(method, channel).inc())
+                    on_call=self._metrics.count_control_call)
             return c
 
     def _remaining_ms(self, deadline: float) -> int:

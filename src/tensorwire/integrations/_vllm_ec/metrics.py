@@ -59,9 +59,9 @@ class ECMetrics:
                                 "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: "
                                 "the encoder no longer held it)", ["outcome"], registry=reg)
         self.control_calls = Counter("tensorwire_vllm_ec_control_calls_total",
-                                     "Lookup/Release calls to encoder instances by channel (local: the same-host "
-                                     "socket; grpc; local_fallback: the socket gave no answer, retried over gRPC)",
-                                     ["method", "channel"], registry=reg)
+                                     "Lookup/Release calls to encoder instances and Stage/Drop calls to the ranks, "
+                                     "by channel (local: the same-host socket; grpc; local_fallback: the socket "
+                                     "gave no answer, retried over gRPC)", ["method", "channel"], registry=reg)
         self.held_requests = Gauge("tensorwire_vllm_ec_waiting_requests",
                                    "Requests held back while their items are fetched", registry=reg,
                                    multiprocess_mode="livesum")
@@ -70,6 +70,10 @@ class ECMetrics:
         self.place_misses = Counter("tensorwire_vllm_ec_place_misses_total",
                                     "Items announced to a worker that it did not hold (a bug: vLLM then fails "
                                     "with an encoder cache miss)", registry=reg)
+
+    def count_control_call(self, method: str, channel: str) -> None:
+        """The ``on_call`` hook of the store and staging clients."""
+        self.control_calls.labels(method, channel).inc()
 
 
 _lock = threading.Lock()
