@@ -14,6 +14,7 @@ into tensorwire errors, as ``mm`` does with ``grpc.RpcError``.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -29,6 +30,8 @@ _GONE = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 Buffer = bytes | bytearray | memoryview
 
+log = logging.getLogger(__name__)
+
 
 class InsecurePath(Exception):
     """A directory or socket that fails the owner/mode checks (the message says which and why)."""
@@ -43,12 +46,36 @@ def host_token() -> str:
         return ""
 
 
-def default_runtime_dir() -> str:
-    """``$XDG_RUNTIME_DIR/tensorwire`` when that exists (a per-user tmpfs), else ``$TMPDIR`` (or /tmp)
-    ``/tensorwire-<uid>``, the broadcaster's default directory too."""
+def xdg_runtime_dir(uid: int | None = None) -> tuple[str | None, str]:
+    """``($XDG_RUNTIME_DIR, "")`` when it is usable: an absolute path to a real directory (not a symlink) of
+    ``uid`` (default: our effective uid) that nobody else may write; else ``(None, why)`` (``why`` is "" when the
+    variable is not set). Another user's or a group-writable runtime directory is ignored rather than trusted:
+    whoever may write to it may rename our subdirectory away and plant their own."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
+    if not xdg:
+        return None, ""
+    uid = os.geteuid() if uid is None else uid
+    try:
+        st = os.lstat(xdg)
+    except OSError as exc:
+        return None, str(exc)
+    if not os.path.isabs(xdg) or not stat.S_ISDIR(st.st_mode):
+        return None, "not an absolute path to a directory"
+    if st.st_uid != uid:
+        return None, f"owned by uid {st.st_uid}, not by us (uid {uid})"
+    if st.st_mode & 0o022:
+        return None, f"group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
+    return xdg, ""
+
+
+def default_runtime_dir() -> str:
+    """``$XDG_RUNTIME_DIR/tensorwire`` when :func:`xdg_runtime_dir` accepts it (a per-user tmpfs), else
+    ``$TMPDIR`` (or /tmp) ``/tensorwire-<uid>``, the broadcaster's default directory too."""
+    xdg, why = xdg_runtime_dir()
+    if xdg is not None:
         return os.path.join(xdg, "tensorwire")
+    if why:
+        log.warning("ignoring XDG_RUNTIME_DIR=%s for the same-host socket: %s", os.environ.get("XDG_RUNTIME_DIR"), why)
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{os.geteuid()}")
 
 
@@ -198,4 +225,4 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> b
 
 __all__ = ["FRAME_HEADER", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
            "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen", "peer_uid",
-           "recv_frame", "send_frame"]
+           "recv_frame", "send_frame", "xdg_runtime_dir"]

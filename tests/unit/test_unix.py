@@ -118,3 +118,34 @@ def test_host_token_is_the_boot_id_and_stable() -> None:
     assert token == _unix.host_token()
     if os.path.exists("/proc/sys/kernel/random/boot_id"):
         assert len(token) == 36
+
+
+@pytest.mark.parametrize("problem", ["group-writable", "world-writable", "missing", "file", "symlink", "relative"])
+def test_default_runtime_dir_ignores_an_unusable_xdg_runtime_dir(monkeypatch, tmp_path: Path, problem: str) -> None:
+    """Another user's or a writable-by-others XDG_RUNTIME_DIR is not trusted: the same-host socket's directory is
+    then the TMPDIR one, as the broadcaster's is."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    fallback = os.path.join(str(tmp_path / "tmp"), f"tensorwire-{os.geteuid()}")
+    xdg = tmp_path / "xdg"
+    if problem in ("group-writable", "world-writable"):
+        xdg.mkdir()
+        os.chmod(xdg, 0o770 if problem == "group-writable" else 0o707)
+    elif problem == "file":
+        xdg.write_text("")
+    elif problem == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        xdg.symlink_to(tmp_path / "real")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", "relative/dir" if problem == "relative" else str(xdg))
+    assert _unix.default_runtime_dir() == fallback
+    assert _unix.xdg_runtime_dir()[0] is None and _unix.xdg_runtime_dir()[1]
+
+
+def test_default_runtime_dir_uses_a_private_xdg_runtime_dir_and_not_someone_elses(monkeypatch, tmp_path: Path) -> None:
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert _unix.default_runtime_dir() == os.path.join(str(xdg), "tensorwire")
+    assert _unix.xdg_runtime_dir(uid=os.geteuid() + 1) == (None, f"owned by uid {os.geteuid()}, not by us "
+                                                                 f"(uid {os.geteuid() + 1})")
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    assert _unix.xdg_runtime_dir() == (None, "")

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import socket
-import stat
 from dataclasses import dataclass
 
 from tensorwire import _unix
@@ -47,25 +46,11 @@ def session_digest(session: str) -> bytes:
 
 
 def _xdg_runtime_dir() -> str | None:
-    """``$XDG_RUNTIME_DIR`` when it is usable: absolute, a real directory, ours, not group/world-writable."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if not xdg:
-        return None
-    problem = None
-    try:
-        st = os.lstat(xdg)
-    except OSError as exc:
-        problem = str(exc)
-    else:
-        if not os.path.isabs(xdg) or not stat.S_ISDIR(st.st_mode):
-            problem = "not an absolute path to a directory"
-        elif st.st_uid != effective_uid():
-            problem = f"owned by uid {st.st_uid}, not by us (uid {effective_uid()})"
-        elif st.st_mode & 0o022:
-            problem = f"group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})"
-    if problem is not None:
-        log.warning("ignoring XDG_RUNTIME_DIR=%s for the broadcaster socket: %s", xdg, problem)
-        return None
+    """``$XDG_RUNTIME_DIR`` when ``_unix.xdg_runtime_dir`` accepts it for us (else None, with a warning)."""
+    xdg, why = _unix.xdg_runtime_dir(effective_uid())
+    if why:
+        log.warning("ignoring XDG_RUNTIME_DIR=%s for the broadcaster socket: %s", os.environ.get("XDG_RUNTIME_DIR"),
+                    why)
     return xdg
 
 
