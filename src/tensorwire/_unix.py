@@ -14,6 +14,7 @@ into tensorwire errors, as ``mm`` does with ``grpc.RpcError``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
@@ -165,14 +166,31 @@ def is_quiet(sock: socket.socket) -> bool:
     return not p.poll(0)
 
 
-def _wait(sock: socket.socket, deadline: float | None) -> None:
-    if deadline is None:
+def _blocking(sock: socket.socket) -> None:
+    """Puts ``sock`` in blocking mode once (one ioctl); the frame functions then bound their waits themselves.
+
+    Why not ``settimeout(left)`` before every call: CPython's ``settimeout`` issues an ioctl each time, and a socket
+    with a timeout polls before every send and recv; a round trip paid ~6 of those syscalls more than it needs
+    (measured ~1 us each on these VMs). In blocking mode ``MSG_DONTWAIT`` makes one call non-blocking, and
+    ``_poll`` waits only when the call would block."""
+    if sock.gettimeout() is not None:
         sock.settimeout(None)
-        return
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError("deadline passed")
-    sock.settimeout(left)
+
+
+def _poll(sock: socket.socket, events: int, deadline: float) -> None:
+    """Waits until ``sock`` is ready for ``events`` (or hung up / failed: the next call says how), else
+    ``TimeoutError`` at ``deadline``."""
+    fd = sock.fileno()
+    if fd < 0:
+        raise OSError(errno.EBADF, "the socket is closed")
+    p = select.poll()
+    p.register(fd, events)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        if p.poll(left * 1000.0):  # milliseconds, rounded up
+            return
 
 
 def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None) -> None:
@@ -181,9 +199,18 @@ def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline
                                 ((payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload)]
     total = sum(len(p) for p in pieces)
     pieces.insert(0, memoryview(FRAME_HEADER.pack(total)))
+    _blocking(sock)
+    if deadline is not None and deadline <= time.monotonic():
+        raise TimeoutError("deadline passed")
     while pieces:
-        _wait(sock, deadline)
-        sent = sock.sendmsg(pieces[:512])  # IOV_MAX is 1024
+        if deadline is None:
+            sent = sock.sendmsg(pieces[:512])  # IOV_MAX is 1024
+        else:
+            try:
+                sent = sock.sendmsg(pieces[:512], (), socket.MSG_DONTWAIT)
+            except BlockingIOError:  # the socket buffer is full: wait for room
+                _poll(sock, select.POLLOUT, deadline)
+                continue
         while sent:
             n = len(pieces[0])
             if sent >= n:
@@ -196,12 +223,22 @@ def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline
             pieces.pop(0)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, started: bool) -> bool:
-    """Fills ``view``; False on a clean EOF before its first byte when ``started`` is False."""
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, started: bool,
+                expect_wait: bool = False) -> bool:
+    """Fills ``view``; False on a clean EOF before its first byte when ``started`` is False. ``expect_wait``:
+    the bytes are probably not there yet (an answer to a request just sent), so poll before the first read."""
     got = 0
+    if deadline is not None and expect_wait:
+        _poll(sock, select.POLLIN, deadline)
     while got < len(view):
-        _wait(sock, deadline)
-        n = sock.recv_into(view[got:])
+        if deadline is None:
+            n = sock.recv_into(view[got:])
+        else:
+            try:
+                n = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                _poll(sock, select.POLLIN, deadline)
+                continue
         if n == 0:
             if got == 0 and not started:
                 return False
@@ -212,8 +249,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, s
 
 def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> bytearray | None:
     """Reads one frame into fresh memory; None when the peer closed cleanly between frames."""
+    _blocking(sock)
+    if deadline is not None and deadline <= time.monotonic():
+        raise TimeoutError("deadline passed")
     head = bytearray(FRAME_HEADER.size)
-    if not _recv_exact(sock, memoryview(head), deadline, started=False):
+    if not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True):
         return None
     (n,) = FRAME_HEADER.unpack(head)
     if n > max_bytes:

@@ -47,6 +47,35 @@ def test_deadline_eof_and_limit_are_the_transport_errors() -> None:
     b.close()
 
 
+def test_a_send_to_a_peer_that_does_not_read_times_out_at_its_deadline() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):  # far over the socket buffer, nobody reads: waits for room until the deadline
+        _unix.send_frame(a, memoryview(bytes(64 << 20)), time.monotonic() + 0.3)
+    assert 0.29 <= time.monotonic() - t0 < 5.0
+    with pytest.raises(TimeoutError):  # a deadline already gone fails before anything is sent or read
+        _unix.send_frame(b, b"x", time.monotonic() - 1)
+    with pytest.raises(TimeoutError):
+        _unix.recv_frame(b, time.monotonic() - 1, 64)
+    a.close()
+    b.close()
+
+
+def test_frames_work_on_a_socket_someone_gave_a_timeout_and_leave_it_blocking() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    a.settimeout(0.0)  # non-blocking, as a caller might have left it
+    b.settimeout(5.0)
+    _unix.send_frame(a, b"ping", time.monotonic() + 5)
+    assert _unix.recv_frame(b, time.monotonic() + 5, 64) == b"ping"
+    assert a.gettimeout() is None and b.gettimeout() is None
+    a.close()
+    with pytest.raises(OSError):  # a closed socket is the transport's OSError, not a ValueError from poll
+        _unix.recv_frame(a, time.monotonic() + 1, 64)
+    with pytest.raises(OSError):
+        _unix.send_frame(a, b"x", time.monotonic() + 1)
+    b.close()
+
+
 def test_is_quiet_and_is_gone() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     assert _unix.is_quiet(a) and not _unix.is_gone(a)
