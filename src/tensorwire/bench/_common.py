@@ -16,12 +16,15 @@ RESULTS_DIR = Path(os.environ.get("TENSORWIRE_RESULTS_DIR", "benchmarks/results"
 
 
 def machine_info() -> dict[str, Any]:
-    """What ran the benchmark: host, CPU count, Python, torch and GPU (when there is one)."""
+    """What ran the benchmark: host, CPU count (and how many of them it may use), Python, torch and GPU (when there
+    is one)."""
     info: dict[str, Any] = {
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        # The CPUs this process may run on (fewer than cpu_count under taskset or a cgroup cpuset).
+        "cpus_usable": len(os.sched_getaffinity(0)),
         "python": platform.python_version(),
         "date_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
