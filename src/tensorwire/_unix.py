@@ -193,6 +193,17 @@ def _poll(sock: socket.socket, events: int, deadline: float) -> None:
             return
 
 
+def wait_readable(sock: socket.socket, deadline: float) -> bool:
+    """True once ``sock`` has bytes to read or the peer hung up (a read then says which); False at ``deadline``.
+    For a server waiting for a client's next request: an idle connection can be ended."""
+    _blocking(sock)
+    try:
+        _poll(sock, select.POLLIN, deadline)
+    except TimeoutError:
+        return False
+    return True
+
+
 def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None) -> None:
     """Writes one frame (header, then ``payload``: one buffer or pieces, sent without joining them)."""
     pieces: list[memoryview] = [memoryview(p).cast("B") for p in
@@ -265,4 +276,4 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> b
 
 __all__ = ["FRAME_HEADER", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
            "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen", "peer_uid",
-           "recv_frame", "send_frame", "xdg_runtime_dir"]
+           "recv_frame", "send_frame", "wait_readable", "xdg_runtime_dir"]

@@ -21,7 +21,8 @@ Wire (stream socket, ``_unix`` frames)::
     server -> client   answer:   b"\\x00" + the gRPC response bytes, or b"\\x01" + StreamError bytes
 
 One request at a time per connection, answered in order; a frame that does not parse ends the connection. A
-request over ``max_request_bytes`` ends it too (the frame is not read). The handler sees a context with
+request over ``max_request_bytes`` ends it too (the frame is not read), as does one that does not arrive whole
+within ``REQUEST_DEADLINE_S`` or no request for ``idle_timeout_s``. The handler sees a context with
 ``abort``/``set_trailing_metadata``/``time_remaining``/``is_active``, so ``wire.abort_with`` produces the same
 status, reason and text as over gRPC (``wire.error_from_stream`` rebuilds the same error class).
 
@@ -55,6 +56,10 @@ ANSWER_OK, ANSWER_ERROR = 0, 1
 REQUEST_HEAD = struct.Struct("<IB")
 MAX_REQUEST_BYTES = 1 << 20  # Lookup/Release of MAX_GRANTS_PER_CALL grants fit well under this
 REQUEST_DEADLINE_S = 2.0  # a request without a deadline gets the gRPC servers' own request deadline
+# A connection with no request for this long is ended (the client's pool drops it and connects again on its next
+# call), so clients that went quiet cannot hold the server's max_conns; a request frame must then arrive whole
+# within REQUEST_DEADLINE_S.
+IDLE_TIMEOUT_S = 300.0
 _THREAD = "tensorwire-local-rpc"
 
 Handler = Callable[[bytes, Any], bytes]
@@ -106,16 +111,18 @@ class LocalRpcServer(UnixConnServer):
     ``max_deadline_s``.
 
     ``on_event(kind)`` counts connections: ``opened``, ``ended``, ``refused_uid``, ``refused_full``,
-    ``bad_frame``.
+    ``bad_frame`` (also a request frame not whole within ``REQUEST_DEADLINE_S``), ``idle`` (no request for
+    ``idle_timeout_s``: ended).
     """
 
     def __init__(self, name: str, methods: Mapping[str, Handler], directory: str, *, path: str = "",
                  max_conns: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 max_deadline_s: float = REQUEST_DEADLINE_S,
+                 max_deadline_s: float = REQUEST_DEADLINE_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
                  on_event: Callable[[str], None] | None = None) -> None:
         self._methods = dict(methods)
         self._max_request = max_request_bytes
         self._max_deadline_s = max_deadline_s
+        self._idle_s = idle_timeout_s
         self._event = on_event or (lambda _kind: None)
         super().__init__(directory, prefix=name, magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
                          path=path, on_event=self._event)
@@ -123,11 +130,15 @@ class LocalRpcServer(UnixConnServer):
     def _serve(self, conn: Conn) -> None:
         sock = conn.sock
         while not self.stopping:
+            if not _unix.wait_readable(sock, time.monotonic() + self._idle_s):
+                self._event("idle")
+                return
             try:
-                raw = _unix.recv_frame(sock, None, self._max_request)
-            except ValueError as exc:  # a frame over the limit: not read
+                raw = _unix.recv_frame(sock, time.monotonic() + REQUEST_DEADLINE_S, self._max_request)
+            except (ValueError, TimeoutError) as exc:  # a frame over the limit (not read), or one that stalls
                 self._event("bad_frame")
-                self._rl.log(logging.WARNING, "frame", "local rpc: %s; ending the connection", exc)
+                self._rl.log(logging.WARNING, "frame", "local rpc: %s; ending the connection",
+                             exc if isinstance(exc, ValueError) else "a request frame stalled")
                 return
             if raw is None:
                 return
@@ -255,5 +266,5 @@ def local_channel_request() -> pb.LocalChannelRequest:
     return pb.LocalChannelRequest(host_token=_unix.host_token())
 
 
-__all__ = ["HELLO_MAGIC", "LocalRpcClient", "LocalRpcServer", "LocalUnavailable", "MAX_REQUEST_BYTES",
+__all__ = ["HELLO_MAGIC", "IDLE_TIMEOUT_S", "LocalRpcClient", "LocalRpcServer", "LocalUnavailable", "MAX_REQUEST_BYTES",
            "local_channel_request"]

@@ -155,6 +155,36 @@ def test_connections_over_the_limit_are_told_to_use_grpc(server: LocalRpcServer)
             c.close()
 
 
+def test_idle_and_stalled_connections_are_ended_and_a_pooled_client_just_reconnects(tmp_path: Any) -> None:
+    events: Counter[str] = Counter()
+    srv = LocalRpcServer("t", {"Echo": _echo}, str(tmp_path / "rt"), max_conns=1, idle_timeout_s=0.3,
+                         on_event=lambda kind: events.update([kind]))
+    c = LocalRpcClient(srv.path, pool=1)
+    try:
+        assert c.call("Echo", b"1", 5.0, "Echo") == b"echo:1"  # the connection goes back to the pool
+        deadline = time.monotonic() + 30
+        while (events["idle"] < 1 or srv.open_connections) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert events["idle"] == 1 and srv.open_connections == 0  # the one slot is free again
+        assert c.call("Echo", b"2", 5.0, "Echo") == b"echo:2"  # the pooled socket is seen gone: a new one
+        assert events["opened"] == 2
+        c.close()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a peer that starts a frame and stalls
+        deadline = time.monotonic() + 30
+        while srv.open_connections and time.monotonic() < deadline:  # the client's connection has ended
+            time.sleep(0.02)
+        s.connect(srv.path)
+        assert bytes(_unix.recv_frame(s, time.monotonic() + 5, 64) or b"") == b"TWR1\x00"
+        s.sendall(_unix.FRAME_HEADER.pack(100) + b"abc")
+        t0 = time.monotonic()
+        assert _unix.recv_frame(s, time.monotonic() + 30, 64) is None  # ended, not held
+        assert time.monotonic() - t0 < 20 and events["bad_frame"] == 1
+        s.close()
+    finally:
+        c.close()
+        srv.close(0.0)
+
+
 def test_a_removed_socket_or_a_stopped_server_is_unavailable(server: LocalRpcServer) -> None:
     c = LocalRpcClient(server.path)
     try:
