@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from probe_timeline import EVENTS, _wrap  # the same wrappers as the transfer probe
+from probe_timeline import EVENTS, _wrap, per_function, print_table  # the transfer probe's wrappers and table
 
 LLM = [
     "tensorwire.integrations._vllm_ec.fetch:Fetcher._run",
@@ -136,28 +136,11 @@ def main() -> int:
     report: dict[str, Any] = {"machine": machine_info(), "device": args.device, "stager": args.stager,
                               "loadavg": os.getloadavg()}
     for rows, wins in windows.items():
-        per: dict[str, list[tuple[float, float]]] = {}
-        totals = []
-        for index, _a, b in wins:
-            t0 = t0_of[index]
-            totals.append((b - t0) / 1e3)
-            seen: dict[str, int] = {}
-            for name, _tid, s, e in events:
-                if t0 <= s and e <= b:
-                    seen[name] = seen.get(name, 0) + 1
-                    key = name if seen[name] == 1 else f"{name}#{seen[name]}"
-                    per.setdefault(key, []).append(((s - t0) / 1e3, (e - s) / 1e3))
+        spans = [(t0_of[index], b) for index, _a, b in wins]  # from the encoder output's existence
+        totals, rows_out = per_function(events, spans)
         print(f"\n== rows {rows} ({rows * vllm_ec.COLS * 2 / 1e6:.2f} MB), {len(wins)} items, t0 -> checked and "
               f"answered median {statistics.median(totals):.0f} us, load {os.getloadavg()[0]:.1f}")
-        print(f"{'function':62} {'start us':>9} {'dur us':>8} {'n':>4}")
-        out = []
-        for key, xs in per.items():
-            if len(xs) >= len(wins) // 2:
-                out.append((statistics.median(x[0] for x in xs), key, statistics.median(x[1] for x in xs), len(xs)))
-        for start, key, dur, n in sorted(out):
-            print(f"{key:62} {start:9.0f} {dur:8.0f} {n:4d}")
-        report[str(rows)] = {"total_us": statistics.median(totals),
-                             "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in out}}
+        report[str(rows)] = print_table(totals, rows_out, 62)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -120,6 +120,34 @@ def _encoder_main(device: str, rows: int, cols: int, q: Any, stop: Any, dump: st
             json.dump(EVENTS, f)
 
 
+def per_function(events: list[tuple[Any, ...]], windows: list[tuple[int, int]]
+                 ) -> tuple[list[float], list[tuple[float, str, float, int]]]:
+    """For ``windows`` (start, end ns): each one's length in us, and per function seen in at least half of them
+    (the n-th call in a window is ``name#n``): (median start offset us, name, median duration us, count)."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    totals = []
+    for a, b in windows:
+        totals.append((b - a) / 1e3)
+        seen: dict[str, int] = {}
+        for name, _tid, t0, t1 in events:
+            if a <= t0 and t1 <= b:
+                seen[name] = seen.get(name, 0) + 1
+                key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+                per.setdefault(key, []).append(((t0 - a) / 1e3, (t1 - t0) / 1e3))
+    out = [(statistics.median(x[0] for x in xs), key, statistics.median(x[1] for x in xs), len(xs))
+           for key, xs in per.items() if len(xs) >= len(windows) // 2]
+    return totals, sorted(out)
+
+
+def print_table(totals: list[float], rows: list[tuple[float, str, float, int]], width: int) -> dict[str, Any]:
+    """Prints ``per_function``'s rows; returns them for the JSON report."""
+    print(f"{'function':{width}} {'start us':>9} {'dur us':>8} {'n':>4}")
+    for start, key, dur, n in rows:
+        print(f"{key:{width}} {start:9.0f} {dur:8.0f} {n:4d}")
+    return {"total_us": statistics.median(totals),
+            "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in rows}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -175,30 +203,10 @@ def main() -> int:
     report: dict[str, Any] = {"machine": machine_info(), "device": args.device}
     print(f"device {args.device}, CUDA MPS {'on' if args.device != 'cpu' and cuda_mps_active() else 'off'}")
     for rows, wins in windows.items():
-        per: dict[str, list[tuple[float, float]]] = {}
-        totals = []
-        for a, b in wins:
-            totals.append((b - a) / 1e3)
-            seen: dict[str, int] = {}
-            for name, _tid, t0, t1 in events:
-                if a <= t0 and t1 <= b:
-                    seen[name] = seen.get(name, 0) + 1
-                    key = name if seen[name] == 1 else f"{name}#{seen[name]}"
-                    per.setdefault(key, []).append(((t0 - a) / 1e3, (t1 - t0) / 1e3))
+        totals, rows_out = per_function(events, wins)
         print(f"\n== rows {rows} ({rows * 4096 * 2 / 1e6:.3f} MB), {len(wins)} fetches, total median "
               f"{statistics.median(totals):.0f} us (synced)")
-        print(f"{'function':58} {'start us':>9} {'dur us':>8} {'n':>4}")
-        rows_out = []
-        for key, xs in per.items():
-            if len(xs) < len(wins) // 2:
-                continue
-            start = statistics.median(x[0] for x in xs)
-            dur = statistics.median(x[1] for x in xs)
-            rows_out.append((start, key, dur, len(xs)))
-        for start, key, dur, n in sorted(rows_out):
-            print(f"{key:58} {start:9.0f} {dur:8.0f} {n:4d}")
-        report[str(rows)] = {"total_us": statistics.median(totals),
-                             "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in rows_out}}
+        report[str(rows)] = print_table(totals, rows_out, 58)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
