@@ -47,6 +47,11 @@ log = logging.getLogger(__name__)
 
 HELLO_MAGIC = b"TWL1"
 _THREAD = "tensorwire-mm-local"
+# How long an answer may take to be taken by the client: its request's deadline plus this slack, or, for a
+# request without one, ANSWER_SEND_S. A client that stops reading (hung, stopped with SIGSTOP) would otherwise
+# hold this connection's thread, and the output its inline answer views, for good.
+ANSWER_SLACK_S = 1.0
+ANSWER_SEND_S = 60.0
 
 
 class LocalControlServer(UnixConnServer):
@@ -89,6 +94,7 @@ class LocalControlServer(UnixConnServer):
         try:
             receipt: WireReceipt | None = None
             data: bytes | list[Buffer]
+            deadline: float | None = None
             if kind != "encode":
                 unknown = NotImplementedError(f"StreamRequest {msg.id} has no body this encoder knows")
                 data = pb.StreamResponse(id=msg.id, error=wire.stream_error_for(unknown)).SerializeToString()
@@ -109,8 +115,9 @@ class LocalControlServer(UnixConnServer):
                     data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
                                              wire.stream_error_for(exc).SerializeToString())
             try:
-                _unix.send_frame(sock, data, None)
-            except OSError:
+                _unix.send_frame(sock, data, time.monotonic() + ANSWER_SEND_S if deadline is None
+                                 else deadline + ANSWER_SLACK_S)
+            except OSError:  # TimeoutError included: the client did not take the answer in time
                 if receipt is not None and receipt.message.rdma_slots:
                     self._service.discard_for_gone_caller(receipt, "while its local-channel answer was being sent")
                 return False

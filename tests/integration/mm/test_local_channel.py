@@ -415,6 +415,30 @@ def test_malformed_frames_end_the_connection_and_the_server_keeps_serving(local_
     assert rpcs(local_env, "local") == 1
 
 
+def test_a_client_that_stops_reading_its_answer_does_not_hold_the_worker(local_env: Env) -> None:
+    """An answer far larger than the socket buffers, to a client that never reads it: the worker gives up at the
+    request's deadline (plus a second's slack), ends that connection, and serves the next client."""
+    from tensorwire.mm import wire
+    from tensorwire.mm._codec import inputs_to_pb
+
+    big = EncoderOutput(embeddings=torch.ones(4096, 1024, dtype=torch.bfloat16), split_sizes=[4096])  # 8 MiB
+    srv = local_env.server(TransportConfig(mode="grpc", worker_id="worker-1"), fn=lambda inputs: big)
+    local = srv.service.local  # type: ignore[union-attr]
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(local.path)
+    assert _unix.recv_frame(s, time.monotonic() + 5, 64) == b"TWL1\x00"
+    request = inputs_to_pb(INPUTS)
+    request.deadline_ms = 500
+    t0 = time.monotonic()
+    _unix.send_frame(s, wire.stream_frame(1, wire.STREAM_ENCODE_FIELD, request.SerializeToString()),
+                     time.monotonic() + 5)
+    wait_for(lambda: local.open_connections == 0, timeout_s=30)  # not read: ended, not held
+    assert time.monotonic() - t0 >= 1.0  # the deadline and its slack, not at once
+    s.close()
+    out = local_env.client(srv.address, TransportConfig(mode="grpc")).fetch(INPUTS)
+    assert out.embeddings[0].shape == (4096, 1024) and rpcs(local_env, "local") == 1
+
+
 def test_a_client_started_before_its_worker_finds_the_channel_soon(local_env: Env) -> None:
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
