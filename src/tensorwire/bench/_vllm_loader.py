@@ -168,9 +168,13 @@ def _installed_version() -> str | None:
 
 
 def _importable(name: str) -> bool:
+    """A real module or package ``name`` can be imported: not our stand-in, and not a bare folder of that name on
+    ``sys.path`` (a namespace package: a ``vllm/`` directory under the working directory, or pytest putting
+    ``tests/``, with its ``tests/vllm/``, on the path), which would pass for an installed vllm."""
     if name in sys.modules:
         return not (getattr(sys.modules[name], "__doc__", None) or "").startswith("tensorwire bench stand-in")
     try:
-        return importlib.util.find_spec(name) is not None
+        spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return False
+    return spec is not None and spec.origin is not None and spec.has_location

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import importlib.util
 import os
 import sys
 import zipfile
@@ -17,7 +16,9 @@ from tensorwire.bench import _vllm_loader as loader
 from tensorwire.bench._vllm_loader import VllmSource, VllmUnavailable
 
 pytestmark = pytest.mark.timeout(240)
-VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+# A real vllm, not pytest's tests/ on sys.path making tests/vllm/ a namespace package "vllm" (that skipped the
+# tests below in every run).
+VLLM_INSTALLED = loader._importable("vllm")
 
 # What vLLM 0.32/0.33's file imports from vllm.* at module level, plus what it defines that the bench uses.
 FAKE = b'''
