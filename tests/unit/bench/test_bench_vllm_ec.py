@@ -83,8 +83,16 @@ def test_summaries() -> None:
     assert t["speedup_vs_file_tmpfs_10MB"] == 1.4 and t["meets_speedup_10MB"]
     assert t["speedup_vs_file_tmpfs_100MB"] is None  # not measured: not claimed
     assert not t["meets_flat"] and t["meets_nothing_left"]
+    assert t["speedup_vs_file_tmpfs_10MB_from"] == "sizes" and t["speedup_vs_file_tmpfs_10MB_series"] is None
     g = vllm_ec.targets_of(sizes, {}, {"clean": False}, cuda=True)
     assert not g["meets_speedup_10MB"] and g["target_speedup_10MB_min"] == 3.0 and not g["meets_speedup_100MB"]
+    # A series at ~10 MB is the larger sample: its ratio is the target's, the 30-item one is kept beside it.
+    series = {"bytes": 10 << 20, "ratios": {"file_tmpfs_over_tensorwire": 1.2}, "paths": {}}
+    s = vllm_ec.targets_of(sizes, series, {"clean": True}, cuda=False)
+    assert s["speedup_vs_file_tmpfs_10MB"] == 1.2 and not s["meets_speedup_10MB"]
+    assert s["speedup_vs_file_tmpfs_10MB_from"] == "series" and s["speedup_vs_file_tmpfs_10MB_sizes"] == 1.4
+    far = vllm_ec.targets_of(sizes, {**series, "bytes": 1 << 20}, {"clean": True}, cuda=False)
+    assert far["speedup_vs_file_tmpfs_10MB"] == 1.4  # a 1 MB series says nothing about 10 MB
 
 
 def _nixl() -> bool:
