@@ -115,8 +115,8 @@ class UnixConnServer:
     def _admit(self, sock: socket.socket) -> None:
         pid, uid = _unix.peer_uid(sock)
         if uid != os.geteuid():
+            self._on_event("refused_uid")  # counted before the peer can see the close: metrics never lag it
             sock.close()
-            self._on_event("refused_uid")
             self._rl.log(logging.WARNING, "uid", "%s: refused a connection from pid %d running as uid %d (we run "
                          "as uid %d; SO_PEERCRED)", self._thread_name, pid, uid, os.geteuid())
             return
