@@ -69,13 +69,17 @@ def xdg_runtime_dir(uid: int | None = None) -> tuple[str | None, str]:
     return xdg, ""
 
 
+_warned_xdg: set[tuple[str | None, str]] = set()
+
+
 def default_runtime_dir() -> str:
     """``$XDG_RUNTIME_DIR/tensorwire`` when :func:`xdg_runtime_dir` accepts it (a per-user tmpfs), else
     ``$TMPDIR`` (or /tmp) ``/tensorwire-<uid>``, the broadcaster's default directory too."""
     xdg, why = xdg_runtime_dir()
     if xdg is not None:
         return os.path.join(xdg, "tensorwire")
-    if why:
+    if why and (os.environ.get("XDG_RUNTIME_DIR"), why) not in _warned_xdg:
+        _warned_xdg.add((os.environ.get("XDG_RUNTIME_DIR"), why))  # once per value: callers ask again and again
         log.warning("ignoring XDG_RUNTIME_DIR=%s for the same-host socket: %s", os.environ.get("XDG_RUNTIME_DIR"), why)
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{os.geteuid()}")
 

@@ -482,6 +482,30 @@ def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
     assert rt.staging_address(ECConfig(runtime_dir=str(tmp_path / "ok")), "n-dp0", 1).endswith("/n-dp0-tp1.sock")
 
 
+def test_default_runtime_dir_is_per_user_and_its_parent_must_be_ours(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, runtime_dir is ``vllm`` under tensorwire's per-user directory (one /tmp/tensorwire-vllm for every
+    user made the second user on a host fail); a per-user directory someone else could write to is refused."""
+    import os
+
+    from tensorwire.integrations._vllm_ec import runtime as rt
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    mine = tmp_path / f"tensorwire-{os.geteuid()}"
+    assert ECConfig().effective_runtime_dir == str(mine / "vllm")
+    assert rt.runtime_dir(ECConfig()) == mine / "vllm"
+    assert (os.stat(mine).st_mode & 0o777, os.stat(mine / "vllm").st_mode & 0o777) == (0o700, 0o700)
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert rt.runtime_dir(ECConfig()) == xdg / "tensorwire" / "vllm"
+    os.chmod(xdg / "tensorwire", 0o777)  # another user could swap the vllm folder inside it
+    with pytest.raises(ConfigError, match="world-writable") as e:
+        rt.runtime_dir(ECConfig())
+    assert e.value.reason is Reason.INSECURE_PATH
+
+
 def test_producer_rdma_endpoint_and_params_name_the_same_host() -> None:
     from tensorwire.integrations._vllm_ec.runtime import _advertise, _rdma_config
     from tensorwire.rdma._endpoint import resolve

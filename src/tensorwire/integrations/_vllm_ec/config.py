@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tensorwire import _unix
 from tensorwire.errors import ConfigError
 from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 
@@ -46,7 +46,8 @@ class ECConfig:
 
     Both: ``device`` (``auto``: the worker's device; ``cpu`` or ``cuda:N``), ``rdma_provider`` (``auto``, ``nixl``,
     ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
-    ``$TMPDIR/tensorwire-vllm``), ``local_channel`` (``auto``: the producer's store also serves Lookup/Release on a
+    ``vllm`` under tensorwire's per-user directory: ``$XDG_RUNTIME_DIR/tensorwire`` when it is a private
+    directory of ours, else ``$TMPDIR/tensorwire-<uid>``), ``local_channel`` (``auto``: the producer's store also serves Lookup/Release on a
     Unix socket under ``runtime_dir`` unless it requires client certificates, and a consumer on the same host uses
     it; ``on``: open it even with mTLS (same uid is then trusted as much as a certificate); ``off``: gRPC only),
     ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
@@ -129,7 +130,9 @@ class ECConfig:
 
     @property
     def effective_runtime_dir(self) -> str:
-        return self.runtime_dir or os.path.join(tempfile.gettempdir(), "tensorwire-vllm")
+        # Per user, as the broadcaster's and the same-host channel's: one shared /tmp/tensorwire-vllm made a
+        # second user on the host fail with "must be owned by uid ...".
+        return self.runtime_dir or os.path.join(_unix.default_runtime_dir(), "vllm")
 
     @classmethod
     def known_keys(cls) -> tuple[str, ...]:

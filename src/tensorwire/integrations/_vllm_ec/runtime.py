@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from tensorwire import _unix
 from tensorwire._unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
@@ -51,8 +52,15 @@ def instance_name(engine_id: str | None, dp_rank: int) -> str:
 
 
 def runtime_dir(cfg: ECConfig) -> Path:
-    """The directory for sockets and rendezvous files, created 0700 and checked to be this user's."""
+    """The directory for sockets and rendezvous files, created 0700 and checked to be this user's (the default's
+    parent, tensorwire's per-user directory, too: whoever owns a parent can swap what is inside it)."""
     path = Path(cfg.effective_runtime_dir)
+    if not cfg.runtime_dir:
+        try:
+            _unix.ensure_private_dir(str(path.parent))
+        except InsecurePath as exc:
+            raise ConfigError(f"runtime_dir: {exc}; set ec_connector_extra_config.runtime_dir",
+                              reason=Reason.INSECURE_PATH) from exc
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
