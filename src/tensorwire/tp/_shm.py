@@ -37,7 +37,7 @@ import select
 import time
 from collections.abc import Sequence
 
-from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason, TensorwireError
+from tensorwire.errors import BroadcastError, BroadcastTimeout, FrameMismatch, PeerClosed, Reason, TensorwireError
 
 from . import _fence, _futex
 from ._config import BroadcastConfig
@@ -318,7 +318,10 @@ class ShmReader(ReaderSide):
                 err = ring.abort_error()
                 if err is not None:
                     raise err
-                until = waiter.check()
+                try:
+                    until = waiter.check()
+                except BroadcastTimeout as exc:
+                    raise self._explained(exc) from None
                 if addr:
                     _futex.wait(addr, pub, min(until, poll_s))
                     if w[PUB] >= seq or self._error is not None or w[ABORT]:
@@ -337,6 +340,20 @@ class ShmReader(ReaderSide):
                         f"closed its broadcaster", reason=Reason.PEER_CLOSED)
         finally:
             mv[me] = 0
+
+    def _explained(self, exc: BroadcastTimeout) -> BroadcastTimeout:
+        """``exc`` naming the reader rank 0 is most likely blocked on: the ring shows every reader's progress, and
+        one that has not consumed everything published keeps rank 0 from publishing more once the ring is full.
+        Our timeout and rank 0's (on that reader) run out at about the same time; whichever fires first, the
+        group's errors then name the slow rank."""
+        ring, w = self._ring, self._w
+        pub = w[PUB]
+        behind = [(w[ring.ack_idx[r]], r) for r in range(1, ring.world) if r != self._rank and w[ring.ack_idx[r]] < pub]
+        if not behind:
+            return exc
+        acked, who = min(behind)
+        return BroadcastTimeout(f"{exc}; rank 0 has published up to message {pub} but rank {who} has consumed only "
+                                f"up to {acked}: rank 0 is probably waiting for rank {who}", reason=exc.reason)
 
     def _frame(self, seq: int) -> tuple[Layout, int]:
         """Locate and validate message ``seq``; returns its layout and the absolute offset of its payload."""

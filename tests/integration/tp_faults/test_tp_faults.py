@@ -35,8 +35,8 @@ def _shm_entries() -> set[str]:
 
 
 class Group:
-    def __init__(self, tmp_path: Path, backend: str, timeout_s: float | None, roles: dict[int, str],
-                 stall_s: float = 0.0) -> None:
+    def __init__(self, tmp_path: Path, backend: str, timeout_s: float | None | dict[int, float | None],
+                 roles: dict[int, str], stall_s: float = 0.0) -> None:
         ctx = mp.get_context("spawn")
         self.base = str(tmp_path / "rdv")
         os.makedirs(self.base, mode=0o700)
@@ -45,8 +45,9 @@ class Group:
         for r in range(WORLD):
             parent, child = ctx.Pipe(duplex=False)
             p = ctx.Process(target=rank_main, daemon=True, name=f"rank{r}",
-                            args=(r, WORLD, session, self.base, backend, timeout_s, roles.get(r, "normal"), stall_s,
-                                  child))
+                            args=(r, WORLD, session, self.base, backend,
+                                  timeout_s.get(r) if isinstance(timeout_s, dict) else timeout_s,
+                                  roles.get(r, "normal"), stall_s, child))
             p.start()
             child.close()
             self.conns.append(parent)
@@ -171,3 +172,22 @@ def test_slow_reader_times_out_rank0_and_aborts_the_group(tmp_path: Path, backen
     _assert_clean(g.base, shm_before)
     _xfail_unless([] if any("rank 2" in final[r][3] for r in (0, 1)) else [final[0][3], final[1][3]],
                   KNOWN_TIMEOUT_CAUSE)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("shm" not in BACKENDS, reason="no shm backend here")
+def test_a_reader_whose_own_timeout_fires_first_names_the_slow_reader(tmp_path: Path) -> None:
+    """Rank 1's timeout (2 s) runs out long before rank 0's (30 s) on the stalled rank 2: on the shm ring rank 1
+    can see who has not consumed what rank 0 published, and its error says so (the race the test above leaves
+    to chance, made certain)."""
+    shm_before = _shm_entries()
+    g = Group(tmp_path, "shm", timeout_s={0: 30.0, 1: 2.0, 2: 30.0}, roles={2: "slow"}, stall_s=8.0)
+    try:
+        final = g.wait_final([0, 1, 2], 45)
+        assert final[1][0] == "error" and final[1][2] == "broadcast_timeout", final[1]
+        assert "rank 1:" in final[1][3] and "probably waiting for rank 2" in final[1][3], final[1][3]
+        for r in (0, 2):  # rank 1's abort reaches both: no one waits for the 30 s
+            assert final[r][0] == "error" and final[r][2] in ("peer_closed", "broadcast_timeout"), (r, final[r])
+    finally:
+        g.cleanup()
+    _assert_clean(g.base, shm_before)
