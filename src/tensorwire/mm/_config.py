@@ -97,6 +97,9 @@ class TransportConfig:
     local_channel: LocalChannel = "auto"
     local_channel_dir: str = ""  # empty: $XDG_RUNTIME_DIR/tensorwire, else $TMPDIR or /tmp /tensorwire-<uid>
     local_channel_conns: int = 64  # worker: connections open at once (each holds a thread); one more is refused
+    # Worker: a connection with no request for this long is ended (it held a thread and one of the conns); the
+    # client's pool sees it gone and opens a new one for its next fetch.
+    local_channel_idle_ms: int = 300_000
     # Client: how long the first fetch waits for the channel's discovery (one LocalChannel RPC), and how long
     # opening a connection (connect + the worker's hello) may take; past either, that fetch uses gRPC.
     local_channel_wait_ms: int = 1_000
@@ -109,7 +112,7 @@ class TransportConfig:
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
                     "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms",
-                    "control_stream_pool", "local_channel_conns", "local_channel_wait_ms")
+                    "control_stream_pool", "local_channel_conns", "local_channel_idle_ms", "local_channel_wait_ms")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -126,7 +126,8 @@ class EncoderService:
             log.info("same-host control channel off: the gRPC listener requires client certificates (mTLS); "
                      "local_channel='on' serves it anyway, trusting processes of this uid")
             return
-        self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns)
+        self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns,
+                                        cfg.local_channel_idle_ms / 1000.0)
 
     def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.LocalChannelRequest, raw, context)

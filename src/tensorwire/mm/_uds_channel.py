@@ -72,6 +72,7 @@ class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.broken = False
+        self.idle_since = time.monotonic()
         self._next_id = 0
 
     @classmethod
@@ -86,8 +87,9 @@ class _Conn:
             raise _NotSent(str(exc)) from exc
         return cls(sock)
 
-    def usable(self) -> bool:
-        return not self.broken and _unix.is_quiet(self.sock)
+    def usable(self, max_idle_s: float) -> bool:
+        """Not broken, nothing unread (a hang-up shows as readable), and idle for less than ``max_idle_s``."""
+        return not self.broken and time.monotonic() - self.idle_since < max_idle_s and _unix.is_quiet(self.sock)
 
     def encode(self, request: pb.EncodeRequest, budget: Budget, endpoint: str,
                metrics: TransportMetrics) -> WireReceipt:
@@ -167,10 +169,14 @@ class _Conn:
 
 
 class _ConnPool:
-    """Idle connections to one path, at most ``cap`` open; LIFO (the warmest first)."""
+    """Idle connections to one path, at most ``cap`` open; LIFO (the warmest first). A connection idle for
+    ``max_idle_s`` or more is closed instead of reused: the worker ends connections idle for its
+    ``local_channel_idle_ms``, and one it ends just as a request goes out would fail that fetch, so the client
+    lets go first (at half that time, by the same setting)."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, max_idle_s: float = 150.0) -> None:
         self._cap = cap
+        self._max_idle_s = max_idle_s
         self._lock = threading.Lock()
         self._idle: list[_Conn] = []
         self._open = 0
@@ -185,7 +191,7 @@ class _ConnPool:
                     return None, False
                 while self._idle:
                     conn = self._idle.pop()
-                    if conn.usable():
+                    if conn.usable(self._max_idle_s):
                         return conn, False
                     stale.append(conn)
                     self._open -= 1
@@ -205,6 +211,7 @@ class _ConnPool:
         with self._lock:
             keep = not self._closed and not conn.broken
             if keep:
+                conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             else:
                 self._open -= 1
@@ -244,7 +251,7 @@ class UdsControlChannel(ControlChannel):
         self.grpc = grpc_channel if grpc_channel is not None else GrpcControlChannel(endpoint, self._config,
                                                                                      self._metrics)
         self._wait_s = self._config.local_channel_wait_ms / 1000.0
-        self._pool = _ConnPool(self._config.control_stream_pool)
+        self._pool = _ConnPool(self._config.control_stream_pool, self._config.local_channel_idle_ms / 2000.0)
         self._token = _unix.host_token()
         self._lock = threading.Lock()
         self._path: str | None = None

@@ -5,7 +5,8 @@ peer's SO_PEERCRED uid must be ours (another uid is refused and counted). Same-h
 over gRPC (``EncoderService.local_channel``, answered only to a client with our host token); gRPC stays the way
 in and the fallback.
 
-Per connection (one thread each, at most ``local_channel_conns``)::
+Per connection (one thread each, at most ``local_channel_conns``; ended after ``local_channel_idle_ms`` without a
+request, or when a request frame does not arrive whole within ``REQUEST_FRAME_S``)::
 
     accept; SO_PEERCRED uid check (refused: closed, nothing said)
     HELLO: b"TWL1" + status (0 ok, 1 full: the client uses gRPC; nothing of it was run)
@@ -52,13 +53,17 @@ _THREAD = "tensorwire-mm-local"
 # hold this connection's thread, and the output its inline answer views, for good.
 ANSWER_SLACK_S = 1.0
 ANSWER_SEND_S = 60.0
+# A request frame must arrive whole within this once it has started (a peer that stalls mid-frame would hold the
+# thread); generous: a frame carries the item's media, up to wire.MAX_MESSAGE_BYTES.
+REQUEST_FRAME_S = 10.0
 
 
 class LocalControlServer(UnixConnServer):
     """The listening socket and its connection threads; ``path`` is what clients are told. See the module doc."""
 
-    def __init__(self, service: EncoderService, directory: str, max_conns: int) -> None:
+    def __init__(self, service: EncoderService, directory: str, max_conns: int, idle_s: float = 300.0) -> None:
         self._service = service
+        self._idle_s = idle_s
         self._metrics = service.transport.metrics
         super().__init__(directory, prefix="mm", magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
                          on_event=self._count)
@@ -70,7 +75,16 @@ class LocalControlServer(UnixConnServer):
 
     def _serve(self, conn: Conn) -> None:
         while not self.stopping:
-            raw = _unix.recv_frame(conn.sock, None, wire.MAX_MESSAGE_BYTES)
+            if not _unix.wait_readable(conn.sock, time.monotonic() + self._idle_s):
+                self._count("idle")
+                return
+            try:
+                raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES)
+            except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
+                self._metrics.errors.labels("encoder", "invalid_request").inc()
+                self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
+                             exc if isinstance(exc, ValueError) else "a request frame stalled")
+                return
             if raw is None:
                 return
             try:
@@ -127,13 +141,14 @@ class LocalControlServer(UnixConnServer):
 
 
 _EVENT_LABELS = {"refused_uid": "local_refused_uid", "refused_full": "local_refused", "opened": "local_opened",
-                 "ended": "local_ended"}
+                 "ended": "local_ended", "idle": "local_idle"}
 
 
-def start_local_server(service: EncoderService, directory: str, max_conns: int) -> LocalControlServer | None:
+def start_local_server(service: EncoderService, directory: str, max_conns: int,
+                       idle_s: float = 300.0) -> LocalControlServer | None:
     """A LocalControlServer, or None (logged) when the directory or the socket cannot be made safely."""
     try:
-        return LocalControlServer(service, directory or _unix.default_runtime_dir(), max_conns)
+        return LocalControlServer(service, directory or _unix.default_runtime_dir(), max_conns, idle_s)
     except (OSError, _unix.InsecurePath) as exc:
         log.warning("no same-host control channel: %s; clients use gRPC", exc)
         return None

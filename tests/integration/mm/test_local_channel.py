@@ -34,8 +34,10 @@ from tensorwire.errors import (
     Reason,
     TensorwireError,
 )
-from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig
+from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig, _uds_service
 from tensorwire.mm._uds_channel import UdsControlChannel
+from tensorwire.mm._uds_service import HELLO_MAGIC
+from tensorwire.mm._unix_server import connect
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
 pytestmark = pytest.mark.timeout(90)
@@ -365,6 +367,33 @@ def test_connections_over_the_worker_cap_use_grpc(local_env: Env) -> None:
         check_output(first.result(10))
     assert rpcs(env, "local") == 1 and rpcs(env, "stream") == 1
     assert events(env, "local_refused", side="encoder") == 1
+
+
+def test_idle_connections_are_ended_and_the_client_lets_go_first(local_env: Env,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker ends a connection that sends no request for local_channel_idle_ms (it held a thread and one of
+    local_channel_conns for good), and one whose request frame stalls; the client's pool drops its own idle
+    connection at half that time, so a fetch never goes into a connection the worker is ending."""
+    env = local_env
+    monkeypatch.setattr(_uds_service, "REQUEST_FRAME_S", 1.0)
+    cfg = TransportConfig(worker_id="worker-1", local_channel_idle_ms=3000)
+    srv = env.server(cfg)
+    path = srv.service.local.path  # type: ignore[union-attr]
+    quiet = connect(path, HELLO_MAGIC, 5.0)  # a peer that never sends a request
+    t0 = time.monotonic()
+    assert _unix.recv_frame(quiet, time.monotonic() + 30, 64) is None  # ended by the worker, not held
+    assert 2.5 < time.monotonic() - t0 < 30 and events(env, "local_idle", side="encoder") == 1
+    quiet.close()
+    stalled = connect(path, HELLO_MAGIC, 5.0)
+    stalled.sendall(_unix.FRAME_HEADER.pack(100) + b"abc")  # starts a frame, then nothing: ended, not held
+    assert _unix.recv_frame(stalled, time.monotonic() + 30, 64) is None
+    stalled.close()
+    c = env.client(srv.address, cfg)
+    check_output(c.fetch(INPUTS))
+    assert events(env, "local_opened") == 1
+    time.sleep(1.8)  # past the client's 1.5 s, before the worker's 3 s: the client opens a new one
+    check_output(c.fetch(INPUTS))
+    assert events(env, "local_opened") == 2 and rpcs(env, "local") == 2 and rpcs(env, "stream") == 0
 
 
 def test_a_proxy_has_no_local_channel_and_its_clients_stay_on_grpc(local_env: Env) -> None:

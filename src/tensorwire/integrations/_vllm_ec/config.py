@@ -47,9 +47,10 @@ class ECConfig:
     Both: ``device`` (``auto``: the worker's device; ``cpu`` or ``cuda:N``), ``rdma_provider`` (``auto``, ``nixl``,
     ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
     ``vllm`` under tensorwire's per-user directory: ``$XDG_RUNTIME_DIR/tensorwire`` when it is a private
-    directory of ours, else ``$TMPDIR/tensorwire-<uid>``), ``local_channel`` (``auto``: the producer's store also serves Lookup/Release on a
-    Unix socket under ``runtime_dir`` unless it requires client certificates, and a consumer on the same host uses
-    it; ``on``: open it even with mTLS (same uid is then trusted as much as a certificate); ``off``: gRPC only),
+    directory of ours, else ``$TMPDIR/tensorwire-<uid>``), ``local_channel`` (``auto``: the producer's store also
+    serves Lookup/Release on a Unix socket under ``runtime_dir`` unless it requires client certificates, and a
+    consumer on the same host uses it; ``on``: open it even with mTLS (same uid is then trusted as much as a
+    certificate); ``off``: gRPC only),
     ``metrics_port`` (0: none; N: serve this process's Prometheus metrics on N, a
     worker of TP rank r on N + 1 + r).
 
