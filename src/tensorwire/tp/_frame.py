@@ -9,9 +9,10 @@ Frame (little-endian)::
     payload        payload_bytes; tensor i occupies [offset_i, offset_i + nbytes_i)
 
 ``structure`` says what the tensors form (one tensor, a list, a tuple, a dict, or, for ``broadcast_object``, one
-uint8 entry holding a pickle). ``kind`` is DATA (a broadcast) or ABORT (rank 0 gives up; the payload is a UTF-8
-reason). The receiver validates every field before allocating, so a corrupt or hostile frame raises FrameMismatch
-instead of allocating terabytes. Tensor offsets are packed for the socket path and 64-byte aligned in shared memory.
+uint8 entry holding a pickle or, with a schema, a fingerprinted msgpack). ``kind`` is DATA (a broadcast) or ABORT
+(rank 0 gives up; the payload is a UTF-8 reason). The receiver validates every field before allocating, so a corrupt
+or hostile frame raises FrameMismatch instead of allocating terabytes. Tensor offsets are packed for the socket path
+and 64-byte aligned in shared memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ KIND_ABORT = 2
 
 S_TENSOR, S_LIST, S_TUPLE, S_DICT = 0, 1, 2, 3
 S_OBJECT = 4  # broadcast_object: one uint8 entry holding a pickle (protocol 5) of the object
+S_TYPED = 5  # broadcast_object(schema=T): one uint8 entry holding a schema fingerprint + msgpack (``_typed``)
+OBJECTS = (S_OBJECT, S_TYPED)
 
 HEADER = struct.Struct("<4sHHQIIQB7x")
 SEQ_AT = struct.calcsize("<4sHH")  # header bytes [SEQ_AT, SEQ_END) hold the sequence number
@@ -214,10 +217,10 @@ def decode_header(buf: bytes | memoryview, rank: int) -> tuple[int, int, int, in
     if magic != MAGIC or version != VERSION:
         raise FrameMismatch(f"rank {rank}: bad frame header (magic {magic!r}, version {version}); "
                             f"expected {MAGIC!r} v{VERSION}: the ranks are out of step or the stream is corrupt")
-    if kind not in (KIND_DATA, KIND_ABORT) or structure > S_OBJECT or n > MAX_TENSORS or table_bytes > MAX_TABLE_BYTES:
+    if kind not in (KIND_DATA, KIND_ABORT) or structure > S_TYPED or n > MAX_TENSORS or table_bytes > MAX_TABLE_BYTES:
         raise FrameMismatch(f"rank {rank}: frame header out of range (kind {kind}, structure {structure}, "
                             f"{n} tensors, table {table_bytes} B)")
-    if structure in (S_TENSOR, S_OBJECT) and kind == KIND_DATA and n != 1:
+    if structure in (S_TENSOR, *OBJECTS) and kind == KIND_DATA and n != 1:
         raise FrameMismatch(f"rank {rank}: single-entry frame (structure {structure}) carries {n} entries")
     return kind, seq, n, table_bytes, payload_bytes, structure
 
@@ -257,14 +260,15 @@ def allocate(layout: Layout) -> list[torch.Tensor]:
     return [torch.empty(e.shape, dtype=e.dtype) for e in layout.entries]
 
 
-def encode_object_prefix(seq: int, nbytes: int) -> bytes:
-    """Header + table of a ``broadcast_object`` frame: one uint8 entry of ``nbytes`` (the pickle) at offset 0."""
+def encode_object_prefix(seq: int, nbytes: int, structure: int = S_OBJECT) -> bytes:
+    """Header + table of a ``broadcast_object`` frame: one uint8 entry of ``nbytes`` (the pickle, or for
+    ``S_TYPED`` the fingerprinted msgpack) at offset 0."""
     table = ENTRY.pack(CODE_OF[torch.uint8], 1, 0, 0, nbytes) + struct.pack("<q", nbytes)
-    return HEADER.pack(MAGIC, VERSION, KIND_DATA, seq, 1, len(table), nbytes, S_OBJECT) + table
+    return HEADER.pack(MAGIC, VERSION, KIND_DATA, seq, 1, len(table), nbytes, structure) + table
 
 
 def assemble(structure: int, entries: Sequence[Entry], tensors: list[torch.Tensor]) -> Any:
-    if structure == S_OBJECT:
+    if structure in OBJECTS:
         raise FrameMismatch("rank 0 sent an object (broadcast_object) where this rank called broadcast; the ranks "
                             "called different methods")
     if structure == S_TENSOR:

@@ -77,3 +77,22 @@ def test_close_from_a_signal_handler_inside_broadcast_object(base):
     me = _closing_pair(W.close_object_call_from_signal, base)[1]
     assert me["error"] == "ClosedError", me
     assert me["close_s"] < 2.0, me  # it knew it was inside the call; otherwise it waits 5 s for the call to leave
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("backend", ["uds", pytest.param("shm", marks=SHM)])
+def test_typed_broadcast_object_round_trips_and_refuses_what_does_not_fit(base, backend):
+    res = H.ok(H.run_ranks(W.typed_objects, 3, base, backend, timeout_s=120))
+    assert res[0]["rank0"] == ["BroadcastError", "BroadcastError"], res[0]  # wrong type, unencodable: rank 0 only
+    for r in (1, 2):
+        assert res[r]["after"] == 99, res[r]  # still in step after rank 0's refused calls
+        assert res[r]["mismatch"].startswith("FrameMismatch: ") and "pickled object" in res[r]["mismatch"], res[r]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how,says", [("other_schema", "another schema"), ("forged", "does not decode as")])
+@pytest.mark.parametrize("backend", ["uds", pytest.param("shm", marks=SHM)])
+def test_typed_broadcast_object_refuses_another_schema_and_forged_bytes(base, backend, how, says):
+    res = H.ok(H.run_ranks(W.typed_mismatch, 3, base, backend, how, timeout_s=120))
+    for r in (1, 2):
+        assert res[r]["error"].startswith("FrameMismatch: ") and says in res[r]["error"], res[r]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 import time
@@ -156,4 +157,93 @@ def close_object_call_from_signal(rank: int, world: int, base: str, done: Any) -
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     done.set()
+    return out
+
+
+@dataclasses.dataclass
+class Step:
+    """A small scheduler-output-like schema for the typed ``broadcast_object`` tests."""
+
+    step: int
+    ids: list[str]
+    tokens: list[list[int]]
+    blocks: dict[str, list[int] | None]
+    done: set[str]
+    blob: bytes = b""
+
+
+@dataclasses.dataclass
+class LookAlike:
+    """Step's shape under another name: a reader that names it must not decode Step's messages as it."""
+
+    step: int
+    ids: list[str]
+    tokens: list[list[int]]
+    blocks: dict[str, list[int] | None]
+    done: set[str]
+    blob: bytes = b""
+
+
+@dataclasses.dataclass
+class Holder:
+    t: Any  # a tensor: msgspec cannot encode it
+
+
+def step(i: int, blob: int = 0) -> Step:
+    ids = [f"req-{k}" for k in range(i % 9)]
+    return Step(i, ids, [[k * i, k] for k in range(len(ids))], {r: ([i] if k % 2 else None) for k, r in
+                                                                enumerate(ids)}, {f"fin-{i}"}, b"\x07" * blob)
+
+
+def typed_objects(rank: int, world: int, base: str, backend: str) -> dict:
+    """broadcast_object(schema=...): a run of dataclass trees (one larger than a slot) and a generic alias; values
+    rank 0 cannot send (wrong type, unencodable) fail on rank 0 alone; then a pickled object where the readers
+    expect a typed one."""
+    cfg = BroadcastConfig(slot_bytes=64 * 1024, n_slots=4, arena_bytes=16 << 20, timeout_s=60.0)
+    out: dict[str, Any] = {"rank0": []}
+    with CpuTpBroadcaster(rank, world, f"typed-{backend}", backend=backend, base_dir=base, init_timeout_s=60,
+                          config=cfg) as b:
+        for i in range(40):
+            want = step(i, blob=(1 << 20) if i == 17 else 0)
+            got = b.broadcast_object(want if rank == 0 else None, schema=Step)
+            if type(got) is not Step or got != want:
+                raise AssertionError(f"rank {rank}: message {i} arrived as {got!r}")
+        got = b.broadcast_object([3, 1, 2] if rank == 0 else None, schema=list[int])
+        if got != [3, 1, 2]:
+            raise AssertionError(f"rank {rank}: list[int] arrived as {got!r}")
+        if rank == 0:
+            for bad in ({"step": 1}, Holder(torch.ones(2))):
+                try:
+                    b.broadcast_object(bad, schema=Step if isinstance(bad, dict) else Holder)
+                except Exception as exc:  # the test checks which
+                    out["rank0"].append(type(exc).__name__)
+            b.broadcast_object(step(99), schema=Step)
+            b.broadcast_object(step(100))  # no schema: pickled
+        else:
+            out["after"] = b.broadcast_object(None, schema=Step).step
+            try:
+                b.broadcast_object(None, schema=Step)
+            except Exception as exc:  # the test checks which
+                out["mismatch"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def typed_mismatch(rank: int, world: int, base: str, backend: str, how: str) -> dict:
+    """One typed message the readers must refuse (terminal FrameMismatch): ``other_schema`` (they name LookAlike),
+    ``forged`` (rank 0's bytes carry Step's fingerprint but do not decode as Step)."""
+    cfg = BroadcastConfig(timeout_s=60.0)
+    out: dict[str, Any] = {}
+    with CpuTpBroadcaster(rank, world, f"typed-{how}-{backend}", backend=backend, base_dir=base, init_timeout_s=60,
+                          config=cfg) as b:
+        if rank == 0:
+            if how == "forged":
+                b._codec(list[int]).fingerprint = b._codec(Step).fingerprint  # a peer that lies about its schema
+                b.broadcast_object([1, 2, 3], schema=list[int])
+            else:
+                b.broadcast_object(step(3), schema=Step)
+            return out
+        try:
+            b.broadcast_object(None, schema=LookAlike if how == "other_schema" else Step)
+        except Exception as exc:  # the test checks which
+            out["error"] = f"{type(exc).__name__}: {exc}"
     return out

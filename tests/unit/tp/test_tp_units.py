@@ -268,3 +268,45 @@ def test_lazy_conjugate_views_are_sent_by_value():
     assert z.is_conj()
     out = _roundtrip(z)
     assert out.equal(torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64))
+
+
+def test_typed_codec_round_trips_and_checks_on_both_ends(monkeypatch):
+    import dataclasses
+
+    from tensorwire.tp import _typed as T
+
+    @dataclasses.dataclass
+    class Req:
+        rid: str
+        toks: list[int]
+
+    codec = T.Codec(Req)
+    data = codec.encode(Req("a", [1, 2]), 0)
+    assert data[: T.FINGERPRINT_BYTES] == codec.fingerprint
+    assert codec.decode(memoryview(data), 1, 7) == Req("a", [1, 2])
+    with pytest.raises(BroadcastError, match="got a value of type dict") as ei:
+        codec.encode({"rid": "a", "toks": []}, 0)  # not a Req: refused on rank 0
+    assert ei.value.reason is Reason.INVALID_CONFIG
+    with pytest.raises(FrameMismatch, match="does not decode as"):  # right fingerprint, wrong body
+        codec.decode(memoryview(codec.fingerprint + T.Codec(list[int]).encode([1], 0)[8:]), 1, 7)
+    with pytest.raises(FrameMismatch, match="another schema"):
+        codec.decode(memoryview(T.Codec(list[int]).encode([1], 0)), 1, 7)
+    with pytest.raises(FrameMismatch, match="does not decode as"):  # truncated
+        codec.decode(memoryview(data[:-3]), 1, 7)
+    monkeypatch.setitem(__import__("sys").modules, "msgspec", None)  # as if it were not installed
+    with pytest.raises(BroadcastError, match=r"needs msgspec") as ei:
+        T.Codec(Req)
+    assert ei.value.reason is Reason.INVALID_CONFIG
+
+
+def test_typed_world_of_one_checks_the_value_but_sends_nothing():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class One:
+        n: int
+
+    with CpuTpBroadcaster(0, 1, "typed-solo") as b:
+        assert b.broadcast_object(One(3), schema=One) == One(3)
+        with pytest.raises(BroadcastError, match="got a value of type int"):
+            b.broadcast_object(4, schema=One)
