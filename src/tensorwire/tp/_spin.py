@@ -17,7 +17,7 @@ scheduler then leaves it off the CPU for milliseconds, where a sleeper would hav
 loop that sees a poll-to-poll gap over ``PREEMPTED_S`` calls :meth:`SpinWindow.preempted`, stops spinning and
 sleeps, and the next ``N`` waits spin only ``spin_s``.
 
-``spin_max_s <= spin_s`` turns the adaptation off (a fixed ``spin_s``), and so does a machine (CPU affinity) with
+``spin_max_s <= spin_s`` turns the adaptation off (a fixed ``spin_s``), and so does a machine (or cgroup) with
 fewer CPUs than the group has ranks: there, spinning readers would take the CPU rank 0 needs to publish. Not
 thread-safe (one reader).
 """
@@ -31,10 +31,59 @@ PREEMPTED_S = 250e-6  # a gap between two polls of a spin loop this long means a
 
 
 def _cpus() -> int:
+    """CPUs the machine gives this process's cgroup (its cpuset, capped by a CPU quota), else all of them.
+
+    Not this process's own affinity mask: ranks are often pinned one per CPU or per core range (vLLM's CPU workers,
+    numactl, ``--pin``), and a rank pinned to one CPU says nothing about whether the group has a CPU per rank. A
+    group squeezed onto fewer CPUs by ``taskset`` alone is left to the spin loop's preemption check.
+    """
+    n = _cgroup_cpus()
+    return n if n else (os.cpu_count() or 1)
+
+
+def _cgroup_cpus() -> int:
+    """cgroup v2 or v1 cpuset size, capped by the cgroup's CPU quota; 0 when neither can be read."""
     try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.strip().split(":", 2) for ln in f if ln.count(":") >= 2]
+    except OSError:
+        return 0
+    paths = {ctrl: path for _, ctrls, path in lines for ctrl in (ctrls.split(",") if ctrls else ["v2"])}
+    cpuset = quota = 0
+    if "v2" in paths and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # unified hierarchy
+        base = "/sys/fs/cgroup" + paths["v2"]
+        cpuset = _count(_read(base + "/cpuset.cpus.effective"))
+        limit = _read(base + "/cpu.max").split()  # "max 100000" or "<quota> <period>"
+        if len(limit) == 2 and limit[0].isdigit() and limit[1].isdigit() and int(limit[1]) > 0:
+            quota = -(-int(limit[0]) // int(limit[1]))
+    else:
+        if "cpuset" in paths:
+            cpuset = _count(_read(f"/sys/fs/cgroup/cpuset{paths['cpuset']}/cpuset.effective_cpus"))
+        if "cpu" in paths:
+            base = f"/sys/fs/cgroup/cpu{paths['cpu']}"
+            q, period = _read(base + "/cpu.cfs_quota_us"), _read(base + "/cpu.cfs_period_us")
+            if q.lstrip("-").isdigit() and int(q) > 0 and period.isdigit() and int(period) > 0:
+                quota = -(-int(q) // int(period))
+    return min(n for n in (cpuset, quota) if n) if cpuset or quota else 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def _count(cpulist: str) -> int:
+    """Size of a kernel CPU list such as ``0-3,8,10-11``; 0 for an empty or unreadable one."""
+    n = 0
+    for part in filter(None, cpulist.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return 0
+        n += int(hi) - int(lo) + 1 if hi else 1
+    return n
 
 
 class SpinWindow:

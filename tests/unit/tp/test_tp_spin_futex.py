@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 
@@ -115,3 +116,23 @@ def test_a_preempted_spin_falls_back_to_spin_s_for_the_next_waits():
     w.preempted()
     assert [w.budget() for _ in range(N)] == [100e-6] * N
     assert w.budget() == pytest.approx(4e-3)  # then it adapts again
+
+
+def test_cpu_lists_are_counted_as_the_kernel_writes_them():
+    assert [_spin._count(s) for s in ("0-3,8,10-11", "5", "", "0-1\n", "x-3")] == [7, 1, 0, 0, 0]
+
+
+def test_a_rank_pinned_to_one_cpu_still_adapts_its_spin():
+    # The per-process mask is not the group's CPU budget: ranks pinned one per CPU (vLLM's CPU workers, numactl,
+    # bench --pin) used to lose the adaptive window and pay a wake-up on every message with a gap.
+    import subprocess
+    import sys
+
+    if (os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs two CPUs and sched_setaffinity")
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from tensorwire.tp._spin import SpinWindow, N, _cpus; w = SpinWindow(100e-6, 5e-3, 2.0, world=2); "
+            "[w.record(2e-3) for _ in range(N)]; print(len(os.sched_getaffinity(0)), _cpus() >= 2, w.budget())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    mask, enough, budget = out.stdout.split()
+    assert mask == "1" and enough == "True" and float(budget) == pytest.approx(4e-3), out.stdout
