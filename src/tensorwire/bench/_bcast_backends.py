@@ -10,13 +10,15 @@ kind      tensorwire (shm, uds)                       vllm                      
 tensor    ``broadcast_(t)`` (in place; ``fresh``:      ``enqueue(t)`` / ``dequeue()``        ``broadcast`` /
           ``broadcast(t)``, new tensors)                                                    object list of bytes
 dict      ``broadcast(d)``                            ``enqueue(d)`` / ``dequeue()``        - / object list
-sched     ``broadcast_object(obj)``                   ``enqueue(obj)`` / ``dequeue()``      - / object list
+sched     ``broadcast_object(obj, schema=T)``         ``enqueue(obj)`` / ``dequeue()``      - / object list
+          (``--object-codec pickle``: no schema)
 ========  ==========================================  ===================================  ====================
 
 Opt-in variants of ``shm`` (``--backends shm,shm_fixed,...``; not in the default set) run the same ring with other
 reader waits, to show what each part of the wait is worth in one run: ``shm_fixed`` is the wait before issue 17
 (fixed ``spin_s``, then sleep on the socket), ``shm_socket`` the adaptive spin with socket wake-ups, ``shm_nospin``
-fixed ``spin_s`` with futex wake-ups.
+fixed ``spin_s`` with futex wake-ups. ``shm_pickle`` is ``shm`` with the pickled ``broadcast_object`` (no schema)
+whatever ``--object-codec`` says, so one run shows both object paths next to vLLM's (which always pickles).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pickle
 import time
 from typing import Any
 
-from tensorwire.bench._payloads import KINDS
+from tensorwire.bench._payloads import KINDS, SchedulerStep
 from tensorwire.bench._vllm_loader import VllmSource
 
 NAMES = ("shm", "uds", "gloo", "gloo_obj", "vllm")
@@ -38,17 +40,20 @@ SHM_VARIANTS: dict[str, dict[str, Any]] = {
     "shm_fixed": {"spin_max_s": 0.0, "futex": False},
     "shm_socket": {"futex": False},
     "shm_nospin": {"spin_max_s": 0.0},
+    "shm_pickle": {},  # the same ring and wait; sched is pickled (no schema)
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     tensor_api: str = "inplace"  # tensorwire's tensor cases: "inplace" (broadcast_) or "fresh" (broadcast)
+    object_codec: str = "typed"  # tensorwire's sched case: "typed" (schema=SchedulerStep, msgspec) or "pickle"
     vllm_source: VllmSource | None = None
     # vLLM's TP-group broadcaster (GroupCoordinator.mq_broadcaster) uses 4 MiB x 6 chunks.
     vllm_chunk_bytes: int = 4 << 20
     vllm_chunks: int = 6
     init_timeout_s: float = 60.0
+    pin: tuple[int, ...] | None = None  # --pin: rank i runs on CPU pin[i] (the same CPUs for every backend)
 
 
 class Endpoint(abc.ABC):
@@ -76,11 +81,12 @@ class TensorwireEndpoint(Endpoint):
 
         self.rank = rank
         self._inplace = opts.tensor_api == "inplace"
+        self._schema = SchedulerStep if opts.object_codec == "typed" and backend != "shm_pickle" else None
         overrides = SHM_VARIANTS.get(backend, {})
         config = BroadcastConfig.from_env(**overrides)  # as a user's ranks would: the environment, then ours
         self._b = CpuTpBroadcaster(rank, world, f"bench-{os.getppid()}-{backend}-{world}",
-                                   backend="shm" if overrides else backend, init_timeout_s=opts.init_timeout_s,
-                                   config=config)
+                                   backend="shm" if backend in SHM_VARIANTS else backend,
+                                   init_timeout_s=opts.init_timeout_s, config=config)
 
     def send(self, kind: str, value: Any) -> Any:
         b, root = self._b, self.rank == 0
@@ -88,7 +94,7 @@ class TensorwireEndpoint(Endpoint):
             return b.broadcast_(value)
         if kind in ("tensor", "dict"):
             return b.broadcast(value if root else None)
-        return b.broadcast_object(value if root else None)
+        return b.broadcast_object(value if root else None, schema=self._schema)
 
     def close(self) -> None:
         self._b.close()

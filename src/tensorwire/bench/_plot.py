@@ -1,9 +1,9 @@
 """The ``bench broadcast`` figure: latency to the last reader per case and TP size, one line per backend.
 
 One panel per payload (columns) and message gap (rows); x: TP size; y: median latency (log scale, µs), with p99
-dashed; in each panel, tensorwire's shm over vLLM's MessageQueue per TP size. Only tensorwire (shm, uds) and vLLM
-are drawn (gloo is in the JSON and the printed table). Needs matplotlib (``pip install
-matplotlib``; the H200 image ships it); without it the plot is skipped with that message and the JSON stands alone.
+dashed; in each panel, tensorwire's shm over vLLM's MessageQueue per TP size. Only tensorwire (shm, shm_pickle,
+uds) and vLLM are drawn (gloo is in the JSON and the printed table). Needs matplotlib (``pip install matplotlib``;
+the H200 image ships it); without it the plot is skipped with that message and the JSON stands alone.
 Redraw from a result file with ``python -m tensorwire.bench broadcast --replot RESULT.json [--plot OUT.png]``.
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLORS = {"shm": "#1f77b4", "uds": "#ff7f0e", "vllm": "#d62728"}
+COLORS = {"shm": "#1f77b4", "shm_pickle": "#2ca02c", "uds": "#ff7f0e", "vllm": "#d62728"}
 
 
 def plot_broadcast(doc: dict[str, Any], out: str | Path) -> Path | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import sys
 import threading
 import time
@@ -59,6 +60,8 @@ def _run(rank: int, world: int, backend: str, cases: list[Case], rounds: list[in
     import torch
 
     torch.set_num_threads(1)
+    if opts.pin:
+        os.sched_setaffinity(0, {opts.pin[rank]})
     ep = backends.make(backend, rank, world, store, opts)
     out: dict[str, Any] = {"lat": {}, "cpu": {}}
     counter = 0
@@ -119,6 +122,31 @@ def _run(rank: int, world: int, backend: str, cases: list[Case], rounds: list[in
     return out
 
 
+def pin_plan(world: int) -> tuple[int, ...] | None:
+    """CPUs for ranks 0..world-1 (``--pin``): one hardware thread of each physical core first, then their
+    siblings, so a spinning reader never shares a core with rank 0 while there are cores to spare; None when this
+    process may use fewer CPUs than ``world``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < world:
+        return None
+
+    def core(cpu: int) -> tuple[str, str]:
+        topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topo}/physical_package_id") as pkg, open(f"{topo}/core_id") as cid:
+                return pkg.read().strip(), cid.read().strip()
+        except OSError:
+            return "", str(cpu)  # no topology: every CPU its own core
+
+    nth: dict[tuple[str, str], int] = {}  # hardware threads of each core seen so far
+    order = []
+    for cpu in cpus:
+        k = core(cpu)
+        order.append((nth.get(k, 0), cpu))  # (which thread of its core, cpu): first threads sort first
+        nth[k] = nth.get(k, 0) + 1
+    return tuple(cpu for _, cpu in sorted(order)[:world])
+
+
 def _wait_done(done: Any, world: int, counter: int, yield_only: bool, limit_s: float = 60.0) -> None:
     deadline = time.monotonic() + limit_s
     for r in range(1, world):
@@ -151,6 +179,30 @@ def rows_of(backend: str, tp: int, cases: list[Case], res: list[dict[str, Any]])
     return rows
 
 
+def combine_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``--repeat``: one row per backend, TP and case from its runs' rows (each a separate process group): the
+    median of their medians and of their p99s, every run's median kept (``runs_median_ms``), rounds summed, the
+    readers' CPU at its worst. Placement luck (which CPUs, and on a VM which host cores, a group gets) moves one
+    group's median by tens of percent; the median over interleaved groups does not hang on one draw."""
+    groups: dict[tuple[Any, Any, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["backend"], r["tp"], r.get("case")), []).append(r)
+    out = []
+    for runs in groups.values():
+        ok = [r for r in runs if "median_ms" in r]
+        if not ok:
+            out.append(runs[0])
+            continue
+        row = {k: v for k, v in ok[0].items() if k not in ("rep", "mean_ms", "sd_ms")}
+        row.update(n=sum(r["n"] for r in ok), median_ms=statistics.median(r["median_ms"] for r in ok),
+                   p99_ms=statistics.median(r["p99_ms"] for r in ok), min_ms=min(r["min_ms"] for r in ok),
+                   max_ms=max(r["max_ms"] for r in ok), runs=len(ok), runs_median_ms=[r["median_ms"] for r in ok],
+                   reader_cpu_frac_mean=statistics.fmean(r["reader_cpu_frac_mean"] for r in ok),
+                   reader_cpu_frac_max=max(r["reader_cpu_frac_max"] for r in ok))
+        out.append(row)
+    return out
+
+
 def ratios_of(rows: list[dict[str, Any]], cases: list[Case], tps: list[int]) -> list[dict[str, Any]]:
     """Per case and TP: tensorwire over vLLM (shm, uds) and gloo over tensorwire, median over median; None where
     a backend did not run."""
@@ -162,7 +214,8 @@ def ratios_of(rows: list[dict[str, Any]], cases: list[Case], tps: list[int]) -> 
 
     return [{"case": c.name, "tp": tp, "shm_over_vllm": ratio("shm", "vllm", tp, c.name),
              "uds_over_vllm": ratio("uds", "vllm", tp, c.name), "gloo_over_shm": ratio("gloo", "shm", tp, c.name),
-             "gloo_over_uds": ratio("gloo", "uds", tp, c.name)} for c in cases for tp in tps]
+             "gloo_over_uds": ratio("gloo", "uds", tp, c.name),
+             "shm_pickle_over_vllm": ratio("shm_pickle", "vllm", tp, c.name)} for c in cases for tp in tps]
 
 
 def _csv(text: str, kind: type = str) -> list[Any]:
@@ -181,6 +234,15 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"subset of {','.join(BACKENDS)} (default all; vllm is skipped when it cannot be loaded)")
     ap.add_argument("--tensor-api", choices=("inplace", "fresh"), default="inplace",
                     help="tensorwire's tensor cases: broadcast_ into the reader's tensor, or broadcast (new tensors)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every backend's group this many times, interleaved (A B A B ...), and report the "
+                    "median over the groups' medians (each run's median is kept in the JSON)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin rank i of every group to the same CPU (one per physical core first), so the CPUs a "
+                    "backend's processes land on are not a variable between backends")
+    ap.add_argument("--object-codec", choices=("typed", "pickle"), default="typed",
+                    help="tensorwire's sched case: broadcast_object(obj, schema=SchedulerStep) (msgspec) or without "
+                    "a schema (pickle); the shm_pickle backend always pickles")
     ap.add_argument("--vllm-shm-broadcast", default=os.environ.get("TENSORWIRE_BENCH_VLLM_SHM_BROADCAST"),
                     metavar="PATH", help="vLLM's shm_broadcast.py or a vllm wheel holding it (default: an installed "
                     "vllm, else .whl/*shm_broadcast*.py, else .whl/vllm*.whl; $TENSORWIRE_BENCH_VLLM_SHM_BROADCAST)")
@@ -205,6 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     for b in chosen:
         if b not in BACKENDS and b not in backends.SHM_VARIANTS:
             ap.error(f"unknown backend {b!r}; expected some of {','.join(BACKENDS + tuple(backends.SHM_VARIANTS))}")
+    if args.object_codec == "typed" and "sched" in [c.kind for c in cases]:
+        try:
+            import msgspec  # noqa: F401 - only whether it is there
+        except ImportError:
+            ap.error("the sched case's typed codec needs msgspec (pip install 'tensorwire[typed]'); or pass "
+                     "--object-codec pickle")
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
     base_rounds = args.rounds or (200 if args.quick else 1000)
     idle_s = args.idle_s if args.idle_s is not None else (2.0 if args.quick else 3.0)
     from tensorwire.tp import BroadcastConfig, shm_available
@@ -226,31 +296,39 @@ def main(argv: list[str] | None = None) -> int:
     idle: list[dict[str, Any]] = []
     t_start = time.monotonic()
     load_start = os.getloadavg()  # other jobs on the machine skew latency; record them next to the numbers
-    for tp in tps:
-        for backend in chosen:
-            mine = [c for c in cases if c.kind in backends.kinds_of(backend)]
-            t0 = time.monotonic()
-            try:
-                res = run_group(tp, backend, mine, [rounds_for(c, base_rounds) for c in mine], args.warmup, idle_s,
-                                timeout_s=600, opts=opts)
-            except (TimeoutError, RuntimeError) as exc:
-                print(f"  {backend:8s} TP{tp}: FAILED {exc}", file=sys.stderr)
-                rows.append({"backend": backend, "tp": tp, "error": str(exc)})
-                continue
-            rows.extend(rows_of(backend, tp, mine, res))
-            fr = [r["idle_cpu_frac"] for r in res[1:]]
-            settled = [r["idle_cpu_frac_after_settle"] for r in res[1:] if "idle_cpu_frac_after_settle" in r]
-            idle.append({"backend": backend, "tp": tp, "idle_s": idle_s, "reader_cpu_frac_mean": sum(fr) / len(fr),
-                         "reader_cpu_frac_max": max(fr), "settle_s": IDLE_SETTLE_S,
-                         "after_settle_reader_cpu_frac_max": max(settled) if settled else None})
-            print(f"  {backend:8s} TP{tp}: done in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    for rep, tp, backend in [(k, tp, b) for k in range(args.repeat) for tp in tps for b in chosen]:
+        mine = [c for c in cases if c.kind in backends.kinds_of(backend)]
+        t0 = time.monotonic()
+        pin = pin_plan(tp) if args.pin else None
+        if args.pin and pin is None:
+            print(f"  --pin: fewer CPUs than TP{tp} ranks; not pinning", file=sys.stderr)
+        try:
+            res = run_group(tp, backend, mine, [rounds_for(c, base_rounds) for c in mine], args.warmup, idle_s,
+                            timeout_s=600, opts=dataclasses.replace(opts, pin=pin))
+        except (TimeoutError, RuntimeError) as exc:
+            print(f"  {backend:8s} TP{tp}: FAILED {exc}", file=sys.stderr)
+            rows.append({"backend": backend, "tp": tp, "rep": rep, "error": str(exc)})
+            continue
+        rows.extend({**r, "rep": rep} for r in rows_of(backend, tp, mine, res))
+        fr = [r["idle_cpu_frac"] for r in res[1:]]
+        settled = [r["idle_cpu_frac_after_settle"] for r in res[1:] if "idle_cpu_frac_after_settle" in r]
+        idle.append({"backend": backend, "tp": tp, "rep": rep, "idle_s": idle_s,
+                     "reader_cpu_frac_mean": sum(fr) / len(fr), "reader_cpu_frac_max": max(fr),
+                     "settle_s": IDLE_SETTLE_S,
+                     "after_settle_reader_cpu_frac_max": max(settled) if settled else None})
+        print(f"  {backend:8s} TP{tp}: done in {time.monotonic() - t0:.1f} s"
+              + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr)
 
+    per_run = rows
+    rows = combine_runs(per_run) if args.repeat > 1 else [{k: v for k, v in r.items() if k != "rep"} for r in rows]
     ratios = ratios_of(rows, cases, tps)
     _print_tables(rows, ratios, idle, cases, tps, chosen)
     targets = _targets(rows, ratios, idle)
     path = write_result("broadcast", {
         "config": {"tp": tps, "cases": [c.name for c in cases], "backends": chosen, "rounds": base_rounds,
                    "warmup": args.warmup, "idle_s": idle_s, "quick": args.quick, "tensor_api": args.tensor_api,
+                   "object_codec": args.object_codec,
+                   "pin": {tp: pin_plan(tp) for tp in tps} if args.pin else None,
                    "api": "CpuTpBroadcaster.broadcast_ (in place)" if args.tensor_api == "inplace"
                    else "CpuTpBroadcaster.broadcast (new tensors)",
                    "tp_config": tp_config,
@@ -262,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                    "wall_s": round(time.monotonic() - t_start, 1), "loadavg_start": load_start,
                    "loadavg_end": os.getloadavg()},
         "vllm": vllm_info, "results": rows, "ratios": ratios, "idle_cpu": idle, "targets": targets,
+        **({"repeat": args.repeat, "results_per_run": per_run} if args.repeat > 1 else {}),
     }, args.out)
     print(f"\nwrote {path}")
     from tensorwire.bench._plot import plot_broadcast_file
@@ -273,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
 def _vllm_setup(chosen: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], backends.Options]:
     from tensorwire.bench import _vllm_loader
 
-    opts = backends.Options(tensor_api=args.tensor_api)
+    opts = backends.Options(tensor_api=args.tensor_api, object_codec=args.object_codec)
     if "vllm" not in chosen:
         return {"available": None, "reason": None, "note": "not requested"}, opts
     try:
@@ -286,8 +365,7 @@ def _vllm_setup(chosen: list[str], args: argparse.Namespace) -> tuple[dict[str, 
     print(f"vllm backend: {info['source']} (version {info['version']}, sha256 {info['sha256'][:12]}, "
           f"{'stand-ins for ' + str(len(info['shims'])) + ' vllm modules' if info['shims'] else 'real vllm'})",
           file=sys.stderr)
-    return {"available": True, "reason": None, **info}, backends.Options(tensor_api=args.tensor_api,
-                                                                          vllm_source=source)
+    return {"available": True, "reason": None, **info}, dataclasses.replace(opts, vllm_source=source)
 
 
 def _cell(rows: list[dict[str, Any]], backend: str, tp: int, case: str) -> str:
@@ -305,13 +383,14 @@ def _print_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle
                   cases: list[Case], tps: list[int], chosen: list[str]) -> None:
     print(f"\nlatency to the last reader, median / p99 in us ({os.cpu_count()} CPUs)")
     print(f"{'case':>12s} {'TP':>3s} " + " ".join(f"{b:>17s}" for b in chosen)
-          + "   shm/vllm  uds/vllm  gloo/shm")
+          + "   shm/vllm  uds/vllm  gloo/shm" + ("  shm_pickle/vllm" if "shm_pickle" in chosen else ""))
     by = {(r["case"], r["tp"]): r for r in ratios}
     for c in cases:
         for tp in tps:
             r = by[(c.name, tp)]
             print(f"{c.name:>12s} {tp:3d} " + " ".join(_cell(rows, b, tp, c.name) for b in chosen)
-                  + f"  {_x(r['shm_over_vllm'])} {_x(r['uds_over_vllm'])} {_x(r['gloo_over_shm'])}")
+                  + f"  {_x(r['shm_over_vllm'])} {_x(r['uds_over_vllm'])} {_x(r['gloo_over_shm'])}"
+                  + (f"  {_x(r['shm_pickle_over_vllm'])}" if "shm_pickle" in chosen else ""))
     print("\nreader CPU while the rounds ran (fraction of one core, max over readers)")
     print(f"{'case':>12s} {'TP':>3s} " + " ".join(f"{b:>9s}" for b in chosen))
     cpu = {(r["backend"], r["tp"], r["case"]): r["reader_cpu_frac_max"] for r in rows if "case" in r}
@@ -337,6 +416,8 @@ def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: lis
         return next((r[key] for r in ratios if r["tp"] == tp and r["case"] == case), None)
 
     shm_vllm = [r["shm_over_vllm"] for r in ratios if r["shm_over_vllm"] is not None]
+    pickled = [(r["shm_pickle_over_vllm"], r["case"], r["tp"]) for r in ratios
+               if r["shm_pickle_over_vllm"] is not None and r["case"].startswith("sched")]
     return {
         "shm_1KiB_tp8_median_us<=10": med_us("shm", 8, "1KiB"),
         "uds_1KiB_tp8_median_us<=40": med_us("uds", 8, "1KiB"),
@@ -347,6 +428,8 @@ def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: lis
         "shm_over_vllm_max<=1.0": max(shm_vllm) if shm_vllm else None,
         "shm_over_vllm_worst_case": max(((r["shm_over_vllm"], r["case"], r["tp"]) for r in ratios
                                          if r["shm_over_vllm"] is not None), default=None),
+        # The object case without a schema (pickle on both sides), reported next to it; not the default path.
+        "shm_pickle_over_vllm_sched_worst_case": max(pickled, default=None),
         "idle_reader_cpu_frac_max<=0.10": {f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"] for d in idle
                                            if d["backend"] in ("shm", "uds", "vllm")},
     }

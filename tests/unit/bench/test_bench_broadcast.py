@@ -85,12 +85,41 @@ def _check_group(res: list[dict[str, Any]], cases: list[Case], n: int) -> None:
     assert 0 <= res[1]["idle_cpu_frac"] <= 1.5
 
 
-@pytest.mark.parametrize(("backend", "api"), [("shm", "inplace"), ("uds", "fresh")])
-def test_a_tensorwire_group_delivers_every_case(backend: str, api: str) -> None:
-    if backend == "shm" and not shm_available():
+@pytest.mark.parametrize(("backend", "api", "codec"), [("shm", "inplace", "typed"), ("uds", "fresh", "pickle"),
+                                                      ("shm_pickle", "inplace", "typed")])
+def test_a_tensorwire_group_delivers_every_case(backend: str, api: str, codec: str) -> None:
+    if backend.startswith("shm") and not shm_available():
         pytest.skip("no shared-memory ring on this machine")
     res = broadcast.run_group(2, backend, CASES, [3] * len(CASES), 1, 0.2, timeout_s=180,
-                              opts=backends.Options(tensor_api=api))
+                              opts=backends.Options(tensor_api=api, object_codec=codec))
     _check_group(res, CASES, 3)
     rows = broadcast.rows_of(backend, 2, CASES, res)
     assert [r["case"] for r in rows] == [c.name for c in CASES] and all(r["n"] == 3 for r in rows)
+
+
+def test_repeated_groups_combine_into_the_median_of_their_medians() -> None:
+    def row(backend: str, rep: int, med: float, p99: float, cpu: float) -> dict[str, Any]:
+        return {"backend": backend, "tp": 2, "case": "sched", "rep": rep, "n": 10, "median_ms": med, "p99_ms": p99,
+                "mean_ms": med, "sd_ms": 0.0, "min_ms": med / 2, "max_ms": p99 * 2, "reader_cpu_frac_mean": cpu,
+                "reader_cpu_frac_max": cpu}
+
+    rows = [row("shm", 0, 0.05, 0.09, 0.9), row("vllm", 0, 0.30, 0.5, 1.0), row("shm", 1, 0.20, 0.3, 1.0),
+            row("vllm", 1, 0.10, 0.2, 1.0), row("shm", 2, 0.07, 0.1, 0.95), row("vllm", 2, 0.12, 0.2, 1.0),
+            {"backend": "uds", "tp": 2, "rep": 0, "error": "boom"}]
+    out = {r["backend"]: r for r in broadcast.combine_runs(rows)}
+    shm = out["shm"]
+    assert (shm["median_ms"], shm["p99_ms"], shm["n"], shm["runs"]) == (0.07, 0.1, 30, 3)
+    assert shm["runs_median_ms"] == [0.05, 0.20, 0.07] and shm["min_ms"] == 0.025 and shm["max_ms"] == 0.6
+    assert shm["reader_cpu_frac_max"] == 1.0 and "rep" not in shm and "sd_ms" not in shm
+    assert out["vllm"]["median_ms"] == 0.12 and out["uds"]["error"] == "boom"  # a failed group stays visible
+    ratios = broadcast.ratios_of(list(out.values()), [Case("sched")], [2])
+    assert ratios[0]["shm_over_vllm"] == pytest.approx(0.07 / 0.12)
+
+
+def test_pin_plan_gives_each_rank_its_own_cpu_or_declines() -> None:
+    import os
+
+    n = len(os.sched_getaffinity(0))
+    plan = broadcast.pin_plan(min(n, 2))
+    assert plan is not None and len(set(plan)) == len(plan) == min(n, 2) and set(plan) <= os.sched_getaffinity(0)
+    assert broadcast.pin_plan(n + 1) is None
