@@ -173,15 +173,8 @@ class Step:
 
 
 @dataclasses.dataclass
-class LookAlike:
-    """Step's shape under another name: a reader that names it must not decode Step's messages as it."""
-
-    step: int
-    ids: list[str]
-    tokens: list[list[int]]
-    blocks: dict[str, list[int] | None]
-    done: set[str]
-    blob: bytes = b""
+class LookAlike(Step):
+    """Step's fields under another name: a reader that names it must not decode Step's messages as it."""
 
 
 @dataclasses.dataclass
