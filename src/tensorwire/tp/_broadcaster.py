@@ -220,7 +220,10 @@ class CpuTpBroadcaster:
         return self._guarded(self._broadcast_object, (obj, schema))
 
     def _codec(self, schema: Any) -> Codec:
-        codec = self._codecs.get(schema)
+        try:
+            codec = self._codecs.get(schema)
+        except TypeError:  # an unhashable type expression: build its codec per call rather than refuse it
+            return Codec(schema)
         if codec is None:
             codec = self._codecs[schema] = Codec(schema)
         return codec

@@ -310,3 +310,6 @@ def test_typed_world_of_one_checks_the_value_but_sends_nothing():
         assert b.broadcast_object(One(3), schema=One) == One(3)
         with pytest.raises(BroadcastError, match="got a value of type int"):
             b.broadcast_object(4, schema=One)
+        for bad in (object(), [One]):  # not a type; not even hashable
+            with pytest.raises(BroadcastError, match="not a type msgspec can decode"):
+                b.broadcast_object(One(1), schema=bad)
