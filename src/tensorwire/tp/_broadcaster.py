@@ -34,6 +34,7 @@ from ._connect import BACKENDS, open_transport, resolve_backend
 from ._frame import (
     CODE_OF,
     KIND_DATA,
+    OBJECTS,
     S_OBJECT,
     S_TENSOR,
     S_TYPED,
@@ -274,7 +275,7 @@ class CpuTpBroadcaster:
     def _object_entry(self, layout: Layout, structure: int) -> tuple[int, int]:
         """(offset, nbytes) of the one entry of an object frame of ``structure``; FrameMismatch otherwise."""
         if layout.structure != structure or len(layout.entries) != 1:
-            if layout.structure in (S_OBJECT, S_TYPED):
+            if layout.structure in OBJECTS:
                 sent, here = (("a typed object (schema=...)", "without a schema") if layout.structure == S_TYPED
                               else ("a pickled object (no schema)", "with schema=..."))
                 raise FrameMismatch(f"rank {self.rank}: rank 0 sent {sent} where this rank called "

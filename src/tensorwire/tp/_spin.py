@@ -54,17 +54,22 @@ def _cgroup_cpus() -> int:
         base = "/sys/fs/cgroup" + paths["v2"]
         cpuset = _count(_read(base + "/cpuset.cpus.effective"))
         limit = _read(base + "/cpu.max").split()  # "max 100000" or "<quota> <period>"
-        if len(limit) == 2 and limit[0].isdigit() and limit[1].isdigit() and int(limit[1]) > 0:
-            quota = -(-int(limit[0]) // int(limit[1]))
+        if len(limit) == 2:
+            quota = _quota_cpus(*limit)
     else:
         if "cpuset" in paths:
             cpuset = _count(_read(f"/sys/fs/cgroup/cpuset{paths['cpuset']}/cpuset.effective_cpus"))
         if "cpu" in paths:
             base = f"/sys/fs/cgroup/cpu{paths['cpu']}"
-            q, period = _read(base + "/cpu.cfs_quota_us"), _read(base + "/cpu.cfs_period_us")
-            if q.lstrip("-").isdigit() and int(q) > 0 and period.isdigit() and int(period) > 0:
-                quota = -(-int(q) // int(period))
+            quota = _quota_cpus(_read(base + "/cpu.cfs_quota_us"), _read(base + "/cpu.cfs_period_us"))
     return min(n for n in (cpuset, quota) if n) if cpuset or quota else 0
+
+
+def _quota_cpus(quota: str, period: str) -> int:
+    """CPUs a CPU quota amounts to (rounded up); 0 for no limit ("max", -1) or an unreadable one."""
+    if not (quota.isdigit() and period.isdigit()) or int(period) == 0:
+        return 0
+    return -(-int(quota) // int(period))
 
 
 def _read(path: str) -> str:

@@ -136,3 +136,8 @@ def test_a_rank_pinned_to_one_cpu_still_adapts_its_spin():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     mask, enough, budget = out.stdout.split()
     assert mask == "1" and enough == "True" and float(budget) == pytest.approx(4e-3), out.stdout
+
+
+def test_cpu_quotas_count_whole_cpus_and_no_limit_counts_none():
+    assert [_spin._quota_cpus(q, p) for q, p in (("150000", "100000"), ("200000", "100000"), ("max", "100000"),
+                                                  ("-1", "100000"), ("5", "0"), ("", ""))] == [2, 2, 0, 0, 0, 0]
