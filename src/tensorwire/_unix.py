@@ -14,6 +14,7 @@ into tensorwire errors, as ``mm`` does with ``grpc.RpcError``.
 
 from __future__ import annotations
 
+import array
 import errno
 import logging
 import os
@@ -25,6 +26,7 @@ import time
 from collections.abc import Sequence
 
 FRAME_HEADER = struct.Struct("<Q")
+MAX_FDS = 1  # descriptors one frame may carry (recv_frame(fds=)); a receive buffer's memfd
 SUN_PATH_LIMIT = 108  # sizeof(sockaddr_un.sun_path) on Linux; one byte is the terminating NUL
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _GONE = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
@@ -208,8 +210,10 @@ def wait_readable(sock: socket.socket, deadline: float) -> bool:
     return True
 
 
-def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None) -> None:
-    """Writes one frame (header, then ``payload``: one buffer or pieces, sent without joining them)."""
+def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None,
+               fds: Sequence[int] = ()) -> None:
+    """Writes one frame (header, then ``payload``: one buffer or pieces, sent without joining them). ``fds``:
+    file descriptors passed with the frame's first byte (SCM_RIGHTS; the receiver needs ``recv_frame(fds=)``)."""
     pieces: list[memoryview] = [memoryview(p).cast("B") for p in
                                 ((payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload)]
     total = sum(len(p) for p in pieces)
@@ -217,15 +221,17 @@ def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline
     _blocking(sock)
     if deadline is not None and deadline <= time.monotonic():
         raise TimeoutError("deadline passed")
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while pieces:
         if deadline is None:
-            sent = sock.sendmsg(pieces[:512])  # IOV_MAX is 1024
+            sent = sock.sendmsg(pieces[:512], ancillary)  # IOV_MAX is 1024
         else:
             try:
-                sent = sock.sendmsg(pieces[:512], (), socket.MSG_DONTWAIT)
+                sent = sock.sendmsg(pieces[:512], ancillary, socket.MSG_DONTWAIT)
             except BlockingIOError:  # the socket buffer is full: wait for room
                 _poll(sock, select.POLLOUT, deadline)
                 continue
+        ancillary = []  # sent with the first byte
         while sent:
             n = len(pieces[0])
             if sent >= n:
@@ -262,13 +268,53 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, s
     return True
 
 
-def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> bytearray | None:
-    """Reads one frame into fresh memory; None when the peer closed cleanly between frames."""
+def _recv_head_fds(sock: socket.socket, view: memoryview, deadline: float | None, fds: list[int]) -> bool:
+    """``_recv_exact`` for a frame header, collecting the descriptors passed with it into ``fds`` (at most
+    ``MAX_FDS``; more, or a truncated set, close what came and fail: a peer cannot make us hold descriptors)."""
+    space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            _poll(sock, select.POLLIN, deadline)
+        n, ancdata, flags, _ = sock.recvmsg_into([view[got:]], space)
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                passed = array.array("i")
+                passed.frombytes(data[:len(data) - len(data) % passed.itemsize])
+                fds.extend(passed)
+        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+            close_fds(fds)
+            raise ValueError(f"more than {MAX_FDS} file descriptors passed with one frame")
+        if n == 0:
+            if got == 0:
+                return False
+            raise ConnectionAbortedError("peer closed the connection in the middle of a frame")
+        got += n
+    return True
+
+
+def close_fds(fds: list[int]) -> None:
+    """Closes and forgets every descriptor in ``fds``."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
+def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
+               fds: list[int] | None = None) -> bytearray | None:
+    """Reads one frame into fresh memory; None when the peer closed cleanly between frames. ``fds``: a list that
+    receives the descriptors passed with the frame (the caller owns and closes them; without it none are
+    accepted: the kernel closes any that arrive)."""
     _blocking(sock)
     if deadline is not None and deadline <= time.monotonic():
         raise TimeoutError("deadline passed")
     head = bytearray(FRAME_HEADER.size)
-    if not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True):
+    if fds is not None:
+        if not _recv_head_fds(sock, memoryview(head), deadline, fds):
+            return None
+    elif not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True):
         return None
     (n,) = FRAME_HEADER.unpack(head)
     if n > max_bytes:
@@ -278,6 +324,6 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int) -> b
     return body
 
 
-__all__ = ["FRAME_HEADER", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
-           "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen", "peer_uid",
-           "recv_frame", "send_frame", "wait_readable", "xdg_runtime_dir"]
+__all__ = ["FRAME_HEADER", "MAX_FDS", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
+           "close_fds", "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen",
+           "peer_uid", "recv_frame", "send_frame", "wait_readable", "xdg_runtime_dir"]

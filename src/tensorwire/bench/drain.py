@@ -71,7 +71,8 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
                 at_read.set()
                 go.wait(drain_s + grace_s + 30.0)
 
-        cfg = dataclasses.replace(TransportConfig.from_env(os.environ), mode="auto")
+        cfg = dataclasses.replace(TransportConfig.from_env(os.environ), mode="auto",
+                                  local_placement_bytes=0)  # held leases are what a drain must wait for
         client = RemoteOutputTransport(endpoint, cfg, observer=observer, metrics=metrics_for(CollectorRegistry()))
         record["rdma_ready"] = client.wait_ready(30.0)
 

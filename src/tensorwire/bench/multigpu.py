@@ -255,7 +255,8 @@ def _llm_proc(endpoint: str, device: str, rows_list: list[int], cols: int, iters
 
         before = _active_contexts(n_gpus)
         expected = _expected(max(rows_list), cols).to(device)
-        cfg = TransportConfig(rdma=RdmaConfig(device=device), rpc_timeout_margin_ms=5000)
+        cfg = TransportConfig(rdma=RdmaConfig(device=device), rpc_timeout_margin_ms=5000,
+                              local_placement_bytes=0)  # the RDMA plane across GPUs (placed outputs: bench transfer)
         report: dict[str, Any] = {"sizes": []}
         with RemoteOutputTransport(endpoint, cfg) as rdma_t, \
                 RemoteOutputTransport(endpoint, cfg.with_mode("grpc")) as inline_t:

@@ -143,7 +143,7 @@ def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
     }
 
 
-def _fetch_once(transport: Any, inputs: list[Any], plane: str, device: str) -> dict[str, float]:
+def _fetch_once(transport: Any, inputs: list[Any], plane: str | None, device: str) -> dict[str, float]:
     import torch
 
     t0 = time.perf_counter()
@@ -160,7 +160,7 @@ def _fetch_once(transport: Any, inputs: list[Any], plane: str, device: str) -> d
             to_device_ms = (time.perf_counter() - t1) * 1e3
             del moved
     synced_ms = (time.perf_counter() - t0) * 1e3
-    if out.plane.value != plane:
+    if plane is not None and out.plane.value != plane:
         raise RuntimeError(f"expected every fetch on the {plane} plane, got {out.plane.value}")
     return {**stage_row(out.stage_ms, synced_ms), "to_device": to_device_ms}
 
@@ -197,15 +197,18 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
     return _stats(stages)
 
 
-def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, plane: str, device: str,
-                     zero_copy: bool = False) -> list[dict[str, Any]]:
+def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, plane: str | list[str],
+                     device: str, zero_copy: bool = False) -> list[dict[str, Any]]:
     """``_run_plane`` for several transports, fetch by fetch in turn, so that their ratios share one machine
-    state (this machine may be shared; load drifts within a run)."""
+    state (this machine may be shared; load drifts within a run). ``plane``: every timed fetch's plane (one for
+    all, or one per transport); warm-up fetches may take another (a placed transport's first fetch of a larger
+    size goes by RDMA while it learns the size)."""
     inputs = _inputs(rows, zero_copy)
+    planes = [plane] * len(transports) if isinstance(plane, str) else plane
     stages: list[dict[str, list[float]]] = [{} for _ in transports]
     for i in range(warmup + iters):
-        for t, st in zip(transports, stages, strict=True):
-            row = _fetch_once(t, inputs, plane, device)
+        for t, st, pl in zip(transports, stages, planes, strict=True):
+            row = _fetch_once(t, inputs, pl if i >= warmup else None, device)
             if i >= warmup:
                 _add(st, row)
     return [_stats(st) for st in stages]
@@ -298,14 +301,18 @@ def main(argv: list[str] | None = None) -> int:
                                    local_channel="off")
         if client_tls is not None:
             rdma_cfg = dataclasses.replace(rdma_cfg, tls=client_tls)
-        local_cfg = dataclasses.replace(rdma_cfg, local_channel="auto")  # control over a Unix socket: no TLS
+        # Control over a Unix socket (no TLS): the RDMA plane there, and the placed outputs (receive buffers)
+        local_cfg = dataclasses.replace(rdma_cfg, local_channel="auto", local_placement_bytes=0)
+        placed_cfg = dataclasses.replace(local_cfg, local_placement_bytes=TransportConfig().local_placement_bytes)
         local_reg = CollectorRegistry()  # its own: the local channel's counters prove it was used
+        local_metrics = TransportMetrics(local_reg)
         control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
         with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
                 RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
                 RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t, \
-                RemoteOutputTransport(endpoint, local_cfg, metrics=TransportMetrics(local_reg)) as local_t, \
+                RemoteOutputTransport(endpoint, local_cfg, metrics=local_metrics) as local_t, \
                 RemoteOutputTransport(endpoint, local_cfg.with_mode("grpc")) as inline_local_t, \
+                RemoteOutputTransport(endpoint, placed_cfg, metrics=local_metrics) as placed_t, \
                 plain_grpc.PlainClient(plain_endpoint, cols) as plain:
             if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60) or not local_t.wait_ready(60):
                 print("RDMA reader did not become ready", file=sys.stderr)
@@ -317,9 +324,10 @@ def main(argv: list[str] | None = None) -> int:
                 release_rtt.append((time.perf_counter() - t) * 1e3)
             for rows in rows_list:
                 nbytes = rows * cols * 2
-                r, rl = _run_alternating([rdma_t, local_t], rows, iters, 2, "rdma", args.device)
-                z, zu, zl = _run_alternating([rdma_t, unary_t, local_t], rows, iters, 2, "rdma", args.device,
-                                             zero_copy=True)
+                r, rl, pl = _run_alternating([rdma_t, local_t, placed_t], rows, iters, 2, ["rdma", "rdma", "placed"],
+                                             args.device)
+                z, zu, zl, zpl = _run_alternating([rdma_t, unary_t, local_t, placed_t], rows, iters, 2,
+                                                  ["rdma", "rdma", "rdma", "placed"], args.device, zero_copy=True)
                 slow = nbytes >= SLOW_INLINE_BYTES
                 if plain.prepare(rows) != nbytes:
                     raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
@@ -338,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
                     "plain_grpc": p, "plain_grpc_server_copy": pc,
                     "rdma_local": rl, "rdma_zero_copy_local": zl, "inline_local": il,
+                    "placed_local": pl, "placed_zero_copy_local": zpl,
+                    "ratio_placed_local_over_grpc_total": pl["total"]["median_ms"] / r["total"]["median_ms"],
+                    "ratio_placed_zero_copy_local_over_memcpy": zpl["total"]["median_ms"] / mc,
                     "ratio_rdma_local_over_grpc_total": rl["total"]["median_ms"] / r["total"]["median_ms"],
                     "ratio_rdma_zero_copy_local_over_grpc_total": zl["total"]["median_ms"] / z["total"]["median_ms"],
                     "ratio_inline_local_over_grpc_total": il["total"]["median_ms"] / i["total"]["median_ms"],
@@ -376,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['total']['median_ms']:7.3f} ms | zero-copy {zl['total']['median_ms']:7.3f} ms (p99 "
                       f"{zl['total']['p99_ms']:7.3f}) vs {z['total']['median_ms']:7.3f} ms | inline "
                       f"{il['total']['median_ms']:8.2f} ms vs {i['total']['median_ms']:8.2f} ms", flush=True)
+                print(f"{'':9}    | placed outputs (same-host, receive buffers): fetch "
+                      f"{pl['total']['median_ms']:7.3f} ms (p99 {pl['total']['p99_ms']:7.3f}) | zero-copy "
+                      f"{zpl['total']['median_ms']:7.3f} ms (p99 {zpl['total']['p99_ms']:7.3f}) | /memcpy "
+                      f"{res['ratio_placed_zero_copy_local_over_memcpy']:6.1f}x | /gRPC-stream rdma "
+                      f"{res['ratio_placed_local_over_grpc_total']:5.2f}x", flush=True)
                 print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
                       f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
                       f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
@@ -442,9 +458,23 @@ def main(argv: list[str] | None = None) -> int:
         "meets_local_seed_p50_0.8ms": seed["rdma_local"]["total"]["median_ms"] <= 0.8,
         "meets_local_seed_p99_1.5ms": seed["rdma_local"]["total"]["p99_ms"] <= 1.5,
     })
+    best = min(("placed_local", "placed_zero_copy_local"), key=lambda k: seed[k]["total"]["median_ms"])
+    targets.update({
+        # The same-host default since placed outputs: the encoder writes into the LLM's receive buffer.
+        "local_placed_fetch_p50_ms_seed": seed["placed_local"]["total"]["median_ms"],
+        "local_placed_fetch_p99_ms_seed": seed["placed_local"]["total"]["p99_ms"],
+        "local_placed_zero_copy_fetch_p50_ms_seed": seed["placed_zero_copy_local"]["total"]["median_ms"],
+        "local_placed_zero_copy_fetch_p99_ms_seed": seed["placed_zero_copy_local"]["total"]["p99_ms"],
+        "meets_placed_seed_p50_0.8ms": seed[best]["total"]["median_ms"] <= 0.8,
+        "meets_placed_seed_p99_1.5ms": seed[best]["total"]["p99_ms"] <= 1.5,
+    })
     if one_mib is not None:
         targets["local_rdma_fetch_p50_ms_1mib"] = one_mib["rdma_local"]["total"]["median_ms"]
         targets["meets_local_1mib_p50_0.3ms"] = one_mib["rdma_local"]["total"]["median_ms"] <= 0.3
+        for k in ("placed_local", "placed_zero_copy_local"):
+            targets[f"local_{k.removesuffix('_local')}_fetch_p50_ms_1mib"] = one_mib[k]["total"]["median_ms"]
+        targets["meets_placed_1mib_p50_0.3ms"] = min(one_mib[k]["total"]["median_ms"] for k in
+                                                     ("placed_local", "placed_zero_copy_local")) <= 0.3
     if args.device.startswith("cuda"):
         # Issue 6 (one H200, two processes): the seed's transfer stage <= 1.0 ms and >= 300x the inline plane.
         for name, plane in (("copy_export", seed["rdma"]), ("zero_copy", seed["rdma_zero_copy"])):

@@ -15,9 +15,14 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._wire_receipt import WireReceipt
+
+if TYPE_CHECKING:
+    import torch
 
 Requeue = Callable[[list[str]], None]
 """requeue(lease_ids): takes release ids a channel accepted but could not send (the owner queues them)."""
@@ -72,6 +77,14 @@ class ControlSession(abc.ABC):
         callback; one handed to the peer and then lost is left to the owner's TTL GC. False: not taken (the
         caller queues them for an answered release).
         """
+
+    def take_placed(self, receipt: WireReceipt) -> tuple[list[torch.Tensor], list[int], int]:
+        """(tensors, roles, payload bytes) of a receipt whose output the encoder wrote into a receive buffer this
+        session lent (``receipt.message.placed.tensors`` set): views of that buffer, which stays lent until the
+        last of them is gone. ``ProtocolError`` when the manifest does not fit the buffer or the session lent none
+        (the default: a path that lends no buffers)."""
+        raise ProtocolError(f"a placed answer (buffer {receipt.message.placed.buffer_id}) on the {self.path} path, "
+                            "which lends no receive buffer", reason=Reason.RESULT_MISMATCH)
 
     @abc.abstractmethod
     def close(self) -> None:

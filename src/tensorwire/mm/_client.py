@@ -362,7 +362,7 @@ class RemoteOutputTransport:
         if not receipt.message.rdma_slots:
             # The encoder chose inline (exporter not ready, this worker excluded, ...): nothing learned about RDMA.
             self._neutral(worker)
-            return self._decode_terminal(receipt, budget, stages, fallback_from=None)
+            return self._decode_terminal(receipt, budget, stages, session, fallback_from=None)
         result = self._consume_rdma(receipt, budget, stages, session)
         if isinstance(result, MultimodalOutput):
             return result
@@ -390,11 +390,12 @@ class RemoteOutputTransport:
                       fallback_from: Reason | None) -> MultimodalOutput:
         stage = "request" if fallback_from is None else "fallback_request"
         receipt = self._request(attempt, budget, stages, session, stage)
-        return self._decode_terminal(receipt, budget, stages, fallback_from)
+        return self._decode_terminal(receipt, budget, stages, session, fallback_from)
 
-    def _decode_terminal(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages,
+    def _decode_terminal(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages, session: ControlSession,
                          fallback_from: Reason | None) -> MultimodalOutput:
-        """The terminal plane: decodes inline bytes or raises. It cannot ask for another round."""
+        """The terminal plane: takes a placed output, decodes inline bytes, or raises. It cannot ask for another
+        round."""
         receipt = wire_receipt.message
         if receipt.rdma_slots:
             ids = _receipt.lease_ids(_receipt.parse_slots(receipt, self._parser()))
@@ -403,6 +404,16 @@ class RemoteOutputTransport:
                          "not asked for; released and failing the request", self.endpoint, len(receipt.rdma_slots))
             raise ProtocolError(f"{self.endpoint} answered with {len(receipt.rdma_slots)} RDMA slot(s) to a request "
                                 "that did not advertise RDMA", reason=Reason.UNREQUESTED_RDMA)
+        if receipt.placed.tensors:
+            t = time.perf_counter()
+            tensors, roles, placed_bytes = session.take_placed(wire_receipt)
+            output = _receipt.assemble(tensors, roles, receipt, plane=Plane.PLACED)
+            stages.add("decode", time.perf_counter() - t)
+            for role, n in _receipt.role_bytes(tensors, roles).items():
+                self.metrics.child(self.metrics.bytes, "llm", "placed", role).inc(n)
+            stages.ms.update(_receipt.encoder_stages(receipt))
+            output.fallback_reason = fallback_from
+            return output
         t = time.perf_counter()
         embs, splits, pos, extras, nbytes = _codec.decode_inline_receipt(wire_receipt)
         stages.add("decode", time.perf_counter() - t)

@@ -103,6 +103,11 @@ class TransportConfig:
     # Client: how long the first fetch waits for the channel's discovery (one LocalChannel RPC), and how long
     # opening a connection (connect + the worker's hello) may take; past either, that fetch uses gRPC.
     local_channel_wait_ms: int = 1_000
+    # Placed outputs on the same-host channel (docs/transport.md, "Placed outputs"): the client lends the worker
+    # receive buffers (a sealed memfd, or a dedicated CUDA allocation shared by IPC) and the worker writes its
+    # output there. Client: at most this many bytes of receive buffers per transport (allocated as fetches need
+    # them); worker: at most this many bytes mapped per connection. 0 on either side: off.
+    local_placement_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -118,7 +123,7 @@ class TransportConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "server_stream_cap",
-                     "peer_leased_bytes"):
+                     "peer_leased_bytes", "local_placement_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")

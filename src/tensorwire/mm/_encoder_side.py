@@ -42,10 +42,11 @@ from dataclasses import dataclass
 import torch
 
 from tensorwire.errors import ExportError, Reason, TensorwireError
-from tensorwire.mm import _codec
+from tensorwire.mm import _codec, _placed
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
 from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._placed import Placement
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._quota import PeerLeases
 from tensorwire.mm._ratelog import RateLimitedLog
@@ -72,9 +73,10 @@ class OutputBuffers:
 
     embedding: torch.Tensor
     position_ids: torch.Tensor | None
-    lease: Lease
+    lease: Lease | None  # None: the tensors are in the caller's receive buffer (``placement``), not in a slot
     thread: int = 0  # the allocating thread: its next transfer() ends this allocation if it is not the output
     allocate_us: int = 0  # what allocate_output took: transport work inside the encoder's compute time
+    placement: Placement | None = None
 
     def matches(self, emb: torch.Tensor, pos: torch.Tensor | None, extras: Sequence[torch.Tensor]) -> bool:
         """True when the output is exactly these buffers (same storage, shape and dtype), nothing else."""
@@ -222,15 +224,22 @@ class OutputTransport:
         or the allocation failed): then produce the output as usual.
         """
         t0 = time.perf_counter()
-        if self.config.mode != MODE_AUTO or self._closed:
-            return None
-        exporter = self._holder.get()
-        if exporter is None:
+        if self._closed or rows <= 0:
             return None
         specs: list[tuple[tuple[int, ...], torch.dtype]] = [((int(rows), int(hidden)), dtype)]
         if position_cols:
             specs.append(((int(rows), int(position_cols)), position_dtype))
-        if rows <= 0:
+        placement = current_call().placement
+        if placement is not None:
+            placed = placement.views(specs)
+            if placed is not None:
+                return self._keep(OutputBuffers(placed[0][0], placed[0][1] if position_cols else None, None,
+                                                threading.get_ident(), int((time.perf_counter() - t0) * 1e6),
+                                                placement))
+        if self.config.mode != MODE_AUTO:
+            return None
+        exporter = self._holder.get()
+        if exporter is None:
             return None
         try:
             lease, tensors = exporter.allocate(specs)
@@ -238,8 +247,10 @@ class OutputTransport:
             if exc.reason is not Reason.SLOT_TOO_LARGE:  # too large for one slot: not a degrade, the copy path splits
                 self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
             return None
-        buffers = OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease, threading.get_ident(),
-                                int((time.perf_counter() - t0) * 1e6))
+        return self._keep(OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease,
+                                        threading.get_ident(), int((time.perf_counter() - t0) * 1e6)))
+
+    def _keep(self, buffers: OutputBuffers) -> OutputBuffers:
         with self._buffers_lock:
             self._buffers[buffers.embedding.data_ptr()] = buffers
         return buffers
@@ -249,7 +260,8 @@ class OutputTransport:
         with self._buffers_lock:
             if self._buffers.get(buffers.embedding.data_ptr()) is buffers:
                 del self._buffers[buffers.embedding.data_ptr()]
-        self.release([buffers.lease.lease_id])
+        if buffers.lease is not None:
+            self.release([buffers.lease.lease_id])
 
     def _claim_buffers(self, emb: torch.Tensor | None) -> tuple[OutputBuffers | None, list[OutputBuffers]]:
         """(the allocation holding ``emb``, every other allocation this thread made): this request's."""
@@ -264,7 +276,7 @@ class OutputTransport:
     def release_pending(self) -> int:
         """Ends the allocations the calling thread made and did not pass to ``transfer`` (the encoder failed)."""
         _, stale = self._claim_buffers(None)
-        return self.release([b.lease.lease_id for b in stale])
+        return self.release([b.lease.lease_id for b in stale if b.lease is not None])
 
     def transfer(self, request: pb.EncodeRequest, output: EncoderOutput) -> WireReceipt:
         """The receipt for ``output``: RDMA slots, or the inline tensors as views of the output's host memory
@@ -282,8 +294,8 @@ class OutputTransport:
         finally:
             # Exported in place: the lease now belongs to the reader. Otherwise the bytes were copied out of the
             # buffers above (or the output was something else), so the allocation ends here.
-            ended = [b.lease.lease_id for b in stale]
-            if buffers is not None and not buffers.lease.exported:
+            ended = [b.lease.lease_id for b in stale if b.lease is not None]
+            if buffers is not None and buffers.lease is not None and not buffers.lease.exported:
                 ended.append(buffers.lease.lease_id)
             if ended:
                 self.release(ended)
@@ -299,6 +311,9 @@ class OutputTransport:
             self.metrics.requests.labels("encoder", "inline").inc()
             return out
         receipt.split_sizes[:] = splits
+        placement = current_call().placement
+        if placement is not None and self._try_place(placement, emb, pos, extras, buffers, receipt):
+            return out
         exporter, why_not = self._rdma_choice(request, emb, pos, extras)
         if exporter is not None:
             peer = current_call().peer.key
@@ -313,8 +328,8 @@ class OutputTransport:
             slots: list[pb.RdmaSlot] | None = None
             leased: list[Descriptor] = []
             try:
-                if buffers is not None and buffers.matches(emb, pos, extras):
-                    slots = self._try_publish(exporter, buffers, emb, pos, leased)
+                if buffers is not None and buffers.lease is not None and buffers.matches(emb, pos, extras):
+                    slots = self._try_publish(exporter, buffers, buffers.lease, emb, pos, leased)
                     if slots is not None:
                         receipt.encoder_stage_us["allocate"] = buffers.allocate_us
                 else:
@@ -332,7 +347,7 @@ class OutputTransport:
         # Inline: the receipt views the output's host bytes, copied once when it is serialized. Slot memory goes
         # back to the pool when transfer() returns (before that), so an output in an allocation is copied now.
         t0 = time.perf_counter()
-        private = buffers is not None or ends_allocations
+        private = buffers is not None or ends_allocations or placement is not None
         out.embedding = _codec.host_view(emb, receipt.embedding, private=private)
         self.metrics.bytes.labels("encoder", "inline", "embedding").inc(len(out.embedding))
         if pos is not None:
@@ -344,6 +359,58 @@ class OutputTransport:
         receipt.encoder_stage_us["serialize"] = int((time.perf_counter() - t0) * 1e6)
         self.metrics.requests.labels("encoder", "inline").inc()
         return out
+
+    def _try_place(self, placement: Placement, emb: torch.Tensor, pos: torch.Tensor | None,
+                   extras: list[torch.Tensor], buffers: OutputBuffers | None, receipt: pb.EncodeResponse) -> bool:
+        """Writes the output into the caller's receive buffer (in place already when it came from
+        ``allocate_output``) and describes it in ``receipt.placed``; False (``placed.declined`` says why) when the
+        output goes by another plane."""
+        tensors = [emb, *([pos] if pos is not None else []), *extras]
+        roles = [pb.EMBEDDING, *([pb.POS_ID] if pos is not None else []), *([pb.EXTRA_INPUT] * len(extras))]
+        placed = receipt.placed
+        placed.buffer_id = placement.buffer.buffer_id
+        base = placement.buffer.tensor
+        lo, hi = base.data_ptr(), base.data_ptr() + placement.buffer.nbytes
+        in_place = buffers is not None and buffers.placement is placement and buffers.matches(emb, pos, extras)
+        why = ""
+        offsets: list[int] | None = None
+        if any(t.dtype not in _codec.SUPPORTED_DTYPES for t in tensors):
+            why = Reason.UNSUPPORTED_DTYPE.value
+        elif in_place:
+            offsets = [t.data_ptr() - lo for t in tensors]
+        else:
+            offsets = _placed.plan([(tuple(t.shape), t.dtype) for t in tensors], placement.buffer.nbytes)
+            if offsets is None:
+                why = "too_large"
+                placed.needed_bytes = _placed.needed_bytes(tensors)
+            # A tensor already in the buffer (from allocate_output, the rest of the output not) must sit where
+            # the plan puts it: the copies of the others then never overwrite it.
+            elif any(lo <= t.data_ptr() < hi and (t.data_ptr() - lo != off or not t.is_contiguous())
+                     for t, off in zip(tensors, offsets, strict=True) if t.numel()):
+                why = "output_overlaps_buffer"
+        if why or offsets is None:
+            placed.declined = why
+            self.metrics.fallbacks.labels("encoder", "placement_" + why).inc()
+            return False
+        t0 = time.perf_counter()
+        if not in_place:
+            for t, off in zip(tensors, offsets, strict=True):
+                if t.numel() and t.data_ptr() - lo != off:  # not there already
+                    _placed.typed_view(base, off, tuple(t.shape), t.dtype).copy_(t, non_blocking=True)
+        if base.is_cuda:  # the encoder's writes (and ours) are on this stream: done before the caller looks
+            torch.cuda.current_stream(base.device).synchronize()
+        elif any(t.is_cuda for t in tensors):
+            torch.cuda.synchronize()
+        for t, off, role in zip(tensors, offsets, roles, strict=True):
+            nbytes = t.numel() * t.element_size()
+            placed.tensors.add(role=role, dtype=_codec.DTYPE_TO_WIRE[t.dtype], shape=list(t.shape), offset=off,
+                               nbytes=nbytes)
+            self.metrics.child(self.metrics.bytes, "encoder", "placed", _codec.ROLE_LABELS[role]).inc(nbytes)
+        receipt.encoder_stage_us["place"] = int((time.perf_counter() - t0) * 1e6)
+        if buffers is not None and in_place:
+            receipt.encoder_stage_us["allocate"] = buffers.allocate_us
+        self.metrics.child(self.metrics.requests, "encoder", "placed").inc()
+        return True
 
     def _pinned(self, payload: int) -> int:
         """Pool bytes ``payload`` bytes hold: the size of the slot it lands in (quotas count what is pinned)."""
@@ -366,11 +433,11 @@ class OutputTransport:
                 return None, Reason.EMPTY_EXPORT.value
         return exporter, None
 
-    def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, emb: torch.Tensor,
+    def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, lease: Lease, emb: torch.Tensor,
                      pos: torch.Tensor | None, leased: list[Descriptor]) -> list[pb.RdmaSlot] | None:
         """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
         try:
-            desc = exporter.export_allocated(buffers.lease)
+            desc = exporter.export_allocated(lease)
             leased.append(desc)
             slot = pb.RdmaSlot(descriptor=desc.to_bytes())
             slot.roles.append(pb.EMBEDDING)

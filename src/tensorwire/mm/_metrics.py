@@ -1,6 +1,6 @@
 """Prometheus metrics of the encoder-output transport, with bounded labels only.
 
-Labels: ``side`` (encoder/llm), ``plane`` (rdma/inline), ``role`` (embedding/pos_id/extra_input), ``reason``
+Labels: ``side`` (encoder/llm), ``plane`` (rdma/inline/placed), ``role`` (embedding/pos_id/extra_input), ``reason``
 (a :class:`~tensorwire.errors.Reason` value or one of the fixed strings below), ``mode`` (sync/async),
 ``scope`` (endpoint/worker), ``state``, ``path`` (stream/unary: how an Encode reached the encoder) and ``event``
 (a control-stream lifecycle event, see ``control_streams``). Never endpoints, lease ids, shapes or free text.

@@ -91,8 +91,10 @@ def role_bytes(tensors: list[torch.Tensor], roles: list[int]) -> dict[str, int]:
     return out
 
 
-def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse) -> MultimodalOutput:
-    """The RDMA output: embedding chunks joined and split per item, position ids on the host, extras per item."""
+def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse,
+             plane: Plane = Plane.RDMA) -> MultimodalOutput:
+    """The RDMA (or placed) output: embedding chunks joined and split per item, position ids on the host, extras
+    per item."""
     chunks: list[torch.Tensor] = []
     pos: torch.Tensor | None = None
     extras: list[torch.Tensor] = []
@@ -115,7 +117,7 @@ def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeRe
     splits = [int(s) for s in receipt.split_sizes]
     embs, pos_parts, extra_list = _codec.assemble(embedding, splits, pos, extras)
     return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos_parts, extra_inputs=extra_list,
-                            plane=Plane.RDMA, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
+                            plane=plane, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
 
 
 def check_receipt(receipt: pb.EncodeResponse, parse: DescriptorParser) -> tuple[list[str], Exception | None]:

@@ -94,10 +94,14 @@ class CallScope:
     """One call as its handler sees it: ``peer``, ``deadline`` (``time.monotonic()``; inf: none) and whether the
     caller is still there (``active()``). ``check()`` raises when the work should stop. Thread-safe to read."""
 
-    def __init__(self, peer: Peer, *, deadline: float = math.inf, is_active: Callable[[], bool] | None = None) -> None:
+    def __init__(self, peer: Peer, *, deadline: float = math.inf, is_active: Callable[[], bool] | None = None,
+                 placement: Any = None) -> None:
         self.peer = peer
         self.deadline = deadline
         self._is_active = is_active
+        # The caller's receive buffer this call may write its output into (``_placed.Placement``; same-host
+        # channel only), else None.
+        self.placement = placement
 
     def active(self) -> bool:
         return self._is_active is None or bool(self._is_active())
@@ -120,7 +124,7 @@ class CallScope:
     def narrowed(self, budget_s: float) -> CallScope:
         """The same call with its deadline at most ``budget_s`` from now."""
         return CallScope(self.peer, deadline=min(self.deadline, time.monotonic() + budget_s),
-                         is_active=self._is_active)
+                         is_active=self._is_active, placement=self.placement)
 
     def work_slot(self) -> AbstractContextManager[None]:
         """Holds one of the server's work slots for the block (a stream takes one per Encode it runs); outside a

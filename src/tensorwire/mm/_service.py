@@ -33,6 +33,7 @@ from tensorwire.mm._config import TransportConfig
 from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
 from tensorwire.mm._host import Admission, GrpcHost, Lane, Method, Service
 from tensorwire.mm._metrics import TransportMetrics
+from tensorwire.mm._placed import Placement
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._scope import CallScope, call_scope, current_call
@@ -139,7 +140,8 @@ class EncoderService:
         with self._streams_lock:
             return len(self._streams)
 
-    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
+    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool], *,
+                   placement: Placement | None = None) -> WireReceipt:
         """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
 
         Both control paths call this. Failures are counted and logged here. ``encode_fn`` runs inside the call's
@@ -152,11 +154,12 @@ class EncoderService:
         if not self._encodes.enter():
             raise _draining()
         try:
-            return self._run_encode(request, is_active)
+            return self._run_encode(request, is_active, placement)
         finally:
             self._encodes.exit()
 
-    def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool]) -> WireReceipt:
+    def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool],
+                    placement: Placement | None) -> WireReceipt:
         metrics = self.transport.metrics
         inputs = _codec.inputs_from_pb(request)
         cfg = self.transport.config
@@ -164,7 +167,7 @@ class EncoderService:
                                        margin_ms=0)
         outer = current_call()
         scope = CallScope(outer.peer, deadline=min(outer.deadline, time.monotonic() + budget_ms / 1000.0),
-                          is_active=is_active)
+                          is_active=is_active, placement=placement)
         with call_scope(scope):
             t0 = time.perf_counter()
             try:
@@ -182,7 +185,7 @@ class EncoderService:
                 self._count_failure(exc, "transfer failed: %r", exc)
                 raise
         receipt.message.encoder_stage_us["encode"] = int(compute_s * 1e6)
-        plane = "rdma" if receipt.message.rdma_slots else "inline"
+        plane = "rdma" if receipt.message.rdma_slots else "placed" if receipt.message.placed.tensors else "inline"
         metrics.child(metrics.encoder_request_seconds, plane).observe(time.perf_counter() - t0)
         if receipt.message.rdma_slots and not is_active():
             # The caller gave up (deadline, cancel) while we exported: nobody will read or release these.

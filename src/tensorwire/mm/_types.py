@@ -16,6 +16,7 @@ class Plane(str, enum.Enum):
 
     RDMA = "rdma"
     INLINE = "inline"
+    PLACED = "placed"  # written by the encoder into this process's receive buffer (same-host channel)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ connection ends after the request was written          PeerUnavailable(PEER_UNAV
 answer that does not parse / names another request     ProtocolError; connection closed
 =====================================================  ===============================================
 
+Placed outputs (``_placed``, docs/transport.md "Placed outputs"): each connection lends the worker receive buffers
+(``_Conn._pick``; offered once per connection) and names one in each Encode; a placed answer's tensors view it
+(``take_placed``). ``_Placements`` holds the channel's buffer budget, the size hint and the buffers whose request was
+in flight when their connection broke (freed once the worker closed its end).
+
 Releases: the success-path release is a fire-and-forget frame on the fetch's connection (written without
 blocking; False when it cannot be written whole: the caller queues it). Answered releases (failure path, the
 release queue) go over gRPC's ReleaseLeases.
@@ -34,27 +39,34 @@ release queue) go over gRPC's ReleaseLeases.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import threading
 import time
 
+import torch
+
 from tensorwire import _unix
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason, TensorwireError
 from tensorwire.mm import wire
 from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
-from tensorwire.mm._config import TransportConfig
+from tensorwire.mm._config import MODE_AUTO, TransportConfig
 from tensorwire.mm._grpc_channel import GrpcControlChannel
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
+from tensorwire.mm._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._uds_service import HELLO_MAGIC
+from tensorwire.mm._uds_service import HELLO_MAGIC, NOT_MAPPED
+from tensorwire.mm._uds_service import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
 from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, connect
 from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
 
 log = logging.getLogger(__name__)
 
 PATH_LABEL = "local"
+MAX_BUFFERS_PER_CONN = 4  # receive buffers of the size wanted now one connection lends (the worker maps up to 8)
+_PLACEMENT_OFF_S = 60.0  # a worker that did not map our buffer (or allocation failed): no offers for this long
 _TRANSIENT_RETRY_S = 1.0  # discovery that found no endpoint (not up yet, restarting) is retried this soon
 
 
@@ -66,17 +78,129 @@ class _Unusable(Exception):
     """The advertised channel cannot be used (gone, refused, fails a check): forget it until rediscovery."""
 
 
+class _Placements:
+    """The channel's receive buffers (``_placed``): bytes in use against ``cap_bytes``, the size the next buffer
+    should have (``hint``: the largest output a worker could not place), and the buffers whose worker may still
+    write (``bury``: freed once the worker's end of their connection is closed). Thread-safe."""
+
+    def __init__(self, cap_bytes: int, device: str, rl: RateLimitedLog) -> None:
+        self.cap_bytes = cap_bytes
+        self.device = torch.device(device)
+        self.hint = 0
+        self._rl = rl
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._off_until = 0.0
+        self._graves: list[tuple[socket.socket, list[RecvBuffer]]] = []
+
+    def enabled(self) -> bool:
+        return self.cap_bytes > 0 and time.monotonic() >= self._off_until
+
+    @property
+    def bytes_in_use(self) -> int:
+        """Receive-buffer bytes allocated now (lent, idle or waiting for their worker)."""
+        return self._bytes
+
+    @property
+    def buried(self) -> int:
+        """Buffers waiting for their worker to close its end of a broken connection."""
+        with self._lock:
+            return sum(len(bufs) for _, bufs in self._graves)
+
+    def off(self, why: str) -> None:
+        self._off_until = time.monotonic() + _PLACEMENT_OFF_S
+        self._rl.log(logging.INFO, "placement-off", "placed outputs off for %.0f s: %s", _PLACEMENT_OFF_S, why)
+
+    def new_buffer(self, needed: int) -> RecvBuffer | None:
+        nbytes = buffer_bytes(max(needed, MIN_BUFFER_BYTES))
+        with self._lock:
+            if self._bytes + nbytes > self.cap_bytes:
+                return None
+            self._bytes += nbytes
+        try:
+            return RecvBuffer(next(self._ids), nbytes, self.device)
+        except Exception as exc:  # out of memory, no driver: the other planes still work
+            with self._lock:
+                self._bytes -= nbytes
+            self.off(f"a {nbytes}-byte receive buffer could not be allocated: {exc!r}")
+            return None
+
+    def loan_ended(self, buf: RecvBuffer) -> None:
+        buf.busy = False
+        if buf.retired:
+            self._free(buf)
+
+    def retire(self, bufs: list[RecvBuffer]) -> None:
+        """Nothing writes into these any more: free them now, or when their loans end."""
+        for buf in bufs:
+            buf.retired = True
+            if not buf.busy:
+                self._free(buf)
+
+    def bury(self, sock: socket.socket, inflight: RecvBuffer, others: list[RecvBuffer]) -> None:
+        """``inflight``'s request was in flight when its connection broke: the worker may still write it. The
+        connection's write side is shut (the worker sees the caller gone) and the buffer is freed once the worker
+        closed its end (``reap``)."""
+        inflight.retired = True
+        self.retire(others)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        with self._lock:
+            self._graves.append((sock, [inflight]))
+
+    def reap(self) -> None:
+        if not self._graves:
+            return
+        with self._lock:
+            graves, self._graves = self._graves, []
+        keep = []
+        for sock, bufs in graves:
+            if _unix.is_gone(sock):
+                sock.close()
+                for buf in bufs:
+                    buf.busy = False
+                    self._free(buf)
+            else:
+                keep.append((sock, bufs))
+        with self._lock:
+            self._graves.extend(keep)
+
+    def close(self) -> None:
+        """At the channel's close: graves whose worker is gone are freed; the rest are left allocated (a worker
+        that never ends its connection could still write into them)."""
+        self.reap()
+        with self._lock:
+            left = len(self._graves)
+        if left:
+            log.warning("%d receive buffer(s) stay allocated: their worker may still write into them", left)
+
+    def _free(self, buf: RecvBuffer) -> None:
+        with self._lock:
+            if buf.nbytes <= 0:
+                return
+            self._bytes -= buf.nbytes
+        buf.close()
+        buf.nbytes = 0
+
+
 class _Conn:
     """One connection to the worker's socket; used by one fetch at a time. ``broken`` is final."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, placements: _Placements | None = None) -> None:
         self.sock = sock
         self.broken = False
+        self.renew = False  # its buffers are all too small for what the worker sends: end it at give-back
         self.idle_since = time.monotonic()
         self._next_id = 0
+        self._placements = placements
+        self.buffers: list[RecvBuffer] = []  # lent to the worker on this connection (mapped there)
+        self.inflight: RecvBuffer | None = None  # named by the request on the wire
 
     @classmethod
-    def open(cls, path: str, timeout_s: float) -> _Conn:
+    def open(cls, path: str, timeout_s: float, placements: _Placements | None = None) -> _Conn:
         """Connects, checks the listener's uid and reads its hello. ``_Unusable``: the channel is not there or not
         ours; ``_NotSent``: it is, but will not take this connection now (full, slow)."""
         try:
@@ -85,7 +209,32 @@ class _Conn:
             raise _Unusable(str(exc)) from exc
         except ChannelBusy as exc:
             raise _NotSent(str(exc)) from exc
-        return cls(sock)
+        return cls(sock, placements)
+
+    def _pick(self) -> tuple[RecvBuffer | None, bool]:
+        """(a free receive buffer for the next output, whether it still has to be offered), or (None, False)."""
+        mgr = self._placements
+        if mgr is None or not mgr.enabled():
+            return None, False
+        need = buffer_bytes(mgr.hint) if mgr.hint else 0
+        usable = [b for b in self.buffers if not b.retired and b.nbytes >= need]
+        free = [b for b in usable if not b.busy]
+        if free:
+            return min(free, key=lambda b: b.nbytes), False
+        # Buffers too small for what the worker now sends stay mapped there until the connection ends, and count
+        # against its cap: at that cap with none busy, the connection is renewed (a new one lends larger ones).
+        if len(usable) >= MAX_BUFFERS_PER_CONN or len(self.buffers) >= WORKER_MAX_BUFFERS:
+            if len(self.buffers) >= WORKER_MAX_BUFFERS and not any(b.busy for b in self.buffers):
+                self.renew = True
+            log.debug("no receive buffer for this fetch: %d of %d lent on this connection are in use", len(usable),
+                      len(self.buffers))
+            return None, False
+        buf = mgr.new_buffer(need)
+        if buf is None:
+            log.debug("no receive buffer for this fetch: %d of %d bytes in use", mgr.bytes_in_use, mgr.cap_bytes)
+            return None, False
+        self.buffers.append(buf)
+        return buf, True
 
     def usable(self, max_idle_s: float) -> bool:
         """Not broken, nothing unread (a hang-up shows as readable), and idle for less than ``max_idle_s``."""
@@ -100,8 +249,24 @@ class _Conn:
         self._next_id += 1
         rid = self._next_id
         data = wire.stream_frame(rid, wire.STREAM_ENCODE_FIELD, request.SerializeToString())
+        buf, offer = self._pick()
         try:
-            _unix.send_frame(self.sock, data, deadline)
+            if buf is not None:
+                buf.wait_ready()  # the previous tensors' queued readers are done with it
+                if offer:
+                    body, fds = buf.offer()
+                    _unix.send_frame(self.sock, wire.stream_frame(0, wire.STREAM_OFFER_FIELD,
+                                                                  body.SerializeToString()), deadline, fds)
+                data += wire.placement_field(buf.buffer_id)
+                buf.busy = True
+            try:
+                _unix.send_frame(self.sock, data, deadline)
+            except BaseException:
+                if buf is not None:
+                    buf.busy = False  # not written whole: never run, so never written into
+                raise
+            if buf is not None:
+                self.inflight = buf
         except TimeoutError as exc:  # not written whole: never run; but the budget is gone
             self.broken = True
             raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: the local control channel "
@@ -137,12 +302,30 @@ class _Conn:
         if answer_id != rid:
             self.broken = True
             raise ProtocolError(f"{endpoint} answered request {answer_id} on a local connection awaiting {rid}")
+        self.inflight = None  # answered: the worker is done with the buffer
+        if buf is not None and not (isinstance(value, WireReceipt) and value.message.placed.tensors):
+            buf.busy = False
+            if isinstance(value, WireReceipt):
+                self._learn(value.message.placed)
         if isinstance(value, WireReceipt):
             return value
         if isinstance(value, pb.StreamError):
             raise wire.error_from_stream(value, f"Encode on {endpoint}")
         self.broken = True
         raise ProtocolError(f"{endpoint} answered request {rid} with neither a receipt nor an error")
+
+    def _learn(self, placed: pb.PlacedOutput) -> None:
+        """What a declined placement says: a larger buffer next time, or no offers for a while."""
+        mgr = self._placements
+        if mgr is None or not placed.declined:
+            return
+        if placed.declined == "too_large" and placed.needed_bytes:
+            if placed.needed_bytes > mgr.cap_bytes:
+                mgr.off(f"an output of {placed.needed_bytes} bytes exceeds local_placement_bytes={mgr.cap_bytes}")
+            else:
+                mgr.hint = max(mgr.hint, int(placed.needed_bytes))
+        elif placed.declined == NOT_MAPPED:
+            mgr.off("the worker did not map our receive buffer (see its log: local_offer_refused)")
 
     def send_release(self, lease_ids: list[str], metrics: TransportMetrics) -> bool:
         if self.broken:
@@ -165,6 +348,13 @@ class _Conn:
 
     def close(self) -> None:
         self.broken = True
+        bufs, self.buffers = self.buffers, []
+        inflight, self.inflight = self.inflight, None
+        if self._placements is not None and inflight is not None:
+            self._placements.bury(self.sock, inflight, [b for b in bufs if b is not inflight])
+            return  # the socket goes with the grave
+        if self._placements is not None:
+            self._placements.retire(bufs)
         self.sock.close()
 
 
@@ -209,7 +399,7 @@ class _ConnPool:
 
     def give_back(self, conn: _Conn) -> None:
         with self._lock:
-            keep = not self._closed and not conn.broken
+            keep = not self._closed and not conn.broken and not conn.renew
             if keep:
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
@@ -260,6 +450,9 @@ class UdsControlChannel(ControlChannel):
         self._asking: threading.Thread | None = None
         self._closed = False
         self._rl = RateLimitedLog(log)
+        # mode grpc: every output inline, so no receive buffers either
+        self.placements = _Placements(self._config.local_placement_bytes if self._config.mode == MODE_AUTO else 0,
+                                      self._config.rdma.device, self._rl)
         self._ask()
 
     # -- discovery ----------------------------------------------------------------------------------------
@@ -343,10 +536,11 @@ class UdsControlChannel(ControlChannel):
             if time.monotonic() >= self._retry_at:
                 self._ask()
             return self.grpc.session()
+        self.placements.reap()
         conn, may_open = self._pool.take()
         if conn is None and may_open:
             try:
-                conn = _Conn.open(path, self._wait_s)
+                conn = _Conn.open(path, self._wait_s, self.placements)
                 self._metrics.control_streams.labels("llm", "local_opened").inc()
             except _Unusable as exc:
                 self._pool.opened_failed()
@@ -374,6 +568,7 @@ class UdsControlChannel(ControlChannel):
             asking = self._asking
         try:
             self._pool.close()
+            self.placements.close()
             if asking is not None:
                 asking.join(self._wait_s + 1.0)
         finally:
@@ -393,6 +588,7 @@ class _UdsSession(ControlSession):
         self._channel = channel
         self._conn: _Conn | None = conn
         self._grpc: ControlSession | None = None
+        self._placed: RecvBuffer | None = None  # holds the output of the last answer, until take_placed
 
     @property
     def path(self) -> str:
@@ -400,9 +596,18 @@ class _UdsSession(ControlSession):
 
     def encode(self, request: pb.EncodeRequest, budget: Budget) -> WireReceipt:
         conn = self._conn
+        self._drop_placed()
         if self._grpc is None and conn is not None:
             try:
-                return conn.encode(request, budget, self._channel.endpoint, self._channel._metrics)
+                receipt = conn.encode(request, budget, self._channel.endpoint, self._channel._metrics)
+                if receipt.message.placed.tensors:
+                    self._placed = next((b for b in conn.buffers
+                                         if b.buffer_id == receipt.message.placed.buffer_id and b.busy), None)
+                    if self._placed is None:  # names a buffer we did not lend it for this request
+                        conn.broken = True
+                        raise ProtocolError(f"{self._channel.endpoint} placed its output in buffer "
+                                            f"{receipt.message.placed.buffer_id}, which this request did not lend")
+                return receipt
             except _NotSent:
                 self._channel._metrics.control_streams.labels("llm", "local_not_sent").inc()
             finally:
@@ -418,12 +623,31 @@ class _UdsSession(ControlSession):
         conn = self._conn
         return conn is not None and conn.send_release(lease_ids, self._channel._metrics)
 
+    def take_placed(self, receipt: WireReceipt) -> tuple[list[torch.Tensor], list[int], int]:
+        buf, self._placed = self._placed, None
+        if buf is None or buf.buffer_id != receipt.message.placed.buffer_id:
+            if buf is not None:
+                self._channel.placements.loan_ended(buf)
+            return super().take_placed(receipt)
+        try:
+            return placed_views(receipt.message.placed, buf, self._channel.placements.loan_ended)
+        except BaseException:
+            self._channel.placements.loan_ended(buf)  # nothing was lent: the buffer is free again
+            raise
+
+    def _drop_placed(self) -> None:
+        """A placed answer nobody took (the fetch failed before): its buffer is free again."""
+        buf, self._placed = self._placed, None
+        if buf is not None:
+            self._channel.placements.loan_ended(buf)
+
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
             self._channel._give_back(conn)
 
     def close(self) -> None:
+        self._drop_placed()
         self._drop()
         if self._grpc is not None:
             self._grpc.close()

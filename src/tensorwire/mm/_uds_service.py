@@ -13,6 +13,10 @@ request, or when a request frame does not arrive whole within ``REQUEST_FRAME_S`
     frames: StreamRequest {id, encode}  -> exactly one StreamResponse {id, receipt | error} (the EncodeStream's
                                            messages, bytes for bytes: ``WireReceipt.to_stream_frame``)
             StreamRequest {release}     -> never answered (fire and forget, as on the EncodeStream)
+            StreamRequest {offer}       -> never answered: a receive buffer (memfd passed with the frame, or a
+                                           CUDA IPC handle) mapped for this connection's life; an Encode that
+                                           names it (``placement``) gets its output written there (placed
+                                           outputs, ``_placed``; docs/transport.md)
 
 A request runs through ``EncoderService.run_encode``, the function both gRPC paths run, so outputs, errors (the
 ``wire`` status table, as ``StreamError``), metrics and the caller-went-away release are the same. The caller is
@@ -32,11 +36,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
 from google.protobuf.message import DecodeError
 
 from tensorwire import _unix
 from tensorwire.mm import wire
+from tensorwire.mm._config import MODE_AUTO
 from tensorwire.mm._pbwire import Buffer
+from tensorwire.mm._placed import MappedBuffer, Placement, PlacementRefused, map_offer
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._unix_server import HELLO_FULL, HELLO_OK, Conn, UnixConnServer
 from tensorwire.mm._wire_receipt import WireReceipt
@@ -58,6 +65,44 @@ ANSWER_SEND_S = 60.0
 REQUEST_FRAME_S = 10.0
 
 
+NOT_MAPPED = "not_mapped"  # PlacedOutput.declined: the request named a buffer this connection has not mapped
+MAX_BUFFERS_PER_CONN = 8  # receive buffers one connection may have mapped (the client keeps to 4)
+
+
+class _Mapped:
+    """One connection's mapped receive buffers, at most ``MAX_BUFFERS_PER_CONN`` and ``cap_bytes`` together."""
+
+    def __init__(self, cap_bytes: int, device: torch.device) -> None:
+        self._cap = cap_bytes
+        self._device = device
+        self._buffers: dict[int, MappedBuffer] = {}
+
+    def take(self, offer: pb.BufferOffer, fds: list[int]) -> None:
+        """Maps ``offer`` (``PlacementRefused``: not taken; ``fds`` are closed either way)."""
+        try:
+            if self._cap <= 0:
+                raise PlacementRefused("placed outputs are off on this worker (local_placement_bytes=0, or mode "
+                                       "grpc)")
+            if offer.buffer_id in self._buffers:
+                raise PlacementRefused(f"buffer {offer.buffer_id} is already mapped on this connection")
+            if len(self._buffers) >= MAX_BUFFERS_PER_CONN:
+                raise PlacementRefused(f"{MAX_BUFFERS_PER_CONN} buffers are mapped on this connection already")
+            left = self._cap - sum(b.nbytes for b in self._buffers.values())
+            buf = map_offer(offer, fds, self._device, left)
+        finally:
+            _unix.close_fds(fds)
+        self._buffers[buf.buffer_id] = buf
+
+    def placement_for(self, buffer_id: int) -> Placement | None:
+        buf = self._buffers.get(buffer_id) if buffer_id else None
+        return Placement(buf) if buf is not None else None
+
+    def close(self) -> None:
+        buffers, self._buffers = self._buffers, {}
+        for buf in buffers.values():
+            buf.close()
+
+
 class LocalControlServer(UnixConnServer):
     """The listening socket and its connection threads; ``path`` is what clients are told. See the module doc."""
 
@@ -65,6 +110,8 @@ class LocalControlServer(UnixConnServer):
         self._service = service
         self._idle_s = idle_s
         self._metrics = service.transport.metrics
+        cfg = service.transport.config
+        self._placement_cap = cfg.local_placement_bytes if cfg.mode == MODE_AUTO else 0  # grpc: inline only
         super().__init__(directory, prefix="mm", magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
                          on_event=self._count)
 
@@ -74,34 +121,62 @@ class LocalControlServer(UnixConnServer):
     # -- one connection -----------------------------------------------------------------------------------
 
     def _serve(self, conn: Conn) -> None:
+        mapped = _Mapped(self._placement_cap, torch.device(self._service.transport.config.rdma.device))
+        try:
+            self._serve_requests(conn, mapped)
+        finally:
+            mapped.close()  # this connection's placed buffers: nothing writes into them any more
+
+    def _serve_requests(self, conn: Conn, mapped: _Mapped) -> None:
+        fds: list[int] = []
         while not self.stopping:
             if not _unix.wait_readable(conn.sock, time.monotonic() + self._idle_s):
                 self._count("idle")
                 return
             try:
-                raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES)
+                raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds)
             except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
+                _unix.close_fds(fds)
                 self._metrics.errors.labels("encoder", "invalid_request").inc()
                 self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
                              exc if isinstance(exc, ValueError) else "a request frame stalled")
                 return
+            except BaseException:
+                _unix.close_fds(fds)
+                raise
             if raw is None:
+                _unix.close_fds(fds)
                 return
             try:
                 msg = pb.StreamRequest.FromString(bytes(raw))
             except DecodeError as exc:
+                _unix.close_fds(fds)
                 self._metrics.errors.labels("encoder", "invalid_request").inc()
                 self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
                              "ending the connection", exc)
                 return
             kind = msg.WhichOneof("body")
+            if kind == "offer":
+                self._take_offer(mapped, msg.offer, fds)
+                continue
+            _unix.close_fds(fds)  # descriptors come only with offers
             if kind == "release":
                 self._service.release_unanswered(msg.release)
                 continue
-            if not self._answer(conn, msg, kind):
+            if not self._answer(conn, msg, kind, mapped.placement_for(msg.placement)):
                 return
 
-    def _answer(self, conn: Conn, msg: pb.StreamRequest, kind: str | None) -> bool:
+    def _take_offer(self, mapped: _Mapped, offer: pb.BufferOffer, fds: list[int]) -> None:
+        try:
+            mapped.take(offer, fds)
+        except PlacementRefused as exc:
+            self._metrics.control_streams.labels("encoder", "local_offer_refused").inc()
+            self._rl.log(logging.INFO, "offer", "local control: a receive buffer was not taken (%s); that client's "
+                         "outputs use the other planes", exc)
+        else:
+            self._metrics.control_streams.labels("encoder", "local_offer_mapped").inc()
+
+    def _answer(self, conn: Conn, msg: pb.StreamRequest, kind: str | None, placement: Placement | None) -> bool:
         """Runs one Encode and sends its answer; False when the connection is done."""
         sock = conn.sock
         conn.set_busy(True)
@@ -120,7 +195,10 @@ class LocalControlServer(UnixConnServer):
                     return not _unix.is_gone(sock) and (deadline is None or time.monotonic() < deadline)
 
                 try:
-                    receipt = self._service.run_encode(msg.encode, is_active)
+                    receipt = self._service.run_encode(msg.encode, is_active, placement=placement)
+                    if msg.placement and placement is None:  # named a buffer we did not map (refused, unknown)
+                        receipt.message.placed.buffer_id = msg.placement
+                        receipt.message.placed.declined = NOT_MAPPED
                     # Sent from the payloads' own memory (no join); the send below finishes before the receipt
                     # (and the output it views) goes out of scope, on this thread.
                     data = receipt.to_stream_pieces(msg.id)
@@ -154,4 +232,4 @@ def start_local_server(service: EncoderService, directory: str, max_conns: int,
         return None
 
 
-__all__ = ["HELLO_FULL", "HELLO_MAGIC", "HELLO_OK", "LocalControlServer", "start_local_server"]
+__all__ = ["HELLO_FULL", "HELLO_MAGIC", "HELLO_OK", "NOT_MAPPED", "LocalControlServer", "start_local_server"]

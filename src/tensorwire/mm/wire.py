@@ -63,6 +63,8 @@ _STATUS_BY_VALUE: dict[int, grpc.StatusCode] = {code.value[0]: code for code in 
 # StreamRequest/StreamResponse field numbers of their bodies (encoder.proto).
 STREAM_ENCODE_FIELD = 2   # StreamRequest.encode
 STREAM_RELEASE_FIELD = 3  # StreamRequest.release
+STREAM_OFFER_FIELD = 4    # StreamRequest.offer
+STREAM_PLACEMENT_FIELD = 5  # StreamRequest.placement (a varint)
 STREAM_RECEIPT_FIELD = 2  # StreamResponse.receipt
 STREAM_ERROR_FIELD = 3    # StreamResponse.error
 
@@ -76,6 +78,11 @@ def stream_frame(message_id: int, field_number: int, body: bytes) -> bytes:
     Parses to exactly what protobuf would have built.
     """
     return b"".join((b"\x08", _varint(message_id), _varint(field_number << 3 | 2), _varint(len(body)), body))
+
+
+def placement_field(buffer_id: int) -> bytes:
+    """``StreamRequest.placement = buffer_id``, to append to a ``stream_frame`` (fields may come in any order)."""
+    return _varint(STREAM_PLACEMENT_FIELD << 3) + _varint(buffer_id)
 
 
 def rpc_budget_ms(item_timeouts_ms: Iterable[int], *, worker_timeout_ms: int, margin_ms: int) -> int:
@@ -251,7 +258,10 @@ __all__ = [
     "StreamResponse",
     "StreamError",
     "STREAM_ENCODE_FIELD",
+    "placement_field",
     "STREAM_RELEASE_FIELD",
+    "STREAM_OFFER_FIELD",
+    "STREAM_PLACEMENT_FIELD",
     "STREAM_RECEIPT_FIELD",
     "STREAM_ERROR_FIELD",
     "stream_frame",

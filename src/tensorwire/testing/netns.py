@@ -159,6 +159,9 @@ class Host:
         """``base`` (default: this process's environment) with UCX on this host's veth (see the module docstring)."""
         env = dict(os.environ if base is None else base)
         env["UCX_NET_DEVICES"] = self.ifname
+        # These "hosts" share one kernel and one /tmp, which the same-host channel would see through (its host
+        # token is the boot id): off, as it is between real hosts.
+        env.setdefault("TENSORWIRE_MM_LOCAL_CHANNEL", "off")
         if ucx_tls is None:
             env.pop("UCX_TLS", None)
         else:

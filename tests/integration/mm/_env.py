@@ -55,11 +55,14 @@ class RogueTransport(OutputTransport):
 
 class Env:
     """``local``: the clients' ``local_channel`` ("off": the gRPC control plane these tests were written for;
-    "auto": the same-host channel, test_local_channel.py). Servers keep the config they are given."""
+    "auto": the same-host channel, test_local_channel.py); ``placed``: whether those clients lend receive buffers
+    (test_placed.py). Servers keep the config they are given."""
 
-    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off") -> None:
+    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off",
+                 placed: bool = False) -> None:
         self.fabric = fabric
         self.local = local
+        self.placed = placed  # clients lend receive buffers (placed outputs); off: the slots/inline planes
         self.registry = registry
         self.metrics = TransportMetrics(registry)
         self.events: list[tuple[str, dict[str, Any]]] = []
@@ -79,6 +82,8 @@ class Env:
 
     def client(self, address: str, cfg: TransportConfig | None = None, clock=time.monotonic, local=None, **kw):  # type: ignore[no-untyped-def]
         cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=local or self.local)
+        if not self.placed:
+            cfg = dataclasses.replace(cfg, local_placement_bytes=0)
         c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
                                   metrics=self.metrics, clock=clock,
                                   observer=lambda e, d: self.events.append((e, d)), **kw)
@@ -89,7 +94,8 @@ class Env:
 
     def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
         """A client built on a control channel the test holds (to look at its streams and watchdog)."""
-        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local)
+        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local,
+                                  local_placement_bytes=cfg.local_placement_bytes if cfg and self.placed else 0)
         channel = GrpcControlChannel(address, cfg, self.metrics)
         return self.client(address, cfg, channel=channel, **kw), channel
 

@@ -15,8 +15,8 @@ from fakes import FakeFabric
 from prometheus_client import CollectorRegistry
 
 
-def _env(local: str) -> Iterator[Env]:
-    e = Env(FakeFabric(), CollectorRegistry(), local)
+def _env(local: str, placed: bool = False) -> Iterator[Env]:
+    e = Env(FakeFabric(), CollectorRegistry(), local, placed)
     try:
         yield e
     finally:
@@ -42,3 +42,9 @@ def any_env(request: pytest.FixtureRequest) -> Iterator[Env]:
 def local_env() -> Iterator[Env]:
     """Clients on the same-host channel only (its own faults and checks)."""
     yield from _env("auto")
+
+
+@pytest.fixture
+def placed_env() -> Iterator[Env]:
+    """Clients on the same-host channel that lend receive buffers (placed outputs)."""
+    yield from _env("auto", placed=True)

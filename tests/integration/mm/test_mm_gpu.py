@@ -74,11 +74,43 @@ def encoder() -> Any:
         proc.kill()
 
 
+def test_placed_outputs_into_cuda0(encoder: Any) -> None:
+    # Same-host channel with receive buffers: the encoder process writes into this process's device memory (CUDA
+    # IPC), by copy or from allocate_output; every output held keeps its bytes while later fetches land elsewhere.
+    endpoint, _, _ = encoder
+    torch.empty(1, device=DEV)
+    emb, pos = _expected()
+    cfg = TransportConfig(rdma=RdmaConfig(device=DEV, bind_ip="127.0.0.1"))
+    with RemoteOutputTransport(endpoint, cfg) as c:
+        assert c.wait_ready(60)
+        first = c.fetch([MultimodalInput(b"img")])  # 4 MB: over the first 1 MiB buffer, so by RDMA, and learnt
+        assert first.plane is Plane.RDMA and torch.equal(first.embeddings[0].cpu(), emb)
+        held = []
+        for zero_copy in ("0", "1", "0", "1"):
+            out = c.fetch([MultimodalInput(b"img", params={"zero_copy": zero_copy})])
+            assert out.plane is Plane.PLACED, (zero_copy, out.fallback_reason)
+            (got,) = out.embeddings
+            assert got.device == torch.device(DEV) and got.dtype == torch.bfloat16
+            assert torch.equal(got.cpu(), emb), f"zero_copy={zero_copy}"
+            assert torch.equal(torch.cat(list(out.position_ids)).cpu().reshape(ROWS, 3), pos)
+            got.add_(1)  # the caller owns these bytes: a later fetch must not touch them
+            held.append(got)
+        for got in held:
+            assert torch.equal(got.cpu(), (emb.to(DEV) + 1).cpu())
+        ptrs = {g.data_ptr() for g in held}
+        assert len(ptrs) == 4  # four buffers, one per held output
+        del held, got, out
+        out = c.fetch([MultimodalInput(b"img", params={"zero_copy": "1"})])
+        assert out.plane is Plane.PLACED and out.embeddings[0].data_ptr() in ptrs  # a buffer came back
+        assert torch.equal(out.embeddings[0].cpu(), emb)
+
+
 def test_encoder_on_cuda0_fetch_into_cuda0(encoder: Any) -> None:
     endpoint, q, stop = encoder
     torch.empty(1, device=DEV)
     emb, pos = _expected()
-    cfg = TransportConfig(rdma=RdmaConfig(device=DEV, bind_ip="127.0.0.1"))
+    # The RDMA plane (placed outputs, which a same-host client uses by default, are the test above)
+    cfg = TransportConfig(rdma=RdmaConfig(device=DEV, bind_ip="127.0.0.1"), local_placement_bytes=0)
     with RemoteOutputTransport(endpoint, cfg) as rdma, RemoteOutputTransport(endpoint, cfg.with_mode("grpc")) as inline:
         assert rdma.wait_ready(60)
         for zero_copy in ("0", "1", "0", "1"):

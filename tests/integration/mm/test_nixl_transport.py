@@ -62,7 +62,7 @@ def test_rdma_success_path_over_nixl(path: str) -> None:
     # the unary ReleaseLeases RPC of the async queue) really frees every lease on the encoder while the client
     # is open.
     cfg = TransportConfig(worker_id="nixl-w0", control_stream=path != "unary",
-                          local_channel="auto" if path == "local" else "off")
+                          local_channel="auto" if path == "local" else "off", local_placement_bytes=0)
     p, q, stop, port = start(cfg, seed=11)
     events: list[str] = []
     reg = CollectorRegistry()
@@ -84,6 +84,35 @@ def test_rdma_success_path_over_nixl(path: str) -> None:
     finally:
         stats = finish(p, q, stop)
     assert stats.get("live_leases") == 0 and stats.get("releases", 0) >= 3 and stats.get("gc_reclaims", 0) == 0
+
+
+def test_placed_output_from_an_encoder_process() -> None:
+    # Same-host channel with receive buffers (the default): the encoder process writes the output into this
+    # process's memfd; no slot is leased and nothing is READ or released, and the bits are the reference's.
+    cfg = TransportConfig(worker_id="nixl-w0")
+    p, q, stop, port = start(cfg, seed=11)
+    events: list[str] = []
+    reg = CollectorRegistry()
+    try:
+        with client(port, cfg, events, reg) as c:
+            outs = []
+            for _ in range(3):
+                events.clear()
+                out = c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])
+                assert out.plane is Plane.PLACED and out.worker_id == "nixl-w0"
+                assert events == ["request"]
+                check(out, 11, [3, 5], 64)
+                outs.append(out)  # held: each fetch needs a buffer of its own
+            assert reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "local"}) == 3
+            assert reg.get_sample_value("tensorwire_mm_requests_total", {"side": "llm", "plane": "placed"}) == 3
+            del outs, out
+            events.clear()
+            check(c.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")]), 11, [3, 5], 64)  # a buffer came back
+        live = live_stats(p, q)
+        assert live.get("live_leases", 0) == 0 and live.get("releases", 0) == 0, live
+    finally:
+        stats = finish(p, q, stop)
+    assert stats.get("live_leases") == 0 and stats.get("gc_reclaims", 0) == 0
 
 
 def test_zero_copy_output_over_nixl() -> None:
@@ -116,7 +145,7 @@ def test_zero_copy_output_over_nixl() -> None:
 
 
 def test_failure_path_over_nixl_in_exact_order() -> None:
-    cfg = TransportConfig(worker_id="nixl-w1")
+    cfg = TransportConfig(worker_id="nixl-w1", local_placement_bytes=0)  # the RDMA plane's failure path
     p, q, stop, port = start(cfg, seed=12, releasing=True)  # leases die before the read: a real stale read
     events: list[str] = []
     reg = CollectorRegistry()
@@ -133,7 +162,7 @@ def test_failure_path_over_nixl_in_exact_order() -> None:
 
 def test_large_multi_slot_embedding_bit_exact_over_nixl() -> None:
     rdma = RdmaConfig(max_slot_bytes=1 << 20, pool_cap_bytes=64 << 20)
-    cfg = TransportConfig(worker_id="nixl-w2", rdma=rdma)
+    cfg = TransportConfig(worker_id="nixl-w2", rdma=rdma, local_placement_bytes=0)
     rows, cols = [1500, 2000, 596], 1024  # 4096 x 1024 bf16 = 8 MiB -> at least 8 slots of <= 1 MiB
     p, q, stop, port = start(cfg, seed=13, rows=rows, cols=cols)
     events: list[str] = []

@@ -90,7 +90,7 @@ def test_gpu_reads_staged_over_tcp_are_counted(env: Env, transport: str, device:
             return transport
 
     srv = env.server()
-    cfg = TransportConfig(rdma=RdmaConfig(device=device))
+    cfg = TransportConfig(rdma=RdmaConfig(device=device), local_placement_bytes=0)  # the RDMA plane's accounting
     c = RemoteOutputTransport(srv.address, cfg, reader_factory=lambda rc: Reporting(env.fabric, RdmaConfig()),
                               metrics=env.metrics)
     env.clients.append(c)
@@ -319,8 +319,8 @@ def test_reader_without_provider_never_advertises(env: Env) -> None:
     def no_reader(rc: RdmaConfig) -> FakeReader:
         raise ReadError("no provider", reason=Reason.PROVIDER_UNAVAILABLE)
 
-    c = RemoteOutputTransport(srv.address, TransportConfig(), reader_factory=no_reader, metrics=env.metrics,
-                              observer=lambda e, d: env.events.append((e, d)))
+    c = RemoteOutputTransport(srv.address, TransportConfig(local_placement_bytes=0), reader_factory=no_reader,
+                              metrics=env.metrics, observer=lambda e, d: env.events.append((e, d)))
     env.clients.append(c)
     wait_for(lambda: c.reader_state is InitState.DISABLED)
     assert c.fetch(INPUTS).plane is Plane.INLINE and env.events[0][1]["support_rdma"] is False

@@ -98,7 +98,7 @@ def test_one_peer_that_never_releases_cannot_pin_the_pool(tmp_path: Path, netns:
         assert attacker.returncode == 0, attacker.stderr[-3000:]
         pinned = int(attacker.stdout.strip().splitlines()[-1])
         assert 0 < pinned < 24  # its first outputs came over RDMA, the rest inline once it held its quota
-        cfg = TransportConfig()
+        cfg = TransportConfig(local_placement_bytes=0)  # the slots quota: RDMA plane
         with RemoteOutputTransport(f"127.0.0.1:{port}", cfg, metrics=metrics_for(CollectorRegistry())) as victim:
             assert victim.wait_ready(30)
             for _ in range(6):

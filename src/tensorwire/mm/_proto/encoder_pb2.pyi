@@ -101,7 +101,7 @@ class WorkerIdentity(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("embedding", "position_ids", "extra_inputs", "split_sizes", "rdma_slots", "worker", "encoder_stage_us")
+    __slots__ = ("embedding", "position_ids", "extra_inputs", "split_sizes", "rdma_slots", "worker", "encoder_stage_us", "placed")
     class EncoderStageUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class EncodeResponse(_message.Message):
     RDMA_SLOTS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ENCODER_STAGE_US_FIELD_NUMBER: _ClassVar[int]
+    PLACED_FIELD_NUMBER: _ClassVar[int]
     embedding: Tensor
     position_ids: Tensor
     extra_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -123,7 +124,54 @@ class EncodeResponse(_message.Message):
     rdma_slots: _containers.RepeatedCompositeFieldContainer[RdmaSlot]
     worker: WorkerIdentity
     encoder_stage_us: _containers.ScalarMap[str, int]
-    def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    placed: PlacedOutput
+    def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ..., placed: _Optional[_Union[PlacedOutput, _Mapping]] = ...) -> None: ...
+
+class PlacedTensor(_message.Message):
+    __slots__ = ("role", "dtype", "shape", "offset", "nbytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    nbytes: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class PlacedOutput(_message.Message):
+    __slots__ = ("buffer_id", "tensors", "declined", "needed_bytes")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DECLINED_FIELD_NUMBER: _ClassVar[int]
+    NEEDED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: int
+    tensors: _containers.RepeatedCompositeFieldContainer[PlacedTensor]
+    declined: str
+    needed_bytes: int
+    def __init__(self, buffer_id: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[PlacedTensor, _Mapping]]] = ..., declined: _Optional[str] = ..., needed_bytes: _Optional[int] = ...) -> None: ...
+
+class BufferOffer(_message.Message):
+    __slots__ = ("buffer_id", "kind", "nbytes", "cuda_ipc_handle")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BufferOffer.Kind]
+        HOST: _ClassVar[BufferOffer.Kind]
+        CUDA: _ClassVar[BufferOffer.Kind]
+    KIND_UNSPECIFIED: BufferOffer.Kind
+    HOST: BufferOffer.Kind
+    CUDA: BufferOffer.Kind
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: int
+    kind: BufferOffer.Kind
+    nbytes: int
+    cuda_ipc_handle: bytes
+    def __init__(self, buffer_id: _Optional[int] = ..., kind: _Optional[_Union[BufferOffer.Kind, str]] = ..., nbytes: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeasesRequest(_message.Message):
     __slots__ = ("lease_ids",)
@@ -140,14 +188,18 @@ class ReleaseLeasesResponse(_message.Message):
     def __init__(self, released: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
-    __slots__ = ("id", "encode", "release")
+    __slots__ = ("id", "encode", "release", "offer", "placement")
     ID_FIELD_NUMBER: _ClassVar[int]
     ENCODE_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     id: int
     encode: EncodeRequest
     release: ReleaseLeasesRequest
-    def __init__(self, id: _Optional[int] = ..., encode: _Optional[_Union[EncodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseLeasesRequest, _Mapping]] = ...) -> None: ...
+    offer: BufferOffer
+    placement: int
+    def __init__(self, id: _Optional[int] = ..., encode: _Optional[_Union[EncodeRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseLeasesRequest, _Mapping]] = ..., offer: _Optional[_Union[BufferOffer, _Mapping]] = ..., placement: _Optional[int] = ...) -> None: ...
 
 class StreamError(_message.Message):
     __slots__ = ("code", "reason", "message")
