@@ -178,12 +178,12 @@ class _Placements:
             log.warning("%d receive buffer(s) stay allocated: their worker may still write into them", left)
 
     def _free(self, buf: RecvBuffer) -> None:
-        with self._lock:
-            if buf.nbytes <= 0:
+        with self._lock:  # once: a loan ending on another thread may race the connection's close
+            nbytes, buf.nbytes = buf.nbytes, 0
+            if nbytes <= 0:
                 return
-            self._bytes -= buf.nbytes
+            self._bytes -= nbytes
         buf.close()
-        buf.nbytes = 0
 
 
 class _Conn:
@@ -198,6 +198,7 @@ class _Conn:
         self._placements = placements
         self.buffers: list[RecvBuffer] = []  # lent to the worker on this connection (mapped there)
         self.inflight: RecvBuffer | None = None  # named by the request on the wire
+        self.answered: RecvBuffer | None = None  # named by the last request, whose answer says it is filled
 
     @classmethod
     def open(cls, path: str, timeout_s: float, placements: _Placements | None = None) -> _Conn:
@@ -303,7 +304,10 @@ class _Conn:
             self.broken = True
             raise ProtocolError(f"{endpoint} answered request {answer_id} on a local connection awaiting {rid}")
         self.inflight = None  # answered: the worker is done with the buffer
-        if buf is not None and not (isinstance(value, WireReceipt) and value.message.placed.tensors):
+        self.answered = None
+        if buf is not None and isinstance(value, WireReceipt) and value.message.placed.tensors:
+            self.answered = buf  # this request's buffer, for the session to check the answer against
+        elif buf is not None:
             buf.busy = False
             if isinstance(value, WireReceipt):
                 self._learn(value.message.placed)
@@ -601,12 +605,15 @@ class _UdsSession(ControlSession):
             try:
                 receipt = conn.encode(request, budget, self._channel.endpoint, self._channel._metrics)
                 if receipt.message.placed.tensors:
-                    self._placed = next((b for b in conn.buffers
-                                         if b.buffer_id == receipt.message.placed.buffer_id and b.busy), None)
-                    if self._placed is None:  # names a buffer we did not lend it for this request
+                    lent, conn.answered = conn.answered, None
+                    if lent is None or lent.buffer_id != receipt.message.placed.buffer_id:
+                        if lent is not None:
+                            self._channel.placements.loan_ended(lent)  # not what the answer names: free again
                         conn.broken = True
                         raise ProtocolError(f"{self._channel.endpoint} placed its output in buffer "
-                                            f"{receipt.message.placed.buffer_id}, which this request did not lend")
+                                            f"{receipt.message.placed.buffer_id}, which this request did not lend",
+                                            reason=Reason.RESULT_MISMATCH)
+                    self._placed = lent
                 return receipt
             except _NotSent:
                 self._channel._metrics.control_streams.labels("llm", "local_not_sent").inc()

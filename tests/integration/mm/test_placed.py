@@ -233,3 +233,41 @@ def test_worker_killed_mid_request_frees_its_buffer() -> None:
     finally:
         p.kill()
         p.join(10)
+
+
+class NamesAnotherBuffer(OutputTransport):
+    """A worker that, from its second answer on, says it placed the output in the caller's first buffer (which
+    the caller's first output still holds)."""
+
+    calls = 0
+
+    def _try_place(self, placement, emb, pos, extras, buffers, receipt):  # type: ignore[no-untyped-def]
+        ok = super()._try_place(placement, emb, pos, extras, buffers, receipt)
+        NamesAnotherBuffer.calls += 1
+        if ok and NamesAnotherBuffer.calls > 1:
+            receipt.placed.buffer_id = 1
+        return ok
+
+
+def test_an_answer_naming_a_buffer_this_request_did_not_lend_is_refused(env: Env) -> None:
+    from fakes import FakeExporter
+
+    from tensorwire.mm import serve_encoder
+
+    cfg = TransportConfig(worker_id="worker-1")
+    transport = NamesAnotherBuffer(cfg, exporter_factory=lambda rc: FakeExporter(env.fabric, rc),
+                                   metrics=env.metrics)
+    srv = serve_encoder(Counting(), cfg, "127.0.0.1:0", transport=transport)
+    env.servers.append(srv)
+    c = env.client(srv.address)
+    first = c.fetch(INPUTS)
+    assert first.plane is Plane.PLACED
+    with pytest.raises(ProtocolError, match="did not lend"):
+        c.fetch(INPUTS)
+    # The held output was not handed out a second time, and is as it was.
+    assert torch.equal(torch.cat(first.embeddings), torch.full((9, 16), 1.0, dtype=torch.bfloat16))
+    del first
+    gc.collect()
+    assert placements(c).bytes_in_use == 0  # that connection was ended: its buffers went, the held one when dropped
+    with pytest.raises(ProtocolError, match="did not lend"):
+        c.fetch(INPUTS)  # a new connection, a new buffer: the worker still names buffer 1
