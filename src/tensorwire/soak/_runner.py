@@ -59,6 +59,7 @@ class _Client:
         self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
                                 args=(child, runner.counters, slot, spec, runner.stop_flag, env))
         self.proc.start()
+        self.pid = self.proc.pid or 0  # kept: the Process object is closed once the client is found dead
         child.close()
         self.received = 0
         self.ready: tuple[Any, ...] | None = None
@@ -243,6 +244,7 @@ class SoakRunner:
         c.dead = True
         c.proc.join(5)
         c.conn.close()  # else every killed client would show up as an fd leak of this process
+        exitcode = c.proc.exitcode  # read before close(): a closed Process object raises on every attribute
         if not c.proc.is_alive():
             c.proc.close()  # its sentinel fd
         started = self.counters[c.slot * _client_proc.FIELDS + _client_proc.STARTED]
@@ -253,7 +255,7 @@ class SoakRunner:
                 self._start_client(c.mode, c.threads)  # its replacement warms up and joins in
         else:
             self.results["client_crashed"] += 1
-            self.untyped.append(f"client {c.slot} exited with {c.proc.exitcode} (not killed by a fault); "
+            self.untyped.append(f"client {c.slot} exited with {exitcode} (not killed by a fault); "
                                 f"{lost} request(s) lost")
 
     def _faults_loop(self) -> None:
@@ -349,7 +351,9 @@ class SoakRunner:
                                         "gen": self.worker_gen[i], **_brief(st["process"])}
         with self._lock:
             clients = [c for c in self.clients if not c.dead and c.final is None]
-        point["clients"] = {str(c.slot): _brief(sample(c.proc.pid)) for c in clients if c.proc.pid}
+        # c.pid, not c.proc.pid: the pump thread closes a dead client's Process object (_client_died) while this
+        # runs, and a closed one raises on every attribute
+        point["clients"] = {str(c.slot): _brief(sample(c.pid)) for c in clients if c.pid}
         self.timeline.append(point)
 
     def run(self) -> dict[str, Any]:
