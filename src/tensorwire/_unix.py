@@ -245,18 +245,19 @@ def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, started: bool,
-                expect_wait: bool = False) -> bool:
+                expect_wait: bool = False, fds: list[int] | None = None) -> bool:
     """Fills ``view``; False on a clean EOF before its first byte when ``started`` is False. ``expect_wait``:
-    the bytes are probably not there yet (an answer to a request just sent), so poll before the first read."""
+    the bytes are probably not there yet (an answer to a request just sent), so poll before the first read.
+    ``fds``: collects the descriptors passed with these bytes (``_recv_into``)."""
     got = 0
     if deadline is not None and expect_wait:
         _poll(sock, select.POLLIN, deadline)
     while got < len(view):
         if deadline is None:
-            n = sock.recv_into(view[got:])
+            n = _recv_into(sock, view[got:], 0, fds)
         else:
             try:
-                n = sock.recv_into(view[got:], 0, socket.MSG_DONTWAIT)
+                n = _recv_into(sock, view[got:], socket.MSG_DONTWAIT, fds)
             except BlockingIOError:
                 _poll(sock, select.POLLIN, deadline)
                 continue
@@ -268,29 +269,25 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, s
     return True
 
 
-def _recv_head_fds(sock: socket.socket, view: memoryview, deadline: float | None, fds: list[int]) -> bool:
-    """``_recv_exact`` for a frame header, collecting the descriptors passed with it into ``fds`` (at most
-    ``MAX_FDS``; more, or a truncated set, close what came and fail: a peer cannot make us hold descriptors)."""
-    space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    got = 0
-    while got < len(view):
-        if deadline is not None:
-            _poll(sock, select.POLLIN, deadline)
-        n, ancdata, flags, _ = sock.recvmsg_into([view[got:]], space)
-        for level, kind, data in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                passed = array.array("i")
-                passed.frombytes(data[:len(data) - len(data) % passed.itemsize])
-                fds.extend(passed)
-        if flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
-            close_fds(fds)
-            raise ValueError(f"more than {MAX_FDS} file descriptors passed with one frame")
-        if n == 0:
-            if got == 0:
-                return False
-            raise ConnectionAbortedError("peer closed the connection in the middle of a frame")
-        got += n
-    return True
+_FDS_SPACE = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, flags: int, fds: list[int] | None) -> int:
+    """One ``recv_into``; with ``fds``, a ``recvmsg_into`` that adds the descriptors passed with the bytes to it
+    (at most ``MAX_FDS``: more, or a truncated set, close what came and fail, so a peer cannot make us hold
+    descriptors)."""
+    if fds is None:
+        return sock.recv_into(view, 0, flags)
+    n, ancdata, msg_flags, _ = sock.recvmsg_into([view], _FDS_SPACE, flags)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            passed = array.array("i")
+            passed.frombytes(data[:len(data) - len(data) % passed.itemsize])
+            fds.extend(passed)
+    if msg_flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
+        close_fds(fds)
+        raise ValueError(f"more than {MAX_FDS} file descriptors passed with one frame")
+    return n
 
 
 def close_fds(fds: list[int]) -> None:
@@ -311,10 +308,7 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
     if deadline is not None and deadline <= time.monotonic():
         raise TimeoutError("deadline passed")
     head = bytearray(FRAME_HEADER.size)
-    if fds is not None:
-        if not _recv_head_fds(sock, memoryview(head), deadline, fds):
-            return None
-    elif not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True):
+    if not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True, fds=fds):
         return None
     (n,) = FRAME_HEADER.unpack(head)
     if n > max_bytes:

@@ -233,7 +233,7 @@ class OutputTransport:
         if placement is not None:
             placed = placement.views(specs)
             if placed is not None:
-                return self._keep(OutputBuffers(placed[0][0], placed[0][1] if position_cols else None, None,
+                return self._keep(OutputBuffers(placed[0], placed[1] if position_cols else None, None,
                                                 threading.get_ident(), int((time.perf_counter() - t0) * 1e6),
                                                 placement))
         if self.config.mode != MODE_AUTO:

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorwire import _unix
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
@@ -380,11 +381,7 @@ def map_offer(offer: pb.BufferOffer, fds: list[int], device: torch.device, max_b
             return _map_cuda(offer, device)
         raise PlacementRefused(f"buffer kind {offer.kind}")
     finally:
-        while fds:
-            try:
-                os.close(fds.pop())
-            except OSError:
-                pass
+        _unix.close_fds(fds)
 
 
 def _map_host(offer: pb.BufferOffer, fd: int) -> MappedBuffer:
@@ -440,11 +437,9 @@ class Placement:
     def __init__(self, buffer: MappedBuffer) -> None:
         self.buffer = buffer
         self.used = False  # allocate_output handed out views of it (one allocation per request)
-        self.declined = ""
 
-    def views(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> tuple[list[torch.Tensor], list[int]] | None:
-        """Tensors of ``specs`` inside the buffer (and their offsets), or None when they do not fit or the
-        buffer is taken."""
+    def views(self, specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor] | None:
+        """Tensors of ``specs`` inside the buffer, or None when they do not fit or the buffer is taken."""
         if self.used:
             return None
         offsets = plan(specs, self.buffer.nbytes)
@@ -452,7 +447,7 @@ class Placement:
             return None
         self.used = True
         return [typed_view(self.buffer.tensor, off, shape, dtype)
-                for off, (shape, dtype) in zip(offsets, specs, strict=True)], offsets
+                for off, (shape, dtype) in zip(offsets, specs, strict=True)]
 
 
 __all__ = ["ALIGN", "MIN_BUFFER_BYTES", "MappedBuffer", "Placement", "PlacementRefused", "RecvBuffer", "buffer_bytes",

@@ -134,37 +134,38 @@ class LocalControlServer(UnixConnServer):
                 self._count("idle")
                 return
             try:
-                raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds)
-            except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
-                _unix.close_fds(fds)
-                self._metrics.errors.labels("encoder", "invalid_request").inc()
-                self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
-                             exc if isinstance(exc, ValueError) else "a request frame stalled")
-                return
-            except BaseException:
-                _unix.close_fds(fds)
-                raise
-            if raw is None:
-                _unix.close_fds(fds)
-                return
-            try:
-                msg = pb.StreamRequest.FromString(bytes(raw))
-            except DecodeError as exc:
-                _unix.close_fds(fds)
-                self._metrics.errors.labels("encoder", "invalid_request").inc()
-                self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
-                             "ending the connection", exc)
-                return
-            kind = msg.WhichOneof("body")
-            if kind == "offer":
-                self._take_offer(mapped, msg.offer, fds)
-                continue
-            _unix.close_fds(fds)  # descriptors come only with offers
-            if kind == "release":
-                self._service.release_unanswered(msg.release)
-                continue
-            if not self._answer(conn, msg, kind, mapped.placement_for(msg.placement)):
-                return
+                if not self._serve_frame(conn, mapped, fds):
+                    return
+            finally:
+                _unix.close_fds(fds)  # descriptors come only with offers, which take theirs
+
+    def _serve_frame(self, conn: Conn, mapped: _Mapped, fds: list[int]) -> bool:
+        """Reads and handles one frame; False when the connection is done."""
+        try:
+            raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds)
+        except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
+            self._metrics.errors.labels("encoder", "invalid_request").inc()
+            self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
+                         exc if isinstance(exc, ValueError) else "a request frame stalled")
+            return False
+        if raw is None:
+            return False
+        try:
+            msg = pb.StreamRequest.FromString(bytes(raw))
+        except DecodeError as exc:
+            self._metrics.errors.labels("encoder", "invalid_request").inc()
+            self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
+                         "ending the connection", exc)
+            return False
+        kind = msg.WhichOneof("body")
+        if kind == "offer":
+            self._take_offer(mapped, msg.offer, fds)
+            return True
+        if kind == "release":
+            self._service.release_unanswered(msg.release)
+            return True
+        _unix.close_fds(fds)  # before the Encode runs: nothing of a peer's is held while it does
+        return self._answer(conn, msg, kind, mapped.placement_for(msg.placement))
 
     def _take_offer(self, mapped: _Mapped, offer: pb.BufferOffer, fds: list[int]) -> None:
         try:
