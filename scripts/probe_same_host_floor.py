@@ -135,18 +135,12 @@ def main() -> None:
             mine[:1].add_(0)
             stream.synchronize()
 
-        q_in.put(("push", nbytes, mine))
-        q_out.get()
-        row["control"] = _summary(_rounds(a, args, "control", mine))
-        q_in.put(("pull", nbytes, None))
-        q_out.get()
-        row["pull"] = _summary(_rounds(a, args, "pull", mine, pull_copy))
-        q_in.put(("push", nbytes, mine))
-        q_out.get()
-        row["push"] = _summary(_rounds(a, args, "push", mine))
-        q_in.put(("push", nbytes, mine))
-        q_out.get()
-        row["push_then_use"] = _summary(_rounds(a, args, "push", mine, use))
+        # (row, what the producer writes: our buffer or its own, what we do after its answer)
+        for name, kind, after in (("control", "push", None), ("pull", "pull", pull_copy), ("push", "push", None),
+                                  ("push_then_use", "push", use)):
+            q_in.put((kind, nbytes, mine if kind == "push" else None))
+            q_out.get()  # the producer is in its loop
+            row[name] = _summary(_rounds(a, args, "control" if name == "control" else kind, mine, after))
         d2d = []
         for i in range(args.warmup + args.iters):
             t0 = time.perf_counter()

@@ -51,6 +51,7 @@ from tensorwire import _unix
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.rdma._devmem import wrap_device
 
 log = logging.getLogger(__name__)
 
@@ -183,24 +184,6 @@ def driver() -> _Driver:
         return _driver
 
 
-class _DeviceMemory:
-    """``nbytes`` of device memory at ``ptr`` as a CUDA array interface (what ``torch.as_tensor`` wraps)."""
-
-    __slots__ = ("__cuda_array_interface__", "__weakref__")
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 2}
-
-
-def _wrap_device(ptr: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, _DeviceMemory]:
-    mem = _DeviceMemory(ptr, nbytes)
-    t = torch.as_tensor(mem, device=device)
-    if t.data_ptr() != ptr or t.numel() != nbytes:
-        raise RuntimeError(f"torch wrapped {t.numel()} bytes at {t.data_ptr():#x}, not {nbytes} at {ptr:#x}")
-    return t, mem
-
-
 # -- client side --------------------------------------------------------------------------------------------
 
 
@@ -258,7 +241,7 @@ class RecvBuffer:
         """A uint8 tensor over the first ``used`` bytes; the loan ends (``on_end(self)``) when the last tensor
         built on it is gone."""
         if self.device.type == "cuda":
-            base, holder = _wrap_device(self._ptr, used, self.device)
+            base, holder = wrap_device(self._ptr, used, self.device)
             weakref.finalize(holder, self._end_device_loan, on_end)
             return base
         assert self._array is not None
@@ -419,7 +402,7 @@ def _map_cuda(offer: pb.BufferOffer, device: torch.device) -> MappedBuffer:
         driver().ipc_close(idx, ptr)
         raise PlacementRefused(f"the CUDA allocation has {size} bytes, {offer.nbytes} offered")
     try:
-        tensor, _ = _wrap_device(ptr, offer.nbytes, device)
+        tensor, _ = wrap_device(ptr, offer.nbytes, device)
     except Exception as exc:
         driver().ipc_close(idx, ptr)
         raise PlacementRefused(f"wrapping the mapped buffer: {exc}") from exc

@@ -44,6 +44,7 @@ from tensorwire.errors import (
 )
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, views
+from tensorwire.rdma._devmem import wrap_device
 from tensorwire.rdma._pool import Slot, SlotPool
 from tensorwire.rdma._stats import PoolStats, ProviderStats, ReaderStats, Tally
 from tensorwire.rdma.providers import create_provider
@@ -383,10 +384,7 @@ class TensorReader:
             weakref.finalize(loan, self._loans.release, slot)
             return torch.from_numpy(loan), loan
         try:
-            loan = _DeviceLoan(slot.addr, nbytes)
-            base = torch.as_tensor(loan, device=self._device)
-            if base.data_ptr() != slot.addr or base.numel() != nbytes:
-                raise RuntimeError(f"torch wrapped {base.numel()} bytes at {base.data_ptr():#x}, not the loan")
+            base, loan = wrap_device(slot.addr, nbytes, self._device)
         except Exception as exc:
             self._loans.release(slot)
             self._device_loans = False
@@ -504,16 +502,6 @@ def _groups(dests: list[_Dest], *, by_memory: bool) -> list[_Group]:
         groups.setdefault(key, []).append(x)
     return [_Group(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k.local_mem, k.remote_mem, g)
             for k, g in groups.items()]
-
-
-class _DeviceLoan:
-    """``nbytes`` of device memory at ``ptr`` as a CUDA array interface; the tensor built on it keeps it alive."""
-
-    __slots__ = ("__cuda_array_interface__", "__weakref__")
-
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 2}
 
 
 def _ready(pool: SlotPool, slot: Slot) -> Slot:
