@@ -331,10 +331,26 @@ class MappedBuffer:
         self.nbytes = nbytes
         self.tensor = tensor
         self._close = close
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype asked for so far
+
+    def view(self, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """What :func:`typed_view` of ``tensor`` gives, as one ``as_strided`` of the buffer reinterpreted once
+        per dtype (a request's path pays one tensor op per output, not three). ``offset`` is a multiple of
+        ``dtype``'s size (``plan`` aligns to ``ALIGN``)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            size = dtype.itemsize
+            typed = self._typed[dtype] = self.tensor[:self.nbytes - self.nbytes % size].view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= max(int(d), 1)
+        return typed.as_strided(tuple(shape), tuple(reversed(strides)), offset // dtype.itemsize)
 
     def close(self) -> None:
         close, self._close = self._close, lambda: None
         self.tensor = torch.empty(0, dtype=torch.uint8)
+        self._typed = {}
         try:
             close()
         except Exception:
@@ -429,8 +445,8 @@ class Placement:
         if offsets is None:
             return None
         self.used = True
-        return [typed_view(self.buffer.tensor, off, shape, dtype)
-                for off, (shape, dtype) in zip(offsets, specs, strict=True)]
+        view = self.buffer.view
+        return [view(off, shape, dtype) for off, (shape, dtype) in zip(offsets, specs, strict=True)]
 
 
 __all__ = ["ALIGN", "MIN_BUFFER_BYTES", "MappedBuffer", "Placement", "PlacementRefused", "RecvBuffer", "buffer_bytes",

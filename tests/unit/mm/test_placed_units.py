@@ -143,3 +143,19 @@ def test_descriptors_travel_with_a_frame_and_only_where_asked_for() -> None:
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize(("offset", "shape", "dtype"), [
+    (0, (3, 4), torch.float32), (512, (3, 2), torch.int64), (1024, (0, 5), torch.bfloat16),
+    (2048, (7,), torch.float16), (0, (), torch.float32), (0, (2, 0, 3), torch.int32)])
+def test_mapped_view_matches_typed_view(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """The worker's one-op view (a dtype reinterpretation cached per buffer) is typed_view's tensor: same bytes,
+    place, shape and dtype, contiguous; an offered size that is not a multiple of the dtype still maps."""
+    raw = torch.arange(4001, dtype=torch.int64).to(torch.uint8)
+    mapped = _placed.MappedBuffer(1, 4001, raw, lambda: None)
+    got, want = mapped.view(offset, shape, dtype), _placed.typed_view(raw, offset, shape, dtype)
+    assert (got.shape, got.dtype, got.is_contiguous()) == (want.shape, want.dtype, True)
+    assert got.numel() == 0 or got.data_ptr() == want.data_ptr()
+    assert torch.equal(got, want)
+    got.fill_(0)  # writes through to the buffer
+    assert torch.equal(_placed.typed_view(raw, offset, shape, dtype), got)
