@@ -22,7 +22,7 @@ from tensorwire.mm._channel import Requeue
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._watchdog import DeadlineWatchdog
-from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
+from tensorwire.mm._wire_receipt import WireReceipt, read_stream_response
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class StreamCall:
         if deadline_hit:
             self.broken = True  # answered, but the watchdog cancelled the call as the answer came in
         try:
-            answer_id, value = parse_stream_response(raw)  # an inline receipt views ``raw``
+            answer_id, value = read_stream_response(raw)  # a large inline receipt views ``raw``
         except Exception as exc:
             self._fail(f"an EncodeStream answer from {endpoint} does not parse: {exc}")
             raise ProtocolError(f"receipt from {endpoint} does not parse: {exc}") from exc

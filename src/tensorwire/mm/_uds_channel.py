@@ -60,7 +60,7 @@ from tensorwire.mm._ratelog import RateLimitedLog
 from tensorwire.mm._uds_service import HELLO_MAGIC, NOT_MAPPED
 from tensorwire.mm._uds_service import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
 from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, connect
-from tensorwire.mm._wire_receipt import WireReceipt, parse_stream_response
+from tensorwire.mm._wire_receipt import WireReceipt, read_stream_response
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class _Conn:
             raise PeerUnavailable(f"Encode on {endpoint}: the worker closed the local control connection before "
                                   "answering", reason=Reason.PEER_UNAVAILABLE)
         try:
-            answer_id, value = parse_stream_response(raw)  # an inline receipt views ``raw``, which nothing else holds
+            answer_id, value = read_stream_response(raw)  # a large inline receipt views ``raw``, held by nothing else
         except Exception as exc:
             self.broken = True
             raise ProtocolError(f"receipt from {endpoint} does not parse: {exc}") from exc

@@ -21,7 +21,9 @@ Client: ``parse_receipt(raw)`` walks the top-level records; each inline tensor's
 slice of ``raw`` (no copy), and every other byte (slots, split sizes, dtype and shape, unknown fields) goes to
 protobuf in a small skeleton copy, so protobuf's own rules and checks (merged records, packed or unpacked
 shapes, UTF-8) apply unchanged; the walk itself bounds every length (``_pbwire``). ``parse_stream_response``
-does the same for an EncodeStream answer.
+does the same for an EncodeStream answer. The channels call ``read_stream_response``: the walk for an answer over
+``UPB_MAX_BYTES`` (where the views save copies), protobuf's own parser below it (an RDMA or placed receipt is a
+few hundred bytes; the walk is pure Python and costs more than the copies it saves there).
 
 Ownership: a parsed receipt's payloads view the received bytes, which nothing else holds; the receipt and the
 tensors decoded from it keep them alive. An encoder's receipt views the output tensors (or a host copy of device
@@ -45,6 +47,12 @@ EMBEDDING_FIELD, POSITION_IDS_FIELD, EXTRA_INPUTS_FIELD = 1, 2, 3  # EncodeRespo
 TENSOR_DATA_FIELD = 3  # Tensor.data
 TENSOR_PAD_FIELD = 15  # Tensor: alignment padding (reserved in encoder.proto)
 _TENSOR_FIELDS = (EMBEDDING_FIELD, POSITION_IDS_FIELD, EXTRA_INPUTS_FIELD)
+_ID_TAG, _RECEIPT_TAG = tag(1, VARINT), tag(wire.STREAM_RECEIPT_FIELD, LEN)  # StreamResponse.id, .receipt
+_LEN_WIDTH = len(fixed_varint(0))
+# An answer up to this size is parsed by protobuf itself (``read_stream_response``): a placed or RDMA receipt is a
+# few hundred bytes, which upb reads in ~1 us where the walk takes ~13 us hot (more on a cold path); the copies it
+# makes of small inline payloads cost less than that.
+UPB_MAX_BYTES = 64 << 10
 _EMPTY = memoryview(b"")
 
 
@@ -67,6 +75,11 @@ class WireReceipt:
         """The WireReceipt of a complete message (a copy of it; its ``data`` fields become the payloads)."""
         m = pb.EncodeResponse()
         m.CopyFrom(msg)
+        return cls.taking(m)
+
+    @classmethod
+    def taking(cls, m: pb.EncodeResponse) -> WireReceipt:
+        """``from_message`` without the copy: ``m`` becomes the receipt's message (its ``data`` fields emptied)."""
         out = cls(m)
         if m.HasField("embedding"):
             out.embedding, m.embedding.data = m.embedding.data, b""
@@ -101,11 +114,9 @@ class WireReceipt:
     def to_stream_pieces(self, message_id: int) -> list[Buffer]:
         """``to_stream_frame`` as buffers to send back to back (payloads by reference, not joined): for a writer
         that takes pieces (the same-host channel's ``sendmsg``), which saves the one copy of the payload."""
-        prefix_len = len(tag(1, VARINT)) + len(varint(message_id)) + len(tag(wire.STREAM_RECEIPT_FIELD, LEN)) \
-            + len(fixed_varint(0))
-        pieces, size = self._pieces(prefix_len)
-        prefix = tag(1, VARINT) + varint(message_id) + tag(wire.STREAM_RECEIPT_FIELD, LEN) + fixed_varint(size)
-        return [prefix, *pieces]
+        head = _ID_TAG + varint(message_id) + _RECEIPT_TAG
+        pieces, size = self._pieces(len(head) + _LEN_WIDTH)
+        return [head + fixed_varint(size), *pieces]
 
     def _tensors(self, m: pb.EncodeResponse) -> list[tuple[int, pb.Tensor, Buffer]]:
         """(EncodeResponse field number, the Tensor in ``m``, its payload) of each inline tensor, in field order."""
@@ -126,6 +137,10 @@ class WireReceipt:
         it starts in what is sent (the payloads are aligned relative to the start of that)."""
         m = self.message
         tensors = self._tensors(m)
+        if not tensors:  # an RDMA or placed receipt: protobuf writes it as it is (no copy with the tensors cleared)
+            body = m.SerializeToString()
+            _check_size(len(body))
+            return [body], len(body)
         _check_size(sum(len(p) for _, _, p in tensors))
         pieces: list[Buffer] = []
         pos = base
@@ -237,6 +252,21 @@ def parse_stream_response(raw: Buffer) -> tuple[int, WireReceipt | pb.StreamErro
     return message_id, _stream_body(mv, kind, spans) if kind else None
 
 
+def read_stream_response(raw: Buffer) -> tuple[int, WireReceipt | pb.StreamError | None]:
+    """``parse_stream_response``'s answer; for an answer of at most ``UPB_MAX_BYTES`` by protobuf's parser, whose
+    payloads are then ``bytes`` copies instead of views of ``raw``. What the receiving channels call."""
+    if len(raw) > UPB_MAX_BYTES:
+        return parse_stream_response(raw)
+    try:
+        msg = pb.StreamResponse.FromString(raw)  # type: ignore[arg-type]  # upb reads any buffer, not only bytes
+    except DecodeError as exc:
+        raise WireError(str(exc)) from exc
+    kind = msg.WhichOneof("body")
+    if kind == "receipt":
+        return msg.id, WireReceipt.taking(msg.receipt)
+    return msg.id, msg.error if kind == "error" else None
+
+
 def _stream_body(mv: memoryview, number: int, spans: list[tuple[int, int]]) -> WireReceipt | pb.StreamError:
     if number == wire.STREAM_RECEIPT_FIELD:
         return parse_receipt(mv, spans)
@@ -246,4 +276,5 @@ def _stream_body(mv: memoryview, number: int, spans: list[tuple[int, int]]) -> W
         raise WireError(str(exc)) from exc
 
 
-__all__ = ["ALIGN", "TENSOR_PAD_FIELD", "WireReceipt", "WireError", "parse_receipt", "parse_stream_response"]
+__all__ = ["ALIGN", "TENSOR_PAD_FIELD", "UPB_MAX_BYTES", "WireReceipt", "WireError", "parse_receipt",
+           "parse_stream_response", "read_stream_response"]

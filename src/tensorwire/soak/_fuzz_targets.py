@@ -8,7 +8,8 @@ crash. Targets (and what crosses the boundary in production):
 - ``inline_tensor``: ``_codec.decode_tensor`` of a ``Tensor`` message (inline payloads);
 - ``receipt_wire`` / ``stream_wire``: the client's hand-walked parse of an EncodeResponse / StreamResponse
   (``_wire_receipt``), checked against protobuf's own parse of the same bytes: both accept with equal values, or
-  both refuse (the walk may refuse groups, which protobuf skips);
+  both refuse (the walk may refuse groups, which protobuf skips); ``stream_wire`` also holds
+  ``read_stream_response`` (protobuf's own parser for small answers, what the channels call) to protobuf's answer;
 - ``receipt``: a whole ``EncodeResponse`` through the real ``RemoteOutputTransport.fetch`` (control plane
   replaced by a stub that answers these bytes; the RDMA reader by an in-memory one that returns the bytes the
   manifest asks for): parse, slot validation, read, assembly, release, the one fallback;
@@ -121,9 +122,10 @@ def target_receipt_wire(data: bytes) -> str:
 
 def target_stream_wire(data: bytes) -> str:
     from tensorwire.mm._proto import encoder_pb2 as pb
-    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response
+    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response, read_stream_response
 
     ref = _protobuf_parse(pb.StreamResponse, data)
+    _same_read(read_stream_response, data, ref)
     try:
         message_id, body = parse_stream_response(data)
     except WireError as exc:
@@ -141,6 +143,26 @@ def target_stream_wire(data: bytes) -> str:
     else:
         assert body is None, "the walk reads a body protobuf does not"
     return "ok"
+
+
+def _same_read(read: Any, data: bytes, ref: Any) -> None:
+    """What the channels call (protobuf's parser for a small answer) reads what protobuf reads, or refuses what
+    it refuses, with a WireError."""
+    from tensorwire.mm._wire_receipt import UPB_MAX_BYTES, WireError, WireReceipt
+
+    if len(data) > UPB_MAX_BYTES:
+        return  # the walk: checked against protobuf below
+    try:
+        message_id, body = read(data)
+    except WireError:
+        assert ref is None, "read_stream_response refuses an answer protobuf reads"
+        return
+    assert ref is not None and message_id == ref.id, "read_stream_response reads another id than protobuf"
+    got = body.to_message() if isinstance(body, WireReceipt) else body
+    if got is not None:
+        got.DiscardUnknownFields()  # as ``ref``
+    kind = ref.WhichOneof("body")
+    assert got == (getattr(ref, kind) if kind else None), "read_stream_response reads another body than protobuf"
 
 
 # ---- receipt through the real client

@@ -11,7 +11,14 @@ from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm import EncoderOutput, OutputTransport, TransportConfig, _codec
 from tensorwire.mm._pbwire import WireError
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import ALIGN, WireReceipt, parse_receipt, parse_stream_response
+from tensorwire.mm._wire_receipt import (
+    ALIGN,
+    UPB_MAX_BYTES,
+    WireReceipt,
+    parse_receipt,
+    parse_stream_response,
+    read_stream_response,
+)
 
 BIG = _codec.VIEW_MIN_BYTES  # from here on the client views the payload instead of copying it
 
@@ -131,8 +138,14 @@ def test_repeated_records_merge_as_protobuf_merges_them(transport: OutputTranspo
 def test_malformed_framing_is_refused_before_anything_is_sliced(raw: bytes) -> None:
     with pytest.raises(WireError):
         parse_receipt(raw)
+    framed = b"\x08\x01\x12" + bytes([len(raw)]) + raw
     with pytest.raises(WireError):
-        parse_stream_response(b"\x08\x01\x12" + bytes([len(raw)]) + raw)
+        parse_stream_response(framed)
+    if raw == b"\x0b\x0c":  # protobuf's own parser (small answers) skips an unknown group, as every peer's does
+        assert read_stream_response(framed)[0] == 1
+        return
+    with pytest.raises(WireError):
+        read_stream_response(framed)
 
 
 def test_validation_still_applies_to_viewed_payloads(transport: OutputTransport) -> None:
@@ -188,3 +201,57 @@ def test_from_message_and_to_message_are_inverse() -> None:
     assert not w.message.embedding.data and bytes(w.embedding) == msg.embedding.data  # type: ignore[arg-type]
     assert w.to_message() == msg and w.payload_bytes == 6 * 8 + 4
     assert msg.embedding.data  # the caller's message is left alone
+
+
+def _slots_receipt() -> WireReceipt:
+    msg = pb.EncodeResponse(split_sizes=[3, 4])
+    msg.worker.worker_id = "w-1"
+    msg.rdma_slots.add(descriptor=b"d" * 40, roles=[pb.EMBEDDING])
+    msg.placed.buffer_id = 7
+    msg.placed.tensors.add(role=pb.EMBEDDING, dtype=pb.BFLOAT16, shape=[7, 16], offset=512, nbytes=224)
+    msg.encoder_stage_us["place"] = 12
+    return WireReceipt(msg)
+
+
+@pytest.mark.parametrize("framed", [False, True], ids=["unary", "stream"])
+def test_a_receipt_without_inline_tensors_is_protobufs_own_bytes(framed: bool) -> None:
+    """The fast path for RDMA and placed receipts (serialized as they are) writes what protobuf reads back whole."""
+    receipt = _slots_receipt()
+    if framed:
+        raw = receipt.to_stream_frame(2**33 + 1)
+        want = pb.StreamResponse(id=2**33 + 1)
+        want.receipt.CopyFrom(receipt.message)
+        assert pb.StreamResponse.FromString(raw) == want
+        assert raw == b"".join(bytes(p) for p in receipt.to_stream_pieces(2**33 + 1))
+    else:
+        raw = receipt.to_bytes()
+        assert raw == receipt.message.SerializeToString()
+    assert pb.EncodeResponse.FromString(raw if not framed else pb.StreamResponse.FromString(raw).receipt
+                                        .SerializeToString()) == receipt.message
+
+
+@pytest.mark.parametrize("rows", [2, 30, 4000])
+def test_read_stream_response_reads_what_the_walk_reads(transport: OutputTransport, rows: int) -> None:
+    """Protobuf's parser for small answers, the walk for large ones: the same receipt either way; only a large
+    answer's payloads view the received bytes."""
+    out = _output(torch.float32, rows, 113)
+    raw = bytearray(transport.transfer(pb.EncodeRequest(), out).to_stream_frame(5))
+    got_id, got = read_stream_response(raw)
+    want_id, want = parse_stream_response(raw)
+    assert got_id == want_id == 5 and isinstance(got, WireReceipt) and isinstance(want, WireReceipt)
+    assert got.to_message() == want.to_message()
+    assert isinstance(got.embedding, memoryview) == (len(raw) > UPB_MAX_BYTES)
+    embs, _, pos, _, _ = _codec.decode_inline_receipt(got)
+    assert torch.equal(torch.cat(embs), out.embeddings) and pos is not None
+
+
+def test_read_stream_response_reads_receipts_errors_and_unknown_bodies() -> None:
+    receipt = _slots_receipt()
+    got_id, got = read_stream_response(receipt.to_stream_frame(9))
+    assert got_id == 9 and isinstance(got, WireReceipt) and got.message == receipt.message
+    err = pb.StreamResponse(id=4, error=pb.StreamError(code=5, message="gone"))
+    assert read_stream_response(err.SerializeToString()) == (4, err.error)
+    assert read_stream_response(pb.StreamResponse(id=3).SerializeToString()) == (3, None)
+    # A later body replaces an earlier one (protobuf's oneof rule), as in the walk.
+    both = receipt.to_stream_frame(9) + err.SerializeToString()
+    assert read_stream_response(both) == parse_stream_response(both) == (4, err.error)
