@@ -396,7 +396,7 @@ class OutputTransport:
         if not in_place:
             for t, off in zip(tensors, offsets, strict=True):
                 if t.numel() and t.data_ptr() - lo != off:  # not there already
-                    _placed.typed_view(base, off, tuple(t.shape), t.dtype).copy_(t, non_blocking=True)
+                    placement.buffer.view(off, tuple(t.shape), t.dtype).copy_(t, non_blocking=True)
         if base.is_cuda:  # the encoder's writes (and ours) are on this stream: done before the caller looks
             torch.cuda.current_stream(base.device).synchronize()
         elif any(t.is_cuda for t in tensors):

@@ -51,7 +51,7 @@ from tensorwire import _unix
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.rdma._devmem import wrap_device
+from tensorwire.rdma._devmem import wrap_device, wrap_device_as
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ MIN_BUFFER_BYTES = 1 << 20
 MAX_DIMS = 16
 HANDLE_BYTES = 64  # sizeof(CUipcMemHandle)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_WIRE_TO_DTYPE = _codec.WIRE_TO_DTYPE
+_ROLES = frozenset((pb.EMBEDDING, pb.POS_ID, pb.EXTRA_INPUT))
 
 
 class PlacementRefused(Exception):
@@ -187,6 +189,34 @@ def driver() -> _Driver:
 # -- client side --------------------------------------------------------------------------------------------
 
 
+class _Loan:
+    """Counts the holders of one device loan; ``end`` runs once, when the last is gone (on the thread that dropped
+    it), and only after ``start``: a lend that failed half way never starts its loan, so the holders it made end
+    nothing (the caller frees the buffer itself)."""
+
+    __slots__ = ("_left", "_end", "_lock", "_live")
+
+    def __init__(self, holders: int, end: Callable[[], None]) -> None:
+        self._left = holders
+        self._end = end
+        self._lock = threading.Lock()
+        self._live = False
+
+    def start(self) -> None:
+        with self._lock:
+            self._live = True
+            done = self._left == 0
+        if done:
+            self._end()
+
+    def drop(self) -> None:
+        with self._lock:
+            self._left -= 1
+            done = self._live and self._left == 0
+        if done:
+            self._end()
+
+
 class RecvBuffer:
     """A receive buffer of ``nbytes`` on ``device`` (see the module doc). ``busy`` while lent (to a request in
     flight or to the tensors of a fetch); ``retired``: never lent again."""
@@ -237,17 +267,36 @@ class RecvBuffer:
         if ready is not None:
             ready.synchronize()
 
-    def lend(self, used: int, on_end: Callable[[RecvBuffer], None]) -> torch.Tensor:
-        """A uint8 tensor over the first ``used`` bytes; the loan ends (``on_end(self)``) when the last tensor
-        built on it is gone."""
+    def lend(self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]],
+             on_end: Callable[[RecvBuffer], None]) -> list[torch.Tensor]:
+        """A contiguous tensor for each ``(offset, shape, dtype)`` of ``parts`` (inside the buffer, aligned and
+        disjoint: ``placed_views`` checked); the loan ends (``on_end(self)``) when the last tensor built on them
+        is gone."""
         if self.device.type == "cuda":
-            base, holder = wrap_device(self._ptr, used, self.device)
-            weakref.finalize(holder, self._end_device_loan, on_end)
-            return base
+            return self._lend_device(parts, on_end)
         assert self._array is not None
-        view = self._array[:used]
+        used = max((off + math.prod(shape) * dtype.itemsize for off, shape, dtype in parts), default=0)
+        view = self._array[:max(used, 1)]
         weakref.finalize(view, on_end, self)
-        return torch.from_numpy(view)
+        base = torch.from_numpy(view)
+        return [typed_view(base, off, shape, dtype) for off, shape, dtype in parts]
+
+    def _lend_device(self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]],
+                     on_end: Callable[[RecvBuffer], None]) -> list[torch.Tensor]:
+        # Each tensor wraps its own bytes (one torch op, where a wrap of the buffer sliced and viewed took four per
+        # tensor: ~10-40 us each on a cold path on the H200 VM); the loan ends with the last of their holders.
+        # An empty tensor holds nothing of the buffer.
+        loan = _Loan(sum(0 not in shape for _, shape, _ in parts), lambda: self._end_device_loan(on_end))
+        out = []
+        for off, shape, dtype in parts:
+            if 0 in shape:
+                out.append(torch.empty(shape, dtype=dtype, device=self.device))
+                continue
+            t, holder = wrap_device_as(self._ptr + off, shape, dtype, self.device)
+            weakref.finalize(holder, loan.drop)
+            out.append(t)
+        loan.start()  # not reached when a wrap failed: the tensors made so far die with this frame, ending nothing
+        return out
 
     def _end_device_loan(self, on_end: Callable[[RecvBuffer], None]) -> None:
         try:
@@ -285,35 +334,40 @@ def placed_views(placed: pb.PlacedOutput, buf: RecvBuffer,
                  on_end: Callable[[RecvBuffer], None]) -> tuple[list[torch.Tensor], list[int], int]:
     """(tensors, roles, payload bytes) of a placed answer, viewing ``buf`` (lent until they are gone).
     ``ProtocolError(RESULT_MISMATCH)`` when the manifest does not fit the buffer (nothing is lent then)."""
-    metas: list[tuple[int, torch.dtype, tuple[int, ...], int, int]] = []
+    parts: list[tuple[int, tuple[int, ...], torch.dtype]] = []
+    roles: list[int] = []
     spans: list[tuple[int, int]] = []
+    total = 0
     for i, t in enumerate(placed.tensors):
-        dtype = _codec.WIRE_TO_DTYPE.get(t.dtype)
-        shape = tuple(int(d) for d in t.shape)
-        what = f"placed tensor {i}"
+        dtype = _WIRE_TO_DTYPE.get(t.dtype)
         if dtype is None:
-            raise _bad(f"{what} has unknown dtype {t.dtype}")
-        if t.role not in (pb.EMBEDDING, pb.POS_ID, pb.EXTRA_INPUT):
-            raise _bad(f"{what} has unknown role {t.role}")
-        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-            raise _bad(f"{what} has shape {shape[:MAX_DIMS + 1]}")
+            raise _bad(f"placed tensor {i} has unknown dtype {t.dtype}")
+        role = t.role
+        if role not in _ROLES:
+            raise _bad(f"placed tensor {i} has unknown role {role}")
+        if len(t.shape) > MAX_DIMS:
+            raise _bad(f"placed tensor {i} has a shape of {len(t.shape)} dims (at most {MAX_DIMS})")
+        shape = tuple(t.shape)
+        if shape and min(shape) < 0:
+            raise _bad(f"placed tensor {i} has shape {shape}")
         n = math.prod(shape) * dtype.itemsize
-        if n != t.nbytes or t.offset % dtype.itemsize or t.offset + n > buf.nbytes:
-            raise _bad(f"{what} ({shape}, {dtype}, {t.nbytes} bytes at {t.offset}) does not fit a {buf.nbytes}-byte "
-                       "buffer")
-        metas.append((int(t.role), dtype, shape, int(t.offset), n))
+        off = t.offset
+        if n != t.nbytes or off % dtype.itemsize or off + n > buf.nbytes:
+            raise _bad(f"placed tensor {i} ({shape}, {dtype}, {t.nbytes} bytes at {off}) does not fit a "
+                       f"{buf.nbytes}-byte buffer")
+        parts.append((off, shape, dtype))
+        roles.append(role)
+        total += n
         if n:
-            spans.append((int(t.offset), int(t.offset) + n))
-    if not metas:
+            spans.append((off, off + n))
+    if not parts:
         raise _bad("placed answer names no tensor")
-    spans.sort()
-    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
-        if start < end:
-            raise _bad("placed tensors overlap")
-    used = max((end for _, end in spans), default=0)
-    base = buf.lend(max(used, 1), on_end)
-    tensors = [typed_view(base, off, shape, dtype) for _, dtype, shape, off, _ in metas]
-    return tensors, [m[0] for m in metas], sum(m[4] for m in metas)
+    if len(spans) > 1:
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise _bad("placed tensors overlap")
+    return buf.lend(parts, on_end), roles, total
 
 
 def _bad(msg: str) -> ProtocolError:
