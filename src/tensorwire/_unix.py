@@ -300,15 +300,16 @@ def close_fds(fds: list[int]) -> None:
 
 
 def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
-               fds: list[int] | None = None) -> bytearray | None:
+               fds: list[int] | None = None, *, expect_wait: bool = True) -> bytearray | None:
     """Reads one frame into fresh memory; None when the peer closed cleanly between frames. ``fds``: a list that
     receives the descriptors passed with the frame (the caller owns and closes them; without it none are
-    accepted: the kernel closes any that arrive)."""
+    accepted: the kernel closes any that arrive). ``expect_wait=False``: the caller knows bytes are there (it
+    polled), so the first read goes without another poll."""
     _blocking(sock)
     if deadline is not None and deadline <= time.monotonic():
         raise TimeoutError("deadline passed")
     head = bytearray(FRAME_HEADER.size)
-    if not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=True, fds=fds):
+    if not _recv_exact(sock, memoryview(head), deadline, started=False, expect_wait=expect_wait, fds=fds):
         return None
     (n,) = FRAME_HEADER.unpack(head)
     if n > max_bytes:

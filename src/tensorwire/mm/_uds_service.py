@@ -142,7 +142,8 @@ class LocalControlServer(UnixConnServer):
     def _serve_frame(self, conn: Conn, mapped: _Mapped, fds: list[int]) -> bool:
         """Reads and handles one frame; False when the connection is done."""
         try:
-            raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds)
+            raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds,
+                                   expect_wait=False)  # wait_readable said it is there
         except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
             self._metrics.errors.labels("encoder", "invalid_request").inc()
             self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
@@ -151,7 +152,7 @@ class LocalControlServer(UnixConnServer):
         if raw is None:
             return False
         try:
-            msg = pb.StreamRequest.FromString(bytes(raw))
+            msg = pb.StreamRequest.FromString(raw)  # type: ignore[arg-type]  # upb reads a bytearray: no copy
         except DecodeError as exc:
             self._metrics.errors.labels("encoder", "invalid_request").inc()
             self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
