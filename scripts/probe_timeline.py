@@ -27,6 +27,8 @@ EVENTS: list[tuple[str, int, int, int]] = []  # (name, thread id, enter ns, exit
 COMMON = [
     "grpc._channel:_MultiThreadedRendezvous.__next__",
     "grpc._server:_RequestIterator.__next__",
+    "tensorwire._unix:recv_frame",
+    "tensorwire._unix:send_frame",
 ]
 CLIENT = [
     "tensorwire.mm._client:RemoteOutputTransport.fetch",
@@ -44,9 +46,11 @@ CLIENT = [
     "tensorwire.mm._uds_channel:UdsControlChannel.session",
     "tensorwire.mm._uds_channel:_Conn._pick",
     "tensorwire.mm._uds_channel:_UdsSession.take_placed",
-    "tensorwire.mm._placed:placed_views",
+    "tensorwire.mm._uds_channel:placed_views",  # names imported into a module are wrapped there
+    "tensorwire.mm._placed:RecvBuffer.lend",
+    "tensorwire.mm._client:RemoteOutputTransport._decode_terminal",
     "tensorwire.mm._placed:RecvBuffer.wait_ready",
-    "tensorwire.mm._wire_receipt:parse_stream_response",
+    "tensorwire.mm._uds_channel:read_stream_response",
     "tensorwire.mm._client:_RdmaAttempt.to_pb",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
@@ -73,8 +77,8 @@ SERVER = [
     "tensorwire.rdma._exporter:TensorExporter._publish",
     "tensorwire.rdma._descriptor:Descriptor.to_bytes",
     "tensorwire.mm.wire:stream_frame",
+    "tensorwire.mm._uds_service:LocalControlServer._serve_frame",
     "tensorwire.mm._uds_service:LocalControlServer._answer",
-    "tensorwire._unix:send_frame",
 ]
 
 
@@ -84,8 +88,11 @@ def _wrap(spec: str, side: str) -> None:
     owner: Any = mod
     parts = attr.split(".")
     for p in parts[:-1]:
-        owner = getattr(owner, p)
-    orig = getattr(owner, parts[-1])
+        owner = getattr(owner, p, None)
+    orig = getattr(owner, parts[-1], None)
+    if orig is None:  # another version of the code (an A/B run against an older tree): nothing to time there
+        print(f"probe_timeline: {spec} not found; not timed", file=sys.stderr)
+        return
     name = f"{side}:{parts[-1] if len(parts) == 1 else '.'.join(parts[-2:])}"
     clock, ident = time.monotonic_ns, threading.get_ident
 

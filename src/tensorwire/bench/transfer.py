@@ -23,7 +23,8 @@ output again with the control messages on unary RPCs instead of the EncodeStream
 Those (and the inline plane) use the gRPC control plane (``local_channel="off"``). Issue 18: both RDMA runs and
 the inline plane run again, in the same process and run, over the same-host control channel (the worker's Unix
 socket): ``rdma_local``, ``rdma_zero_copy_local``, ``inline_local``, with their p50/p90/p99 and the ratios to
-the gRPC rows; the RDMA runs of both control channels alternate fetch by fetch.
+the gRPC rows; the RDMA runs of both control channels alternate fetch by fetch (``--block N``: N fetches each in
+turn, which spares the placed rows a GPU context switch per fetch that a one-transport deployment pays less often).
 
 Stages per fetch (client wall clock, medians): ``export`` (encoder copies into registered slots),
 ``control`` (Encode round trip, which contains the export), ``allocate`` (zero-copy only: the encoder's
@@ -198,19 +199,24 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
 
 
 def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, plane: str | list[str],
-                     device: str, zero_copy: bool = False) -> list[dict[str, Any]]:
-    """``_run_plane`` for several transports, fetch by fetch in turn, so that their ratios share one machine
-    state (this machine may be shared; load drifts within a run). ``plane``: every timed fetch's plane (one for
-    all, or one per transport); warm-up fetches may take another (a placed transport's first fetch of a larger
-    size goes by RDMA while it learns the size)."""
+                     device: str, zero_copy: bool = False, block: int = 1) -> list[dict[str, Any]]:
+    """``_run_plane`` for several transports in turn, ``block`` fetches each (1: fetch by fetch), so that their
+    ratios share one machine state (this machine may be shared; load drifts within a run). ``plane``: every timed
+    fetch's plane (one for all, or one per transport); warm-up fetches may take another (a placed transport's
+    first fetch of a larger size goes by RDMA while it learns the size).
+
+    Why ``block``: fetch by fetch, each transport's fetch follows another's work on the GPU; without MPS a switch
+    between the two processes' CUDA contexts costs ~0.3 ms on the H200 VM (docs/gpu.md, "The floor of a
+    same-host hand-over"), a cost a deployment that uses one transport pays less often."""
     inputs = _inputs(rows, zero_copy)
     planes = [plane] * len(transports) if isinstance(plane, str) else plane
     stages: list[dict[str, list[float]]] = [{} for _ in transports]
-    for i in range(warmup + iters):
+    for start in range(0, warmup + iters, block):
         for t, st, pl in zip(transports, stages, planes, strict=True):
-            row = _fetch_once(t, inputs, pl if i >= warmup else None, device)
-            if i >= warmup:
-                _add(st, row)
+            for i in range(start, min(start + block, warmup + iters)):
+                row = _fetch_once(t, inputs, pl if i >= warmup else None, device)
+                if i >= warmup:
+                    _add(st, row)
     return [_stats(st) for st in stages]
 
 
@@ -255,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=None,
                     help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) "
                     "instead of the sweep")
+    ap.add_argument("--block", type=int, default=1,
+                    help="RDMA and placed rows: fetches per transport in turn (1: alternate fetch by fetch)")
     ap.add_argument("--tls", action="store_true", help="the control plane over mTLS (certificates made at run time)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer[-tls]-<machine>.json)")
     args = ap.parse_args(argv)
@@ -278,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(r <= 0 for r in args.rows):
             ap.error("--rows takes positive row counts")
         rows_list = sorted(set(args.rows))
+    if args.block < 1:
+        ap.error("--block takes a positive count")
     iters = 3 if args.quick else args.iters
     inline_iters = 2 if args.quick else args.inline_iters
     cols = SEED_SHAPE[1]
@@ -325,9 +335,10 @@ def main(argv: list[str] | None = None) -> int:
             for rows in rows_list:
                 nbytes = rows * cols * 2
                 r, rl, pl = _run_alternating([rdma_t, local_t, placed_t], rows, iters, 2, ["rdma", "rdma", "placed"],
-                                             args.device)
+                                             args.device, block=args.block)
                 z, zu, zl, zpl = _run_alternating([rdma_t, unary_t, local_t, placed_t], rows, iters, 2,
-                                                  ["rdma", "rdma", "rdma", "placed"], args.device, zero_copy=True)
+                                                  ["rdma", "rdma", "rdma", "placed"], args.device, zero_copy=True,
+                                                  block=args.block)
                 slow = nbytes >= SLOW_INLINE_BYTES
                 if plain.prepare(rows) != nbytes:
                     raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
@@ -489,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "control_plane": "mtls" if args.tls else "plaintext",
         "seed_shape": list(SEED_SHAPE),
+        "block": args.block,  # RDMA and placed rows: fetches per transport in turn
         "release_rpc_rtt_ms": {"median_ms": _median(release_rtt), "n": len(release_rtt)},
         "sizes": results,
         "targets": targets,
