@@ -150,18 +150,17 @@ class EncoderService:
         raised; when the caller goes while the export runs, the receipt's leases are released at once. An inline
         receipt views the output's bytes: the caller serializes it before anything else runs.
         """
-        self._check_limits(request)
+        inputs = self._checked_inputs(request)
         if not self._encodes.enter():
             raise _draining()
         try:
-            return self._run_encode(request, is_active, placement)
+            return self._run_encode(request, inputs, is_active, placement)
         finally:
             self._encodes.exit()
 
-    def _run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool],
+    def _run_encode(self, request: pb.EncodeRequest, inputs: list[MultimodalInput], is_active: Callable[[], bool],
                     placement: Placement | None) -> WireReceipt:
         metrics = self.transport.metrics
-        inputs = _codec.inputs_from_pb(request)
         cfg = self.transport.config
         budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=cfg.worker_timeout_ms,
                                        margin_ms=0)
@@ -200,15 +199,20 @@ class EncoderService:
         self.transport.metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()
         log.info("caller went away %s; released %d lease(s) at once", when, released)
 
-    def _check_limits(self, request: pb.EncodeRequest) -> None:
+    def _checked_inputs(self, request: pb.EncodeRequest) -> list[MultimodalInput]:
+        """The request's inputs, within the limits (InvalidPayload otherwise). The item count is checked before
+        anything is converted; the sizes on the converted items, because protobuf copies a bytes field on every
+        read (reading ``data`` once for the check and once for the input was two copies of the media)."""
         limits = self.transport.config.limits
         if len(request.inputs) > limits.max_request_items:
             raise InvalidPayload(f"{len(request.inputs)} items in one request exceed max_request_items="
                                  f"{limits.max_request_items}; split the request", reason=Reason.INVALID_REQUEST)
-        for i, item in enumerate(request.inputs):
+        inputs = _codec.inputs_from_pb(request)
+        for i, item in enumerate(inputs):
             if len(item.data) > limits.max_item_bytes:
                 raise InvalidPayload(f"item {i} is {len(item.data)} bytes, over max_item_bytes="
                                      f"{limits.max_item_bytes}", reason=Reason.INVALID_REQUEST)
+        return inputs
 
     def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
         reason = wire.status_for(exc)[1].value
