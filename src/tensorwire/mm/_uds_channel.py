@@ -249,7 +249,8 @@ class _Conn:
         deadline = time.monotonic() + timeout_s
         self._next_id += 1
         rid = self._next_id
-        data = wire.stream_frame(rid, wire.STREAM_ENCODE_FIELD, request.SerializeToString())
+        # Pieces, sent back to back: appending the placement to the frame would copy the request's media again.
+        data = [wire.stream_frame(rid, wire.STREAM_ENCODE_FIELD, request.SerializeToString())]
         buf, offer = self._pick()
         try:
             if buf is not None:
@@ -258,7 +259,7 @@ class _Conn:
                     body, fds = buf.offer()
                     _unix.send_frame(self.sock, wire.stream_frame(0, wire.STREAM_OFFER_FIELD,
                                                                   body.SerializeToString()), deadline, fds)
-                data += wire.placement_field(buf.buffer_id)
+                data.append(wire.placement_field(buf.buffer_id))
                 buf.busy = True
             try:
                 _unix.send_frame(self.sock, data, deadline)
