@@ -153,6 +153,34 @@ def _same_tensors(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> boo
     return len(xs) == len(ys) and all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(xs, ys, strict=True))
 
 
+MAX_MISMATCH_DETAILS = 8
+
+
+def _difference(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """How two planes' tensors differ: enough to tell a transport fault (bytes shifted, zeroed, another output's)
+    from an encoder that is not bitwise deterministic (a few elements off in the last bits)."""
+    import torch
+
+    if len(xs) != len(ys):
+        return {"items": [len(xs), len(ys)]}
+    out: dict[str, Any] = {"items": len(xs), "tensors": []}
+    for x, y in zip(xs, ys, strict=True):
+        x, y = x.cpu(), y.cpu()
+        if x.shape != y.shape or x.dtype != y.dtype:
+            out["tensors"].append({"shapes": [list(x.shape), list(y.shape)], "dtypes": [str(x.dtype), str(y.dtype)]})
+            continue
+        bad = x.reshape(-1).view(torch.uint8) != y.reshape(-1).view(torch.uint8)
+        where = bad.nonzero().reshape(-1)
+        entry: dict[str, Any] = {"shape": list(x.shape), "dtype": str(x.dtype), "bytes_differing": int(where.numel())}
+        if where.numel():
+            entry["first_byte"], entry["last_byte"] = int(where[0]), int(where[-1])
+            if x.is_floating_point():
+                entry["max_abs_diff"] = float((x.float() - y.float()).abs().max())
+            entry["zeros_in"] = [int((x.reshape(-1) == 0).sum()), int((y.reshape(-1) == 0).sum())]
+        out["tensors"].append(entry)
+    return out
+
+
 def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool,
             device: str = "cpu") -> dict[str, Any]:
     """Fetches every image through ``proxy`` once per plane per round (``warmup`` rounds unmeasured) and returns
@@ -171,6 +199,7 @@ def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: 
     fallbacks: dict[str, int] = {}
     payload: dict[str, int] = {}
     mismatches: list[str] = []
+    details: list[dict[str, Any]] = []  # the first few mismatches, described (``_difference``)
     bar = Progress((warmup + rounds) * len(data) * len(planes), progress)
     clients = {plane: RemoteOutputTransport(proxy, cfg) for plane, cfg in planes.items()}
     try:
@@ -200,6 +229,11 @@ def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: 
                         and _same_tensors(a.position_ids or [], b.position_ids or []))
                 if not same and name not in mismatches:
                     mismatches.append(name)
+                if not same and len(details) < MAX_MISMATCH_DETAILS:
+                    details.append({"image": name, "round": r, "planes": [a.plane.value, b.plane.value],
+                                    "workers": [a.worker_id, b.worker_id],
+                                    "embeddings": _difference(a.embeddings, b.embeddings),
+                                    "position_ids": _difference(a.position_ids or [], b.position_ids or [])})
         for client in clients.values():
             drain_releases(client, 2.0)
     finally:
@@ -208,7 +242,8 @@ def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: 
             client.close()
     result: dict[str, Any] = {"rdma_reader_ready": rdma_ready, "delivered_by": delivered,
                               "delivered_to_device": devices, "fallbacks": fallbacks,
-                              "outputs_match": not mismatches, "mismatched_images": mismatches, "images": {}}
+                              "outputs_match": not mismatches, "mismatched_images": mismatches,
+                              "mismatch_details": details, "images": {}}
     for name in data:
         result["images"][name] = {"payload_bytes": payload.get(name, 0), "planes": {
             plane: {k: _stats(v) for k, v in samples[plane][name].items()} for plane in planes}}
@@ -255,4 +290,7 @@ def table(result: dict[str, Any]) -> str:
                  + (f"; fallbacks {result['fallbacks']}" if result["fallbacks"] else ""))
     lines.append("Both planes delivered identical tensors." if result["outputs_match"]
                  else f"MISMATCH between planes for {result['mismatched_images']}")
+    for d in result.get("mismatch_details", []):
+        lines.append(f"  {d['image']} round {d['round']}: planes {d['planes']}, workers {d['workers']}, "
+                     f"embeddings {d['embeddings']}")
     return "\n".join(lines)
