@@ -122,10 +122,10 @@ def target_receipt_wire(data: bytes) -> str:
 
 def target_stream_wire(data: bytes) -> str:
     from tensorwire.mm._proto import encoder_pb2 as pb
-    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response, read_stream_response
+    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response
 
     ref = _protobuf_parse(pb.StreamResponse, data)
-    _same_read(read_stream_response, data, ref)
+    _same_read(data, ref)
     try:
         message_id, body = parse_stream_response(data)
     except WireError as exc:
@@ -145,15 +145,15 @@ def target_stream_wire(data: bytes) -> str:
     return "ok"
 
 
-def _same_read(read: Any, data: bytes, ref: Any) -> None:
-    """What the channels call (protobuf's parser for a small answer) reads what protobuf reads, or refuses what
-    it refuses, with a WireError."""
-    from tensorwire.mm._wire_receipt import UPB_MAX_BYTES, WireError, WireReceipt
+def _same_read(data: bytes, ref: Any) -> None:
+    """``read_stream_response`` (what the channels call: protobuf's parser for a small answer) reads what
+    protobuf reads, or refuses what it refuses, with a WireError."""
+    from tensorwire.mm._wire_receipt import UPB_MAX_BYTES, WireError, WireReceipt, read_stream_response
 
     if len(data) > UPB_MAX_BYTES:
         return  # the walk: checked against protobuf below
     try:
-        message_id, body = read(data)
+        message_id, body = read_stream_response(data)
     except WireError:
         assert ref is None, "read_stream_response refuses an answer protobuf reads"
         return
