@@ -430,6 +430,8 @@ class HeldStoreClient(_Client):
         except (OSError, _unix.InsecurePath) as exc:
             log.warning("held-outputs store %s advertised a same-host socket that fails its checks (%s); using gRPC",
                         self.address, exc)
+        except ValueError as exc:  # grpc: the channel was closed under the call (the client is closing)
+            log.debug("held-outputs store %s: no same-host channel (%s)", self.address, exc)
         finally:
             with self._local_lock:
                 self._local_due = time.monotonic() + retry_s

@@ -347,6 +347,20 @@ def test_an_owner_without_local_channel_is_served_over_grpc(store: HeldStore) ->
     assert hpb.LookupRequest  # the messages are the gRPC ones
 
 
+def test_a_discovery_whose_channel_closes_under_it_ends_quietly() -> None:
+    """close() can close the gRPC channel while the background discovery is in its call: grpc then raises
+    ValueError ("closed channel"), which must end the discovery (no same-host socket, a retry scheduled), not
+    escape from its thread."""
+    c = HeldStoreClient("127.0.0.1:1", local_channel=False)  # no background discovery of its own
+    try:
+        c._channel.close()  # closed under the call, as close() does, before _closed is seen
+        c._discover()
+        assert c.local_path == ""
+        assert time.monotonic() < c._local_due < float("inf")
+    finally:
+        c.close()
+
+
 def test_staging_goes_over_its_socket_and_falls_back_to_its_grpc_socket(store: HeldStore, tmp_path: Any) -> None:
     from tensorwire.mm._staging import Expect, StagingArea
     from tensorwire.mm._store_rpc import StagingClient, receipt_for, serve_staging_local
