@@ -1,6 +1,7 @@
 """Where one fetch's time goes, across both processes: a timeline of wrapped functions (diagnostic, not a bench).
 
     PYTHONPATH=src python scripts/probe_timeline.py [--device cuda:0] [--iters 40] [--rows 8 13760] [--channel local]
+        [--gap-ms 5]
 
 Starts the transfer bench's encoder (spawned process, real gRPC server and exporter), fetches zero-copy outputs
 through the EncodeStream, and records enter/exit times (CLOCK_MONOTONIC, shared by both processes) of the
@@ -157,7 +158,9 @@ def print_table(totals: list[float], rows: list[tuple[float, str, float, int]], 
     print(f"{'function':{width}} {'start us':>9} {'dur us':>8} {'n':>4}")
     for start, key, dur, n in rows:
         print(f"{key:{width}} {start:9.0f} {dur:8.0f} {n:4d}")
-    return {"total_us": statistics.median(totals),
+    q = statistics.quantiles(totals, n=10) if len(totals) > 1 else [totals[0]] * 9
+    print(f"fetch p10 {q[0]:.0f} us, p90 {q[-1]:.0f} us")
+    return {"total_us": statistics.median(totals), "total_p10_us": q[0], "total_p90_us": q[-1],
             "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in rows}}
 
 
@@ -170,6 +173,8 @@ def main() -> int:
     ap.add_argument("--channel", choices=["grpc", "local", "placed"], default="grpc",
                     help="the control channel: the EncodeStream, or the same-host channel (issue 18) with the RDMA "
                          "plane, or with placed outputs (receive buffers)")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="both processes idle this long between fetches (a fetch after a pause, not back to back)")
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import torch
@@ -207,6 +212,8 @@ def main() -> int:
                     del out
                     if i >= 5:
                         windows.setdefault(rows, []).append((a, b))
+                    if args.gap_ms:
+                        time.sleep(args.gap_ms / 1e3)
     finally:
         stop.set()
         proc.join(60)
@@ -216,7 +223,7 @@ def main() -> int:
     events = sorted(EVENTS + server_events, key=lambda e: e[2])
     from tensorwire.bench._common import cuda_mps_active, machine_info
 
-    report: dict[str, Any] = {"machine": machine_info(), "device": args.device}
+    report: dict[str, Any] = {"machine": machine_info(), "device": args.device, "gap_ms": args.gap_ms}
     print(f"device {args.device}, CUDA MPS {'on' if args.device != 'cpu' and cuda_mps_active() else 'off'}")
     for rows, wins in windows.items():
         totals, rows_out = per_function(events, wins)

@@ -24,7 +24,8 @@ Those (and the inline plane) use the gRPC control plane (``local_channel="off"``
 the inline plane run again, in the same process and run, over the same-host control channel (the worker's Unix
 socket): ``rdma_local``, ``rdma_zero_copy_local``, ``inline_local``, with their p50/p90/p99 and the ratios to
 the gRPC rows; the RDMA runs of both control channels alternate fetch by fetch (``--block N``: N fetches each in
-turn, which spares the placed rows a GPU context switch per fetch that a one-transport deployment pays less often).
+turn, which spares the placed rows the wake-up of threads left idle while other transports fetch, a cost a
+one-transport deployment pays less often; docs/gpu.md, "What a pause costs").
 
 Stages per fetch (client wall clock, medians): ``export`` (encoder copies into registered slots),
 ``control`` (Encode round trip, which contains the export), ``allocate`` (zero-copy only: the encoder's
@@ -205,9 +206,9 @@ def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, 
     fetch's plane (one for all, or one per transport); warm-up fetches may take another (a placed transport's
     first fetch of a larger size goes by RDMA while it learns the size).
 
-    Why ``block``: fetch by fetch, each transport's fetch follows another's work on the GPU; without MPS a switch
-    between the two processes' CUDA contexts costs ~0.3 ms on the H200 VM (docs/gpu.md, "The floor of a
-    same-host hand-over"), a cost a deployment that uses one transport pays less often."""
+    Why ``block``: fetch by fetch, each transport's threads sit idle while the others fetch, and waking them
+    costs ~0.35 ms per fetch on the H200 VM with or without MPS (docs/gpu.md, "What a pause costs"), a cost a
+    deployment that uses one transport pays less often."""
     inputs = _inputs(rows, zero_copy)
     planes = [plane] * len(transports) if isinstance(plane, str) else plane
     stages: list[dict[str, list[float]]] = [{} for _ in transports]
