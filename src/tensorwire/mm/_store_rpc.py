@@ -317,6 +317,8 @@ class _Client:
             raw = call(request.SerializeToString(), timeout=timeout_s)
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, f"{what} on {self.address}") from exc
+        except ValueError as exc:  # grpc: close() closed the channel after the check above
+            raise ClosedError(f"{what} on {self.address}: the channel was closed ({exc})") from exc
         return self._parse_answer(response, raw, what)
 
     def _parse_answer(self, response: Any, raw: bytes, what: str) -> Any:
@@ -423,15 +425,13 @@ class HeldStoreClient(_Client):
                         self._local = LocalRpcClient(info.path)
                 log.info("held-outputs store %s: Lookup/Release over the same-host socket %s", self.address,
                          info.path)
-        except TensorwireError as exc:  # not up yet, or an owner without LocalChannel (UNIMPLEMENTED)
+        except TensorwireError as exc:  # not up yet, an owner without LocalChannel (UNIMPLEMENTED), or closing
             transient = exc.reason in (Reason.PEER_UNAVAILABLE, Reason.DEADLINE_EXCEEDED)
             retry_s = 1.0 if transient else 30.0
             log.debug("held-outputs store %s: no same-host channel (%s)", self.address, exc)
         except (OSError, _unix.InsecurePath) as exc:
             log.warning("held-outputs store %s advertised a same-host socket that fails its checks (%s); using gRPC",
                         self.address, exc)
-        except ValueError as exc:  # grpc: the channel was closed under the call (the client is closing)
-            log.debug("held-outputs store %s: no same-host channel (%s)", self.address, exc)
         finally:
             with self._local_lock:
                 self._local_due = time.monotonic() + retry_s

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tensorwire import _unix
-from tensorwire.errors import DeadlineExceeded, InvalidPayload, LeaseExpired, Reason
+from tensorwire.errors import ClosedError, DeadlineExceeded, InvalidPayload, LeaseExpired, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._local_rpc import REQUEST_HEAD, LocalRpcClient, LocalRpcServer, LocalUnavailable
 from tensorwire.mm._proto import held_pb2 as hpb
@@ -347,13 +347,16 @@ def test_an_owner_without_local_channel_is_served_over_grpc(store: HeldStore) ->
     assert hpb.LookupRequest  # the messages are the gRPC ones
 
 
-def test_a_discovery_whose_channel_closes_under_it_ends_quietly() -> None:
-    """close() can close the gRPC channel while the background discovery is in its call: grpc then raises
-    ValueError ("closed channel"), which must end the discovery (no same-host socket, a retry scheduled), not
-    escape from its thread."""
+def test_a_channel_closed_under_a_call_is_a_closed_error_and_ends_a_discovery_quietly() -> None:
+    """close() can close the gRPC channel while a call (the background discovery's, or a lookup) is past its
+    closed check: grpc then raises ValueError ("closed channel"). The call raises ClosedError instead, and the
+    discovery ends (no same-host socket, a retry scheduled) rather than letting it escape from its thread."""
     c = HeldStoreClient("127.0.0.1:1", local_channel=False)  # no background discovery of its own
     try:
         c._channel.close()  # closed under the call, as close() does, before _closed is seen
+        with pytest.raises(ClosedError) as err:
+            c.lookup([("k", b"s")], timeout_s=1.0)
+        assert err.value.reason is Reason.CLOSED
         c._discover()
         assert c.local_path == ""
         assert time.monotonic() < c._local_due < float("inf")
