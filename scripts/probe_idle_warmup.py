@@ -2,17 +2,17 @@
 
 One process, no GPU, no socket, no tensorwire: a fixed pure-Python workload cut into ``--chunks`` equal pieces,
 each piece timed on its own. ``compute``: integer arithmetic, a dict and a list, all in the first-level cache;
-``walk``: a sum over a slice of a shuffled list of floats, each piece its own slice, together several MiB (more
-than a core's own caches), so a piece runs at the speed of the memory its data comes from. Before each
-round the process either goes on at once (``back to back``), sleeps (``sleep N ms``: the CPU may go idle, and a
-virtual CPU halts to its hypervisor) or spins in a loop for the same time (``spin N ms``: the CPU never idles).
-Per condition, the median time of each piece over ``--rounds`` rounds, microseconds.
+``walk``: a sum over a slice of a shuffled list of floats, each piece its own slice, together about 1 MiB
+(printed as ``walk_bytes``), so a piece runs at the speed of whichever cache or memory its data comes from.
+Before each round the process either goes on at once (``back to back``), sleeps (``sleep N ms``: the CPU may go
+idle, and a virtual CPU halts to its hypervisor) or spins in a loop for the same time (``spin N ms``: the CPU
+never idles, and the spin touches almost no memory). Per condition, the median time of each piece over
+``--rounds`` rounds, microseconds.
 
-What it tells apart: if the pieces after a sleep are slower than back to back and after a spin are not, the
-slowdown comes from the CPU having idled; if every piece is slower, not only the first, it is not a cache refill
-(a few microseconds for a working set this small) but the core running slower for as long as the workload lasts
-(its clock, or its host's sharing of it). The placed fetch's timeline shows the same pattern across both of
-its processes (every function 1.5-2.5x slower after a 5 ms pause).
+What it tells apart: ``compute`` slower in every piece after a pause means the core itself runs slower (its
+clock); ``walk`` slower and recovering piece by piece while ``compute`` is not means the data had left the
+caches; either after a sleep but not after a spin means it comes from the CPU having idled. The placed fetch's
+timeline shows the functions of both its processes 1.5-2.4x slower after a 5 ms pause (median over them).
 
     python scripts/probe_idle_warmup.py [--workload compute|walk] [--rounds 200] [--chunks 10] [--json out.json]
 """
@@ -92,16 +92,20 @@ def _round(fn, n: int, chunks: int) -> list[float]:
 def run(workload: str, rounds: int, chunks: int, piece_us: float, conditions: list[tuple[str, float]]) -> dict:
     if workload == "walk":
         walk = _Walk(_calibrate(lambda k: sum(float(i) for i in range(k)), piece_us) * 4, chunks)
-        fn, n = walk, walk.n  # sum over a list is ~4x faster per item than the generator it was timed with
+        # A sum over a list takes a third to a quarter of the generator's time per item: pieces of 20-25 us.
+        fn, n = walk, walk.n
     else:
         fn, n = _piece, _calibrate(_piece, piece_us)
     out: dict = {"workload": workload, "piece_iterations": n, "piece_target_us": piece_us, "chunks": chunks,
                  "rounds": rounds, "conditions": {}}
+    if workload == "walk":  # the floats (24 bytes each) and the list's pointers
+        out["walk_bytes"] = n * chunks * (sys.getsizeof(0.5) + 8)
+        print(f"walk over {out['walk_bytes'] / 2**20:.2f} MiB")
+    named = [(f"{kind} {ms:g} ms" if kind else "back to back", kind, ms) for kind, ms in conditions]
+    samples: dict[str, list[list[float]]] = {name: [] for name, _, _ in named}
     # Conditions interleaved round by round, so a change of the machine's speed over the run hits all alike.
-    samples: dict[str, list[list[float]]] = {f"{k} {ms:g} ms" if k else "back to back": [] for k, ms in conditions}
     for _ in range(rounds):
-        for kind, ms in conditions:
-            name = f"{kind} {ms:g} ms" if kind else "back to back"
+        for name, kind, ms in named:
             _pause(kind, ms)
             samples[name].append(_round(fn, n, chunks))
     base = None
