@@ -2,6 +2,6 @@
 
 Each benchmark prints ratios side by side in one run (the machines are noisy) and writes JSON under
 ``benchmarks/results/`` with the machine noted. Benchmarks measure; they never assert. The private modules are
-shared helpers (``_common``, ``_ranks``) and what the CLI's demos measure and print (``_e2e`` for
-``tensorwire fetch`` and ``tensorwire demo``, ``_rdma_demo`` for ``tensorwire rdma-demo``).
+shared helpers (``_common``, ``_ranks``). Nothing outside this package imports it: what the CLI's commands measure
+and print lives beside them (``tensorwire.cli._measure``, ``tensorwire.cli._rdma_demo``).
 """

@@ -1,5 +1,6 @@
 """Command-line interface: argument parsing, logging set-up and exit codes only.
 
-What a command does lives below it: the servers and their process plumbing in ``tensorwire.service``, what the
-demos and ``fetch`` measure and print in ``tensorwire.bench``, the soak in ``tensorwire.soak``.
+What a command does lives below it: the servers and their process plumbing in ``tensorwire.service``, the soak in
+``tensorwire.soak``; what ``fetch`` and the demos measure and print beside the commands (``_measure``,
+``_rdma_demo``). The CLI never imports ``tensorwire.bench`` (benchmarks are not product code).
 """

@@ -10,7 +10,7 @@ SIGTERM: all at once, SIGTERM then SIGKILL after a bounded wait; a second Ctrl-C
 killed without that chance (SIGKILL) takes its children with it through their lifeline (``tensorwire._lifeline``).
 
 The children are ``tensorwire.service._child.LoopbackDeployment``; what is measured and how the table reads
-(the stage definitions) is ``tensorwire.bench._e2e``. Exit codes: 0 done, 1 the demo failed (the children's last
+(the stage definitions) is ``tensorwire.cli._measure``. Exit codes: 0 done, 1 the demo failed (the children's last
 log lines on stderr), 2 bad arguments, 130 interrupted.
 """
 
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorwire.bench._e2e import measure, table
+    from tensorwire.cli._measure import measure, table
     from tensorwire.encoder import sample_paths
     from tensorwire.service._child import LoopbackDeployment
     from tensorwire.service._runtime import stdout_to_stderr
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     result["child_pids"] = {c.name: c.proc.pid for c in deployment.children}
     result["wall_s"] = time.monotonic() - t_start
     if args.save is not None:
-        from tensorwire.bench._common import write_result
+        from tensorwire._results import write_result
 
         path = write_result("demo", result, out=args.save or None)
         say(f"wrote {path}")

@@ -3,7 +3,7 @@
 Sends all images in one request through ``RemoteOutputTransport`` (RDMA when both sides can, inline otherwise)
 and prints, per image, the embedding shape and dtype, then the plane used and the stage times. ``--json`` prints
 one object, also on failure; its keys are in ``EPILOG`` (``tensorwire fetch --help``), in
-``tensorwire.bench._e2e`` (which builds it) and in docs/deployment.md.
+``tensorwire.cli._measure`` (which builds it) and in docs/deployment.md.
 Exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files.
 
 TLS: ``--tls-ca`` (verify the server), ``--tls-cert``/``--tls-key`` (mTLS), ``--tls-server-name``, or the same
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from tensorwire.bench._e2e import FETCH_JSON_HELP
+from tensorwire.cli._measure import FETCH_JSON_HELP
 
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 EPILOG = FETCH_JSON_HELP + "exit codes: 0 ok, 1 the fetch failed, 2 bad arguments or unreadable files\n"
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
     """Reports a failure: one JSON object with ``--json``, else one ``error:`` line on stderr."""
-    from tensorwire.bench._e2e import fetch_error_document
+    from tensorwire.cli._measure import fetch_error_document
     from tensorwire.errors import TensorwireError
 
     doc = fetch_error_document(exc, code, args.endpoint)
@@ -64,7 +64,7 @@ def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tensorwire.bench._e2e import fetch_document, fetch_lines, fetch_result
+    from tensorwire.cli._measure import fetch_document, fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
     from tensorwire.mm._tls import TlsConfig

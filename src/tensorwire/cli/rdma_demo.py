@@ -1,6 +1,6 @@
 """``tensorwire rdma-demo``: two processes, export -> read -> release over NIXL, printing what moved and how.
 
-The demo itself is ``tensorwire.bench._rdma_demo``. Exit codes: 0 every byte matched, 1 NIXL is unavailable or
+The demo itself is ``tensorwire.cli._rdma_demo``. Exit codes: 0 every byte matched, 1 NIXL is unavailable or
 the bytes differ.
 """
 
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("UCX_NET_DEVICES", args.ucx_net_devices)
-    from tensorwire.bench._rdma_demo import rdma_demo
+    from tensorwire.cli._rdma_demo import rdma_demo
     from tensorwire.rdma import RdmaConfig, has_rdma
 
     cfg = RdmaConfig(provider="nixl", device=args.device, bind_ip="127.0.0.1")

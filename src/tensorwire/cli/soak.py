@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
     report["mode"] = "load" if args.load else "soak"
     if args.save is not None:
-        from tensorwire.bench._common import write_result
+        from tensorwire._results import write_result
 
         path = write_result(report["mode"], report, out=args.save or None)
         say(f"wrote {path}")

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run_fuzz(args.inputs, args.seed, live, hs, args.canary_every, say)
     if args.save is not None:
-        from tensorwire.bench._common import write_result
+        from tensorwire._results import write_result
 
         say(f"wrote {write_result('fuzz', result, out=args.save or None)}")
     if args.json:
