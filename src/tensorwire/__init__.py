@@ -11,13 +11,7 @@ Layers (imports point down only)::
 ``import tensorwire`` is cheap: torch, grpc and nixl are imported only by the subpackages that need them.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
+from tensorwire._version import __version__
 from tensorwire.errors import Reason, TensorwireError
-
-try:
-    __version__ = version("tensorwire")  # the one place it is written is pyproject.toml's [project] version
-except PackageNotFoundError:  # sources on sys.path without an install
-    __version__ = "0+unknown"
 
 __all__ = ["Reason", "TensorwireError", "__version__"]
