@@ -70,6 +70,9 @@ class Reason(str, enum.Enum):
     LEASE_EXPIRED = "lease_expired"
     STALE_GENERATION = "stale_generation"
     NOT_HELD = "not_held"  # a held-output store has no item under this grant (never held, released, expired)
+    NOT_READY = "not_ready"  # the grant is known but its item is not held yet (being encoded): retry
+    INCOMPATIBLE = "incompatible"  # the peer's encoder output layout differs (vLLM version, model, dtype, wire)
+    UNTRUSTED_PRODUCER = "untrusted_producer"  # the endpoint is not on the reader's allow-list: never dialed
     PEER_DISCONNECTED = "peer_disconnected"
     METADATA_UNAVAILABLE = "metadata_unavailable"
     RESULT_MISMATCH = "result_mismatch"

@@ -57,7 +57,10 @@ REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
     "zero": (SINGLE, (20,)), "swap": (DOUBLE, (21, 22)),
     "released": (SINGLE, (30,)), "refused": (SINGLE, (31,)), "blackhole": (SINGLE, (32,)),
     "tokens_ok": (SINGLE, (40,)), "tokens_gone": (SINGLE, (41,)), "tp2": (SINGLE, (45,)), "killed": (SINGLE, (50,)),
+    "incompatible": (SINGLE, (60,)), "untrusted": (SINGLE, (61,)),
 }
+# The first LLM instance trusts the producer's address only (any port): 127.0.0.2 stands for another host.
+TRUSTED = "127.0.0.1"
 
 
 def request(name: str, params: Any = None) -> dict[str, Any]:
@@ -166,7 +169,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
                              env={**cpu, "TW_TAMPER_FILE": str(tamper)}),
         # No processor cache on the LLM instance: a request without its image (metadata only) must reach the
         # scheduler as such instead of missing in the engine's receiver cache.
-        "consumer": Instance("consumer", work, model, extra=dict(common, **CONSUMER_BUDGETS),
+        "consumer": Instance("consumer", work, model, extra=dict(common, trusted_producers=TRUSTED,
+                                                                **CONSUMER_BUDGETS),
                              args=("--no-mm-cache",), env={**cpu, **uniproc}),
         "consumer_tp2": Instance("consumer_tp2", work, model, role="consumer",
                                  extra=dict(common, **CONSUMER_BUDGETS), args=("--tp", "2", "--enable-mm-embeds"),
@@ -390,6 +394,55 @@ def test_request_without_media_uses_the_item_or_fails_cleanly(cluster: Any) -> N
         before, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held") == 1
     (g,) = consumer.generate([request("a", produce(cluster, "a"))])
     assert_same(g, base["a"], "a after a failed request")
+    wait_nothing_held(cluster)
+
+
+def test_incompatible_producer_is_refused_and_the_item_encoded_locally(cluster: Any) -> None:
+    """An item whose compatibility hash is not the LLM instance's (another vLLM version, model or dtype; here
+    the hash in the params altered) is refused before any read, its grant goes back, and the answer is the
+    baseline's, encoded locally."""
+    consumer = cluster["insts"]["consumer"]
+    params = produce(cluster, "incompatible")
+    tw = next(iter(params.values()))["tensorwire"]
+    assert len(tw["compat"]) == 64
+    tw["compat"] = ("0" if tw["compat"][0] != "0" else "1") + tw["compat"][1:]
+    before = consumer.metrics()
+    (g,) = consumer.generate([request("incompatible", params)])
+    after = consumer.metrics()
+    assert_same(g, cluster["base"]["incompatible"], "incompatible")
+    d = diff(before, after)
+    assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=incompatible}") == 1, d
+    assert d.get("tensorwire_vllm_ec_refusals_total{reason=incompatible}") == 1, d
+    assert not any(k.startswith(("tensorwire_vllm_ec_delivered_total", "tensorwire_vllm_ec_bytes_total")) for k in d), d
+    assert not any("method=Lookup" in k for k in d), d  # no lookup, so no read
+    wait_nothing_held(cluster)  # the grant was given back
+
+
+def test_untrusted_endpoint_is_never_dialed(cluster: Any) -> None:
+    """Params that name an endpoint off the LLM instance's ``trusted_producers`` (a router bug, a client's own
+    params) are refused before anything is dialed: a listener on that endpoint sees no connection."""
+    consumer = cluster["insts"]["consumer"]
+    params = produce(cluster, "untrusted")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.2", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.2", port), timeout=10):  # the listener does see connections
+            listener.accept()[0].close()
+        listener.setblocking(False)
+        try:
+            before = consumer.metrics()
+            (g,) = consumer.generate([request("untrusted", _with_endpoint(params, f"127.0.0.2:{port}"))])
+            after = consumer.metrics()
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nobody connected
+        finally:
+            assert _release(params) == 1  # the real grant was never used
+    assert_same(g, cluster["base"]["untrusted"], "untrusted")
+    d = diff(before, after)
+    assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=untrusted_producer}") == 1, d
+    assert d.get("tensorwire_vllm_ec_refusals_total{reason=untrusted_producer}") == 1, d
+    assert not any("method=" in k for k in d), d  # no Lookup, no Release: no control call at all
     wait_nothing_held(cluster)
 
 

@@ -44,6 +44,7 @@ from tensorwire.integrations._vllm_ec.consumer import ConsumerScheduler, Consume
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RemoteStager  # noqa: E402
 from tensorwire.integrations._vllm_ec.metrics import metrics_for  # noqa: E402
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerStep, ProducerWorker  # noqa: E402
+from tensorwire.integrations._vllm_ec.trust import ProducerGate, ProducerTrust, compat_hash  # noqa: E402
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,7 +137,14 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         self._producer_sched = ProducerScheduler(
             lambda: rt.producer_endpoint(self._cfg, self._name), self._metrics,
             dtype=self._model_config.dtype, width=lambda modality: widths.get(modality),
-            ttl_ms=self._cfg.lease_ttl_ms, item_metadata=self._vllm_item_metadata)
+            ttl_ms=self._cfg.lease_ttl_ms, item_metadata=self._vllm_item_metadata, compat=self._compat_hash())
+
+    def _compat_hash(self) -> str:
+        """This instance's compatibility hash (``trust.compat_hash``), the same computation on both roles."""
+        mc = self._model_config
+        return compat_hash(vllm_version=VLLM_VERSION, model=self._cfg.model_identity or str(mc.model),
+                           revision=getattr(mc, "revision", None), dtype=str(mc.dtype),
+                           quantization=getattr(mc, "quantization", None))
 
     def _init_consumer_scheduler(self) -> None:
         stagers: list[Any]
@@ -148,7 +156,11 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             stagers = [RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)
                        for r, a in enumerate(addresses)]
         fetcher = Fetcher(self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none")
-        self._consumer_sched = ConsumerScheduler(self._cfg, fetcher, self._metrics, has_media=self._has_media)
+        trust = ProducerTrust.from_config(self._cfg.trusted_producers, tls_ca=self._cfg.tls_ca)
+        gate = ProducerGate(trust, self._compat_hash())
+        log.info("TensorwireECConnector %s reads from trusted producers: %s", self._name, trust.description)
+        self._consumer_sched = ConsumerScheduler(self._cfg, fetcher, self._metrics, has_media=self._has_media,
+                                                 gate=gate)
 
     def _worker_device(self) -> str:
         if self._cfg.device != "auto":

@@ -24,7 +24,8 @@ An item that is held with no grant (nobody asked for it yet) stays until a grant
 Ownership: ``hold`` copies (``TensorExporter.export``); the caller may drop or modify its tensors when it
 returns. Without an exporter (``exporter=None``: no RDMA provider) the store keeps host copies and hands them
 out inline. Thread safety: every method may be called from many threads. Errors: ``ExportError`` /
-``PoolExhausted`` from ``hold`` (nothing is held then), ``LeaseExpired(NOT_HELD)`` from ``lookup``,
+``PoolExhausted`` from ``hold`` (nothing is held then), ``ReadError(NOT_READY)`` (a pending grant: the item is
+not held yet) or ``LeaseExpired(NOT_HELD)`` from ``lookup``,
 ``InvalidPayload`` for a secret that is too short, ``ClosedError`` after ``close``.
 """
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, Reason
+from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, ReadError, Reason
 from tensorwire.rdma import Descriptor, Exporter
 
 log = logging.getLogger(__name__)
@@ -210,13 +211,18 @@ class HeldStore:
         return True
 
     def lookup(self, key: str, secret: bytes) -> HeldItem:
-        """The held item, if ``(key, secret)`` is a live grant on it; else ``LeaseExpired(NOT_HELD)``."""
+        """The held item, if ``(key, secret)`` is a live grant on it; ``ReadError(NOT_READY)`` when the grant is
+        pending (granted, the item not held yet); else ``LeaseExpired(NOT_HELD)``."""
         d = _digest(key, secret)
         with self._lock:
             self._check_open()
             self._sweep_locked()
             held = self._held.get(key)
             self._n["lookups"] += 1
+            if held is None and (key, d) in self._pending:
+                self._n["lookup_misses"] += 1
+                raise ReadError(f"the item under this grant for key {key[:64]!r} is not held yet (granted, "
+                                "still being encoded): retry", reason=Reason.NOT_READY)
             if held is None or d not in held.grants:
                 self._n["lookup_misses"] += 1
                 raise LeaseExpired(f"no held item under this grant for key {key[:64]!r} (never held, released, "

@@ -12,7 +12,9 @@ certificate listens with TLS (mTLS unless ``client_auth`` is off); without one a
 loopback address unless ``insecure=True``. A ``unix:`` socket is plaintext (its directory's mode is the access
 control). The clients take the same ``TlsConfig`` and speak TLS when it has a CA or a certificate; a refused
 handshake is a ``PeerUnavailable``. Errors cross as status + ``tensorwire-reason`` (``tensorwire.mm.wire``);
-per-grant lookup failures are fields of the answer (one bad grant does not fail the others). ``grpc.RpcError``
+per-grant lookup failures are fields of the answer (one bad grant does not fail the others), each a
+``Reason`` value: ``not_held`` (no live grant: never held, released, expired), ``not_ready`` (granted, the item
+is not held yet: retry). ``grpc.RpcError``
 never leaves here.
 """
 
@@ -463,7 +465,8 @@ class HeldStoreClient(_Client):
                     reason = Reason(r.error_reason)
                 except ValueError:
                     reason = Reason.UNKNOWN
-                cls = LeaseExpired if reason in (Reason.NOT_HELD, Reason.LEASE_EXPIRED) else TensorwireError
+                cls = (LeaseExpired if reason in (Reason.NOT_HELD, Reason.LEASE_EXPIRED)
+                       else ReadError if reason is Reason.NOT_READY else TensorwireError)
                 out.append(LookupOutcome(key, None, cls(r.error_message or reason.value, reason=reason)))
             else:
                 out.append(LookupOutcome(key, r.receipt, None))

@@ -16,6 +16,7 @@ from typing import Any
 
 from tensorwire import _unix
 from tensorwire.errors import ConfigError
+from tensorwire.integrations._vllm_ec.trust import parse_trusted
 from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 
 ENV_PREFIX = "TENSORWIRE_VLLM_EC_"
@@ -42,7 +43,13 @@ class ECConfig:
     ``release_timeout_ms`` bound the two control RPCs; ``fetch_threads`` items are fetched at once;
     ``failures_to_open`` consecutive endpoint faults open an endpoint's breaker for ``open_seconds``;
     ``fallback``: ``local`` encodes an item locally when the request still carries its media (else the request
-    fails), ``fail`` always fails the request.
+    fails), ``fail`` always fails the request. ``trusted_producers``: the encoder instances' store endpoints this
+    instance may dial (``tensorwire.integrations._vllm_ec.trust``: ``loopback``, addresses, networks, ``host:port``,
+    host names, ``*``; comma-separated or a list; default loopback, or with ``tls_ca`` any endpoint whose
+    certificate verifies); any other endpoint in a request's params is refused before it is dialed.
+
+    Both: ``model_identity`` is the model name folded into the compatibility hash (default: vLLM's ``model``, which
+    may be a local path: set the same name on both instances when their paths differ).
 
     Both: ``device`` (``auto``: the worker's device; ``cpu`` or ``cuda:N``), ``rdma_provider`` (``auto``, ``nixl``,
     ``none``: no RDMA, items travel inline over gRPC), ``runtime_dir`` (sockets and rendezvous files; default
@@ -77,6 +84,8 @@ class ECConfig:
     failures_to_open: int = 3
     open_seconds: float = 30.0
     fallback: str = "local"
+    trusted_producers: str = ""
+    model_identity: str = ""
     device: str = "auto"
     rdma_provider: str = "auto"
     runtime_dir: str = ""
@@ -104,6 +113,10 @@ class ECConfig:
             raise ConfigError(f"ec_connector_extra_config.open_seconds={self.open_seconds!r}: expected (0, 86400]")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"ec_connector_extra_config.fallback={self.fallback!r}: expected one of {FALLBACKS}")
+        if not isinstance(self.trusted_producers, str):
+            raise ConfigError(f"ec_connector_extra_config.trusted_producers={self.trusted_producers!r}: expected a "
+                              "string or a list of strings")
+        parse_trusted(self.trusted_producers)  # ConfigError names a malformed entry
         if self.local_channel not in LOCAL_CHANNELS:
             raise ConfigError(f"ec_connector_extra_config.local_channel={self.local_channel!r}: expected one of "
                               f"{LOCAL_CHANNELS}")
@@ -184,6 +197,8 @@ def _coerce(raw: Any, typ: Any, where: str) -> Any:
             if text in ("0", "false", "no", "off"):
                 return False
             raise ValueError(f"{raw!r} is not a boolean")
+        if isinstance(raw, (list, tuple)):  # a JSON list (trusted_producers)
+            return ",".join(str(v) for v in raw)
         return str(raw)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}={raw!r}: expected {typ} ({exc})") from exc

@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import InvalidPayload, Reason
+from tensorwire.errors import Reason, TensorwireError
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, FetchResult
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, parse_params
+from tensorwire.integrations._vllm_ec.trust import ProducerGate
 from tensorwire.mm._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class _Fetch:
 class _Item:
     mm_hash: str
     grant: ItemGrant | None
-    error: InvalidPayload | None
+    error: TensorwireError | None  # malformed params, or refused before anything was dialed
     status: ItemStatus = ItemStatus.WAIT
     fetch: _Fetch | None = None
     grant_spent: bool = False  # released or handed to a fetch (which releases it)
@@ -112,8 +113,10 @@ class ConsumerScheduler:
 
     def __init__(self, cfg: ECConfig, fetcher: Fetcher, metrics: ECMetrics, *,
                  has_media: Callable[[Any], bool], clock: Callable[[], float] = time.monotonic,
-                 retire_grace_s: float = 10.0) -> None:
+                 retire_grace_s: float = 10.0, gate: ProducerGate | None = None) -> None:
         self._cfg = cfg
+        self._gate = gate
+        self._parse = gate.parse if gate is not None else parse_params
         self._fetcher = fetcher
         self._metrics = metrics
         self._has_media = has_media
@@ -201,7 +204,7 @@ class ConsumerScheduler:
         self._unavailable.discard(rid)
         if st is None:
             # Never looked at (finished or aborted while waiting elsewhere): its grants were never used.
-            self._fetcher.release_async([g for g in parse_params(getattr(request, "ec_transfer_params", None))
+            self._fetcher.release_async([g for g in self._parse(getattr(request, "ec_transfer_params", None))
                                          .values() if isinstance(g, ItemGrant)])
             return
         self._set_waiting(st, False)
@@ -280,7 +283,7 @@ class ConsumerScheduler:
     # -- internals --
 
     def _admit(self, request: Any) -> _Req | None:
-        grants = parse_params(getattr(request, "ec_transfer_params", None))
+        grants = self._parse(getattr(request, "ec_transfer_params", None))
         if not grants:
             return None
         wanted = {f.identifier for f in (getattr(request, "mm_features", None) or [])}
@@ -304,10 +307,20 @@ class ConsumerScheduler:
 
     def _begin(self, st: _Req, item: _Item, request: Any, feats: list[Any]) -> None:
         if item.grant is None:
+            reason = item.error.reason if item.error is not None else Reason.INVALID_REQUEST
+            if reason is Reason.UNTRUSTED_PRODUCER:
+                self._metrics.refusals.labels(reason.value).inc()
             log.warning("request %s: %s", st.request_id, item.error)
-            self._fallback(st, item, request, Reason.INVALID_REQUEST)
+            self._fallback(st, item, request, reason)
             return
         grant = item.grant
+        refused = self._gate.compat_refusal(grant) if self._gate is not None else None
+        if refused is not None:
+            self._metrics.refusals.labels(refused.reason.value).inc()
+            log.warning("request %s item %.16s: %s", st.request_id, item.mm_hash, refused)
+            self._give_back(item)
+            self._fallback(st, item, request, refused.reason)
+            return
         rows = feats[0].mm_position.get_num_embeds()
         if grant.shape is not None and (not grant.shape or grant.shape[0] != rows):
             log.warning("request %s item %.16s: the encoder announced shape %s, this instance expects %d rows",
@@ -364,6 +377,8 @@ class ConsumerScheduler:
     def _fail(self, f: _Fetch, reason: Reason, error: str) -> None:
         f.state = FetchState.FAILED
         f.reason = reason
+        if reason is Reason.NOT_HELD:
+            self._metrics.refusals.labels(reason.value).inc()
         self._forget_grant(f)
         self._metrics.fetches.labels("failed").inc()
         log.warning("fetch of item %.16s from %s failed (%s): %s", f.mm_hash, f.grant.endpoint, reason.value,

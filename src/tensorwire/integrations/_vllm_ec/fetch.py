@@ -22,6 +22,8 @@ Budget: ``fetch_timeout_ms`` from the start of the fetch covers the lookup (at m
 every rank's read; the release has its own ``release_timeout_ms``. A breaker per endpoint
 (``tensorwire.mm.BreakerBoard``) stops trying an encoder instance after ``failures_to_open`` consecutive faults;
 a missing item (released early, expired: reason ``not_held``) and budget exhaustion do not count as faults.
+A lookup answered ``not_ready`` (the encoder instance granted the item and has not held it yet) is asked again
+after short pauses while the budget lasts.
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ log = logging.getLogger(__name__)
 # Failures that say nothing about the encoder instance's health.
 # (A lookup that times out at lookup_timeout_ms is DEADLINE_EXCEEDED, a fault; one cut short by the item's
 # budget is BUDGET_EXHAUSTED.)
-_NEUTRAL = frozenset({Reason.NOT_HELD, Reason.BUDGET_EXHAUSTED, Reason.CLOSED, Reason.RESULT_MISMATCH,
-                      Reason.INVALID_REQUEST})
+_NEUTRAL = frozenset({Reason.NOT_HELD, Reason.NOT_READY, Reason.BUDGET_EXHAUSTED, Reason.CLOSED,
+                      Reason.RESULT_MISMATCH, Reason.INVALID_REQUEST, Reason.INCOMPATIBLE})
+# A lookup answered not_ready (granted, still being encoded) is asked again after these pauses (the last one
+# repeats) while the item's budget lasts.
+_NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 
 
 class Stager(Protocol):
@@ -288,6 +293,23 @@ class Fetcher:
         return result
 
     def _lookup(self, grant: ItemGrant, deadline: float) -> pb.EncodeResponse:
+        """The item's receipt; an answer of not_ready is asked again (``_NOT_READY_BACKOFF_S``) within the
+        budget, and stays not_ready when the budget ends first."""
+        attempt = 0
+        while True:
+            try:
+                return self._lookup_once(grant, deadline)
+            except TensorwireError as exc:
+                if exc.reason is not Reason.NOT_READY:
+                    raise
+                self._metrics.refusals.labels(Reason.NOT_READY.value).inc()
+                pause = _NOT_READY_BACKOFF_S[min(attempt, len(_NOT_READY_BACKOFF_S) - 1)]
+                if self._clock() + pause >= deadline or self._closed:
+                    raise
+                attempt += 1
+                time.sleep(pause)
+
+    def _lookup_once(self, grant: ItemGrant, deadline: float) -> pb.EncodeResponse:
         remaining = self._remaining_ms(deadline)
         budget_s = min(self._cfg.lookup_timeout_ms, remaining) / 1000.0
         if budget_s <= 0:

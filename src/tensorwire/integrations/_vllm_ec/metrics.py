@@ -52,6 +52,10 @@ class ECMetrics:
         self.fallbacks = Counter("tensorwire_vllm_ec_fallbacks_total",
                                  "Items encoded locally instead (the request carried the media), by reason",
                                  ["reason"], registry=reg)
+        self.refusals = Counter("tensorwire_vllm_ec_refusals_total",
+                                "Items refused, by reason: untrusted_producer and incompatible (this instance, "
+                                "before any connection or read), not_held and not_ready (the encoder instance's "
+                                "answer; not_ready counts each retry)", ["reason"], registry=reg)
         self.unavailable = Counter("tensorwire_vllm_ec_unavailable_requests_total",
                                    "Requests failed through vLLM (an item could not be fetched and the request "
                                    "had no media to encode), by reason", ["reason"], registry=reg)

@@ -8,13 +8,15 @@ OpenAI-compatible field) to its connector. vLLM's own convention keys the dict b
     {"<mm_hash>": {"item_indices": [0], "metadata": {...},
                    "tensorwire": {"v": 1, "endpoint": "10.0.0.5:41234", "key": "<mm_hash>",
                                   "secret": "<32+ hex chars>", "shape": [576, 4096], "dtype": "bfloat16",
-                                  "ttl_ms": 60000}}}
+                                  "ttl_ms": 60000, "compat": "<64 hex chars>"}}}
 
 ``endpoint``: the encoder instance's HeldOutputs gRPC service (``host:port``); ``key``: the store key (the
 mm_hash); ``secret``: the item's grant (>= 128 random bits, hex): lookup and release need it, so whoever holds
 the params holds the lease (issue 15 builds on that); ``shape``/``dtype``: what the encoder will hand out (the
 LLM instance checks the item against them and against its own placeholder count before reading);
-``ttl_ms``: how long the encoder keeps an unreleased item. The params come from a client: everything is
+``ttl_ms``: how long the encoder keeps an unreleased item; ``compat``: the encoder instance's compatibility hash
+(``trust.compat_hash``: vLLM version, model, dtype, this schema's version), which the LLM instance compares with
+its own before anything is read. The params come from a client: everything is
 validated (:func:`parse_entry`) and a malformed entry is treated as "not available", never trusted.
 """
 
@@ -31,6 +33,7 @@ NAMESPACE = "tensorwire"
 VERSION = 1
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 _HEX = re.compile(r"^[0-9a-f]{32,512}$")
+_COMPAT = re.compile(r"^[0-9a-f]{16,128}$")
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 MAX_DIMS = 8
 
@@ -45,6 +48,7 @@ class ItemGrant:
     shape: tuple[int, ...] | None = None
     dtype: str | None = None
     ttl_ms: int = 0
+    compat: str | None = None
 
     @property
     def grant_id(self) -> tuple[str, str, bytes]:
@@ -58,6 +62,8 @@ class ItemGrant:
             out["dtype"] = self.dtype
         if self.ttl_ms:
             out["ttl_ms"] = int(self.ttl_ms)
+        if self.compat is not None:
+            out["compat"] = self.compat
         return out
 
     def __repr__(self) -> str:  # never print the secret
@@ -81,7 +87,7 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
     if not isinstance(tw, Mapping):
         raise _bad(mm_hash, "the tensorwire entry is not an object")
     if tw.get("v") != VERSION:
-        raise _bad(mm_hash, f"version {tw.get('v')!r} is not {VERSION}")
+        raise _bad(mm_hash, f"version {tw.get('v')!r} is not {VERSION}", Reason.INCOMPATIBLE)
     endpoint, key, secret = tw.get("endpoint"), tw.get("key"), tw.get("secret")
     if (not isinstance(endpoint, str) or not _HOST_PORT.match(endpoint)
             or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536):
@@ -102,7 +108,10 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
     ttl = tw.get("ttl_ms", 0)
     if not isinstance(ttl, int) or isinstance(ttl, bool) or ttl < 0:
         raise _bad(mm_hash, "ttl_ms is not a non-negative integer")
-    return ItemGrant(endpoint, key, bytes.fromhex(secret), shape, dtype, ttl)
+    compat = tw.get("compat")
+    if compat is not None and (not isinstance(compat, str) or not _COMPAT.match(compat)):
+        raise _bad(mm_hash, "compat is not 16..128 lower-case hex characters")
+    return ItemGrant(endpoint, key, bytes.fromhex(secret), shape, dtype, ttl, compat)
 
 
 def parse_params(params: Any) -> dict[str, ItemGrant | InvalidPayload]:
@@ -124,8 +133,8 @@ def parse_params(params: Any) -> dict[str, ItemGrant | InvalidPayload]:
     return out
 
 
-def _bad(mm_hash: str, why: str) -> InvalidPayload:
-    return InvalidPayload(f"ec_transfer_params[{mm_hash[:64]!r}]: {why}", reason=Reason.INVALID_REQUEST)
+def _bad(mm_hash: str, why: str, reason: Reason = Reason.INVALID_REQUEST) -> InvalidPayload:
+    return InvalidPayload(f"ec_transfer_params[{mm_hash[:64]!r}]: {why}", reason=reason)
 
 
 __all__ = ["ItemGrant", "entry_for", "parse_entry", "parse_params", "NAMESPACE", "VERSION", "DTYPES"]

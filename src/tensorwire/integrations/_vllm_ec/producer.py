@@ -12,7 +12,8 @@ encoder-only instance's worker metadata never reaches its scheduler, and ``reque
   (:class:`tensorwire.mm.HeldStore`); an item already in vLLM's encoder cache but not held (vLLM will
   not encode it again) is exported from there.
 - worker ``save_caches`` (vLLM just encoded an item): exported under its mm_hash; pending grants attach.
-- ``request_finished``: the params (endpoint, key, secret, shape, dtype) of every item of the request. The
+- ``request_finished``: the params (endpoint, key, secret, shape, dtype, compatibility hash) of every item of the
+  request. The
   endpoint is the worker's store server (same process: asked directly; other process: the rendezvous file the
   worker wrote, see ``runtime``); the shape is the item's placeholder count by the encoder output width vLLM
   measured at start-up; the dtype the model's.
@@ -54,13 +55,16 @@ class ProducerScheduler:
     """The scheduler half of the producer. ``endpoint()`` returns the store's address or None (not known yet).
 
     ``width(modality)`` is the encoder output width (None: unknown, the shape is then not announced);
-    ``item_metadata(request)`` returns vLLM's own per-item entries (placeholder metadata) to merge in.
+    ``item_metadata(request)`` returns vLLM's own per-item entries (placeholder metadata) to merge in;
+    ``compat`` is this instance's compatibility hash (``trust.compat_hash``), announced with every item.
     """
 
     def __init__(self, endpoint: Callable[[], str | None], metrics: ECMetrics, *, dtype: torch.dtype,
                  width: Callable[[str], int | None], ttl_ms: int,
-                 item_metadata: Callable[[Any], Mapping[str, Any]] | None = None) -> None:
+                 item_metadata: Callable[[Any], Mapping[str, Any]] | None = None,
+                 compat: str | None = None) -> None:
         self._endpoint = endpoint
+        self._compat = compat
         self._metrics = metrics
         self._dtype = _DTYPE_NAMES.get(dtype)
         self._width = width
@@ -110,7 +114,7 @@ class ProducerScheduler:
                 continue
             width = self._width(feat.modality)
             shape = (int(feat.mm_position.get_num_embeds()), int(width)) if width else None
-            grant = ItemGrant(endpoint, feat.identifier, secret, shape, self._dtype, self._ttl_ms)
+            grant = ItemGrant(endpoint, feat.identifier, secret, shape, self._dtype, self._ttl_ms, self._compat)
             params[feat.identifier] = entry_for(grant, vllm_entries.get(feat.identifier))
         self._metrics.grants.labels("announced").inc(len(params))
         return params or None
