@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Placed fetches with both processes (client and encoder) free to run on every CPU, and with both confined to
 # one CPU or two (taskset, inherited by the bench's spawned encoder), after a pause and back to back,
-# alternating (issue 18; docs/gpu.md, "What a pause costs"). Tests whether the pause's cost is the wake-up of a
+# alternating (issue 18; docs/notes/pause-cost.md). Tests whether the pause's cost is the wake-up of a
 # halted vCPU on the other side: on one CPU the woken thread runs where the waker was running. Nothing on the
 # machine is changed.
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Placed outputs with and without CUDA MPS on one GPU, same lease (issue 18; docs/gpu.md, "What a pause costs").
+# Placed outputs with and without CUDA MPS on one GPU, same lease (issue 18; docs/notes/pause-cost.md).
 #
 #     source scripts/device_env.sh && OUT=/tmp/out scripts/placed_mps_ab.sh
 #

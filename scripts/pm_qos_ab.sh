@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Placed fetches with and without a CPU latency request (PM QoS, /dev/cpu_dma_latency held at 0 us: asks that
 # idle CPUs stay in shallow idle states, which needs a cpuidle driver; the script records which one the kernel
-# has), after a pause and back to back, alternating (issue 18; docs/gpu.md, "What a pause costs"). The request lasts as long as the holder keeps the file open; nothing else on the machine is changed.
+# has), after a pause and back to back, alternating (issue 18; docs/notes/pause-cost.md). The request lasts as long as the holder keeps the file open; nothing else on the machine is changed.
 #
 #     source scripts/device_env.sh && OUT=/tmp/out scripts/pm_qos_ab.sh
 #

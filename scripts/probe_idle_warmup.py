@@ -1,4 +1,4 @@
-"""How fast this machine runs Python right after a pause (issue 18; docs/gpu.md, "What a pause costs").
+"""How fast this machine runs Python right after a pause (issue 18; docs/notes/pause-cost.md).
 
 One process, no GPU, no socket, no tensorwire: a fixed pure-Python workload cut into ``--chunks`` equal pieces,
 each piece timed on its own. ``compute``: integer arithmetic, a dict and a list, all in the first-level cache;
