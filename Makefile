@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.tensorwire-installed
 export NIXL_LOG_LEVEL ?= WARN
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install test test-gpu test-long test-vllm install-vllm lint demo proto clean fuzz soak load
+.PHONY: install test test-unit test-gpu test-long test-vllm install-vllm lint demo proto clean fuzz soak load
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/nixl.txt
 
 test: install
 	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q --ignore=tests/vllm
+
+# The quick loop while editing: the unit tests alone (one process each, loopback only; docs/development.md).
+test-unit: install
+	$(PY) -m pytest tests/unit -m "not gpu and not slow and not vllm" -q
 
 # End to end with real vLLM engines on CPU (tests/vllm, docs/vllm.md): a separate virtualenv, because vLLM pins its
 # own transformers. The registry's torchaudio/torchcodec wheels link CUDA torch and break `import transformers`
