@@ -63,3 +63,13 @@ def test_relative_links_resolve(doc: Path) -> None:
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target}: no heading with that anchor")
     assert not broken, f"{doc.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "docs" / "results.md"], ids=lambda p: p.name)
+def test_named_result_files_exist(doc: Path) -> None:
+    # The results tables name their JSON files in code spans (globs allowed); each must be committed.
+    results = ROOT / "benchmarks" / "results"
+    names = set(re.findall(r"`([\w.*\[\]-]+\.json)`", doc.read_text()))
+    assert names, f"{doc.name} names no result file"
+    missing = sorted(n for n in names if not any(results.glob(n)))
+    assert not missing, f"{doc.name} names result files that are not in benchmarks/results/: {missing}"
