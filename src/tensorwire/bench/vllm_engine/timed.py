@@ -1,0 +1,99 @@
+"""EC connectors with timestamps: vLLM's and tensorwire's connectors, each subclassed the same way.
+
+Loaded inside the engines (``ec_connector_module_path: tensorwire.bench.vllm_engine.timed``), never by the
+driver. Each subclass calls the connector's own methods unchanged and records, with ``time.time_ns()`` (one
+clock for every process of the host), as JSON lines into ``$TW_EC_TIMES_DIR/<pid>.jsonl``:
+
+- ``save``: producer worker, ``save_caches`` start and end (``t0``, ``t1``) per ``mm_hash``;
+- ``seen``: consumer scheduler, the first ``ensure_cache_available`` or ``has_cache_item`` that names the item;
+- ``placed``: consumer worker, right after the ``start_load_caches`` call that put the item into vLLM's encoder
+  cache (the keys of the cache before and after the call).
+
+The cost of a record (a dict, a line written and flushed) is the same for every connector. Without
+``TW_EC_TIMES_DIR`` nothing is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+from tensorwire.integrations.vllm import TensorwireECConnector
+
+_lock = threading.Lock()
+_file: Any = None
+_file_pid = 0
+
+
+def _record(event: str, mm_hash: str, **fields: Any) -> None:
+    global _file, _file_pid
+    directory = os.environ.get("TW_EC_TIMES_DIR")
+    if not directory:
+        return
+    line = json.dumps({"ev": event, "mm_hash": mm_hash, "pid": os.getpid(), **fields})
+    with _lock:
+        if _file is None or _file_pid != os.getpid():  # a forked worker writes its own file
+            _file_pid = os.getpid()
+            _file = open(os.path.join(directory, f"{os.getpid()}.jsonl"), "a", buffering=1)
+        _file.write(line + "\n")
+
+
+class _Timed:
+    """The recording overrides; the connector class follows in the MRO."""
+
+    _tw_seen: set[str]
+
+    def _tw_first_seen(self, identifier: str) -> None:
+        seen = self.__dict__.setdefault("_tw_seen", set())
+        if identifier not in seen:
+            seen.add(identifier)
+            _record("seen", identifier, t=time.time_ns())
+
+    def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
+        t0 = time.time_ns()
+        super().save_caches(encoder_cache, mm_hash, **kwargs)  # type: ignore[misc]
+        _record("save", mm_hash, t0=t0, t1=time.time_ns())
+
+    def start_load_caches(self, encoder_cache: dict[str, Any], **kwargs: Any) -> None:
+        before = set(encoder_cache)
+        super().start_load_caches(encoder_cache, **kwargs)  # type: ignore[misc]
+        if len(encoder_cache) != len(before) or encoder_cache.keys() != before:
+            t = time.time_ns()
+            for key in encoder_cache.keys() - before:
+                _record("placed", key, t=t, nbytes=int(encoder_cache[key].numel() * encoder_cache[key].element_size()))
+
+    def has_cache_item(self, identifier: str) -> bool:
+        if self.is_consumer:  # type: ignore[attr-defined]
+            self._tw_first_seen(identifier)
+        return bool(super().has_cache_item(identifier))  # type: ignore[misc]
+
+    def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
+        if self.is_consumer:  # type: ignore[attr-defined]
+            for feature in request.mm_features or ():
+                self._tw_first_seen(feature.identifier)
+        return bool(super().ensure_cache_available(request, num_computed_tokens))  # type: ignore[misc]
+
+
+class TimedTensorwireEC(_Timed, TensorwireECConnector):
+    """``TensorwireECConnector`` with the records above."""
+
+
+class TimedExampleEC(_Timed, ECExampleConnector):  # type: ignore[misc]  # (vLLM ships no type information)
+    """vLLM's ``ECExampleConnector`` (safetensors files under ``shared_storage_path``) with the records above."""
+
+
+def __getattr__(name: str) -> Any:
+    # Mooncake's connector module imports fine without the transfer engine; build its subclass only when asked.
+    if name == "TimedMooncakeEC":
+        from vllm.distributed.ec_transfer.ec_connector.mooncake_ec_connector import ECMooncakeConnector
+
+        cls = type("TimedMooncakeEC", (_Timed, ECMooncakeConnector),
+                   {"__doc__": "vLLM's ``ECMooncakeConnector`` with the records above.", "__module__": __name__})
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
