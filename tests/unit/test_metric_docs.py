@@ -38,8 +38,10 @@ def _proxy() -> dict[str, str]:
 
 
 def _vllm() -> dict[str, str]:
-    """The vLLM connector's and the EPD router's metrics (neither imports vLLM)."""
-    return {**_exported(ECMetrics(CollectorRegistry()).registry), **_exported(RouterMetrics().registry)}
+    """The vLLM connector's and the EPD router's metrics (neither imports vLLM); the router's registry also holds
+    prometheus_client's standard ``process_*`` metrics, which are not ours to document name by name."""
+    router = {k: v for k, v in _exported(RouterMetrics().registry).items() if not k.startswith("process_")}
+    return {**_exported(ECMetrics(CollectorRegistry()).registry), **router}
 
 
 def _documented(*files: str) -> set[str]:

@@ -3,5 +3,5 @@ only there, so ``import tensorwire`` (and every other subpackage) works without 
 
 - ``tensorwire.integrations.vllm``: ``TensorwireECConnector``, a vLLM encoder-cache connector (docs/vllm.md).
 - ``tensorwire.integrations.vllm_router``: an EPD router in front of ``vllm serve`` encoder and LLM instances
-  (``python -m tensorwire.integrations.vllm_router``; standard library only, no vLLM import).
+  (``python -m tensorwire.integrations.vllm_router``; aiohttp, the ``router`` extra; no vLLM import).
 """

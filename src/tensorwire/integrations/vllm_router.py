@@ -7,30 +7,61 @@ The encoder instances run ``vllm serve`` with the tensorwire connector as ``ec_p
 with it as ``ec_consumer`` (docs/vllm.md has the commands). For each chat request with media, the router asks an
 encoder instance (round-robin) for a one-token answer, takes its ``ec_transfer_params`` and sends the client's
 request to an LLM instance with them, so the LLM instance reads the embeddings over ``tensorwire.rdma`` instead
-of encoding. Everything else goes straight to an LLM instance. The behaviour on failures, the headers and the
-metrics: ``tensorwire.integrations._vllm_router.server``.
+of encoding. Everything else goes straight to an LLM instance. The behaviour on failures, the headers, the
+metrics and the stop sequence: ``tensorwire.integrations._vllm_router.server``.
 
-Standard library only (plus prometheus_client, a tensorwire dependency); vLLM is not imported.
-Public API: ``Router``, ``RouterConfig``, ``main``.
+Built on aiohttp (server and client; ``pip install tensorwire[router]``; vLLM depends on it too) and
+prometheus_client; vLLM is not imported. Public API: ``Router``, ``RouterConfig``, ``main``.
+
+Exit codes (as ``tensorwire serve-encoder``): 0 after a stop by SIGTERM/SIGINT (drained or not), 2 for bad
+arguments or configuration (a plaintext non-loopback ``--host`` without ``--insecure``, a missing file), 3 when
+it cannot listen (port in use, address not on this host). A second signal ends the grace period at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
-import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from tensorwire.errors import ConfigError
+from tensorwire.errors import ConfigError, Reason
 from tensorwire.integrations._vllm_router.config import FALLBACKS, RouterConfig
+
+try:
+    import aiohttp  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - the extra is missing
+    raise ImportError("the EPD router needs aiohttp: pip install 'tensorwire[router]' (vLLM installs it too)") \
+        from _exc
+
 from tensorwire.integrations._vllm_router.server import Router
 
 __all__ = ["Router", "RouterConfig", "main"]
 
+EXIT_OK, EXIT_USAGE, EXIT_BIND = 0, 2, 3
+
 _DEFAULTS = RouterConfig(encoders=("http://127.0.0.1:1",), llms=("http://127.0.0.1:1",))
+
+_SECONDS_HELP = {
+    "connect_timeout_s": "one TCP (and TLS) connect to an instance",
+    "encoder_first_byte_timeout_s": "an encoder instance's answer must start within this (its answer is one "
+                                    "token); a silent one is out until its /health probe passes",
+    "encoder_timeout_s": "a whole encoder call",
+    "llm_timeout_s": "each wait for the next bytes of an LLM instance's answer (status line, then every chunk)",
+    "probe_interval_s": "GET /health of every instance this often",
+    "probe_timeout_s": "one /health probe",
+    "idle_timeout_s": "a client connection without a complete request head for this long is closed (idle "
+                      "keep-alive, or headers sent too slowly)",
+    "body_timeout_s": "reading one request body",
+    "write_timeout_s": "each write to a client that stopped reading",
+    "upstream_keepalive_s": "an idle pooled connection to an instance is closed after this (keep it below the "
+                            "instances' own keep-alive timeout: uvicorn's is 5 s)",
+    "drain_s": "on SIGTERM/SIGINT, /health answers 503 this long while requests are still served",
+    "grace_s": "then the listener closes and running requests and streams get this long to finish",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,55 +69,82 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.integrations.vllm_router",
                                  description="EPD router: encoder instances, then LLM instances (docs/vllm.md)")
     ap.add_argument("--encoder", action="append", required=True, metavar="URL",
-                    help="an encoder instance (vllm serve ... ec_producer), http://host:port; repeat for several "
+                    help="an encoder instance (vllm serve ... ec_producer), http(s)://host:port; repeat for several "
                          "(round-robin)")
     ap.add_argument("--llm", action="append", required=True, metavar="URL",
                     help="an LLM instance (vllm serve ... ec_consumer); repeat for several (round-robin)")
-    ap.add_argument("--host", default=d.host, help=f"listen address (default {d.host}; 0.0.0.0 for all)")
+    ap.add_argument("--host", default=d.host,
+                    help=f"listen address (default {d.host}; elsewhere it needs --tls-cert/--tls-key or --insecure)")
     ap.add_argument("--port", type=int, default=d.port, help=f"listen port (default {d.port}; 0: any)")
-    ap.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s,
-                    help=f"one TCP connect to an instance (default {d.connect_timeout_s:g})")
-    ap.add_argument("--encoder-timeout-s", type=float, default=d.encoder_timeout_s,
-                    help=f"a whole encoder call (default {d.encoder_timeout_s:g})")
-    ap.add_argument("--llm-timeout-s", type=float, default=d.llm_timeout_s,
-                    help=f"a non-streamed LLM answer, or each chunk of a streamed one (default {d.llm_timeout_s:g})")
-    ap.add_argument("--encoder-cooldown-s", type=float, default=d.encoder_cooldown_s,
-                    help=f"a failed instance is tried last for this long (default {d.encoder_cooldown_s:g})")
+    for name, text in _SECONDS_HELP.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name),
+                        help=f"{text} (default {getattr(d, name):g})")
     ap.add_argument("--fallback", choices=FALLBACKS, default=d.fallback,
                     help="no encoder instance answered: 'local' sends the request on (the LLM instance encodes), "
                          f"'fail' answers 503 (default {d.fallback})")
     ap.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                     help=f"largest client request body (default {d.max_body_bytes})")
+    ap.add_argument("--max-connections", type=int, default=d.max_connections,
+                    help=f"open client connections; one more is answered 503 and closed (default {d.max_connections})")
+    ap.add_argument("--backlog", type=int, default=d.backlog,
+                    help=f"listen queue (default {d.backlog}; the kernel caps it at net.core.somaxconn)")
+    ap.add_argument("--upstream-connections", type=int, default=d.upstream_connections,
+                    help=f"pooled connections per instance (default {d.upstream_connections})")
+    ap.add_argument("--upstream-ca", default="", metavar="PEM",
+                    help="CA bundle that verifies https instances (default: the system CAs)")
+    ap.add_argument("--upstream-cert", default="", metavar="PEM", help="client certificate for https instances")
+    ap.add_argument("--upstream-key", default="", metavar="PEM", help="key of --upstream-cert")
+    ap.add_argument("--tls-cert", default="", metavar="PEM", help="serve HTTPS with this certificate chain")
+    ap.add_argument("--tls-key", default="", metavar="PEM", help="key of --tls-cert")
+    ap.add_argument("--insecure", action="store_true",
+                    help="allow plaintext on a non-loopback --host (a network you trust)")
     ap.add_argument("--log-level", default="INFO")
     return ap
+
+
+def _raise_fd_limit() -> None:
+    """Every client connection and every pooled upstream one is a file descriptor: the soft limit to the hard."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    seconds = {name: getattr(args, name) for name in _SECONDS_HELP}
     try:
         config = RouterConfig(encoders=tuple(args.encoder), llms=tuple(args.llm), host=args.host, port=args.port,
-                              connect_timeout_s=args.connect_timeout_s, encoder_timeout_s=args.encoder_timeout_s,
-                              llm_timeout_s=args.llm_timeout_s, encoder_cooldown_s=args.encoder_cooldown_s,
-                              fallback=args.fallback, max_body_bytes=args.max_body_bytes)
+                              fallback=args.fallback, max_body_bytes=args.max_body_bytes,
+                              max_connections=args.max_connections, backlog=args.backlog,
+                              upstream_connections=args.upstream_connections, upstream_ca=args.upstream_ca,
+                              upstream_cert=args.upstream_cert, upstream_key=args.upstream_key,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure, **seconds)
+        _raise_fd_limit()
         router = Router(config)
     except ConfigError as exc:
         print(f"vllm_router: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"vllm_router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        return 1
-    stop = threading.Event()
+        return EXIT_BIND if exc.reason is Reason.BIND_FAILED else EXIT_USAGE
+    got: list[str] = []
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        got.append(signal.Signals(signum).name)
+        if len(got) == 1:
+            logging.getLogger("tensorwire.integrations.vllm_router").info(
+                "%s: stopping (drain %.1f s, grace %.1f s; a second signal cuts what still runs)", got[0],
+                config.drain_s, config.grace_s)
+        router.stop(cut=len(got) > 1)
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    with router:
-        print(f"vllm_router listening on {router.address}", flush=True)
-        stop.wait()
-    return 0
+    try:
+        router.run(on_ready=lambda: print(f"vllm_router listening on {router.address}", flush=True))
+    finally:
+        router.close()
+    return EXIT_OK
 
 
 if __name__ == "__main__":

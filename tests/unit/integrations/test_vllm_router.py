@@ -6,85 +6,18 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import pytest
+from _router_fakes import IMAGE_CHAT, SRC, TEXT_CHAT, Fake, Mute, closed_url, encoder_answer, fake, llm_answer, post
 
 from tensorwire.errors import ConfigError
 from tensorwire.integrations.vllm_router import Router, RouterConfig
-
-IMAGE_CHAT = {"model": "m", "max_tokens": 8, "logprobs": True, "top_logprobs": 3,
-              "messages": [{"role": "user", "content": [
-                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-                  {"type": "text", "text": "describe"}]}]}
-TEXT_CHAT = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
-SRC = Path(__file__).resolve().parents[3] / "src"
-
-
-class Fake:
-    """A stand-in instance: ``answer(path, body) -> (status, body dict | bytes)``; records every request."""
-
-    def __init__(self, answer: Callable[[str, Any], tuple[int, Any]]) -> None:
-        self.seen: list[tuple[str, str, Any, dict[str, str]]] = []
-        fake = self
-
-        class H(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a: Any) -> None:
-                pass
-
-            def _handle(self, method: str) -> None:
-                n = int(self.headers.get("Content-Length", "0"))
-                raw = self.rfile.read(n) if n else b""
-                body = json.loads(raw) if raw else None
-                fake.seen.append((method, self.path, body, dict(self.headers)))
-                status, out = answer(self.path, body)
-                if callable(out):  # a streamer: writes the answer itself
-                    out(self)
-                    return
-                data = out if isinstance(out, bytes) else json.dumps(out).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_POST(self) -> None:
-                self._handle("POST")
-
-            def do_GET(self) -> None:
-                self._handle("GET")
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._t = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._t.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def encoder_answer(tag: str) -> Callable[[str, Any], tuple[int, Any]]:
-    def answer(path: str, body: Any) -> tuple[int, Any]:
-        return 200, {"id": "x", "choices": [{"index": 0, "message": {"content": "a"}}],
-                     "ec_transfer_params": {"hash-" + tag: {"item_indices": [0], "tensorwire": {"v": 1}}}}
-    return answer
-
-
-def llm_answer(path: str, body: Any) -> tuple[int, Any]:
-    return 200, {"id": "y", "choices": [{"index": 0, "message": {"content": "fine"}}],
-                 "echo_params": (body or {}).get("ec_transfer_params")}
 
 
 @pytest.fixture
@@ -95,38 +28,13 @@ def fakes() -> Iterator[list[Fake]]:
         f.close()
 
 
-def fake(fakes: list[Fake], answer: Callable[[str, Any], tuple[int, Any]]) -> Fake:
-    f = Fake(answer)
-    fakes.append(f)
-    return f
-
-
-def closed_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed when the block ends: connecting is refused
-
-
-def post(router: Router, body: Any, path: str = "/v1/chat/completions", timeout_s: float = 30.0,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=timeout_s)
-    try:
-        conn.request("POST", path, json.dumps(body).encode(),
-                     {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        raw = resp.read()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw) if raw else None
-    finally:
-        conn.close()
-
-
 def test_media_request_goes_to_an_encoder_then_to_the_llm_with_its_params(fakes: list[Fake]) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         injected = dict(IMAGE_CHAT, ec_transfer_params={"evil": {"tensorwire": {"endpoint": "10.9.9.9:1"}}})
         status, headers, body = post(router, injected, headers={"X-Request-Id": "req-1"})
     assert status == 200, body
-    assert headers["x-tensorwire-encoder"] == enc.url and headers["x-request-id"] == "req-1"
+    assert headers["x-tensorwire-encoder"] == "encoder-0" and headers["x-request-id"] == "req-1"
     (_, path, sent, enc_headers), = enc.seen
     assert path == "/v1/chat/completions" and enc_headers["X-Request-Id"] == "req-1"
     # One token, not streamed, no logprobs, the same messages (vLLM computes the same mm_hash there), and never
@@ -153,13 +61,16 @@ def test_text_request_skips_the_encoders(fakes: list[Fake]) -> None:
 def test_encoders_round_robin_and_a_dead_one_is_skipped(fakes: list[Fake]) -> None:
     a, b, llm = fake(fakes, encoder_answer("a")), fake(fakes, encoder_answer("b")), fake(fakes, llm_answer)
     dead = closed_url()
-    cfg = RouterConfig(encoders=(a.url, dead, b.url), llms=(llm.url,), port=0, encoder_cooldown_s=60)
+    cfg = RouterConfig(encoders=(a.url, dead, b.url), llms=(llm.url,), port=0, probe_interval_s=60)
     with Router(cfg) as router:
         used = [post(router, IMAGE_CHAT)[1]["x-tensorwire-encoder"] for _ in range(6)]
         text = router.metrics.registry.get_sample_value
-        assert text("tensorwire_vllm_router_encoder_calls_total", {"encoder": dead, "outcome": "unavailable"}) == 1
+        # Out after its first failure (the start-up probe or a call), never asked again: at most one call.
+        assert (text("tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-1", "outcome": "unavailable"})
+                or 0) <= 1
+        assert text("tensorwire_vllm_router_upstream_up", {"upstream": "encoder-1", "role": "encoder"}) == 0
         assert text("tensorwire_vllm_router_requests_total", {"route": "encoded"}) == 6
-    assert dead not in used and set(used) == {a.url, b.url}
+    assert set(used) == {"encoder-0", "encoder-2"}
     assert len(a.seen) >= 2 and len(b.seen) >= 2 and len(a.seen) + len(b.seen) == 6
 
 
@@ -174,24 +85,23 @@ def test_no_encoder_answers_fallback_local_or_fail(fakes: list[Fake]) -> None:
         status, _, body = post(router, IMAGE_CHAT)
     assert status == 503 and len(llm.seen) == 1
     message = body["error"]["message"]
-    assert message.startswith("no encoder instance answered") and dead1 in message and dead2 in message
+    assert message.startswith("no encoder instance answered") and "127.0.0.1" not in message
 
 
 def test_a_hung_encoder_is_bounded_and_the_next_one_answers(fakes: list[Fake]) -> None:
     good, llm = fake(fakes, encoder_answer("g")), fake(fakes, llm_answer)
-    with socket.socket() as mute:  # accepts connections, never answers
-        mute.bind(("127.0.0.1", 0))
-        mute.listen(8)
-        hung = f"http://127.0.0.1:{mute.getsockname()[1]}"
-        with Router(RouterConfig(encoders=(hung, good.url), llms=(llm.url,), port=0,
-                                 encoder_timeout_s=1.0)) as router:
-            t0 = time.monotonic()
-            status, headers, _ = post(router, IMAGE_CHAT)
-            elapsed = time.monotonic() - t0
+    mute = Mute()  # accepts connections, never answers (its /health probes hang too)
+    try:
+        with Router(RouterConfig(encoders=(mute.url, good.url), llms=(llm.url,), port=0,
+                                 encoder_first_byte_timeout_s=1.0, probe_timeout_s=1.0)) as router:
+            answers = [post(router, IMAGE_CHAT) for _ in range(4)]
             timeouts = router.metrics.registry.get_sample_value(
-                "tensorwire_vllm_router_encoder_calls_total", {"encoder": hung, "outcome": "timeout"})
-    assert status == 200 and headers["x-tensorwire-encoder"] == good.url
-    assert timeouts == 1 and 1.0 <= elapsed < 15.0
+                "tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-0", "outcome": "timeout"})
+    finally:
+        mute.close()
+    assert all(status == 200 and h["x-tensorwire-encoder"] == "encoder-1" for status, h, _ in answers)
+    # Out after its first timeout (or its first probe): no second request waits for it.
+    assert (timeouts or 0) <= 1 and len(good.seen) == 4
 
 
 def test_encoder_5xx_is_retried_elsewhere_and_4xx_goes_back_to_the_client(fakes: list[Fake]) -> None:
@@ -200,7 +110,7 @@ def test_encoder_5xx_is_retried_elsewhere_and_4xx_goes_back_to_the_client(fakes:
     good, llm = fake(fakes, encoder_answer("g")), fake(fakes, llm_answer)
     with Router(RouterConfig(encoders=(broken.url, good.url), llms=(llm.url,), port=0)) as router:
         status, headers, _ = post(router, IMAGE_CHAT)
-    assert status == 200 and headers["x-tensorwire-encoder"] == good.url
+    assert status == 200 and headers["x-tensorwire-encoder"] == "encoder-1"
     with Router(RouterConfig(encoders=(refusing.url, good.url), llms=(llm.url,), port=0)) as router:
         status, _, body = post(router, IMAGE_CHAT)
     assert status == 400 and body["error"]["message"] == "image too large"
@@ -256,7 +166,7 @@ def test_streamed_answer_is_relayed_and_a_stall_is_cut_off(fakes: list[Fake]) ->
         t0 = time.monotonic()
         with pytest.raises(http.client.IncompleteRead) as info:
             resp.read()
-        assert info.value.partial == events[0] and time.monotonic() - t0 < 6
+        assert info.value.partial == events[0] and time.monotonic() - t0 < 7  # cut, not waiting for the 8 s
         conn.close()
 
 
@@ -265,15 +175,15 @@ def test_llm_down_or_hung_gives_a_clear_error(fakes: list[Fake]) -> None:
     dead = closed_url()
     with Router(RouterConfig(encoders=(enc.url,), llms=(dead,), port=0)) as router:
         status, _, body = post(router, TEXT_CHAT)
-    assert status == 503 and dead in body["error"]["message"]
-    with socket.socket() as mute:
-        mute.bind(("127.0.0.1", 0))
-        mute.listen(8)
-        hung = f"http://127.0.0.1:{mute.getsockname()[1]}"
-        with Router(RouterConfig(encoders=(enc.url,), llms=(hung,), port=0, llm_timeout_s=1.0)) as router:
-            t0 = time.monotonic()
+    assert status == 503 and "llm-0" in body["error"]["message"] and dead not in body["error"]["message"]
+    mute = Mute()
+    try:
+        with Router(RouterConfig(encoders=(enc.url,), llms=(mute.url,), port=0, llm_timeout_s=1.0)) as router:
             status, _, body = post(router, TEXT_CHAT)
-            assert status == 504 and time.monotonic() - t0 < 15, body
+            assert status == 504 and "llm-0" in body["error"]["message"], body
+            assert "127.0.0.1" not in json.dumps(body)
+    finally:
+        mute.close()
 
 
 def test_bad_requests_and_own_endpoints(fakes: list[Fake]) -> None:
@@ -298,7 +208,9 @@ def test_bad_requests_and_own_endpoints(fakes: list[Fake]) -> None:
 
 @pytest.mark.parametrize("kw", [dict(encoders=()), dict(llms=()), dict(encoders=("ftp://h:1",)),
                                 dict(llms=("http://h",)), dict(encoders=("http://h:1/v1",)),
-                                dict(fallback="retry"), dict(encoder_timeout_s=0), dict(llm_timeout_s=float("nan"))])
+                                dict(fallback="retry"), dict(encoder_timeout_s=0), dict(llm_timeout_s=float("nan")),
+                                dict(host="0.0.0.0"), dict(tls_cert="/nonexistent.pem", tls_key="/x.key"),
+                                dict(max_connections=0), dict(grace_s=-1)])
 def test_config_is_checked(kw: dict[str, Any]) -> None:
     base: dict[str, Any] = dict(encoders=("http://127.0.0.1:1",), llms=("http://127.0.0.1:2",))
     with pytest.raises(ConfigError):
@@ -332,4 +244,4 @@ def test_the_module_runs_as_a_process(fakes: list[Fake]) -> None:
     bad = subprocess.run([sys.executable, "-m", "tensorwire.integrations.vllm_router", "--encoder", "x",
                           "--llm", llm.url], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(SRC)))
-    assert bad.returncode == 2 and "expected http://host:port" in bad.stderr
+    assert bad.returncode == 2 and "expected http(s)://host:port" in bad.stderr

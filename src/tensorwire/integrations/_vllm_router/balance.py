@@ -1,37 +1,54 @@
-"""Round-robin over instances, with a cooldown for the ones that just failed.
+"""Which instance a request goes to: round-robin over the ones that are up; a failed one is out until it answers.
 
-``order()`` gives every instance once, starting one further each call; instances that failed within the
-cooldown come after the others (still tried, last: when every one failed, the least recent failure may be back).
-Thread-safety: every method may run on many threads at once.
+An instance is *up* until a call to it fails (refused, timed out, a broken or 5xx encoder answer) or its
+``GET /health`` probe fails; it is *down* from then until a probe passes. ``order()`` gives the up instances,
+starting one further each call; ``order(include_down=True)`` appends the down ones after them (a last resort:
+the LLM step would otherwise answer 503 on a stale probe). Instances start up; the first probe runs at once.
+
+Thread-safety: none needed; every method runs on the router's event loop.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import logging
+from collections.abc import Callable
+
+log = logging.getLogger("tensorwire.integrations.vllm_router")
 
 
-class RoundRobin:
-    def __init__(self, urls: tuple[str, ...], cooldown_s: float) -> None:
+class Instances:
+    """The instances of one role (``encoder`` or ``llm``): names, URLs, up/down, and the round-robin cursor."""
+
+    def __init__(self, role: str, urls: tuple[str, ...], on_change: Callable[[int, bool], None]) -> None:
+        self.role = role
         self.urls = urls
-        self._cooldown_s = cooldown_s
+        self.names = tuple(f"{role}-{i}" for i in range(len(urls)))
+        self.up = [True] * len(urls)
         self._next = 0
-        self._down_until = [0.0] * len(urls)
-        self._lock = threading.Lock()
+        self._on_change = on_change
 
-    def order(self) -> list[int]:
-        now = time.monotonic()
-        with self._lock:
-            start = self._next
-            self._next = (self._next + 1) % len(self.urls)
-            down = list(self._down_until)
-        ring = [(start + i) % len(self.urls) for i in range(len(self.urls))]
-        return [i for i in ring if down[i] <= now] + sorted((i for i in ring if down[i] > now), key=lambda i: down[i])
+    def order(self, include_down: bool = False) -> list[int]:
+        n = len(self.urls)
+        start = self._next
+        self._next = (self._next + 1) % n
+        ring = [(start + i) % n for i in range(n)]
+        live = [i for i in ring if self.up[i]]
+        return live + [i for i in ring if not self.up[i]] if include_down else live
 
-    def failed(self, index: int) -> None:
-        with self._lock:
-            self._down_until[index] = time.monotonic() + self._cooldown_s
+    def failed(self, index: int, why: str) -> None:
+        """A call failed: out until a probe passes."""
+        if self.up[index]:
+            self.up[index] = False
+            log.warning("%s (%s) is out until its /health probe passes: %s", self.names[index], self.urls[index],
+                        why)
+            self._on_change(index, False)
 
-    def ok(self, index: int) -> None:
-        with self._lock:
-            self._down_until[index] = 0.0
+    def probed(self, index: int, ok: bool, why: str = "") -> None:
+        if ok and not self.up[index]:
+            self.up[index] = True
+            log.info("%s (%s) is back: its /health probe passed", self.names[index], self.urls[index])
+            self._on_change(index, True)
+        elif not ok and self.up[index]:
+            self.up[index] = False
+            log.warning("%s (%s) is out: /health probe failed: %s", self.names[index], self.urls[index], why)
+            self._on_change(index, False)

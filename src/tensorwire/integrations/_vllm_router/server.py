@@ -1,49 +1,70 @@
-"""The EPD router: an HTTP front for ``vllm serve`` encoder instances and LLM instances (standard library only).
+"""The EPD router: an HTTP front (aiohttp) for ``vllm serve`` encoder instances and LLM instances.
 
-A chat request with media goes to an encoder instance first (round-robin; a one-token, non-streamed copy, see
-``rewrite``), whose answer carries ``ec_transfer_params``; the client's own request then goes to an LLM instance
-with those params, and its answer (streamed or not) goes back to the client as it comes. Anything else is
-passed to an LLM instance as is (``GET /v1/models``, text-only chats, ``/v1/completions``, ...); ``GET
-/health`` and ``GET /metrics`` are the router's own.
+A chat request with media goes to an encoder instance first (round-robin over the instances that are up; a
+one-token, non-streamed copy, see ``rewrite``), whose answer carries ``ec_transfer_params``; the client's own
+request then goes to an LLM instance with those params, and its answer goes back to the client as it comes,
+chunk by chunk (streamed or not, on every path). Anything else is passed to an LLM instance with its body's
+transfer params removed (``GET /v1/models``, text-only chats, ``/v1/completions``, ...); ``GET /health`` and
+``GET /metrics`` are the router's own.
 
-Failures, each answered with vLLM's error body ``{"error": {"message", "type", "param", "code"}}``:
+Requests the router refuses before any instance sees them (400 unless said): a non-canonical path (percent-
+encoding, dot or empty segments, a trailing slash, absolute form), a ``Transfer-Encoding`` other than
+``chunked``, a request body with a ``Content-Encoding``  (415), a body over ``max_body_bytes`` (413) or not
+read within ``body_timeout_s`` (408), a chat body that is not a JSON object. aiohttp's parser refuses duplicate
+or malformed ``Content-Length`` and ``Content-Length`` with ``Transfer-Encoding``. The router frames every
+upstream request itself, so nothing a client sends after its body can run upstream as another request.
 
-- an encoder instance refuses, times out (``encoder_timeout_s``), answers 408/429/5xx or garbage: the next one
-  is tried (the failed one goes last for ``encoder_cooldown_s``); when none answers, ``fallback=local`` sends
-  the request on without params (it carries the media: the LLM instance encodes it), ``fallback=fail``
-  answers 503 naming every instance tried and why;
+Failures, each answered with vLLM's error body ``{"error": {"message", "type", "param", "code"}}`` naming
+instances as ``encoder-N``/``llm-N``, never by URL (the log has both):
+
+- an encoder instance refuses, does not start its answer within ``encoder_first_byte_timeout_s``, does not finish
+  it within ``encoder_timeout_s``, answers 408/429/5xx or garbage: the next one is tried, and the failed one is
+  out until its ``/health`` probe passes; when none answers, ``fallback=local`` sends the request on without
+  params (it carries the media: the LLM instance encodes it), ``fallback=fail`` answers 503;
 - an encoder instance answers another 4xx: the request itself is refused, that answer goes to the client;
-- an LLM instance refuses the connection: the next one is tried; one that times out or breaks after the
-  request went out is not retried (it may have run): 504 or 502. A streamed answer that stalls for
-  ``llm_timeout_s`` is cut off.
+- an LLM instance refuses the connection: the next one is tried (one probed down is tried last); one that times
+  out or breaks before its answer started is not retried (it may have run): 504 or 502, logged with the request
+  id. An answer that stalls for ``llm_timeout_s`` or breaks after it started is cut off (the client sees the
+  connection close before the end).
 
-Every answer carries ``X-Request-Id`` (the client's, else a new one, also sent to the instances) and
-``X-Tensorwire-Encoder`` (the encoder instance used, ``none`` when no encoder was needed or none answered).
+Every answer carries ``X-Request-Id`` (the client's, else a new one, also sent to the instances, with
+``traceparent``/``tracestate``) and ``X-Tensorwire-Encoder`` (the encoder instance used, ``none`` when no
+encoder was needed or none answered).
+
+Stopping (``stop``): ``/health`` answers 503 for ``drain_s``, then the listener closes, idle connections close,
+running requests and streams get ``grace_s`` to finish (each connection closes after its answer), and what was
+waited for is logged; whatever still runs after the grace period is cut.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import json
 import logging
+import socket
+import ssl
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import urlsplit
 
+import aiohttp
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tensorwire.errors import ClosedError, DeadlineExceeded, PeerUnavailable, ProtocolError
-from tensorwire.integrations._vllm_router import rewrite, upstream
-from tensorwire.integrations._vllm_router.balance import RoundRobin
+from tensorwire.errors import ClosedError, ConfigError, DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
+from tensorwire.integrations._vllm_router import rewrite
+from tensorwire.integrations._vllm_router.balance import Instances
 from tensorwire.integrations._vllm_router.config import RouterConfig
 from tensorwire.integrations._vllm_router.metrics import RouterMetrics
+from tensorwire.integrations._vllm_router.upstream import HOP_BY_HOP, Upstreams, client_ssl
 
 log = logging.getLogger("tensorwire.integrations.vllm_router")
 
-_FORWARDED_HEADERS = ("authorization", "accept", "user-agent")
+_FORWARDED_HEADERS = ("Authorization", "Accept", "Accept-Encoding", "User-Agent", "traceparent", "tracestate")
+_JSON_TYPES = ("application/json", "")
 
 
 @dataclass
@@ -52,7 +73,7 @@ class EncodeResult:
 
     encoder: str | None = None
     params: dict[str, Any] | None = None
-    refused: upstream.Answer | None = None
+    refused: tuple[int, str, bytes] | None = None
     errors: list[str] = field(default_factory=list)
 
 
@@ -60,56 +81,156 @@ def error_body(status: int, message: str, kind: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
 
 
+def _error(status: int, message: str, kind: str, rid: str, encoder: str | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, kind), content_type="application/json",
+                        headers={"X-Request-Id": rid, "X-Tensorwire-Encoder": encoder or "none"})
+
+
+class _QuietLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger: a client's malformed request is its problem, not an error with a traceback."""
+
+    def exception(self, msg: object, *args: object, **kwargs: Any) -> None:
+        kwargs.pop("exc_info", None)
+        self.debug(msg, *args, **kwargs)
+
+
+class _Refuse(asyncio.Protocol):
+    """A connection over the cap (or arriving while stopping): a 503 and close, before reading anything."""
+
+    _BODY = error_body(503, "the router is at its connection limit or stopping", "ServiceUnavailable")
+    _ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self._ANSWER)
+        transport.close()
+
+
+def _listen(config: RouterConfig) -> socket.socket:
+    """The listening socket, bound now (so a port in use fails before anything starts)."""
+    try:
+        infos = socket.getaddrinfo(config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
+                          reason=Reason.BIND_FAILED) from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(config.backlog)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {why}", reason=Reason.BIND_FAILED) from exc
+    return sock
+
+
 class Router:
-    """Owns the listening socket and its threads. ``start()`` serves in a background thread, ``serve_forever()``
-    in the caller's; ``close()`` stops accepting, lets running requests end on their own timeouts, and is
-    idempotent. Thread-safety: requests are handled on a thread each; ``close()`` may run on any thread."""
+    """Owns the listening socket, the event loop's server, the upstream pool and the health probes.
+
+    The socket is bound in the constructor (``ConfigError`` with ``Reason.BIND_FAILED`` when it cannot be).
+    ``run()`` serves on the calling thread until ``stop()``; ``start()`` serves on a background thread and
+    ``close()`` stops it (no drain period, the configured grace) and joins it. ``stop()`` may be called from any
+    thread or signal handler; ``stop(cut=True)`` (or a second ``stop()``) ends the grace period at once.
+    Idempotent: ``close()`` again does nothing.
+    """
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self._encoders = RoundRobin(config.encoders, config.encoder_cooldown_s)
-        self.llm_ring = RoundRobin(config.llms, config.encoder_cooldown_s)
-        self._httpd = _HTTPServer((config.host, config.port), _Handler)
-        self._httpd.router = self
+        self.encoders = Instances("encoder", config.encoders, lambda i, up: self._set_up("encoder", i, up))
+        self.llms = Instances("llm", config.llms, lambda i, up: self._set_up("llm", i, up))
+        for role, pool in (("encoder", self.encoders), ("llm", self.llms)):
+            for i in range(len(pool.urls)):
+                self.metrics.upstream_up.labels(pool.names[i], role).set(1)
+        self._server_ssl: ssl.SSLContext | None = None
+        if config.tls_cert:
+            self._server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            self._server_ssl.load_cert_chain(config.tls_cert, config.tls_key)
+        upstream_ssl = None
+        if any(u.startswith("https:") for u in (*config.encoders, *config.llms)) or config.upstream_ca:
+            upstream_ssl = client_ssl(config.upstream_ca, config.upstream_cert, config.upstream_key)
+        self._up = Upstreams(connections=config.upstream_connections, keepalive_s=config.upstream_keepalive_s,
+                             ssl_context=upstream_ssl)
+        self._sock = _listen(config)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._cut: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
         self._closed = False
-        self._lock = threading.Lock()
-        log.info("vLLM EPD router on %s: encoder instances %s, LLM instances %s, fallback %s", self.address,
-                 ", ".join(config.encoders), ", ".join(config.llms), config.fallback)
+        self._pending_stop = 0
+        self._drain_s = config.drain_s
+        self._healthy = True
+        self._closing = False
+        self._active: dict[int, bool] = {}  # id(request) -> streamed
+        self._web: web.Server | None = None
+        self._listener: asyncio.AbstractServer | None = None
+        log.info("vLLM EPD router on %s: %s; %s; fallback %s", self.address,
+                 ", ".join(f"{n} = {u}" for n, u in zip(self.encoders.names, config.encoders, strict=True)),
+                 ", ".join(f"{n} = {u}" for n, u in zip(self.llms.names, config.llms, strict=True)), config.fallback)
 
     @property
     def port(self) -> int:
-        return int(self._httpd.server_address[1])
+        return int(self._sock.getsockname()[1])
 
     @property
     def address(self) -> str:
         host = self.config.host if ":" not in self.config.host else f"[{self.config.host}]"
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self._server_ssl else 'http'}://{host}:{self.port}"
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def run(self, on_ready: Any = None) -> None:
+        """Serves on this thread until ``stop()``; ``on_ready()`` runs once the listener accepts."""
+        asyncio.run(self._main(on_ready))
 
     def start(self) -> Router:
-        with self._lock:
-            if self._closed:
-                raise ClosedError("the router is closed")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._httpd.serve_forever, name="tensorwire-router",
-                                                daemon=True)
-                self._thread.start()
+        if self._closed:
+            raise ClosedError("the router is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run_in_thread, name="tensorwire-router", daemon=True)
+            self._thread.start()
+            self._started.wait(60)
+            if self._start_error is not None:
+                raise self._start_error
         return self
 
-    def serve_forever(self) -> None:
-        self._httpd.serve_forever()
+    def _run_in_thread(self) -> None:
+        try:
+            self.run(on_ready=self._started.set)
+        except BaseException as exc:
+            self._start_error = exc
+            log.exception("the router stopped on an error")
+        finally:
+            self._started.set()
+
+    def stop(self, cut: bool = False) -> None:
+        """Begin stopping (from any thread); ``cut``: end the grace period now. Returns at once."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._pending_stop = max(self._pending_stop, 2 if cut else 1)  # before the loop runs: at its start
+            return
+        try:
+            loop.call_soon_threadsafe(self._request_stop, cut)
+        except RuntimeError:  # the loop has just closed
+            pass
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            thread = self._thread
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._thread
         if thread is not None:
-            self._httpd.shutdown()
-            thread.join(timeout=10)
-        self._httpd.server_close()
+            self._drain_s = 0.0  # close(): no /health drain period, the grace period as configured
+            self.stop()
+            thread.join(timeout=self.config.grace_s + 30)
+        self._sock.close()
 
     def __enter__(self) -> Router:
         return self.start()
@@ -117,252 +238,399 @@ class Router:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- the two steps -----------------------------------------------------------------------------------------
+    def _request_stop(self, cut: bool) -> None:
+        assert self._stop_requested is not None and self._cut is not None
+        if cut or self._stop_requested.is_set():
+            self._cut.set()
+        self._stop_requested.set()
 
-    def encode(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> EncodeResult:
-        """Asks the encoder instances in turn until one answers; see the module docstring for what counts."""
+    async def _main(self, on_ready: Any) -> None:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._stop_requested, self._cut, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        await self._up.start()
+        self._web = web.Server(self._handle, keepalive_timeout=self.config.idle_timeout_s, access_log=None,
+                               logger=_QuietLog(logging.getLogger("tensorwire.integrations.vllm_router.http"), {}))
+        self.metrics.connections.set_function(lambda: len(self._web.connections) if self._web else 0)
+        self._listener = await loop.create_server(self._protocol, sock=self._sock, ssl=self._server_ssl,
+                                                  backlog=self.config.backlog)
+        probes = asyncio.create_task(self._probe_forever())
+        if self._pending_stop:
+            self._request_stop(self._pending_stop > 1)
+        try:
+            if on_ready is not None:
+                on_ready()
+            await self._stop_requested.wait()
+            await self._drain()
+        finally:
+            probes.cancel()
+            await asyncio.gather(probes, return_exceptions=True)
+            await self._up.close()
+            self._loop = None
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        assert self._web is not None
+        if self._closing or len(self._web.connections) >= self.config.max_connections:
+            self.metrics.connections_refused.inc()
+            return _Refuse()
+        return self._web()
+
+    async def _drain(self) -> None:
+        assert self._web is not None and self._listener is not None and self._cut is not None
+        cfg = self.config
+        self._healthy = False
+        t0 = time.monotonic()
+        if self._drain_s > 0:
+            log.info("stopping: /health answers 503 for %.1f s while requests are still served", self._drain_s)
+            try:
+                await asyncio.wait_for(self._cut.wait(), self._drain_s)
+            except TimeoutError:
+                pass
+        self._closing = True
+        self._listener.close()
+        for conn in self._web.connections:
+            conn.close()  # idle ones close now, busy ones after their answer
+        running = dict(self._active)
+        streams = sum(running.values())
+        if running:
+            log.info("listener closed; waiting up to %.1f s for %d request(s) in flight (%d streamed answer(s))",
+                     cfg.grace_s, len(running), streams)
+            idle = asyncio.create_task(self._wait_idle())
+            cut = asyncio.create_task(self._cut.wait())
+            await asyncio.wait((idle, cut), timeout=cfg.grace_s, return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            cut.cancel()
+            if self._active:
+                log.warning("grace period over after %.1f s: cutting %d request(s) still running",
+                            time.monotonic() - t0, len(self._active))
+            else:
+                log.info("drained: the %d request(s) in flight finished (%.2f s after the stop)", len(running),
+                         time.monotonic() - t0)
+        else:
+            log.info("listener closed; no request in flight")
+        await self._web.shutdown(0.5)
+        await self._listener.wait_closed()
+
+    async def _wait_idle(self) -> None:
+        assert self._idle is not None
+        while self._active:
+            self._idle.clear()
+            await self._idle.wait()
+
+    def _set_up(self, role: str, index: int, up: bool) -> None:
+        pool = self.encoders if role == "encoder" else self.llms
+        self.metrics.upstream_up.labels(pool.names[index], role).set(1 if up else 0)
+
+    async def _probe_forever(self) -> None:
+        pools = (self.encoders, self.llms)
+        while True:
+            checks = [(pool, i) for pool in pools for i in range(len(pool.urls))]
+            results = await asyncio.gather(*(self._up.probe(pool.urls[i], self.config.probe_timeout_s)
+                                             for pool, i in checks))
+            for (pool, i), why in zip(checks, results, strict=True):
+                pool.probed(i, not why, why)
+            await asyncio.sleep(self.config.probe_interval_s)
+
+    # -- one request -------------------------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        t0 = time.monotonic()
+        key = id(request)
+        self._active[key] = False
+        self.metrics.in_flight.inc()
+        state = _State(request_id(request))
+        try:
+            response = await self._dispatch(request, state, key)
+            if self._closing:
+                response.force_close()
+            return response
+        finally:
+            del self._active[key]
+            self.metrics.in_flight.dec()
+            self.metrics.request_seconds.labels(state.route).observe(time.monotonic() - t0)
+            state.count(self.metrics)
+            if not self._active and self._idle is not None:
+                self._idle.set()
+
+    async def _dispatch(self, request: web.BaseRequest, state: _State, key: int) -> web.StreamResponse:
+        rid = state.rid
+        path = rewrite.canonical_path(request.raw_path)
+        if path is None:
+            return _refuse(400, "the request path is not canonical (percent-encoding, dot or empty segments, a "
+                          "trailing slash or an absolute URL): send the path as the API names it", "BadRequestError",
+                          rid)
+        te = [v.strip().lower() for h in request.headers.getall("Transfer-Encoding", []) for v in h.split(",")]
+        if te and te != ["chunked"]:
+            return _refuse(400, f"Transfer-Encoding {', '.join(te)!r} is not supported: send Content-Length or "
+                          "chunked", "BadRequestError", rid)
+        if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
+            return _refuse(415, "compressed request bodies are not supported", "BadRequestError", rid)
+        if path == "/health" and request.method in ("GET", "HEAD"):
+            state.route = "own"
+            status = 200 if self._healthy else 503
+            return web.Response(status=status, body=json.dumps({"status": "ok" if status == 200 else "stopping"}),
+                                content_type="application/json", headers={"X-Request-Id": rid})
+        if path == "/metrics" and request.method == "GET":
+            state.route = "own"
+            return web.Response(body=generate_latest(self.metrics.registry),
+                                headers={"Content-Type": CONTENT_TYPE_LATEST, "X-Request-Id": rid})
+        raw = b""
+        if request.body_exists:
+            got = await self._read_body(request, rid)
+            if isinstance(got, web.Response):
+                return got
+            raw = got
+        target = request.raw_path
+        headers = self._upstream_headers(request, rid)
+        body: Any = None
+        if raw and request.content_type != "multipart/form-data":
+            try:
+                body = json.loads(raw)
+            except ValueError as exc:
+                if request.content_type in _JSON_TYPES or request.content_type.endswith("+json"):
+                    return _error(400, f"the request body is not JSON: {exc}", "BadRequestError", rid)
+        if isinstance(body, dict):
+            body, removed = rewrite.strip_client_params(body)
+            if removed:
+                self.metrics.client_params_dropped.inc()
+                log.warning("request %s to %s carried %s: removed (only encoder instances set them)", rid, path,
+                            ", ".join(removed))
+                raw = json.dumps(body).encode()
+        if path not in rewrite.CHAT_PATHS or request.method != "POST":
+            state.route = "passthrough"
+            if raw and "Content-Type" not in headers and request.headers.get("Content-Type"):
+                headers["Content-Type"] = request.headers["Content-Type"]
+            return await self._to_llm(request, state, key, target, raw or None, headers, encoder=None)
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", "BadRequestError", rid)
+        headers["Content-Type"] = "application/json"
+        if not rewrite.has_media(body):
+            state.route = "text"
+            return await self._to_llm(request, state, key, target, raw, headers, encoder=None)
+        result = await self._encode(target, body, headers, rid)
+        if result.refused is not None:
+            state.route = "encoder_rejected"
+            status, ctype, answer = result.refused
+            return web.Response(status=status, body=answer, headers={
+                "Content-Type": ctype, "X-Request-Id": rid, "X-Tensorwire-Encoder": result.encoder or "none"})
+        if result.encoder is None:
+            if self.config.fallback == "fail":
+                state.route = "no_encoder"
+                return _error(503, "no encoder instance answered: " + "; ".join(result.errors), "ServiceUnavailable",
+                              rid)
+            state.route = "fallback_local"
+        else:
+            state.route = "encoded" if result.params else "not_announced"
+        if result.params:
+            raw = json.dumps(rewrite.llm_body(body, result.params)).encode()
+        return await self._to_llm(request, state, key, target, raw, headers, encoder=result.encoder)
+
+    async def _read_body(self, request: web.BaseRequest, rid: str) -> bytes | web.Response:
+        limit = self.config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            return _refuse(413, f"request body of {length} bytes; the router takes at most {limit}",
+                           "BadRequestError", rid)
+        if request.headers.get("Expect", "").lower() == "100-continue":
+            await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
+        chunks: list[bytes] = []
+        total = 0
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                while chunk := await request.content.readany():
+                    total += len(chunk)
+                    if total > limit:
+                        return _close(_error(413, f"request body over {limit} bytes", "BadRequestError", rid))
+                    chunks.append(chunk)
+        except TimeoutError:
+            return _close(_error(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                                 "BadRequestError", rid))
+        except aiohttp.ClientPayloadError:
+            return _close(_error(400, "broken request body", "BadRequestError", rid))
+        return b"".join(chunks)
+
+    @staticmethod
+    def _upstream_headers(request: web.BaseRequest, rid: str) -> dict[str, str]:
+        headers = {k: v for k in _FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        headers["X-Request-Id"] = rid
+        return headers
+
+    # -- the encoder step --------------------------------------------------------------------------------------
+
+    async def _encode(self, target: str, body: dict[str, Any], headers: dict[str, str], rid: str) -> EncodeResult:
+        """Asks the encoder instances that are up in turn until one answers; see the module docstring."""
+        cfg = self.config
         payload = json.dumps(rewrite.encoder_body(body)).encode()
+        enc_headers = {k: v for k, v in headers.items() if k != "Accept-Encoding"}
+        timeout = aiohttp.ClientTimeout(total=cfg.encoder_timeout_s, sock_connect=cfg.connect_timeout_s,
+                                        sock_read=cfg.encoder_first_byte_timeout_s)
         result = EncodeResult()
-        for i in self._encoders.order():
-            url = self.config.encoders[i]
+        order = self.encoders.order()
+        if not order:
+            result.errors.append("every encoder instance is out until its /health probe passes")
+        for i in order:
+            name, url = self.encoders.names[i], self.encoders.urls[i]
             t0 = time.monotonic()
             try:
-                answer = upstream.post(url, "POST", path, payload, headers,
-                                       connect_timeout_s=self.config.connect_timeout_s,
-                                       timeout_s=self.config.encoder_timeout_s)
+                status, ctype, answer = await self._up.fetch(url, "POST", target, payload, enc_headers,
+                                                             timeout=timeout)
             except (PeerUnavailable, DeadlineExceeded, ProtocolError) as exc:
                 outcome = {PeerUnavailable: "unavailable", DeadlineExceeded: "timeout"}.get(type(exc), "bad_answer")
-                self._encoder_failed(i, outcome, str(exc), result)
+                self._encoder_failed(i, outcome, str(exc), result, rid)
                 continue
-            if answer.status == 200:
+            if status == 200:
                 try:
-                    data = json.loads(answer.body)
+                    data = json.loads(answer)
                     params = data.get(rewrite.PARAMS_FIELD) if isinstance(data, dict) else None
                 except ValueError:
-                    self._encoder_failed(i, "bad_answer", f"{url}: the answer is not JSON", result)
+                    self._encoder_failed(i, "bad_answer", "the answer is not JSON", result, rid)
                     continue
-                self._encoders.ok(i)
-                result.encoder = url
+                result.encoder = name
+                self.metrics.upstream_calls.labels(name, "encoder", "ok").inc()
                 if isinstance(params, dict) and params:
-                    self.metrics.encoder_calls.labels(url, "ok").inc()
+                    self.metrics.encoder_calls.labels(name, "ok").inc()
                     self.metrics.encoder_seconds.observe(time.monotonic() - t0)
                     result.params = params
                 else:
-                    self.metrics.encoder_calls.labels(url, "not_announced").inc()
-                    log.warning("encoder instance %s answered without ec_transfer_params (request %s): is it "
-                                "started with the tensorwire connector as ec_producer? The LLM instance encodes",
-                                url, headers.get("X-Request-Id"))
+                    self.metrics.encoder_calls.labels(name, "not_announced").inc()
+                    log.warning("%s (%s) answered without ec_transfer_params (request %s): is it started with the "
+                                "tensorwire connector as ec_producer? The LLM instance encodes", name, url, rid)
                 return result
-            if answer.status in (408, 429) or answer.status >= 500:
-                detail = answer.body[:200].decode("utf-8", "replace")
-                self._encoder_failed(i, "error_status", f"{url}: HTTP {answer.status} {detail}", result)
+            if status in (408, 429) or status >= 500:
+                detail = answer[:200].decode("utf-8", "replace")
+                self._encoder_failed(i, "error_status", f"HTTP {status} {detail}", result, rid)
                 continue
-            self.metrics.encoder_calls.labels(url, "rejected").inc()
-            result.encoder, result.refused = url, answer
+            self.metrics.encoder_calls.labels(name, "rejected").inc()
+            self.metrics.upstream_calls.labels(name, "encoder", "ok").inc()
+            result.encoder, result.refused = name, (status, ctype, answer)
             return result
         return result
 
-    def _encoder_failed(self, index: int, outcome: str, message: str, result: EncodeResult) -> None:
-        self._encoders.failed(index)
-        self.metrics.encoder_calls.labels(self.config.encoders[index], outcome).inc()
-        result.errors.append(message)
-        log.warning("encoder instance failed (%s): %s", outcome, message)
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    router: Router
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _HTTPServer
-    _rid = ""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
-
-    # -- entry points ------------------------------------------------------------------------------------------
-
-    def do_GET(self) -> None:
-        self._begin()
-        path = urlsplit(self.path).path
-        if path == "/health":
-            self._send(200, json.dumps({"status": "ok"}).encode(), "application/json")
-        elif path == "/metrics":
-            self._send(200, generate_latest(self.server.router.metrics.registry), CONTENT_TYPE_LATEST)
-        else:
-            self._to_llm("GET", None, stream=False, encoder=None)
-
-    def do_POST(self) -> None:
-        self._begin()
-        router = self.server.router
-        raw = self._read_body()
-        if raw is None:
-            return
-        path = urlsplit(self.path).path
-        if path not in rewrite.CHAT_PATHS:
-            self._to_llm("POST", raw, stream=False, encoder=None, passthrough=True)
-            return
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            self._refuse(400, f"the request body is not JSON: {exc}")
-            return
-        if not isinstance(body, dict):
-            self._refuse(400, "the request body must be a JSON object")
-            return
-        body, dropped = rewrite.client_body(body)
-        if dropped:
-            router.metrics.client_params_dropped.inc()
-        stream = rewrite.wants_stream(body)
-        if not rewrite.has_media(body):
-            router.metrics.requests.labels("text").inc()
-            self._to_llm("POST", json.dumps(body).encode(), stream=stream, encoder=None)
-            return
-        result = router.encode(self.path, body, self._upstream_headers())
-        if result.refused is not None:
-            router.metrics.requests.labels("encoder_rejected").inc()
-            self._send(result.refused.status, result.refused.body, _content_type(result.refused.headers),
-                       encoder=result.encoder)
-            return
-        if result.encoder is None:
-            if router.config.fallback == "fail":
-                router.metrics.requests.labels("no_encoder").inc()
-                self._send(503, error_body(503, "no encoder instance answered: " + "; ".join(result.errors),
-                                           "ServiceUnavailable"), "application/json")
-                return
-            router.metrics.requests.labels("fallback_local").inc()
-        else:
-            router.metrics.requests.labels("encoded" if result.params else "not_announced").inc()
-        self._to_llm("POST", json.dumps(rewrite.llm_body(body, result.params)).encode(), stream=stream,
-                     encoder=result.encoder)
+    def _encoder_failed(self, index: int, outcome: str, message: str, result: EncodeResult, rid: str) -> None:
+        name, url = self.encoders.names[index], self.encoders.urls[index]
+        self.encoders.failed(index, message)
+        self.metrics.encoder_calls.labels(name, outcome).inc()
+        self.metrics.upstream_calls.labels(name, "encoder", outcome).inc()
+        result.errors.append(f"{name}: {message}")
+        log.warning("request %s: encoder instance %s (%s) failed (%s): %s", rid, name, url, outcome, message)
 
     # -- the LLM step ------------------------------------------------------------------------------------------
 
-    def _to_llm(self, method: str, payload: bytes | None, *, stream: bool, encoder: str | None,
-                passthrough: bool = False) -> None:
-        router = self.server.router
-        headers = self._upstream_headers(json_body=payload is not None and not passthrough)
-        if passthrough and self.headers.get("Content-Type"):
-            headers["Content-Type"] = self.headers["Content-Type"]
-        cfg = router.config
+    async def _to_llm(self, request: web.BaseRequest, state: _State, key: int, target: str, payload: bytes | None,
+                      headers: dict[str, str], *, encoder: str | None) -> web.StreamResponse:
+        cfg = self.config
+        rid = state.rid
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.llm_timeout_s)
         failures: list[str] = []
-        for i in router.llm_ring.order():
-            url = cfg.llms[i]
+        for i in self.llms.order(include_down=True):
+            name, url = self.llms.names[i], self.llms.urls[i]
             try:
-                if stream and payload is not None:
-                    relay = upstream.open_stream(url, self.path, payload, headers,
-                                                 connect_timeout_s=cfg.connect_timeout_s,
-                                                 idle_timeout_s=cfg.llm_timeout_s)
-                    router.llm_ring.ok(i)
-                    self._relay(relay, encoder)
-                    return
-                answer = upstream.post(url, method, self.path, payload, headers,
-                                       connect_timeout_s=cfg.connect_timeout_s, timeout_s=cfg.llm_timeout_s)
+                upstream = await self._up.open(url, request.method, target, payload, headers, timeout=timeout)
             except PeerUnavailable as exc:
-                router.llm_ring.failed(i)
-                failures.append(str(exc))
+                self.llms.failed(i, str(exc))
+                self.metrics.upstream_calls.labels(name, "llm", "unavailable").inc()
+                failures.append(f"{name}: {exc}")
+                log.warning("request %s: LLM instance %s (%s) unavailable: %s", rid, name, url, exc)
                 continue
-            except DeadlineExceeded as exc:
-                router.metrics.requests.labels("llm_failed").inc()
-                self._send(504, error_body(504, str(exc), "GatewayTimeout"), "application/json", encoder=encoder)
-                return
-            except ProtocolError as exc:
-                router.metrics.requests.labels("llm_failed").inc()
-                self._send(502, error_body(502, str(exc), "BadGateway"), "application/json", encoder=encoder)
-                return
-            router.llm_ring.ok(i)
-            self._send(answer.status, answer.body, _content_type(answer.headers), encoder=encoder)
-            return
-        router.metrics.requests.labels("llm_failed").inc()
-        self._send(503, error_body(503, "no LLM instance answered: " + "; ".join(failures), "ServiceUnavailable"),
-                   "application/json", encoder=encoder)
+            except (DeadlineExceeded, ProtocolError) as exc:
+                timed_out = isinstance(exc, DeadlineExceeded)
+                if timed_out:
+                    self.llms.failed(i, str(exc))
+                self.metrics.upstream_calls.labels(name, "llm", "timeout" if timed_out else "bad_answer").inc()
+                state.route = "llm_failed"
+                status = 504 if timed_out else 502
+                log.error("request %s: %d from LLM instance %s (%s): %s", rid, status, name, url, exc)
+                return _error(status, f"{name}: {exc}", "GatewayTimeout" if timed_out else "BadGateway", rid,
+                              encoder)
+            return await self._relay(request, state, key, upstream, name, encoder)
+        state.route = "llm_failed"
+        log.error("request %s: 503, no LLM instance answered: %s", rid, "; ".join(failures))
+        return _error(503, "no LLM instance answered: " + "; ".join(failures), "ServiceUnavailable", rid, encoder)
 
-    def _relay(self, relay: upstream.Stream, encoder: str | None) -> None:
-        """Streams the LLM instance's answer to the client in chunks as they come; a stall or a broken upstream
-        ends the answer without its last chunk (the client sees a truncated stream, never a hang)."""
+    async def _write(self, step: Any) -> None:
+        """One write to the client, within ``write_timeout_s``; ``_ClientGone`` when it stalls or went away."""
         try:
-            self.send_response(relay.status)
-            for k, v in relay.headers:
-                if k.lower() not in ("x-request-id",):
-                    self.send_header(k, v)
-            self._common_headers(encoder)
-            self.send_header("Transfer-Encoding", "chunked")
-            self.end_headers()
-            while True:
-                try:
-                    chunk = relay.read()
-                except (DeadlineExceeded, ProtocolError) as exc:
-                    log.warning("streamed answer cut off: %s", exc)
-                    self.close_connection = True
-                    return
-                if not chunk:
-                    break
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except OSError:  # the client went away: closing the upstream connection aborts the request in vLLM
-            self.close_connection = True
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await step
+        except TimeoutError as exc:
+            raise _ClientGone(f"the client read nothing for {self.config.write_timeout_s:g} s") from exc
+        except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
+            raise _ClientGone(f"the client went away ({type(exc).__name__})") from exc
+
+    async def _relay(self, request: web.BaseRequest, state: _State, key: int, upstream: aiohttp.ClientResponse,
+                     name: str, encoder: str | None) -> web.StreamResponse:
+        """Relays the answer as it comes; each upstream read waits ``llm_timeout_s`` at most, each client write
+        ``write_timeout_s``. A stall or a break on either side closes both connections (vLLM aborts the request
+        whose client went away; the client sees its answer end early)."""
+        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in HOP_BY_HOP:
+                out.headers.add(k, v)
+        out.headers["X-Request-Id"] = state.rid
+        out.headers["X-Tensorwire-Encoder"] = encoder or "none"
+        if upstream.content_length is not None and "Content-Encoding" not in upstream.headers:
+            out.content_length = upstream.content_length
+        self._active[key] = True
+        outcome = "ok"
+        try:
+            await self._write(out.prepare(request))
+            async for chunk in upstream.content.iter_any():
+                await self._write(out.write(chunk))
+            state.count(self.metrics)  # before the client can see the end of its answer
+            await self._write(out.write_eof())
+        except (TimeoutError, aiohttp.ClientError) as exc:  # the instance stalled or broke mid-answer
+            outcome = "cut"
+            state.route = "llm_failed"
+            why = "stalled" if isinstance(exc, TimeoutError) else f"broke ({type(exc).__name__})"
+            log.error("request %s: the answer from %s %s after it started: cut off", state.rid, name, why)
+            _abort(request, out)
+        except _ClientGone as exc:
+            outcome = "client_gone"
+            log.info("request %s: %s mid-answer; closing the call to %s", state.rid, exc, name)
+            _abort(request, out)
         finally:
-            relay.close()
-
-    # -- helpers -----------------------------------------------------------------------------------------------
-
-    def _read_body(self) -> bytes | None:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self._refuse(411, "chunked request bodies are not supported: send Content-Length")
-            return None
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self._refuse(400, "Content-Length is not a number")
-            return None
-        limit = self.server.router.config.max_body_bytes
-        if length < 0 or length > limit:
-            self._refuse(413, f"request body of {length} bytes; the router takes at most {limit}")
-            return None
-        return self.rfile.read(length)
-
-    def _begin(self) -> None:
-        """Per request (one handler serves every request of a keep-alive connection): its id."""
-        given = self.headers.get("X-Request-Id", "")
-        self._rid = given if given and len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
-
-    def _request_id(self) -> str:
-        return self._rid
-
-    def _upstream_headers(self, json_body: bool = True) -> dict[str, str]:
-        headers = {k: v for k in _FORWARDED_HEADERS if (v := self.headers.get(k)) is not None}
-        headers["X-Request-Id"] = self._request_id()
-        if json_body:
-            headers["Content-Type"] = "application/json"
-        return headers
-
-    def _common_headers(self, encoder: str | None) -> None:
-        self.send_header("X-Request-Id", self._request_id())
-        self.send_header("X-Tensorwire-Encoder", encoder or "none")
-
-    def _send(self, status: int, body: bytes, content_type: str, encoder: str | None = None) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self._common_headers(encoder)
-            self.end_headers()
-            self.wfile.write(body)
-        except OSError:
-            self.close_connection = True
-
-    def _refuse(self, status: int, message: str) -> None:
-        self.server.router.metrics.requests.labels("bad_request").inc()
-        self.close_connection = True
-        self._send(status, error_body(status, message, "BadRequestError"), "application/json")
+            if outcome == "ok":
+                upstream.release()
+            else:
+                upstream.close()
+            if outcome != "client_gone":
+                self.metrics.upstream_calls.labels(name, "llm", outcome).inc()
+        return out
 
 
-def _content_type(headers: list[tuple[str, str]]) -> str:
-    for k, v in headers:
-        if k.lower() == "content-type":
-            return v
-    return "application/json"
+@dataclass
+class _State:
+    rid: str
+    route: str = "bad_request"
+    counted: bool = False
+
+    def count(self, metrics: RouterMetrics) -> None:
+        if not self.counted:
+            self.counted = True
+            metrics.requests.labels(self.route).inc()
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _abort(request: web.BaseRequest, out: web.StreamResponse) -> None:
+    out.force_close()
+    if request.transport is not None:
+        request.transport.abort()
+
+
+def _refuse(status: int, message: str, kind: str, rid: str) -> web.Response:
+    """A request refused for its framing or spelling: the connection closes after the answer (what follows on it
+    cannot be trusted to start a request)."""
+    return _close(_error(status, message, kind, rid))
+
+
+def _close(response: web.Response) -> web.Response:
+    response.force_close()
+    return response
+
+
+def request_id(request: web.BaseRequest) -> str:
+    given = request.headers.get("X-Request-Id", "")
+    return given if given and len(given) <= 128 and given.isprintable() else uuid.uuid4().hex

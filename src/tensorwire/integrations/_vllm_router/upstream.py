@@ -1,157 +1,135 @@
-"""HTTP calls to the vLLM instances behind the router, every wait bounded (standard library only).
+"""HTTP calls to the vLLM instances behind the router (aiohttp client), every wait bounded.
 
-``post`` sends one request and reads the whole answer before a deadline (connect, send, status line, headers and
-body all count); ``open_stream`` sends one and hands back the open response for the caller to relay, each read
-bounded by an idle timeout. Both raise ``PeerUnavailable`` when nothing could be sent (refused, unreachable, reset
-before the request went out: the caller may try another instance) and ``DeadlineExceeded`` or ``ProtocolError``
-once the request may have reached the instance.
+One ``aiohttp.ClientSession`` holds pooled keep-alive connections (TCP_NODELAY, at most ``upstream_connections``
+per instance, an idle one closed after ``upstream_keepalive_s``), https with ``upstream_ca`` (and a client
+certificate when given). Answers are never decompressed (bytes go to the client as the instance sent them).
 
-Thread-safety: every call uses its own connection; nothing is shared.
+``open`` sends one request and returns once the status line and headers are in; the caller reads the body (each
+read bounded by the call's ``sock_read``) and releases or closes the response. ``fetch`` reads a whole, small
+answer (the encoder step's). Both raise, with messages that never hold the URL (the caller adds the instance's
+name for clients and its URL for the log):
+
+- ``PeerUnavailable`` when nothing was sent (refused, unreachable, connect or TLS handshake timed out, a pooled
+  connection found closed twice in a row): the caller may try another instance;
+- ``DeadlineExceeded`` (no answer in time) or ``ProtocolError`` (a broken answer) once the request may have
+  reached the instance.
+
+Thread-safety: none needed; every call runs on the router's event loop.
 """
 
 from __future__ import annotations
 
-import http.client
-import time
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+import asyncio
+import os
+import ssl
+from collections.abc import Mapping
+
+import aiohttp
+from yarl import URL
 
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
 
-MAX_ANSWER_BYTES = 256 * 1024 * 1024
-_HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                         "transfer-encoding", "upgrade", "content-length"))
+MAX_FETCH_BYTES = 64 * 1024 * 1024
+HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+                        "te", "trailer", "transfer-encoding", "upgrade", "content-length", "date", "server",
+                        "x-request-id"))
+_AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A complete answer: status, end-to-end headers (hop-by-hop ones and Content-Length left out), body."""
-
-    status: int
-    headers: list[tuple[str, str]]
-    body: bytes
+def client_ssl(ca: str, cert: str, key: str) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=ca or None)
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
 
 
-def end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
+class Upstreams:
+    """The pooled client session. ``start()`` on the event loop that will use it, ``close()`` there too."""
 
+    def __init__(self, *, connections: int, keepalive_s: float, ssl_context: ssl.SSLContext | None) -> None:
+        self._connections = connections
+        self._keepalive_s = keepalive_s
+        self._ssl = ssl_context
+        self._session: aiohttp.ClientSession | None = None
 
-def _connection(url: str, connect_timeout_s: float) -> http.client.HTTPConnection:
-    parts = urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname or "", parts.port, timeout=connect_timeout_s)
-    try:
-        conn.connect()
-    except TimeoutError as exc:
-        conn.close()
-        raise PeerUnavailable(f"{url}: no connection within {connect_timeout_s:g} s") from exc
-    except OSError as exc:
-        conn.close()
-        raise PeerUnavailable(f"{url}: {exc.strerror or exc}") from exc
-    return conn
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._connections,
+                                         keepalive_timeout=self._keepalive_s, ssl=self._ssl or True)
+        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
+                                              timeout=aiohttp.ClientTimeout(total=None),
+                                              cookie_jar=aiohttp.DummyCookieJar())
 
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
-class _Deadline:
-    def __init__(self, url: str, timeout_s: float) -> None:
-        self.url = url
-        self.timeout_s = timeout_s
-        self.end = time.monotonic() + timeout_s
+    async def open(self, base: str, method: str, target: str, body: bytes | None, headers: Mapping[str, str], *,
+                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        assert self._session is not None, "Upstreams.start() first"
+        url = URL(base.rstrip("/") + target, encoded=True)
+        skip = [h for h in _AUTO if h not in headers]
+        for attempt in (1, 2):
+            try:
+                return await self._session.request(method, url, data=body, headers=dict(headers), timeout=timeout,
+                                                   allow_redirects=False, skip_auto_headers=skip)
+            except aiohttp.ClientConnectorError as exc:
+                raise PeerUnavailable(_why(exc)) from exc
+            except aiohttp.ConnectionTimeoutError as exc:
+                raise PeerUnavailable("no connection within the connect timeout") from exc
+            except aiohttp.ServerDisconnectedError as exc:
+                # A pooled keep-alive connection the instance had just closed: the request never ran. Once more
+                # on a fresh connection; a second close means the instance drops requests.
+                if attempt == 2:
+                    raise ProtocolError("the instance closed the connection without answering") from exc
+            except TimeoutError as exc:  # sock_read (the answer did not start) or the call's total
+                raise DeadlineExceeded("no answer within the timeout") from exc
+            except aiohttp.ClientError as exc:
+                raise ProtocolError(f"broken answer ({_name(exc)})") from exc
+        raise AssertionError("unreachable")
 
-    def arm(self, conn: http.client.HTTPConnection) -> None:
-        """Set the socket's timeout to what is left (the buffered reader above it reads through this socket)."""
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise self.exceeded()
-        if conn.sock is not None:
-            conn.sock.settimeout(left)
-
-    def exceeded(self) -> DeadlineExceeded:
-        return DeadlineExceeded(f"{self.url}: no complete answer within {self.timeout_s:g} s")
-
-
-def _send(conn: http.client.HTTPConnection, url: str, method: str, path: str, body: bytes | None,
-          headers: dict[str, str]) -> None:
-    try:
-        conn.request(method, path, body=body, headers=headers)
-    except TimeoutError as exc:
-        raise DeadlineExceeded(f"{url}: sending the request timed out") from exc
-    except OSError as exc:  # reset or closed before the request was out
-        raise PeerUnavailable(f"{url}: {exc.strerror or exc} while sending the request") from exc
-
-
-def post(url: str, method: str, path: str, body: bytes | None, headers: dict[str, str], *,
-         connect_timeout_s: float, timeout_s: float) -> Answer:
-    """One request, the whole answer read within ``timeout_s`` (``connect_timeout_s`` of it for the connect)."""
-    deadline = _Deadline(url, timeout_s)
-    conn = _connection(url, min(connect_timeout_s, timeout_s))
-    try:
-        deadline.arm(conn)
-        _send(conn, url, method, path, body, headers)
-        deadline.arm(conn)
-        resp = conn.getresponse()
-        chunks: list[bytes] = []
-        total = 0
-        while True:
-            deadline.arm(conn)
-            chunk = resp.read1(1 << 20)
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > MAX_ANSWER_BYTES:
-                raise ProtocolError(f"{url}: answer over {MAX_ANSWER_BYTES} bytes", reason=Reason.INVALID_PAYLOAD)
-            chunks.append(chunk)
-        return Answer(resp.status, end_to_end(resp.getheaders()), b"".join(chunks))
-    except TimeoutError as exc:
-        raise deadline.exceeded() from exc
-    except (http.client.HTTPException, OSError) as exc:
-        raise ProtocolError(f"{url}: broken answer ({type(exc).__name__}: {exc})") from exc
-    finally:
-        conn.close()
-
-
-class Stream:
-    """An open answer being relayed: ``status``/``headers`` now, ``read()`` chunks until b"", then ``close()``."""
-
-    def __init__(self, url: str, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse,
-                 idle_timeout_s: float) -> None:
-        self.url = url
-        self.status = resp.status
-        self.headers = end_to_end(resp.getheaders())
-        self._conn = conn
-        self._resp = resp
-        self._idle_s = idle_timeout_s
-
-    def read(self) -> bytes:
-        """The next bytes the instance sent (b"" at the end); DeadlineExceeded after ``idle_timeout_s`` of silence."""
-        if self._conn.sock is not None:
-            self._conn.sock.settimeout(self._idle_s)
+    async def fetch(self, base: str, method: str, target: str, body: bytes | None, headers: Mapping[str, str], *,
+                    timeout: aiohttp.ClientTimeout) -> tuple[int, str, bytes]:
+        """(status, content type, body) of a whole answer of at most ``MAX_FETCH_BYTES``."""
+        resp = await self.open(base, method, target, body, headers, timeout=timeout)
         try:
-            return self._resp.read1(1 << 16)
+            chunks: list[bytes] = []
+            total = 0
+            async for chunk in resp.content.iter_any():
+                total += len(chunk)
+                if total > MAX_FETCH_BYTES:
+                    raise ProtocolError(f"answer over {MAX_FETCH_BYTES} bytes", reason=Reason.INVALID_PAYLOAD)
+                chunks.append(chunk)
+            return resp.status, resp.headers.get("Content-Type", "application/json"), b"".join(chunks)
         except TimeoutError as exc:
-            raise DeadlineExceeded(f"{self.url}: nothing sent for {self._idle_s:g} s") from exc
-        except (http.client.HTTPException, OSError) as exc:
-            raise ProtocolError(f"{self.url}: broken answer ({type(exc).__name__}: {exc})") from exc
+            resp.close()
+            raise DeadlineExceeded("the answer did not complete within the timeout") from exc
+        except aiohttp.ClientError as exc:
+            resp.close()
+            raise ProtocolError(f"broken answer ({_name(exc)})") from exc
+        finally:
+            resp.release()
 
-    def close(self) -> None:
-        """Closes the connection (vLLM aborts a request whose client went away). Idempotent."""
-        self._conn.close()
-
-
-def open_stream(url: str, path: str, body: bytes, headers: dict[str, str], *, connect_timeout_s: float,
-                idle_timeout_s: float) -> Stream:
-    """Sends a POST and returns once the status line and headers are in (within ``idle_timeout_s``)."""
-    conn = _connection(url, connect_timeout_s)
-    try:
-        if conn.sock is not None:
-            conn.sock.settimeout(idle_timeout_s)
-        _send(conn, url, "POST", path, body, headers)
+    async def probe(self, base: str, timeout_s: float) -> str:
+        """'' when ``GET /health`` answers 200 within ``timeout_s``, else why not."""
         try:
-            resp = conn.getresponse()
-        except TimeoutError as exc:
-            raise DeadlineExceeded(f"{url}: no answer within {idle_timeout_s:g} s") from exc
-        except (http.client.HTTPException, OSError) as exc:
-            raise ProtocolError(f"{url}: broken answer ({type(exc).__name__}: {exc})") from exc
-        return Stream(url, conn, resp, idle_timeout_s)
-    except BaseException:
-        conn.close()
-        raise
+            status, _, _ = await self.fetch(base, "GET", "/health", None, {},
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s))
+        except (PeerUnavailable, DeadlineExceeded, ProtocolError) as exc:
+            return str(exc)
+        except asyncio.CancelledError:
+            raise
+        return "" if status == 200 else f"/health answered {status}"
+
+
+def _why(exc: aiohttp.ClientConnectorError) -> str:
+    """The reason without the address (asyncio's messages name it; clients must not see it)."""
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return "TLS handshake failed (check --upstream-ca and the instance's certificate)"
+    errno = exc.os_error.errno if exc.os_error is not None else None
+    return os.strerror(errno).lower() if errno else "cannot connect"
+
+
+def _name(exc: BaseException) -> str:
+    """The exception's kind only: aiohttp's messages name the URL."""
+    return type(exc).__name__
