@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import logging
 import resource
-import signal
 import sys
 from collections.abc import Sequence
-from types import FrameType
 
 from tensorwire.errors import ConfigError, Reason
-from tensorwire.integrations._vllm_router.config import FALLBACKS, RouterConfig
+from tensorwire.integrations._vllm_router.config import FALLBACKS, LOOPS, RouterConfig
 
 try:
     import aiohttp  # noqa: F401
@@ -98,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tls-key", default="", metavar="PEM", help="key of --tls-cert")
     ap.add_argument("--insecure", action="store_true",
                     help="allow plaintext on a non-loopback --host (a network you trust)")
+    ap.add_argument("--loop", choices=LOOPS, default=d.loop,
+                    help="event loop (default auto: uvloop when installed)")
     ap.add_argument("--log-level", default="INFO")
     return ap
 
@@ -122,26 +122,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                               max_connections=args.max_connections, backlog=args.backlog,
                               upstream_connections=args.upstream_connections, upstream_ca=args.upstream_ca,
                               upstream_cert=args.upstream_cert, upstream_key=args.upstream_key,
-                              tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure, **seconds)
+                              tls_cert=args.tls_cert, tls_key=args.tls_key, insecure=args.insecure, loop=args.loop,
+                              **seconds)
         _raise_fd_limit()
         router = Router(config)
     except ConfigError as exc:
         print(f"vllm_router: {exc}", file=sys.stderr)
         return EXIT_BIND if exc.reason is Reason.BIND_FAILED else EXIT_USAGE
-    got: list[str] = []
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        got.append(signal.Signals(signum).name)
-        if len(got) == 1:
-            logging.getLogger("tensorwire.integrations.vllm_router").info(
-                "%s: stopping (drain %.1f s, grace %.1f s; a second signal cuts what still runs)", got[0],
-                config.drain_s, config.grace_s)
-        router.stop(cut=len(got) > 1)
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
     try:
-        router.run(on_ready=lambda: print(f"vllm_router listening on {router.address}", flush=True))
+        router.run(on_ready=lambda: print(f"vllm_router listening on {router.address}", flush=True), signals=True)
     finally:
         router.close()
     return EXIT_OK

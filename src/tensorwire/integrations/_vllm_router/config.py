@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from tensorwire.errors import ConfigError
 
 FALLBACKS = ("local", "fail")
+LOOPS = ("auto", "asyncio", "uvloop")
 
 _SECONDS = ("connect_timeout_s", "encoder_first_byte_timeout_s", "encoder_timeout_s", "llm_timeout_s",
             "probe_interval_s", "probe_timeout_s", "idle_timeout_s", "body_timeout_s", "write_timeout_s",
@@ -46,6 +47,9 @@ class RouterConfig:
     Stopping (SIGTERM/SIGINT): ``/health`` answers 503 for ``drain_s`` while requests are still served, then the
     listener closes and running requests and streams get ``grace_s`` to finish.
 
+    ``loop``: the event loop, ``uvloop`` or ``asyncio`` (``auto``: uvloop when installed, as in vLLM's
+    environment).
+
     ``fallback``: when no encoder instance answered, ``local`` forwards the request to the LLM instance without
     ``ec_transfer_params`` (it still carries the media, so the LLM instance encodes it), ``fail`` answers 503.
     """
@@ -77,6 +81,7 @@ class RouterConfig:
     tls_cert: str = ""
     tls_key: str = ""
     insecure: bool = False
+    loop: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoders", tuple(self.encoders))
@@ -97,6 +102,8 @@ class RouterConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value < 0:
                 raise ConfigError(f"RouterConfig.{name}={value!r}: expected seconds >= 0")
+        if self.loop not in LOOPS:
+            raise ConfigError(f"RouterConfig.loop={self.loop!r}: expected one of {', '.join(LOOPS)}")
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"RouterConfig.fallback={self.fallback!r}: expected one of {', '.join(FALLBACKS)}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
