@@ -115,7 +115,8 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
                 exporting = self._rank == 0 and get_pp_group().is_first_rank
                 store = None
                 if exporting:
-                    store = rt.producer_runtime(self._cfg, self._name, device, on_change=self._held_changed).store
+                    store = rt.producer_runtime(self._cfg, self._name, device, on_change=self._held_changed,
+                                                compat=self._compat_hash()).store
                 self._producer_worker = ProducerWorker(store, self._metrics)
             else:
                 area = rt.staging_runtime(self._cfg, self._name, self._rank, device,
@@ -155,9 +156,11 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             addresses = [rt.staging_address(self._cfg, self._name, r) for r in range(self._tp)]
             stagers = [RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)
                        for r, a in enumerate(addresses)]
-        fetcher = Fetcher(self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none")
+        compat = self._compat_hash()
+        fetcher = Fetcher(self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none",
+                          compat=compat)
         trust = ProducerTrust.from_config(self._cfg.trusted_producers, tls_ca=self._cfg.tls_ca)
-        gate = ProducerGate(trust, self._compat_hash())
+        gate = ProducerGate(trust, compat)
         log.info("TensorwireECConnector %s reads from trusted producers: %s", self._name, trust.description)
         self._consumer_sched = ConsumerScheduler(self._cfg, fetcher, self._metrics, has_media=self._has_media,
                                                  gate=gate)

@@ -133,8 +133,10 @@ class HeldStore:
 
     def __init__(self, exporter: Exporter | None, *, ttl_s: float = 60.0,
                  clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[int, int], None] | None = None) -> None:
+                 on_change: Callable[[int, int], None] | None = None, compat: str = "") -> None:
         self._exporter = exporter
+        # The owner's compatibility hash: a Lookup that carries another is refused (incompatible). "": unchecked.
+        self.compat = compat
         self._on_change = on_change
         if not ttl_s > 0:
             raise InvalidPayload(f"HeldStore ttl_s={ttl_s!r}: must be > 0", reason=Reason.INVALID_CONFIG)

@@ -14,7 +14,7 @@ control). The clients take the same ``TlsConfig`` and speak TLS when it has a CA
 handshake is a ``PeerUnavailable``. Errors cross as status + ``tensorwire-reason`` (``tensorwire.mm.wire``);
 per-grant lookup failures are fields of the answer (one bad grant does not fail the others), each a
 ``Reason`` value: ``not_held`` (no live grant: never held, released, expired), ``not_ready`` (granted, the item
-is not held yet: retry). ``grpc.RpcError``
+is not held yet: retry), ``incompatible`` (the request's compatibility hash is not the store's). ``grpc.RpcError``
 never leaves here.
 """
 
@@ -109,8 +109,15 @@ class HeldStoreServicer:
         req = _parse(hpb.LookupRequest, raw, context)
         _check_count(len(req.grants), context)
         resp = hpb.LookupResponse()
+        mine = self.store.compat
+        incompatible = bool(req.compat and mine and req.compat != mine)
         for g in req.grants:
             result = resp.results.add(key=g.key)
+            if incompatible:  # refused before the store is asked: nothing of the item is handed out
+                result.error_reason = Reason.INCOMPATIBLE.value
+                result.error_message = (f"this store's compatibility hash {mine[:12]}... differs from the reader's "
+                                        f"{req.compat[:12]}... (vLLM version, model, dtype or tensorwire version)")
+                continue
             try:
                 item = self.store.lookup(g.key, bytes(g.secret))
                 result.receipt.CopyFrom(receipt_for(item, rdma=req.support_rdma))
@@ -447,8 +454,10 @@ class HeldStoreClient(_Client):
             self._local_due = time.monotonic() + 1.0
 
     def lookup(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float,
-               support_rdma: bool = True) -> list[LookupOutcome]:
-        req = hpb.LookupRequest(support_rdma=support_rdma)
+               support_rdma: bool = True, compat: str = "") -> list[LookupOutcome]:
+        """One outcome per grant, in order. ``compat``: the caller's compatibility hash; a store with another
+        answers every grant ``incompatible``."""
+        req = hpb.LookupRequest(support_rdma=support_rdma, compat=compat)
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
         resp = self._unary(LOOKUP_METHOD, "Lookup", req, hpb.LookupResponse, timeout_s)

@@ -64,14 +64,16 @@ class Req:
 
 
 class Rig:
-    """An encoder instance's store and scheduler (announcing ``producer_compat``) and an LLM instance's
-    scheduler behind a ProducerGate (``trusted``, ``consumer_compat``)."""
+    """An encoder instance's store (its own hash ``store_compat``, default ``producer_compat``) and scheduler
+    (announcing ``producer_compat``), and an LLM instance's scheduler behind a ProducerGate (``trusted``,
+    ``consumer_compat``, which its Lookups carry too)."""
 
     def __init__(self, *, trusted: str = "", producer_compat: str | None = OURS, consumer_compat: str | None = OURS,
-                 fetch_timeout_ms: int = 5000) -> None:
+                 store_compat: str | None = None, fetch_timeout_ms: int = 5000) -> None:
         self.fabric = FakeFabric()
         self.metrics = ECMetrics(CollectorRegistry())
-        self.store = HeldStore(FakeExporter(self.fabric, RdmaConfig(provider="none")), ttl_s=60)  # type: ignore[arg-type]
+        self.store = HeldStore(FakeExporter(self.fabric, RdmaConfig(provider="none")), ttl_s=60,  # type: ignore[arg-type]
+                               compat=(producer_compat or "") if store_compat is None else store_compat)
         self.server = serve_store("127.0.0.1:0", store=self.store)
         self.endpoint = self.server.address
         self.producer = ProducerScheduler(lambda: self.endpoint, self.metrics, dtype=torch.float32,
@@ -79,7 +81,7 @@ class Rig:
         self.pworker = ProducerWorker(self.store, self.metrics)
         cfg = ECConfig(fetch_timeout_ms=fetch_timeout_ms, lookup_timeout_ms=2000, trusted_producers=trusted)
         self.area = StagingArea(lambda: FakeReader(self.fabric, RdmaConfig(provider="none")))
-        self.fetcher = Fetcher(cfg, [LocalStager(self.area)], self.metrics)
+        self.fetcher = Fetcher(cfg, [LocalStager(self.area)], self.metrics, compat=consumer_compat or "")
         self.gate = ProducerGate(ProducerTrust.from_config(cfg.trusted_producers), consumer_compat)
         self.consumer = ConsumerScheduler(cfg, self.fetcher, self.metrics, has_media=lambda f: f.data is not None,
                                           retire_grace_s=0.0, gate=self.gate)
@@ -309,3 +311,37 @@ def test_not_ready_until_the_budget_ends_falls_back_as_not_ready(make_rig: Any) 
     assert rig.count(rig.metrics.refusals, "not_ready") >= 1
     assert rig.fetcher.breakers.allow(rig.endpoint)  # says nothing about the encoder instance's health
     rig.consumer.request_finished(creq)
+
+
+def test_lookup_with_another_hash_is_refused_by_the_store() -> None:
+    store = HeldStore(None, ttl_s=60, compat="a" * 64)
+    server = serve_store("127.0.0.1:0", store=store)
+    secret = new_secret()
+    store.grant("k", secret)
+    store.hold("k", [torch.ones(2)])
+    try:
+        with HeldStoreClient(server.address) as c:
+            refused, other = c.lookup([("k", secret), ("x", secret)], timeout_s=10, compat="b" * 64)
+            assert refused.receipt is None and refused.error is not None
+            assert refused.error.reason is Reason.INCOMPATIBLE and other.error is not None
+            assert other.error.reason is Reason.INCOMPATIBLE  # refused before the store is asked
+            (same,) = c.lookup([("k", secret)], timeout_s=10, compat="a" * 64)
+            (unchecked,) = c.lookup([("k", secret)], timeout_s=10)
+            assert same.error is None and unchecked.error is None
+    finally:
+        server.stop(0)
+        store.close()
+
+
+def test_params_that_claim_a_matching_hash_are_refused_by_an_incompatible_store(make_rig: Any) -> None:
+    rig = make_rig(store_compat="e" * 64)  # the params say OURS (altered in transit); the store knows better
+    params = rig.produce("p1", "h1")
+    assert params["h1"]["tensorwire"]["compat"] == OURS
+    req = Req("c1", [Feat("h1")], params)
+    assert rig.until(req) and not rig.consumer.has_cache_item("h1")
+    assert rig.count(rig.metrics.fallbacks, "incompatible") == 1
+    assert rig.count(rig.metrics.refusals, "incompatible") == 1
+    assert rig.fabric.reads == []
+    _wait(lambda: rig.store.stats().held_items == 0)  # the grant went back
+    assert rig.fetcher.breakers.allow(rig.endpoint)
+    rig.consumer.request_finished(req)

@@ -377,7 +377,7 @@ class ConsumerScheduler:
     def _fail(self, f: _Fetch, reason: Reason, error: str) -> None:
         f.state = FetchState.FAILED
         f.reason = reason
-        if reason is Reason.NOT_HELD:
+        if reason in (Reason.NOT_HELD, Reason.INCOMPATIBLE):  # the encoder instance's answer to the Lookup
             self._metrics.refusals.labels(reason.value).inc()
         self._forget_grant(f)
         self._metrics.fetches.labels("failed").inc()

@@ -173,7 +173,7 @@ class Fetcher:
 
     def __init__(self, cfg: ECConfig, stagers: Sequence[Stager], metrics: ECMetrics, *,
                  breakers: BreakerBoard | None = None, support_rdma: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compat: str = "") -> None:
         if not stagers:
             raise ValueError("Fetcher needs at least one stager (one per rank)")
         self._cfg = cfg
@@ -181,6 +181,7 @@ class Fetcher:
         self._metrics = metrics
         self._support_rdma = support_rdma
         self._clock = clock
+        self._compat = compat  # sent with every Lookup: the encoder instance refuses another of its own
         self.breakers = breakers or BreakerBoard("endpoint", cfg.failures_to_open, cfg.open_seconds)
         self._pool = ThreadPoolExecutor(max_workers=cfg.fetch_threads, thread_name_prefix="tensorwire-ec-fetch")
         # Ranks other than the first stage in parallel on their own threads (the fetch thread takes rank 0).
@@ -316,7 +317,7 @@ class Fetcher:
             raise DeadlineExceeded("no budget left for the lookup", reason=Reason.BUDGET_EXHAUSTED)
         try:
             (outcome,) = self._client(grant.endpoint).lookup([(grant.key, grant.secret)], timeout_s=budget_s,
-                                                              support_rdma=self._support_rdma)
+                                                              support_rdma=self._support_rdma, compat=self._compat)
         except DeadlineExceeded as exc:
             if remaining < self._cfg.lookup_timeout_ms:
                 raise DeadlineExceeded(str(exc), reason=Reason.BUDGET_EXHAUSTED) from exc

@@ -102,7 +102,7 @@ class ProducerRuntime:
     """The encoder instance's exporter, held-outputs store and gRPC server (in the exporting worker)."""
 
     def __init__(self, cfg: ECConfig, name: str, device: str,
-                 on_change: Callable[[int, int], None] | None = None) -> None:
+                 on_change: Callable[[int, int], None] | None = None, compat: str = "") -> None:
         _check_listener(cfg)
         self.name = name
         self._file: Path | None = None
@@ -117,7 +117,8 @@ class ProducerRuntime:
                     raise
                 log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC",
                             exc)
-            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change)
+            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change,
+                                   compat=compat)
             local_dir = str(runtime_dir(cfg)) if cfg.serves_local_channel else ""
             self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg),
                                       tls=cfg.tls, insecure=cfg.insecure, local_dir=local_dir)
@@ -154,11 +155,11 @@ class ProducerRuntime:
 
 
 def producer_runtime(cfg: ECConfig, name: str, device: str,
-                     on_change: Callable[[int, int], None] | None = None) -> ProducerRuntime:
+                     on_change: Callable[[int, int], None] | None = None, compat: str = "") -> ProducerRuntime:
     with _lock:
         rt = _producers.get(name)
         if rt is None:
-            rt = _producers[name] = ProducerRuntime(cfg, name, device, on_change)
+            rt = _producers[name] = ProducerRuntime(cfg, name, device, on_change, compat)
         return rt
 
 

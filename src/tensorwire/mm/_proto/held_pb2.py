@@ -16,7 +16,7 @@ _sym_db = _symbol_database.Default()
 from tensorwire.mm._proto import encoder_pb2 as tensorwire_dot_mm_dot___proto_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftensorwire/mm/_proto/held.proto\x12\x10tensorwire.mm.v1\x1a\"tensorwire/mm/_proto/encoder.proto\"\'\n\x08GrantRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\"Q\n\rLookupRequest\x12*\n\x06grants\x18\x01 \x03(\x0b\x32\x1a.tensorwire.mm.v1.GrantRef\x12\x14\n\x0csupport_rdma\x18\x02 \x01(\x08\"{\n\x0cLookupResult\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponse\x12\x14\n\x0c\x65rror_reason\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"A\n\x0eLookupResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.tensorwire.mm.v1.LookupResult\"<\n\x0eReleaseRequest\x12*\n\x06grants\x18\x01 \x03(\x0b\x32\x1a.tensorwire.mm.v1.GrantRef\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\xa7\x01\n\x0cStageRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponse\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x65xpect_shape\x18\x04 \x03(\x03\x12-\n\x0c\x65xpect_dtype\x18\x05 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\"\x1f\n\rStageResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"\x1b\n\x0b\x44ropRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r2\x85\x02\n\x0bHeldOutputs\x12K\n\x06Lookup\x12\x1f.tensorwire.mm.v1.LookupRequest\x1a .tensorwire.mm.v1.LookupResponse\x12N\n\x07Release\x12 .tensorwire.mm.v1.ReleaseRequest\x1a!.tensorwire.mm.v1.ReleaseResponse\x12Y\n\x0cLocalChannel\x12%.tensorwire.mm.v1.LocalChannelRequest\x1a\".tensorwire.mm.v1.LocalChannelInfo2\x9a\x01\n\x07Staging\x12H\n\x05Stage\x12\x1e.tensorwire.mm.v1.StageRequest\x1a\x1f.tensorwire.mm.v1.StageResponse\x12\x45\n\x04\x44rop\x12\x1d.tensorwire.mm.v1.DropRequest\x1a\x1e.tensorwire.mm.v1.DropResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ftensorwire/mm/_proto/held.proto\x12\x10tensorwire.mm.v1\x1a\"tensorwire/mm/_proto/encoder.proto\"\'\n\x08GrantRef\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\x0c\"a\n\rLookupRequest\x12*\n\x06grants\x18\x01 \x03(\x0b\x32\x1a.tensorwire.mm.v1.GrantRef\x12\x14\n\x0csupport_rdma\x18\x02 \x01(\x08\x12\x0e\n\x06\x63ompat\x18\x03 \x01(\t\"{\n\x0cLookupResult\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponse\x12\x14\n\x0c\x65rror_reason\x18\x03 \x01(\t\x12\x15\n\rerror_message\x18\x04 \x01(\t\"A\n\x0eLookupResponse\x12/\n\x07results\x18\x01 \x03(\x0b\x32\x1e.tensorwire.mm.v1.LookupResult\"<\n\x0eReleaseRequest\x12*\n\x06grants\x18\x01 \x03(\x0b\x32\x1a.tensorwire.mm.v1.GrantRef\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\xa7\x01\n\x0cStageRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponse\x12\x12\n\ntimeout_ms\x18\x03 \x01(\x03\x12\x14\n\x0c\x65xpect_shape\x18\x04 \x03(\x03\x12-\n\x0c\x65xpect_dtype\x18\x05 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\"\x1f\n\rStageResponse\x12\x0e\n\x06nbytes\x18\x01 \x01(\x04\"\x1b\n\x0b\x44ropRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\"\x1f\n\x0c\x44ropResponse\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r2\x85\x02\n\x0bHeldOutputs\x12K\n\x06Lookup\x12\x1f.tensorwire.mm.v1.LookupRequest\x1a .tensorwire.mm.v1.LookupResponse\x12N\n\x07Release\x12 .tensorwire.mm.v1.ReleaseRequest\x1a!.tensorwire.mm.v1.ReleaseResponse\x12Y\n\x0cLocalChannel\x12%.tensorwire.mm.v1.LocalChannelRequest\x1a\".tensorwire.mm.v1.LocalChannelInfo2\x9a\x01\n\x07Staging\x12H\n\x05Stage\x12\x1e.tensorwire.mm.v1.StageRequest\x1a\x1f.tensorwire.mm.v1.StageResponse\x12\x45\n\x04\x44rop\x12\x1d.tensorwire.mm.v1.DropRequest\x1a\x1e.tensorwire.mm.v1.DropResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,25 +26,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRANTREF']._serialized_start=89
   _globals['_GRANTREF']._serialized_end=128
   _globals['_LOOKUPREQUEST']._serialized_start=130
-  _globals['_LOOKUPREQUEST']._serialized_end=211
-  _globals['_LOOKUPRESULT']._serialized_start=213
-  _globals['_LOOKUPRESULT']._serialized_end=336
-  _globals['_LOOKUPRESPONSE']._serialized_start=338
-  _globals['_LOOKUPRESPONSE']._serialized_end=403
-  _globals['_RELEASEREQUEST']._serialized_start=405
-  _globals['_RELEASEREQUEST']._serialized_end=465
-  _globals['_RELEASERESPONSE']._serialized_start=467
-  _globals['_RELEASERESPONSE']._serialized_end=502
-  _globals['_STAGEREQUEST']._serialized_start=505
-  _globals['_STAGEREQUEST']._serialized_end=672
-  _globals['_STAGERESPONSE']._serialized_start=674
-  _globals['_STAGERESPONSE']._serialized_end=705
-  _globals['_DROPREQUEST']._serialized_start=707
-  _globals['_DROPREQUEST']._serialized_end=734
-  _globals['_DROPRESPONSE']._serialized_start=736
-  _globals['_DROPRESPONSE']._serialized_end=767
-  _globals['_HELDOUTPUTS']._serialized_start=770
-  _globals['_HELDOUTPUTS']._serialized_end=1031
-  _globals['_STAGING']._serialized_start=1034
-  _globals['_STAGING']._serialized_end=1188
+  _globals['_LOOKUPREQUEST']._serialized_end=227
+  _globals['_LOOKUPRESULT']._serialized_start=229
+  _globals['_LOOKUPRESULT']._serialized_end=352
+  _globals['_LOOKUPRESPONSE']._serialized_start=354
+  _globals['_LOOKUPRESPONSE']._serialized_end=419
+  _globals['_RELEASEREQUEST']._serialized_start=421
+  _globals['_RELEASEREQUEST']._serialized_end=481
+  _globals['_RELEASERESPONSE']._serialized_start=483
+  _globals['_RELEASERESPONSE']._serialized_end=518
+  _globals['_STAGEREQUEST']._serialized_start=521
+  _globals['_STAGEREQUEST']._serialized_end=688
+  _globals['_STAGERESPONSE']._serialized_start=690
+  _globals['_STAGERESPONSE']._serialized_end=721
+  _globals['_DROPREQUEST']._serialized_start=723
+  _globals['_DROPREQUEST']._serialized_end=750
+  _globals['_DROPRESPONSE']._serialized_start=752
+  _globals['_DROPRESPONSE']._serialized_end=783
+  _globals['_HELDOUTPUTS']._serialized_start=786
+  _globals['_HELDOUTPUTS']._serialized_end=1047
+  _globals['_STAGING']._serialized_start=1050
+  _globals['_STAGING']._serialized_end=1204
 # @@protoc_insertion_point(module_scope)

@@ -16,12 +16,14 @@ class GrantRef(_message.Message):
     def __init__(self, key: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("grants", "support_rdma")
+    __slots__ = ("grants", "support_rdma", "compat")
     GRANTS_FIELD_NUMBER: _ClassVar[int]
     SUPPORT_RDMA_FIELD_NUMBER: _ClassVar[int]
+    COMPAT_FIELD_NUMBER: _ClassVar[int]
     grants: _containers.RepeatedCompositeFieldContainer[GrantRef]
     support_rdma: bool
-    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., support_rdma: _Optional[bool] = ...) -> None: ...
+    compat: str
+    def __init__(self, grants: _Optional[_Iterable[_Union[GrantRef, _Mapping]]] = ..., support_rdma: _Optional[bool] = ..., compat: _Optional[str] = ...) -> None: ...
 
 class LookupResult(_message.Message):
     __slots__ = ("key", "receipt", "error_reason", "error_message")
