@@ -96,7 +96,7 @@ class Rig:
         assert params is not None
         return params
 
-    def until(self, req: Req, timeout_s: float = 30.0) -> bool:
+    def until(self, req: Req, timeout_s: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.consumer.ensure_cache_available(req, 0):
@@ -127,7 +127,7 @@ def make_rig() -> Any:
         r.close()
 
 
-def _wait(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+def _wait(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         if time.monotonic() > deadline:
@@ -230,6 +230,7 @@ def test_incompatible_producer_is_refused_before_any_read_and_its_grant_goes_bac
     assert rig.count(rig.metrics.fallbacks, "incompatible") == 1
     assert rig.count(rig.metrics.refusals, "incompatible") == 1
     assert rig.fabric.reads == []
+    assert rig.fetcher.wait_released(60.0)
     _wait(lambda: rig.store.stats().held_items == 0)  # released, not left to the TTL
     rig.consumer.request_finished(req)
 
@@ -302,7 +303,7 @@ def test_not_ready_is_retried_until_the_item_is_held(make_rig: Any) -> None:
 
 
 def test_not_ready_until_the_budget_ends_falls_back_as_not_ready(make_rig: Any) -> None:
-    rig = make_rig(fetch_timeout_ms=300)
+    rig = make_rig(fetch_timeout_ms=3000)
     req = Req("p1", [Feat("h1")])
     rig.pworker.start_save_caches(rig.cache, rig.producer.build_step([req]))
     creq = Req("c1", [Feat("h1")], rig.producer.request_finished(req, finished_ok=True))
@@ -342,6 +343,7 @@ def test_params_that_claim_a_matching_hash_are_refused_by_an_incompatible_store(
     assert rig.count(rig.metrics.fallbacks, "incompatible") == 1
     assert rig.count(rig.metrics.refusals, "incompatible") == 1
     assert rig.fabric.reads == []
+    assert rig.fetcher.wait_released(60.0)
     _wait(lambda: rig.store.stats().held_items == 0)  # the grant went back
     assert rig.fetcher.breakers.allow(rig.endpoint)
     rig.consumer.request_finished(req)

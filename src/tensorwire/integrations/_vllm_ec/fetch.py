@@ -295,14 +295,18 @@ class Fetcher:
 
     def _lookup(self, grant: ItemGrant, deadline: float) -> pb.EncodeResponse:
         """The item's receipt; an answer of not_ready is asked again (``_NOT_READY_BACKOFF_S``) within the
-        budget, and stays not_ready when the budget ends first."""
+        budget, and the fetch fails as not_ready when the budget ends first (also in the middle of a retry)."""
         attempt = 0
+        not_ready: TensorwireError | None = None
         while True:
             try:
                 return self._lookup_once(grant, deadline)
             except TensorwireError as exc:
+                if exc.reason is Reason.BUDGET_EXHAUSTED and not_ready is not None:
+                    raise not_ready from exc  # the budget ran out while the item was still being encoded
                 if exc.reason is not Reason.NOT_READY:
                     raise
+                not_ready = exc
                 self._metrics.refusals.labels(Reason.NOT_READY.value).inc()
                 pause = _NOT_READY_BACKOFF_S[min(attempt, len(_NOT_READY_BACKOFF_S) - 1)]
                 if self._clock() + pause >= deadline or self._closed:
