@@ -27,11 +27,11 @@ from probe_timeline import EVENTS, _wrap, per_function, print_table  # the trans
 LLM = [
     "tensorwire.integrations._vllm_ec.fetch:Fetcher._run",
     "tensorwire.integrations._vllm_ec.fetch:Fetcher._lookup",
-    "tensorwire.mm._store_rpc:HeldStoreClient.lookup",
-    "tensorwire.mm._local_rpc:LocalRpcClient.call",
+    "tensorwire.mm.held._rpc:HeldStoreClient.lookup",
+    "tensorwire.mm.held._local:LocalRpcClient.call",
     "tensorwire.integrations._vllm_ec.fetch:Fetcher._stage_everywhere",
-    "tensorwire.mm._staging:StagingArea.stage",
-    "tensorwire.mm._staging:StagingArea._read_rdma",
+    "tensorwire.mm.held._staging:StagingArea.stage",
+    "tensorwire.mm.held._staging:StagingArea._read_rdma",
     "tensorwire.rdma._descriptor:Descriptor.from_bytes",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
@@ -47,16 +47,16 @@ LLM = [
 ENCODER = [
     "tensorwire.integrations._vllm_ec.producer:ProducerWorker.save_caches",
     "tensorwire.integrations._vllm_ec.producer:ProducerScheduler.request_finished",
-    "tensorwire.mm._store:HeldStore.hold",
-    "tensorwire.mm._store:HeldStore.lookup",
-    "tensorwire.mm._store:HeldStore.release",
+    "tensorwire.mm.held._store:HeldStore.hold",
+    "tensorwire.mm.held._store:HeldStore.lookup",
+    "tensorwire.mm.held._store:HeldStore.release",
     "tensorwire.rdma._exporter:TensorExporter.export",
     "tensorwire.rdma._exporter:TensorExporter._check_inputs",
     "tensorwire.rdma._exporter:TensorExporter.allocate",
     "tensorwire.rdma._exporter:TensorExporter._copy_in",
     "tensorwire.rdma._exporter:TensorExporter._publish",
-    "tensorwire.mm._local_rpc:LocalRpcServer._answer",
-    "tensorwire.mm._store_rpc:HeldStoreServicer.lookup",
+    "tensorwire.mm.held._local:LocalRpcServer._answer",
+    "tensorwire.mm.held._rpc:HeldStoreServicer.lookup",
 ]
 T0 = "t0"
 

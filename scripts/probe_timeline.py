@@ -28,31 +28,31 @@ EVENTS: list[tuple[str, int, int, int]] = []  # (name, thread id, enter ns, exit
 COMMON = [
     "grpc._channel:_MultiThreadedRendezvous.__next__",
     "grpc._server:_RequestIterator.__next__",
-    "tensorwire._unix:recv_frame",
-    "tensorwire._unix:send_frame",
+    "tensorwire._local.unix:recv_frame",
+    "tensorwire._local.unix:send_frame",
 ]
 CLIENT = [
-    "tensorwire.mm._client:RemoteOutputTransport.fetch",
-    "tensorwire.mm._grpc_channel:_GrpcSession.encode",
-    "tensorwire.mm._encode_stream:StreamCall.encode",
-    "tensorwire.mm._client:RemoteOutputTransport._consume_rdma",
-    "tensorwire.mm._receipt:parse_slots",
-    "tensorwire.mm._receipt:validate_slots",
-    "tensorwire.mm._receipt:check_read",
-    "tensorwire.mm._receipt:assemble",
-    "tensorwire.mm._grpc_channel:_GrpcSession.release_after_read",
-    "tensorwire.mm._uds_channel:_UdsSession.encode",
-    "tensorwire.mm._uds_channel:_Conn.encode",
-    "tensorwire.mm._uds_channel:_Conn.send_release",
-    "tensorwire.mm._uds_channel:UdsControlChannel.session",
-    "tensorwire.mm._uds_channel:_Conn._pick",
-    "tensorwire.mm._uds_channel:_UdsSession.take_placed",
-    "tensorwire.mm._uds_channel:placed_views",  # names imported into a module are wrapped there
-    "tensorwire.mm._placed:RecvBuffer.lend",
-    "tensorwire.mm._client:RemoteOutputTransport._decode_terminal",
-    "tensorwire.mm._placed:RecvBuffer.wait_ready",
-    "tensorwire.mm._uds_channel:read_stream_response",
-    "tensorwire.mm._client:_RdmaAttempt.to_pb",
+    "tensorwire.mm.client._transport:RemoteOutputTransport.fetch",
+    "tensorwire.mm.client._grpc:_GrpcSession.encode",
+    "tensorwire.mm.client._stream:StreamCall.encode",
+    "tensorwire.mm.client._transport:RemoteOutputTransport._consume_rdma",
+    "tensorwire.mm.client._rdma_receipt:parse_slots",
+    "tensorwire.mm.client._rdma_receipt:validate_slots",
+    "tensorwire.mm.client._rdma_receipt:check_read",
+    "tensorwire.mm.client._rdma_receipt:assemble",
+    "tensorwire.mm.client._grpc:_GrpcSession.release_after_read",
+    "tensorwire.mm.client._local:_UdsSession.encode",
+    "tensorwire.mm.client._local:_Conn.encode",
+    "tensorwire.mm.client._local:_Conn.send_release",
+    "tensorwire.mm.client._local:UdsControlChannel.session",
+    "tensorwire.mm.client._local:_Conn._pick",
+    "tensorwire.mm.client._local:_UdsSession.take_placed",
+    "tensorwire.mm.client._local:placed_views",  # names imported into a module are wrapped there
+    "tensorwire.mm.wire._placed:RecvBuffer.lend",
+    "tensorwire.mm.client._transport:RemoteOutputTransport._decode_terminal",
+    "tensorwire.mm.wire._placed:RecvBuffer.wait_ready",
+    "tensorwire.mm.client._local:read_stream_response",
+    "tensorwire.mm.client._transport:_RdmaAttempt.to_pb",
     "tensorwire.rdma._reader:TensorReader.read",
     "tensorwire.rdma._reader:TensorReader._validate",
     "tensorwire.rdma._reader:TensorReader._destination",
@@ -64,22 +64,22 @@ CLIENT = [
     "tensorwire.rdma.providers._nixl:NixlProvider._remote",
 ]
 SERVER = [
-    "tensorwire.mm._service:_parse_or_abort",
-    "tensorwire.mm._service:EncoderService.run_encode",
-    "tensorwire.mm._codec:inputs_from_pb",
-    "tensorwire.mm._encoder_side:OutputTransport.allocate_output",
-    "tensorwire.mm._encoder_side:OutputTransport.transfer",
-    "tensorwire.mm._encoder_side:OutputTransport._try_publish",
-    "tensorwire.mm._encoder_side:OutputTransport._try_place",
-    "tensorwire.mm._placed:Placement.views",
+    "tensorwire.mm.server._service:_parse_or_abort",
+    "tensorwire.mm.server._service:EncoderService.run_encode",
+    "tensorwire.mm.wire._codec:inputs_from_pb",
+    "tensorwire.mm.server._output:OutputTransport.allocate_output",
+    "tensorwire.mm.server._output:OutputTransport.transfer",
+    "tensorwire.mm.server._output:OutputTransport._try_publish",
+    "tensorwire.mm.server._output:OutputTransport._try_place",
+    "tensorwire.mm.wire._placed:Placement.views",
     "tensorwire.rdma._exporter:TensorExporter.allocate",
     "tensorwire.rdma._exporter:TensorExporter.export_allocated",
     "tensorwire.rdma._exporter:TensorExporter._sync_device",
     "tensorwire.rdma._exporter:TensorExporter._publish",
     "tensorwire.rdma._descriptor:Descriptor.to_bytes",
     "tensorwire.mm.wire:stream_frame",
-    "tensorwire.mm._uds_service:LocalControlServer._serve_frame",
-    "tensorwire.mm._uds_service:LocalControlServer._answer",
+    "tensorwire.mm.server._local:LocalControlServer._serve_frame",
+    "tensorwire.mm.server._local:LocalControlServer._answer",
 ]
 
 
@@ -110,7 +110,7 @@ def _wrap(spec: str, side: str) -> None:
 
 
 def _requests_hook(side: str) -> None:
-    from tensorwire.mm import _encode_stream
+    from tensorwire.mm.client import _stream as _encode_stream
 
     orig = _encode_stream.StreamCall._requests
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.wire import _codec
 from tensorwire.soak._fuzz_targets import target_inline_tensor
 
 # Found by `python -m tensorwire.soak.fuzz --inputs 1000000` (84 of 150,000 inline-tensor inputs): a zero dim made

@@ -1,4 +1,4 @@
-"""tensorwire._unix: frames over real socket pairs (pieces, partial writes, deadlines, EOF) and the path checks."""
+"""tensorwire._local.unix: frames over real socket pairs (pieces, partial writes, deadlines, EOF), path checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 
 pytestmark = pytest.mark.timeout(60)
 

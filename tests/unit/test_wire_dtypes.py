@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tensorwire.errors import InvalidDescriptor, Reason
-from tensorwire.mm._codec import DTYPE_TO_WIRE
 from tensorwire.mm._proto import encoder_pb2 as mpb
+from tensorwire.mm.wire._codec import DTYPE_TO_WIRE
 from tensorwire.rdma import SUPPORTED_DTYPES, WIRE_DTYPES, Descriptor, Owner, TensorMeta
 from tensorwire.rdma._proto import descriptor_pb2 as dpb
 

@@ -243,8 +243,8 @@ def _read_item(params: dict[str, Any]) -> Any:
     """The item itself, read by this (third) process with the same API: lookup, stage, no release."""
     import torch
 
-    from tensorwire.mm._staging import StagingArea
-    from tensorwire.mm._store_rpc import HeldStoreClient
+    from tensorwire.mm.held._rpc import HeldStoreClient
+    from tensorwire.mm.held._staging import StagingArea
     from tensorwire.rdma import RdmaConfig, TensorReader
 
     endpoint, key, secret = _grant(params)
@@ -305,7 +305,7 @@ def _grant(params: dict[str, Any]) -> tuple[str, str, bytes]:
 
 
 def _release(params: dict[str, Any]) -> int:
-    from tensorwire.mm._store_rpc import HeldStoreClient
+    from tensorwire.mm.held._rpc import HeldStoreClient
 
     endpoint, key, secret = _grant(params)
     with HeldStoreClient(endpoint) as c:

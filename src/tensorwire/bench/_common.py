@@ -31,7 +31,7 @@ def summarize(samples_s: Sequence[float]) -> dict[str, float]:
 def bench_tls(directory: str | Path) -> tuple[Any, Any]:
     """(server, client) ``TlsConfig`` for an mTLS benchmark: a throwaway CA and two identities made under
     ``directory`` at run time (``tensorwire.testing.pki``)."""
-    from tensorwire.mm._tls import TlsConfig
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.testing.pki import make_pki
 
     pki = make_pki(directory, ["bench-encoder", "bench-llm"])

@@ -38,7 +38,7 @@ import torch
 
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm.held._staging import Expect, StagingArea
 
 FILE_NAME = "encoder_cache.safetensors"  # what the example connector names every item's file
 TENSOR_NAME = "ec_cache"
@@ -205,7 +205,7 @@ def serve_staging(base_rows: int, cols: int, device: str, provider: str, address
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from tensorwire.bench._plain_grpc import embedding
     from tensorwire.integrations._vllm_ec.runtime import staging_local_path
-    from tensorwire.mm._store_rpc import serve_staging_local, serve_store
+    from tensorwire.mm.held._rpc import serve_staging_local, serve_store
 
     base = embedding(base_rows, cols).to(device)
     area = CheckedArea(base, device, provider)

@@ -6,7 +6,7 @@ Two measurements, each across two processes on loopback, in one run so their rat
 
 1. ``echo``: a 200-byte message through a unary method and through a stream-stream method of a plain sync
    ``grpc.server``, and (``local``) as one frame each way on a Unix socket with the same-host channel's framing
-   (``tensorwire._unix``, a thread blocked in ``recv`` on each side): the floor each control path pays;
+   (``tensorwire._local.unix``, a thread blocked in ``recv`` on each side): the floor each control path pays;
 2. ``fetch``: ``RemoteOutputTransport.fetch`` of a small inline output (mode ``grpc``: no data plane) with the
    EncodeStream (``control_stream=True``), with unary Encode RPCs (``control_stream=False``), both with
    ``local_channel="off"``, and over the same-host channel (``local``): the same floor plus tensorwire's client,
@@ -50,7 +50,7 @@ def _echo_server(q: Any, tls: Any = None) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers((handler,))
     if tls is not None:
-        from tensorwire.mm._tls import server_credentials
+        from tensorwire._grpc.tls import server_credentials
 
         q.put(server.add_secure_port("127.0.0.1:0", server_credentials(tls)[0]))
     else:
@@ -79,7 +79,7 @@ def _uds_echo_server(q: Any) -> None:
     import tempfile
     import threading
 
-    from tensorwire import _unix
+    from tensorwire._local import unix as _unix
 
     path = os.path.join(_unix.ensure_private_dir(tempfile.mkdtemp(prefix="tw-bench-")), "echo.sock")
     listener = _unix.listen(path)
@@ -122,10 +122,10 @@ def _echo(port: int, uds_path: str, n: int, gaps: list[float], tls: Any = None) 
 
     import grpc
 
-    from tensorwire import _unix
+    from tensorwire._local import unix as _unix
 
     if tls is not None:
-        from tensorwire.mm._tls import channel_credentials
+        from tensorwire._grpc.tls import channel_credentials
 
         channel = grpc.secure_channel(f"localhost:{port}", channel_credentials(tls))
     else:

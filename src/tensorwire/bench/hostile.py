@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     import grpc
     from prometheus_client import CollectorRegistry
 
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.bench._common import write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig, metrics_for, wire
-    from tensorwire.mm._tls import TlsConfig
     from tensorwire.rdma import Descriptor
     from tensorwire.service._child import Child
     from tensorwire.testing import hostile
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 desc = Descriptor.from_bytes(seen.rdma_slots[0].descriptor)
                 seen_id, endpoint = desc.lease_id, desc.owner.endpoint
                 hostile.guessed_release(ach, [seen_id])  # its own: nothing of the victim's
-            from tensorwire.mm._limits import ServerLimits
+            from tensorwire._grpc.limits import ServerLimits
 
             ctx = mp.get_context("spawn")
             commands, answers = ctx.Queue(), ctx.Queue()

@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     from tensorwire.bench import _plain_grpc as plain_grpc
     from tensorwire.bench._common import bench_tls, write_result
     from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
-    from tensorwire.mm._grpc_channel import GrpcControlChannel
+    from tensorwire.mm.client._grpc import GrpcControlChannel
     from tensorwire.rdma import RdmaConfig
 
     load_start = os.getloadavg()  # the machine may be shared: a loaded run says so in its JSON

@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request budget (default: worker budget + margin from TransportConfig)")
     parser.add_argument("--wait-reader-s", type=float, default=10.0,
                         help="wait this long for the RDMA reader before the request (default: 10)")
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.cli.serve_encoder import _TLS_HELP
-    from tensorwire.mm._tls import TlsConfig
     from tensorwire.service._flags import add_flags
 
     add_flags(parser.add_argument_group("TLS (TlsConfig; docs/security.md)"), TlsConfig, prefix="tls_",
@@ -64,10 +64,10 @@ def _error(args: argparse.Namespace, exc: BaseException, code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.cli._measure import fetch_document, fetch_lines, fetch_result
     from tensorwire.errors import TensorwireError
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
-    from tensorwire.mm._tls import TlsConfig
     from tensorwire.service._endpoint import parse_endpoint
     from tensorwire.service._flags import flag_values
     from tensorwire.service._runtime import drain_releases, stdout_to_stderr

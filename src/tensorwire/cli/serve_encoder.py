@@ -53,7 +53,7 @@ _RDMA_HELP = {
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tls-*`` (TlsConfig) and ``--insecure``; shared by serve-encoder, serve-proxy and fetch."""
-    from tensorwire.mm._tls import TlsConfig
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.service._flags import add_flags
 
     tls = parser.add_argument_group("TLS (TlsConfig; docs/security.md)")
@@ -72,8 +72,8 @@ _TLS_HELP = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tensorwire._grpc.limits import ServerLimits
     from tensorwire.mm import MODES, TransportConfig
-    from tensorwire.mm._limits import ServerLimits
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import add_flags, add_stop_flags
     from tensorwire.service._images import ImageLimits
@@ -108,10 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> TransportConfig:
     """TransportConfig from flags over the environment over defaults."""
+    from tensorwire._grpc.limits import ServerLimits
+    from tensorwire._grpc.tls import TlsConfig
     from tensorwire.mm import TransportConfig
     from tensorwire.mm._config import NESTED
-    from tensorwire.mm._limits import ServerLimits
-    from tensorwire.mm._tls import TlsConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import flag_values
 

@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
+    from tensorwire._grpc.limits import ServerLimits
     from tensorwire.cli.serve_encoder import add_security_arguments
-    from tensorwire.mm._limits import ServerLimits
 
     add_security_arguments(parser)
     add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits)
@@ -66,9 +66,9 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     import dataclasses
     import os
 
+    from tensorwire._grpc.limits import ENV_LIMITS_PREFIX, ServerLimits
+    from tensorwire._grpc.tls import ENV_TLS_PREFIX, TlsConfig
     from tensorwire.mm._config import dataclass_from_env
-    from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
-    from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
     from tensorwire.service._flags import flag_values
     from tensorwire.service._proxy import ProxyConfig
 

@@ -36,12 +36,12 @@ address only with ``serve_encoder(..., insecure=True)``.
 
 from __future__ import annotations
 
-from tensorwire.mm._client import RemoteOutputTransport
 from tensorwire.mm._config import MODES, TransportConfig
-from tensorwire.mm._encoder_side import OutputBuffers, OutputTransport
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
-from tensorwire.mm._service import EncodeFn, EncoderServer, EncoderService, serve_encoder
 from tensorwire.mm._types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
+from tensorwire.mm.client._transport import RemoteOutputTransport
+from tensorwire.mm.server._output import OutputBuffers, OutputTransport
+from tensorwire.mm.server._service import EncodeFn, EncoderServer, EncoderService, serve_encoder
 
 __all__ = [
     # encoder side

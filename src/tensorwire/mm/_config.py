@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
+from tensorwire._grpc.limits import ENV_LIMITS_PREFIX, ServerLimits
+from tensorwire._grpc.tls import ENV_TLS_PREFIX, TlsConfig
 from tensorwire.errors import ConfigError
-from tensorwire.mm._limits import ENV_LIMITS_PREFIX, ServerLimits
-from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 from tensorwire.rdma import RdmaConfig
 
 MODE_AUTO = "auto"

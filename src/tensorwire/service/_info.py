@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 
+from tensorwire._grpc.host import Method, Service
+from tensorwire._grpc.scope import current_call
 from tensorwire.errors import ConfigError, PeerUnavailable, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._host import Method, Service
-from tensorwire.mm._scope import current_call
 from tensorwire.service._proto import service_pb2 as pb
 
 INFO_SERVICE = "tensorwire.service.v1.WorkerInfo"

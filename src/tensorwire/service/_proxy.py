@@ -49,13 +49,14 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tensorwire._grpc.host import Admission, GrpcHost, Lane, Method, Service
+from tensorwire._grpc.limits import ServerLimits
+from tensorwire._grpc.scope import FORWARDED_PEER_METADATA, current_call
+from tensorwire._grpc.tls import TlsConfig, secure_or_insecure_channel
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import ConfigError, Reason
-from tensorwire.mm import TransportConfig, _receipt, wire
-from tensorwire.mm._host import Admission, GrpcHost, Lane, Method, Service
-from tensorwire.mm._limits import ServerLimits
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._scope import FORWARDED_PEER_METADATA, current_call
-from tensorwire.mm._tls import TlsConfig, secure_or_insecure_channel
+from tensorwire.mm import TransportConfig, wire
+from tensorwire.mm.client import _rdma_receipt as _receipt
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._endpoint import parse_endpoint
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info

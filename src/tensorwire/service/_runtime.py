@@ -89,8 +89,8 @@ def serve_metrics(port: int, host: str, *, tls: Any, insecure: bool) -> MetricsS
     """The /metrics server of a serve command: plaintext on loopback (or anywhere with ``insecure``), HTTPS with the
     gRPC certificate elsewhere (client certificates required under mTLS); ConfigError for a plaintext non-loopback
     address (issue 15: /metrics stays on loopback unless it is protected or the operator says otherwise)."""
+    from tensorwire._grpc.scope import is_loopback_host
     from tensorwire.errors import ConfigError
-    from tensorwire.mm._scope import is_loopback_host
 
     if is_loopback_host(host) or insecure:
         return MetricsServer(port, host)

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tensorwire._grpc.host import GrpcHost
+from tensorwire._grpc.scope import current_call
 from tensorwire.encoder import VisionEncoder
 from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reason
 from tensorwire.mm import (
@@ -32,9 +34,7 @@ from tensorwire.mm import (
     TransportConfig,
     TransportMetrics,
 )
-from tensorwire.mm._host import GrpcHost
-from tensorwire.mm._scope import current_call
-from tensorwire.mm._service import encoder_host
+from tensorwire.mm.server._service import encoder_host
 from tensorwire.service._images import ImageLimits, check_pixels
 from tensorwire.service._info import info_service, make_info
 

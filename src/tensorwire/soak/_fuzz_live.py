@@ -88,8 +88,8 @@ class LiveEncoder:
 
     def canary(self, index: int = 0) -> bool:
         """A valid single-image request (inline): True when the answer matches the local digest."""
-        from tensorwire.mm import _codec
-        from tensorwire.mm._wire_receipt import parse_receipt
+        from tensorwire.mm.wire import _codec
+        from tensorwire.mm.wire._receipt import parse_receipt
         from tensorwire.soak._corpus import output_digest
 
         req = self._wire.EncodeRequest()

@@ -62,8 +62,8 @@ def target_descriptor(data: bytes) -> str:
 def target_inline_tensor(data: bytes) -> str:
     from google.protobuf.message import DecodeError
 
-    from tensorwire.mm import _codec
     from tensorwire.mm._proto import encoder_pb2 as pb
+    from tensorwire.mm.wire import _codec
 
     try:
         msg = pb.Tensor.FromString(data)
@@ -108,7 +108,7 @@ def _same_receipt(got: Any, ref: Any, data: bytes) -> None:
 
 def target_receipt_wire(data: bytes) -> str:
     from tensorwire.mm._proto import encoder_pb2 as pb
-    from tensorwire.mm._wire_receipt import WireError, parse_receipt
+    from tensorwire.mm.wire._receipt import WireError, parse_receipt
 
     ref = _protobuf_parse(pb.EncodeResponse, data)
     try:
@@ -122,7 +122,7 @@ def target_receipt_wire(data: bytes) -> str:
 
 def target_stream_wire(data: bytes) -> str:
     from tensorwire.mm._proto import encoder_pb2 as pb
-    from tensorwire.mm._wire_receipt import WireError, WireReceipt, parse_stream_response
+    from tensorwire.mm.wire._receipt import WireError, WireReceipt, parse_stream_response
 
     ref = _protobuf_parse(pb.StreamResponse, data)
     _same_read(data, ref)
@@ -148,7 +148,7 @@ def target_stream_wire(data: bytes) -> str:
 def _same_read(data: bytes, ref: Any) -> None:
     """``read_stream_response`` (what the channels call: protobuf's parser for a small answer) reads what
     protobuf reads, or refuses what it refuses, with a WireError."""
-    from tensorwire.mm._wire_receipt import UPB_MAX_BYTES, WireError, WireReceipt, read_stream_response
+    from tensorwire.mm.wire._receipt import UPB_MAX_BYTES, WireError, WireReceipt, read_stream_response
 
     if len(data) > UPB_MAX_BYTES:
         return  # the walk: checked against protobuf below
@@ -225,7 +225,7 @@ class ReceiptHarness:
         from prometheus_client import CollectorRegistry
 
         from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
-        from tensorwire.mm._grpc_channel import GrpcControlChannel
+        from tensorwire.mm.client._grpc import GrpcControlChannel
 
         cfg = TransportConfig(mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9,
                               control_stream=False)
@@ -367,7 +367,7 @@ def seed_receipts(rng: random.Random) -> list[bytes]:
 
 
 def seed_inline_tensors(rng: random.Random) -> list[bytes]:
-    from tensorwire.mm import _codec
+    from tensorwire.mm.wire import _codec
 
     seeds = []
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool):
@@ -405,7 +405,7 @@ def seed_stream_answers(rng: random.Random) -> list[bytes]:
     """EncodeStream answers as the encoder writes them: receipts (inline and RDMA) and an error."""
     from tensorwire.mm import wire
     from tensorwire.mm._proto import encoder_pb2 as pb
-    from tensorwire.mm._wire_receipt import parse_receipt
+    from tensorwire.mm.wire._receipt import parse_receipt
 
     out = [parse_receipt(r).to_stream_frame(rng.randint(1, 2**40)) for r in seed_receipts(rng)]
     error = pb.StreamError(code=3, reason="invalid_request", message="m").SerializeToString()

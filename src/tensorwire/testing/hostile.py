@@ -31,7 +31,7 @@ def channel(target: str, tls: Any = None, options: list[tuple[str, Any]] | None 
     """A channel to ``target``: TLS with ``tls`` (a TlsConfig) when given, plaintext otherwise."""
     opts = list(options or []) + [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
     if tls is not None:
-        from tensorwire.mm._tls import channel_credentials, channel_options
+        from tensorwire._grpc.tls import channel_credentials, channel_options
 
         return grpc.secure_channel(target, channel_credentials(tls), options=opts + channel_options(tls))
     return grpc.insecure_channel(target, options=opts)

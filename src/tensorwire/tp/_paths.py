@@ -18,7 +18,7 @@ import re
 import socket
 from dataclasses import dataclass
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 from tensorwire.errors import BootstrapError, ConfigError, Reason
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 from tensorwire.errors import BootstrapError, BootstrapTimeout, BroadcastTimeout, PeerClosed, Reason
 
 from ._link import Link, Waiter

@@ -32,7 +32,7 @@ from tensorwire.mm import (
     TransportMetrics,
     serve_encoder,
 )
-from tensorwire.mm._grpc_channel import GrpcControlChannel
+from tensorwire.mm.client._grpc import GrpcControlChannel
 
 G = torch.Generator().manual_seed(1234)
 EMB = torch.randn(9, 16, generator=G).to(torch.bfloat16)

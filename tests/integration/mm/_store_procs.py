@@ -15,8 +15,8 @@ import torch
 
 
 def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    from tensorwire.mm._store import HeldStore
-    from tensorwire.mm._store_rpc import serve_store
+    from tensorwire.mm.held._rpc import serve_store
+    from tensorwire.mm.held._store import HeldStore
     from tensorwire.rdma import RdmaConfig, TensorExporter
 
     exporter = TensorExporter(RdmaConfig(device=device, slot_gc_timeout_ms=30000))
@@ -42,8 +42,8 @@ def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def rank_main(conn: Any, sock: str, device: str) -> None:
-    from tensorwire.mm._staging import StagingArea
-    from tensorwire.mm._store_rpc import serve_store
+    from tensorwire.mm.held._rpc import serve_store
+    from tensorwire.mm.held._staging import StagingArea
     from tensorwire.rdma import RdmaConfig, TensorReader
 
     if device.startswith("cuda"):

@@ -27,17 +27,18 @@ import torch
 from _env import ERROR_CASES, ERROR_IDS, INPUTS, Env, Fails, Held, check_output, wait_for
 from prometheus_client import CollectorRegistry
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
+from tensorwire._local.server import connect
 from tensorwire.errors import (
     DeadlineExceeded,
     PeerUnavailable,
     Reason,
     TensorwireError,
 )
-from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig, _uds_service
-from tensorwire.mm._uds_channel import UdsControlChannel
-from tensorwire.mm._uds_service import HELLO_MAGIC
-from tensorwire.mm._unix_server import connect
+from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig
+from tensorwire.mm.client._local import UdsControlChannel
+from tensorwire.mm.server import _local as _uds_service
+from tensorwire.mm.server._local import HELLO_MAGIC
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
 pytestmark = pytest.mark.timeout(90)
@@ -448,7 +449,7 @@ def test_a_client_that_stops_reading_its_answer_does_not_hold_the_worker(local_e
     """An answer far larger than the socket buffers, to a client that never reads it: the worker gives up at the
     request's deadline (plus a second's slack), ends that connection, and serves the next client."""
     from tensorwire.mm import wire
-    from tensorwire.mm._codec import inputs_to_pb
+    from tensorwire.mm.wire._codec import inputs_to_pb
 
     big = EncoderOutput(embeddings=torch.ones(4096, 1024, dtype=torch.bfloat16), split_sizes=[4096])  # 8 MiB
     srv = local_env.server(TransportConfig(mode="grpc", worker_id="worker-1"), fn=lambda inputs: big)

@@ -37,8 +37,8 @@ from tensorwire.mm import (
     serve_encoder,
     wire,
 )
-from tensorwire.mm._breaker import BreakerState
-from tensorwire.mm._init import InitState
+from tensorwire.mm._background import InitState
+from tensorwire.mm.client._breaker import BreakerState
 from tensorwire.rdma import ExporterStats, RdmaConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -395,7 +395,7 @@ def test_encoder_releases_at_once_when_the_caller_left_during_export(env: Env) -
 def test_encoder_exports_nothing_when_the_caller_left_during_encode(env: Env) -> None:
     import threading
 
-    from tensorwire.mm._scope import current_call
+    from tensorwire._grpc.scope import current_call
 
     gate = threading.Event()
 
@@ -428,7 +428,7 @@ def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporte
 
     srv = env.server(factory=lambda rc: GcExporter(env.fabric, rc))
     c = env.client(srv.address)
-    with caplog.at_level(logging.INFO, logger="tensorwire.mm._client"):
+    with caplog.at_level(logging.INFO, logger="tensorwire.mm.client._transport"):
         for _ in range(3):
             assert c.fetch(INPUTS).plane is Plane.RDMA
     hits = [r for r in caplog.records if "[MM-RDMA-HIT]" in r.getMessage()]

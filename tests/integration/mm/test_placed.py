@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
 from tensorwire.mm import EncoderOutput, MultimodalInput, OutputTransport, Plane, TransportConfig
-from tensorwire.mm._placed import MIN_BUFFER_BYTES
-from tensorwire.mm._uds_channel import UdsControlChannel
+from tensorwire.mm.client._local import UdsControlChannel
+from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES
 
 pytestmark = pytest.mark.timeout(90)
 

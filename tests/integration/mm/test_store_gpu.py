@@ -18,8 +18,8 @@ from _store_procs import StoreProcs
 from test_store_processes import fetcher_for, wait_until
 
 from tensorwire.integrations._vllm_ec.params import ItemGrant
-from tensorwire.mm._staging import Expect
-from tensorwire.mm._store import new_secret
+from tensorwire.mm.held._staging import Expect
+from tensorwire.mm.held._store import new_secret
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 SHAPE = (2880, 4096)  # ~23.6 MB of bf16: a few large images' embeddings

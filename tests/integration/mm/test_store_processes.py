@@ -20,8 +20,8 @@ from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, RemoteStager
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
-from tensorwire.mm._staging import Expect
-from tensorwire.mm._store import new_secret
+from tensorwire.mm.held._staging import Expect
+from tensorwire.mm.held._store import new_secret
 
 pytestmark = [pytest.mark.timeout(240)]
 SHAPE = (64, 1024)  # 256 KiB of float32

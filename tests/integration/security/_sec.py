@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tensorwire.mm._tls import TlsConfig
+from tensorwire._grpc.tls import TlsConfig
 from tensorwire.service._child import Child
 from tensorwire.testing.pki import Pki, PkiUnavailable, make_pki
 

@@ -11,6 +11,9 @@ import torch
 from _sec import pki_or_skip, tls_of
 from prometheus_client import CollectorRegistry
 
+from tensorwire._grpc.limits import ServerLimits
+from tensorwire._grpc.scope import FORWARDED_PEER_METADATA, current_call
+from tensorwire._grpc.tls import channel_credentials
 from tensorwire.mm import (
     EncoderOutput,
     MultimodalInput,
@@ -20,9 +23,6 @@ from tensorwire.mm import (
     serve_encoder,
     wire,
 )
-from tensorwire.mm._limits import ServerLimits
-from tensorwire.mm._scope import FORWARDED_PEER_METADATA, current_call
-from tensorwire.mm._tls import channel_credentials
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 from tensorwire.testing import hostile

@@ -76,7 +76,7 @@ def netns() -> Iterator[tuple[str, str, str]]:
 def _insecure() -> list[str]:
     """``--insecure`` where the listener needs it to bind a non-loopback address (it did not exist before)."""
     try:
-        from tensorwire.mm._host import GrpcHost
+        from tensorwire._grpc.host import GrpcHost
     except ImportError:  # older trees had no GrpcHost, and no such rule
         return []
     return ["--insecure"] if "insecure" in inspect.signature(GrpcHost.bind).parameters else []

@@ -21,16 +21,16 @@ from _sec import pki_or_skip, tls_of
 from _store_owner import owner_main
 from prometheus_client import CollectorRegistry
 
+from tensorwire._grpc.tls import TlsConfig
 from tensorwire.errors import ConfigError, PeerUnavailable, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
-from tensorwire.mm._codec import decode_tensor
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store import HeldStore, new_secret
-from tensorwire.mm._store_rpc import HeldStoreClient, StagingClient, serve_store
-from tensorwire.mm._tls import TlsConfig
+from tensorwire.mm.held._rpc import HeldStoreClient, StagingClient, serve_store
+from tensorwire.mm.held._staging import Expect, StagingArea
+from tensorwire.mm.held._store import HeldStore, new_secret
+from tensorwire.mm.wire._codec import decode_tensor
 from tensorwire.testing.pki import Pki, make_pki
 
 pytestmark = [pytest.mark.timeout(240)]

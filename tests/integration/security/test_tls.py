@@ -22,6 +22,7 @@ import torch
 from _sec import cli, non_loopback_ip, pki_or_skip, serve, tls_flags, tls_of, wait_until
 from prometheus_client import CollectorRegistry
 
+from tensorwire._grpc.tls import TlsConfig, channel_credentials, channel_options
 from tensorwire.encoder import sample_paths
 from tensorwire.errors import PeerUnavailable
 from tensorwire.mm import (
@@ -32,7 +33,6 @@ from tensorwire.mm import (
     metrics_for,
     serve_encoder,
 )
-from tensorwire.mm._tls import TlsConfig, channel_credentials, channel_options
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._child import Child
 from tensorwire.service._info import INFO_METHOD

@@ -92,7 +92,7 @@ def test_fault_windows_attribute_each_request_to_the_fault_it_overlapped() -> No
 def test_the_proxy_rejects_the_structurally_broken_corruptions() -> None:
     """What the proxy's receipt check (``_receipt.check_receipt``) catches of the soak's corruptions: each one it
     catches is retried on another worker instead of reaching the client."""
-    from tensorwire.mm._receipt import check_receipt
+    from tensorwire.mm.client._rdma_receipt import check_receipt
     from tensorwire.rdma import Descriptor
 
     parse = lambda data: Descriptor.from_bytes(data, max_slot_bytes=1 << 48)  # noqa: E731 - as the proxy does

@@ -14,8 +14,8 @@ from tensorwire.bench import _ec_paths as paths
 from tensorwire.bench import vllm_ec
 from tensorwire.bench._plain_grpc import embedding
 from tensorwire.errors import ProtocolError, Reason
-from tensorwire.mm._store import HeldStore
-from tensorwire.mm._store_rpc import receipt_for
+from tensorwire.mm.held._rpc import receipt_for
+from tensorwire.mm.held._store import HeldStore
 
 pytestmark = pytest.mark.timeout(240)
 safetensors = pytest.importorskip("safetensors")

@@ -32,9 +32,9 @@ from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for, parse_params
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerWorker
 from tensorwire.integrations._vllm_ec.version import check_version
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store import HeldStore, new_secret
-from tensorwire.mm._store_rpc import serve_store
+from tensorwire.mm.held._rpc import serve_store
+from tensorwire.mm.held._staging import Expect, StagingArea
+from tensorwire.mm.held._store import HeldStore, new_secret
 from tensorwire.rdma import RdmaConfig
 
 ROWS, WIDTH = 4, 8

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from tensorwire._grpc.tls import TlsConfig
 from tensorwire.errors import ConfigError
 from tensorwire.integrations._vllm_ec.config import ECConfig
-from tensorwire.mm._tls import TlsConfig
 
 
 def test_defaults_are_a_loopback_plaintext_store() -> None:

@@ -31,9 +31,9 @@ from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import parse_params
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerWorker
 from tensorwire.integrations._vllm_ec.trust import ProducerGate, ProducerTrust, compat_hash, parse_trusted
-from tensorwire.mm._staging import StagingArea
-from tensorwire.mm._store import HeldStore, new_secret
-from tensorwire.mm._store_rpc import HeldStoreClient, serve_store
+from tensorwire.mm.held._rpc import HeldStoreClient, serve_store
+from tensorwire.mm.held._staging import StagingArea
+from tensorwire.mm.held._store import HeldStore, new_secret
 from tensorwire.rdma import RdmaConfig
 
 ROWS, WIDTH = 4, 8

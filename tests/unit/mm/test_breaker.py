@@ -3,7 +3,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from tensorwire.mm import TransportMetrics
-from tensorwire.mm._breaker import BreakerBoard, BreakerState
+from tensorwire.mm.client._breaker import BreakerBoard, BreakerState
 
 
 class Clock:

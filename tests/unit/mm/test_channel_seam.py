@@ -35,10 +35,10 @@ from tensorwire.mm import (
     TransportMetrics,
     wire,
 )
-from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
-from tensorwire.mm._client import Blame, ReadPlan, classify_consume_error
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import parse_receipt
+from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession, Requeue
+from tensorwire.mm.client._transport import Blame, ReadPlan, classify_consume_error
+from tensorwire.mm.wire._receipt import parse_receipt
 
 EMB = torch.arange(24, dtype=torch.float32).reshape(6, 4)
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._receipt import WireReceipt
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

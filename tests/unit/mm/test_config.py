@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
+from tensorwire._grpc.limits import ServerLimits
+from tensorwire._grpc.tls import TlsConfig
 from tensorwire.errors import ConfigError
 from tensorwire.mm import MODES, TransportConfig
 from tensorwire.mm._config import DEFAULT_STREAM_CAP, NESTED, fields_for_cli
-from tensorwire.mm._limits import ServerLimits
-from tensorwire.mm._tls import TlsConfig
 from tensorwire.rdma import RdmaConfig
 
 

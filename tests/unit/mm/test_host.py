@@ -11,10 +11,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tensorwire._grpc.host import STOP_SLACK_S, GrpcHost, HostState, Lane, Method, Service
+from tensorwire._grpc.limits import ServerLimits
 from tensorwire.errors import ClosedError, ConfigError, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._host import STOP_SLACK_S, GrpcHost, HostState, Lane, Method, Service
-from tensorwire.mm._limits import ServerLimits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tensorwire.mm._quota import PeerLeases
+from tensorwire.mm.server._quota import PeerLeases
 
 
 class Clock:

@@ -17,13 +17,13 @@ import grpc
 import pytest
 import torch
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 from tensorwire.errors import ClosedError, DeadlineExceeded, InvalidPayload, LeaseExpired, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._local_rpc import REQUEST_HEAD, LocalRpcClient, LocalRpcServer, LocalUnavailable
 from tensorwire.mm._proto import held_pb2 as hpb
-from tensorwire.mm._store import HeldStore, new_secret
-from tensorwire.mm._store_rpc import HeldStoreClient, HeldStoreServicer, serve_store
+from tensorwire.mm.held._local import REQUEST_HEAD, LocalRpcClient, LocalRpcServer, LocalUnavailable
+from tensorwire.mm.held._rpc import HeldStoreClient, HeldStoreServicer, serve_store
+from tensorwire.mm.held._store import HeldStore, new_secret
 
 
 def _echo(raw: bytes, _ctx: Any) -> bytes:
@@ -365,8 +365,8 @@ def test_a_channel_closed_under_a_call_is_a_closed_error_and_ends_a_discovery_qu
 
 
 def test_staging_goes_over_its_socket_and_falls_back_to_its_grpc_socket(store: HeldStore, tmp_path: Any) -> None:
-    from tensorwire.mm._staging import Expect, StagingArea
-    from tensorwire.mm._store_rpc import StagingClient, receipt_for, serve_staging_local
+    from tensorwire.mm.held._rpc import StagingClient, receipt_for, serve_staging_local
+    from tensorwire.mm.held._staging import Expect, StagingArea
 
     rt = tmp_path / "rt"
     rt.mkdir(mode=0o700)
@@ -428,7 +428,7 @@ def test_a_rank_without_its_socket_still_serves_staging_over_grpc(tmp_path: Any,
     rt = runtime.StagingRuntime(cfg, "t-dp0", 0, "cpu", serve=True)
     try:
         assert rt.local is None and rt.server is not None  # the optional socket failed; the rank still serves
-        from tensorwire.mm._store_rpc import StagingClient
+        from tensorwire.mm.held._rpc import StagingClient
 
         with StagingClient(rt.server.address, local_path=runtime.staging_local_path(rt.server.address)) as c:
             assert c.drop(["nothing"], timeout_s=5.0) == 0  # no socket file: straight to gRPC

@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from tensorwire.mm import _placed
+from tensorwire.mm.wire import _placed
 from tensorwire.rdma._devmem import wrap_device, wrap_device_as
 from tensorwire.rdma._dtypes import SUPPORTED_DTYPES
 

@@ -1,4 +1,4 @@
-"""Units of placed outputs (``tensorwire.mm._placed``): the packing plan, the client's checks of a worker's
+"""Units of placed outputs (``tensorwire.mm.wire._placed``): the packing plan, the client's checks of a worker's
 manifest, the worker's checks of an offer (memfd seals and size), and descriptor passing on ``_unix`` frames.
 The whole path between processes is tests/integration/mm/test_placed.py."""
 
@@ -13,11 +13,11 @@ import socket
 import pytest
 import torch
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 from tensorwire.errors import ProtocolError
-from tensorwire.mm import _placed
-from tensorwire.mm._codec import DTYPE_TO_WIRE
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.wire import _placed
+from tensorwire.mm.wire._codec import DTYPE_TO_WIRE
 
 CPU = torch.device("cpu")
 

@@ -5,8 +5,8 @@ import torch
 
 from tensorwire.errors import ExportError, InvalidPayload, Reason
 from tensorwire.mm import EncoderOutput
-from tensorwire.mm._encoder_side import plan_slots
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.server._output import plan_slots
 
 
 def footprint(tensors: list[torch.Tensor], align: int) -> int:

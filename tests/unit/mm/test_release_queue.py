@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import PeerUnavailable
 from tensorwire.mm import TransportMetrics
-from tensorwire.mm._release import ReleaseQueue
+from tensorwire.mm.client._release import ReleaseQueue
 
 
 class Sender:

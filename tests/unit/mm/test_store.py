@@ -12,9 +12,9 @@ from fakes import FakeExporter, FakeFabric, FakeReader
 
 from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store import HeldStore, new_secret
-from tensorwire.mm._store_rpc import receipt_for
+from tensorwire.mm.held._rpc import receipt_for
+from tensorwire.mm.held._staging import Expect, StagingArea
+from tensorwire.mm.held._store import HeldStore, new_secret
 from tensorwire.rdma import RdmaConfig
 
 

@@ -21,9 +21,10 @@ from tensorwire.errors import (
     ProtocolError,
     Reason,
 )
-from tensorwire.mm import _codec, wire
+from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import parse_receipt
+from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._receipt import parse_receipt
 
 
 def test_public_names() -> None:

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm import EncoderOutput, OutputTransport, TransportConfig, _codec
-from tensorwire.mm._pbwire import WireError
+from tensorwire.mm import EncoderOutput, OutputTransport, TransportConfig
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import (
+from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._protobuf import WireError
+from tensorwire.mm.wire._receipt import (
     ALIGN,
     UPB_MAX_BYTES,
     WireReceipt,

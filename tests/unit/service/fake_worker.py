@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from tensorwire._grpc.health import SERVING, HealthService
 from tensorwire.mm import wire
-from tensorwire.mm._health import SERVING, HealthService
 from tensorwire.rdma import Descriptor, Owner, TensorMeta
 from tensorwire.service._info import info_handler
 from tensorwire.service._proto import service_pb2

@@ -254,7 +254,7 @@ def _until(cond, timeout_s: float = 10.0) -> bool:
 
 
 def test_proxy_health_says_whether_any_worker_can_serve(make) -> None:
-    from tensorwire.mm._health import NOT_SERVING, SERVING
+    from tensorwire._grpc.health import NOT_SERVING, SERVING
 
     h = make([FakeWorker("w0"), FakeWorker("w1")], probe_interval_s=0.05, probe_timeout_s=1.0)
     assert _proxy_health(h) == SERVING
@@ -287,7 +287,7 @@ def test_a_failed_worker_gets_no_new_requests_until_probed_back(make) -> None:
 
 
 def test_every_worker_is_tried_even_when_all_look_down(make) -> None:
-    from tensorwire.mm._health import NOT_SERVING
+    from tensorwire._grpc.health import NOT_SERVING
 
     workers = [FakeWorker("w0"), FakeWorker("w1")]
     for w in workers:  # both say NOT_SERVING (wrongly: they still answer Encode): the first probes find both DOWN

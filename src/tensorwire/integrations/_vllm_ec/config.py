@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensorwire import _unix
+from tensorwire._grpc.tls import ENV_TLS_PREFIX, TlsConfig
+from tensorwire._local import unix as _unix
 from tensorwire.errors import ConfigError
 from tensorwire.integrations._vllm_ec.trust import parse_trusted
-from tensorwire.mm._tls import ENV_TLS_PREFIX, TlsConfig
 
 ENV_PREFIX = "TENSORWIRE_VLLM_EC_"
 FALLBACKS = ("local", "fail")

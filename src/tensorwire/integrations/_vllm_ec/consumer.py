@@ -38,7 +38,7 @@ from tensorwire.integrations._vllm_ec.fetch import Fetcher, FetchResult
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, parse_params
 from tensorwire.integrations._vllm_ec.trust import ProducerGate
-from tensorwire.mm._staging import Expect, StagingArea
+from tensorwire.mm.held._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
 

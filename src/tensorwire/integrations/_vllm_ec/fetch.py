@@ -40,10 +40,10 @@ from tensorwire.errors import DeadlineExceeded, ReadTimeout, Reason, TensorwireE
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
-from tensorwire.mm._breaker import BreakerBoard
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store_rpc import HeldStoreClient, StagingClient
+from tensorwire.mm.client._breaker import BreakerBoard
+from tensorwire.mm.held._rpc import HeldStoreClient, StagingClient
+from tensorwire.mm.held._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class LocalStager:
 
 
 class RemoteStager:
-    """A worker process's Staging service: its same-host socket (``tensorwire.mm._local_rpc``), with the
+    """A worker process's Staging service: its same-host socket (``tensorwire.mm.held._local``), with the
     ``unix:`` gRPC service at ``address`` as the fallback."""
 
     def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0, local_path: str = "",

@@ -35,7 +35,7 @@ import torch
 from tensorwire.errors import Reason, TensorwireError
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for
-from tensorwire.mm._store import HeldStore, new_secret
+from tensorwire.mm.held._store import HeldStore, new_secret
 
 log = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tensorwire import _unix
-from tensorwire._unix import InsecurePath
+from tensorwire._grpc.scope import is_loopback_host
+from tensorwire._local import unix as _unix
+from tensorwire._local.unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
-from tensorwire.mm._local_rpc import LocalRpcServer
-from tensorwire.mm._scope import is_loopback_host
-from tensorwire.mm._staging import StagingArea
-from tensorwire.mm._store import HeldStore
-from tensorwire.mm._store_rpc import StoreServer, serve_staging_local, serve_store
+from tensorwire.mm.held._local import LocalRpcServer
+from tensorwire.mm.held._rpc import StoreServer, serve_staging_local, serve_store
+from tensorwire.mm.held._staging import StagingArea
+from tensorwire.mm.held._store import HeldStore
 from tensorwire.rdma import RdmaConfig, TensorExporter, TensorReader
 from tensorwire.rdma._endpoint import detect, is_loopback, is_wildcard
 
@@ -197,7 +197,7 @@ def staging_address(cfg: ECConfig, name: str, rank: int) -> str:
 
 
 def staging_local_path(address: str) -> str:
-    """The same-host socket (``tensorwire.mm._local_rpc``) next to a rank's ``unix:`` Staging address."""
+    """The same-host socket (``tensorwire.mm.held._local``) next to a rank's ``unix:`` Staging address."""
     path = address[len("unix:"):] if address.startswith("unix:") else address
     return path[:-len(".sock")] + ".local.sock" if path.endswith(".sock") else path + ".local"
 

@@ -29,9 +29,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """StagingArea: read a held item's receipt now, keep the tensors under a key until dropped (reader side, no gRPC).
 
-The counterpart of :class:`~tensorwire.mm._store.HeldStore` on the reading side. A coordinator (for vLLM: the
+The counterpart of :class:`~tensorwire.mm.held._store.HeldStore` on the reading side. A coordinator (for vLLM: the
 LLM instance's scheduler) looks an item up, then asks one staging area per consumer process (for vLLM: one per
 tensor-parallel rank) to read it; each answers only when the tensors are local, so the coordinator knows that
 every consumer has them before it tells anyone the item exists. Whoever then uses the tensors calls ``get``
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from tensorwire.errors import ClosedError, InvalidPayload, ProtocolError, ReadError, Reason
-from tensorwire.mm._codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, decode_tensor
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.wire._codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, decode_tensor
 from tensorwire.rdma import Descriptor, Reader
 
 log = logging.getLogger(__name__)

@@ -47,10 +47,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
 from tensorwire.errors import ProtocolError, Reason
-from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.wire import _codec
 from tensorwire.rdma._devmem import wrap_device, wrap_device_as
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ or ``unix:/path``. Methods are registered as ``GrpcHost`` services
 (raw bytes in and out, as ``EncoderService``): a malformed message is INVALID_ARGUMENT with a reason and the
 server keeps serving.
 
-Transport security is the encoder's (``tensorwire.mm._tls``, docs/security.md): ``serve_store(tls=...)`` with a
+Transport security is the encoder's (``tensorwire._grpc.tls``, docs/security.md): ``serve_store(tls=...)`` with a
 certificate listens with TLS (mTLS unless ``client_auth`` is off); without one a TCP listener binds only a
 loopback address unless ``insecure=True``. A ``unix:`` socket is plaintext (its directory's mode is the access
 control). The clients take the same ``TlsConfig`` and speak TLS when it has a CA or a certificate; a refused
@@ -31,7 +31,9 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from tensorwire import _unix
+from tensorwire._grpc.host import GrpcHost, Method, Service
+from tensorwire._grpc.tls import TlsConfig, secure_or_insecure_channel
+from tensorwire._local import unix as _unix
 from tensorwire.errors import (
     ClosedError,
     ConfigError,
@@ -45,15 +47,13 @@ from tensorwire.errors import (
     TensorwireError,
 )
 from tensorwire.mm import wire
-from tensorwire.mm._codec import encode_tensor
-from tensorwire.mm._host import GrpcHost, Method, Service
-from tensorwire.mm._local_rpc import LocalRpcClient, LocalRpcServer, LocalUnavailable, local_channel_request
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
-from tensorwire.mm._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
-from tensorwire.mm._staging import Expect, StagingArea
-from tensorwire.mm._store import HeldItem, HeldStore
-from tensorwire.mm._tls import TlsConfig, secure_or_insecure_channel
+from tensorwire.mm.held._local import LocalRpcClient, LocalRpcServer, LocalUnavailable, local_channel_request
+from tensorwire.mm.held._staging import Expect, StagingArea
+from tensorwire.mm.held._store import HeldItem, HeldStore
+from tensorwire.mm.server._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
+from tensorwire.mm.wire._codec import encode_tensor
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class LookupOutcome:
 
 
 class _Client:
-    """One channel to ``address``: TLS when ``tls`` has a CA or a certificate (``tensorwire.mm._tls``), else
+    """One channel to ``address``: TLS when ``tls`` has a CA or a certificate (``tensorwire._grpc.tls``), else
     plaintext (``unix:`` sockets are always plaintext)."""
 
     def __init__(self, address: str, tls: TlsConfig | None = None, *,

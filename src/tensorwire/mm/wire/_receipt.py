@@ -39,8 +39,8 @@ from google.protobuf.message import DecodeError
 
 from tensorwire.errors import InvalidPayload, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._pbwire import LEN, VARINT, Buffer, WireError, fixed_varint, read_varint, records, tag, varint
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.wire._protobuf import LEN, VARINT, Buffer, WireError, fixed_varint, read_varint, records, tag, varint
 
 ALIGN = 16  # CPython's bytes data is 16-byte aligned, so an aligned offset is an aligned address (any dtype)
 EMBEDDING_FIELD, POSITION_IDS_FIELD, EXTRA_INPUTS_FIELD = 1, 2, 3  # EncodeResponse

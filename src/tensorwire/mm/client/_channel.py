@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.wire._receipt import WireReceipt
 
 if TYPE_CHECKING:
     import torch

@@ -75,13 +75,13 @@ from typing import Any, Literal
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tensorwire._grpc.health import NOT_SERVING, SERVING, HealthService
+from tensorwire._grpc.limits import ServerLimits
+from tensorwire._grpc.scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
+from tensorwire._grpc.tls import TlsConfig, server_credentials
+from tensorwire._grpc.watchdog import DeadlineWatchdog
 from tensorwire.errors import ClosedError, ConfigError, Reason, TensorwireError
 from tensorwire.mm import wire
-from tensorwire.mm._health import NOT_SERVING, SERVING, HealthService
-from tensorwire.mm._limits import ServerLimits
-from tensorwire.mm._scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
-from tensorwire.mm._tls import TlsConfig, server_credentials
-from tensorwire.mm._watchdog import DeadlineWatchdog
 
 log = logging.getLogger(__name__)
 

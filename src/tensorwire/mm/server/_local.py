@@ -39,17 +39,17 @@ from typing import TYPE_CHECKING
 import torch
 from google.protobuf.message import DecodeError
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
+from tensorwire._local.server import HELLO_FULL, HELLO_OK, Conn, UnixConnServer
 from tensorwire.mm import wire
 from tensorwire.mm._config import MODE_AUTO
-from tensorwire.mm._pbwire import Buffer
-from tensorwire.mm._placed import MappedBuffer, Placement, PlacementRefused, map_offer
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._unix_server import HELLO_FULL, HELLO_OK, Conn, UnixConnServer
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.wire._placed import MappedBuffer, Placement, PlacementRefused, map_offer
+from tensorwire.mm.wire._protobuf import Buffer
+from tensorwire.mm.wire._receipt import WireReceipt
 
 if TYPE_CHECKING:
-    from tensorwire.mm._service import EncoderService
+    from tensorwire.mm.server._service import EncoderService
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from tensorwire.errors import InvalidPayload, Reason
-from tensorwire.mm._pbwire import Buffer
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalInput
+from tensorwire.mm.wire._protobuf import Buffer
 from tensorwire.rdma import WIRE_DTYPES
 
 if TYPE_CHECKING:
-    from tensorwire.mm._wire_receipt import WireReceipt
+    from tensorwire.mm.wire._receipt import WireReceipt
 
 # The allow-list: wire enum <-> torch dtype, built from the rdma layer's table (one table and one numbering for
 # both planes and both protos; tests/unit/test_wire_dtypes.py checks that encoder.proto's values are its values).

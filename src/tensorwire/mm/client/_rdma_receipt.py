@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from tensorwire.errors import InvalidPayload, ProtocolError, ReadError, Reason
-from tensorwire.mm import _codec
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._types import MultimodalOutput, Plane
+from tensorwire.mm.wire import _codec
 
 MAX_SLOTS_PER_RECEIPT = 4096
 

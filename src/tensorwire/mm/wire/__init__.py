@@ -31,8 +31,8 @@ from tensorwire.errors import (
     Reason,
     TensorwireError,
 )
-from tensorwire.mm._pbwire import varint as _varint
 from tensorwire.mm._proto import encoder_pb2
+from tensorwire.mm.wire._protobuf import varint as _varint
 
 PACKAGE = "tensorwire.mm.v1"
 SERVICE_NAME = f"{PACKAGE}.EncoderService"

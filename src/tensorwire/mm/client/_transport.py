@@ -47,6 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import (
     ClosedError,
     ConfigError,
@@ -57,19 +58,20 @@ from tensorwire.errors import (
     Reason,
     TensorwireError,
 )
-from tensorwire.mm import _codec, _receipt, wire
-from tensorwire.mm._breaker import BreakerBoard, BreakerState
-from tensorwire.mm._channel import Budget, ControlChannel, ControlSession
+from tensorwire.mm import wire
+from tensorwire.mm._background import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
-from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._receipt import DescriptorParser
-from tensorwire.mm._release import ReleaseQueue
 from tensorwire.mm._types import MultimodalInput, MultimodalOutput, Plane
-from tensorwire.mm._uds_channel import control_channel_for
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.client import _rdma_receipt as _receipt
+from tensorwire.mm.client._breaker import BreakerBoard, BreakerState
+from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession
+from tensorwire.mm.client._local import control_channel_for
+from tensorwire.mm.client._rdma_receipt import DescriptorParser
+from tensorwire.mm.client._release import ReleaseQueue
+from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._receipt import WireReceipt
 from tensorwire.rdma import RdmaConfig, Reader, is_staged_gpu_transport
 
 log = logging.getLogger(__name__)

@@ -17,17 +17,17 @@ import time
 
 import grpc
 
+from tensorwire._grpc.tls import secure_or_insecure_channel
+from tensorwire._grpc.watchdog import DeadlineWatchdog
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import DeadlineExceeded, ProtocolError, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
 from tensorwire.mm._config import TransportConfig
-from tensorwire.mm._encode_stream import NotExecuted, StreamCall
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._tls import secure_or_insecure_channel
-from tensorwire.mm._watchdog import DeadlineWatchdog
-from tensorwire.mm._wire_receipt import WireReceipt, parse_receipt
+from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession, Requeue
+from tensorwire.mm.client._stream import NotExecuted, StreamCall
+from tensorwire.mm.wire._receipt import WireReceipt, parse_receipt
 
 log = logging.getLogger(__name__)
 

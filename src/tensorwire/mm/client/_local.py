@@ -47,20 +47,20 @@ import time
 
 import torch
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
+from tensorwire._local.server import ChannelBusy, ChannelGone, connect
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason, TensorwireError
 from tensorwire.mm import wire
-from tensorwire.mm._channel import Budget, ControlChannel, ControlSession, Requeue
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
-from tensorwire.mm._grpc_channel import GrpcControlChannel
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
-from tensorwire.mm._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._uds_service import HELLO_MAGIC, NOT_MAPPED
-from tensorwire.mm._uds_service import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
-from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, connect
-from tensorwire.mm._wire_receipt import WireReceipt, read_stream_response
+from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession, Requeue
+from tensorwire.mm.client._grpc import GrpcControlChannel
+from tensorwire.mm.server._local import HELLO_MAGIC, NOT_MAPPED
+from tensorwire.mm.server._local import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
+from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
+from tensorwire.mm.wire._receipt import WireReceipt, read_stream_response
 
 log = logging.getLogger(__name__)
 

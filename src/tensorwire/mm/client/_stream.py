@@ -16,13 +16,13 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from tensorwire._grpc.watchdog import DeadlineWatchdog
 from tensorwire.errors import DeadlineExceeded, ProtocolError, Reason
 from tensorwire.mm import wire
-from tensorwire.mm._channel import Requeue
 from tensorwire.mm._metrics import TransportMetrics
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._watchdog import DeadlineWatchdog
-from tensorwire.mm._wire_receipt import WireReceipt, read_stream_response
+from tensorwire.mm.client._channel import Requeue
+from tensorwire.mm.wire._receipt import WireReceipt, read_stream_response
 
 log = logging.getLogger(__name__)
 

@@ -27,19 +27,20 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from tensorwire._grpc.host import Admission, GrpcHost, Lane, Method, Service
+from tensorwire._grpc.scope import CallScope, call_scope, current_call
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import ConfigError, InvalidPayload, PeerUnavailable, Reason
-from tensorwire.mm import _codec, wire
+from tensorwire.mm import wire
 from tensorwire.mm._config import TransportConfig
-from tensorwire.mm._encoder_side import ExporterFactory, OutputTransport
-from tensorwire.mm._host import Admission, GrpcHost, Lane, Method, Service
 from tensorwire.mm._metrics import TransportMetrics
-from tensorwire.mm._placed import Placement
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._scope import CallScope, call_scope, current_call
 from tensorwire.mm._types import EncoderOutput, MultimodalInput
-from tensorwire.mm._uds_service import LocalControlServer, start_local_server
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.server._local import LocalControlServer, start_local_server
+from tensorwire.mm.server._output import ExporterFactory, OutputTransport
+from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._placed import Placement
+from tensorwire.mm.wire._receipt import WireReceipt
 
 log = logging.getLogger(__name__)
 

@@ -178,7 +178,7 @@ def secure_or_insecure_channel(target: str, tls: TlsConfig, options: list[tuple[
     plaintext channel to a non-loopback host; ``unix:`` sockets stay on the host)."""
     if tls.client_enabled:
         return grpc.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls))
-    from tensorwire.mm._scope import is_loopback_host
+    from tensorwire._grpc.scope import is_loopback_host
 
     if not target.startswith("unix:") and not is_loopback_host(target.rsplit(":", 1)[0]):
         _warn_plaintext(target)

@@ -19,9 +19,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import TensorwireError
 from tensorwire.mm._metrics import TransportMetrics
-from tensorwire.mm._ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -41,18 +41,18 @@ from dataclasses import dataclass
 
 import torch
 
+from tensorwire._grpc.scope import current_call
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import ExportError, Reason, TensorwireError
-from tensorwire.mm import _codec, _placed
+from tensorwire.mm._background import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._config import MODE_AUTO, TransportConfig
-from tensorwire.mm._init import BackgroundInit, InitState, is_permanent
 from tensorwire.mm._metrics import TransportMetrics, metrics_for
-from tensorwire.mm._placed import Placement
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._quota import PeerLeases
-from tensorwire.mm._ratelog import RateLimitedLog
-from tensorwire.mm._scope import current_call
 from tensorwire.mm._types import EncoderOutput
-from tensorwire.mm._wire_receipt import WireReceipt
+from tensorwire.mm.server._quota import PeerLeases
+from tensorwire.mm.wire import _codec, _placed
+from tensorwire.mm.wire._placed import Placement
+from tensorwire.mm.wire._receipt import WireReceipt
 from tensorwire.rdma import Descriptor, Exporter, Lease, RdmaConfig
 from tensorwire.rdma._pool import bucket_bytes
 

@@ -43,11 +43,11 @@ from typing import Any, NoReturn
 
 import grpc
 
-from tensorwire import _unix
+from tensorwire._local import unix as _unix
+from tensorwire._local.server import ChannelBusy, ChannelGone, Conn, UnixConnServer, connect
 from tensorwire.errors import DeadlineExceeded, Reason
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
-from tensorwire.mm._unix_server import ChannelBusy, ChannelGone, Conn, UnixConnServer, connect
 
 log = logging.getLogger(__name__)
 
