@@ -75,13 +75,13 @@ from typing import Any, Literal
 import grpc
 from grpc_health.v1 import health_pb2
 
+from tensorwire._grpc import status
 from tensorwire._grpc.health import NOT_SERVING, SERVING, HealthService
 from tensorwire._grpc.limits import ServerLimits
 from tensorwire._grpc.scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
 from tensorwire._grpc.tls import TlsConfig, server_credentials
 from tensorwire._grpc.watchdog import DeadlineWatchdog
 from tensorwire.errors import ClosedError, ConfigError, Reason, TensorwireError
-from tensorwire.mm import wire
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class GrpcHost:
 
     def __init__(self, what: str, services: Sequence[Service], *, work_slots: int, thread_prefix: str,
                  limits: ServerLimits | None = None, tls: TlsConfig | None = None,
-                 serving: Sequence[str] = (wire.SERVICE_NAME,), extra_options: Sequence[tuple[str, Any]] = (),
+                 serving: Sequence[str] = (), extra_options: Sequence[tuple[str, Any]] = (),
                  on_refuse: Callable[[str], None] | None = None, reuse_port: bool = False) -> None:
         if work_slots <= 0:
             raise ConfigError(f"{what}: work_slots={work_slots} must be > 0")
@@ -426,9 +426,9 @@ class GrpcHost:
         if why is not None:
             self._count("stream_peer_limit_refusals" if stream else "peer_limit_refusals", why.value)
             limit = self.limits.max_streams_per_peer if stream else self.limits.max_inflight_per_peer
-            metadata: tuple[tuple[str, str], ...] = ((wire.REASON_METADATA_KEY, why.value),)
+            metadata: tuple[tuple[str, str], ...] = ((status.REASON_METADATA_KEY, why.value),)
             if stream:
-                metadata += (wire.STREAM_REFUSED_METADATA,)  # the client sends that request over unary instead
+                metadata += (status.STREAM_REFUSED_METADATA,)  # the client sends that request over unary instead
             context.set_trailing_metadata(metadata)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{self.what}: this peer already has {limit} {'stream' if stream else 'call'}(s) in "
@@ -454,14 +454,14 @@ class GrpcHost:
                        method: Method) -> Any:
         raw = self._next_message(requests, context, self.limits.request_timeout_ms / 1000.0, "request_timeout")
         if raw is None:
-            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} needs one request message; none came")
         if method.request_deserializer is None:
             return raw
         try:
             return method.request_deserializer(raw)
         except Exception as exc:
-            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
+            context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} request does not parse: {exc}")
 
     def _guard_unary(self, method: Method) -> Callable[..., Any]:
@@ -476,7 +476,7 @@ class GrpcHost:
                     try:
                         self._acquire_work(scope)
                     except TensorwireError as exc:  # the caller went, or its deadline passed while it waited
-                        wire.abort_with(context, exc)
+                        status.abort_with(context, exc)
                         raise
                     try:
                         return method.handler(request, context)

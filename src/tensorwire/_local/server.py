@@ -31,7 +31,6 @@ from collections.abc import Callable
 
 from tensorwire._local import unix as _unix
 from tensorwire._ratelog import RateLimitedLog
-from tensorwire.mm._proto import encoder_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +87,11 @@ class UnixConnServer:
     def stopping(self) -> bool:
         return self._stopping
 
-    def info_for(self, request: pb.LocalChannelRequest) -> pb.LocalChannelInfo:
-        """The path for a client on this host (its token is ours; the gRPC ``LocalChannel`` answer), else an
-        empty answer."""
-        if self._stopping or not self.host_token or request.host_token != self.host_token:
-            return pb.LocalChannelInfo()
-        return pb.LocalChannelInfo(path=self.path, host_token=self.host_token)
+    def path_for(self, host_token: str) -> str | None:
+        """The socket path for a client on this host (its token is ours), else None (another host, or stopping)."""
+        if self._stopping or not self.host_token or host_token != self.host_token:
+            return None
+        return self.path
 
     def _serve(self, conn: Conn) -> None:
         raise NotImplementedError

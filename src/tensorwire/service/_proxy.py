@@ -288,7 +288,8 @@ class EncoderProxy:
             Method("ReleaseLeases", self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
                    response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
         )),), work_slots=self.config.server_threads, thread_prefix="proxy", limits=self.config.limits,
-            tls=self.config.tls, on_refuse=lambda reason: m.refused.labels(reason).inc(), reuse_port=self._reuse_port)
+            tls=self.config.tls, serving=(wire.SERVICE_NAME,), on_refuse=lambda reason: m.refused.labels(reason).inc(),
+            reuse_port=self._reuse_port)
         port = host.bind(address, insecure=insecure)
         self._host, self.port = host, port
         host.start(serving=self.health.any_up())

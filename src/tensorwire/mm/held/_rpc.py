@@ -54,6 +54,7 @@ from tensorwire.mm.held._staging import Expect, StagingArea
 from tensorwire.mm.held._store import HeldItem, HeldStore
 from tensorwire.mm.server._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
 from tensorwire.mm.wire._codec import encode_tensor
+from tensorwire.mm.wire._local import channel_info
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ class HeldStoreServicer:
         """The same-host socket's path for a client with our host token, else an empty answer."""
         request = _parse(pb.LocalChannelRequest, raw, context)
         local = self.local
-        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
+        return channel_info(local, request).SerializeToString()
 
     def lookup(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         req = _parse(hpb.LookupRequest, raw, context)

@@ -39,6 +39,7 @@ from tensorwire.mm._types import EncoderOutput, MultimodalInput
 from tensorwire.mm.server._local import LocalControlServer, start_local_server
 from tensorwire.mm.server._output import ExporterFactory, OutputTransport
 from tensorwire.mm.wire import _codec
+from tensorwire.mm.wire._local import channel_info
 from tensorwire.mm.wire._placed import Placement
 from tensorwire.mm.wire._receipt import WireReceipt
 
@@ -134,7 +135,7 @@ class EncoderService:
     def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
         local = self.local
-        return (local.info_for(request) if local is not None else pb.LocalChannelInfo()).SerializeToString()
+        return channel_info(local, request).SerializeToString()
 
     @property
     def open_streams(self) -> int:
@@ -431,7 +432,7 @@ def encoder_host(what: str, services: Sequence[Service], cfg: TransportConfig, m
     """The ``GrpcHost`` of an encoder: ``server_threads`` work slots, the config's limits and TLS, refusals
     counted on ``tensorwire_mm_server_refused_total``."""
     return GrpcHost(what, services, work_slots=cfg.server_threads, thread_prefix=thread_prefix, limits=cfg.limits,
-                    tls=cfg.tls, extra_options=extra_options, reuse_port=reuse_port,
+                    tls=cfg.tls, serving=(wire.SERVICE_NAME,), extra_options=extra_options, reuse_port=reuse_port,
                     on_refuse=lambda reason: metrics.server_refused.labels(reason).inc())
 
 
