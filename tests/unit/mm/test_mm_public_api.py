@@ -21,15 +21,24 @@ def test_all_is_exactly_the_business_names() -> None:
         assert getattr(mm, name) is not None
 
 
-def test_nothing_public_outside_all_but_the_wire_module() -> None:
+# The folders by role: ``wire`` is the public protocol module; the others only group private modules.
+ROLE_FOLDERS = {"wire", "client", "server", "held"}
+
+
+def test_nothing_public_outside_all_but_the_role_folders() -> None:
     public = {n for n in vars(mm) if not n.startswith("_") and n != "annotations"}
     modules = {n for n in public if isinstance(getattr(mm, n), types.ModuleType)}
-    assert modules == {"wire"}  # the protocol module peers share; every other submodule is private
+    assert "wire" in modules and modules <= ROLE_FOLDERS  # held/ loads only when used
     assert public - modules == set(EXPECTED)
 
 
 def test_every_internal_module_is_private() -> None:
+    import importlib
     import pkgutil
 
     names = {m.name for m in pkgutil.iter_modules(mm.__path__)}
-    assert {n for n in names if not n.startswith("_")} == {"wire"}
+    assert {n for n in names if not n.startswith("_")} == ROLE_FOLDERS
+    for folder in sorted(ROLE_FOLDERS):
+        package = importlib.import_module(f"tensorwire.mm.{folder}")
+        inside = {m.name for m in pkgutil.iter_modules(package.__path__)}
+        assert inside and all(n.startswith("_") for n in inside), (folder, inside)
