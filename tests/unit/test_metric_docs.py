@@ -33,7 +33,7 @@ def _mm() -> dict[str, str]:
 
 def _proxy() -> dict[str, str]:
     reg = CollectorRegistry()
-    _Metrics(reg, RouteTable(1.0), 2)
+    _Metrics(reg, RouteTable(1.0), ["127.0.0.1:7001", "127.0.0.1:7002"])
     return _exported(reg)
 
 
@@ -82,7 +82,7 @@ def test_names_follow_the_prometheus_conventions() -> None:
 
 def test_latency_histograms_resolve_sub_millisecond_calls() -> None:
     reg = CollectorRegistry()
-    m = _Metrics(reg, RouteTable(1.0), 1)
+    m = _Metrics(reg, RouteTable(1.0), ["127.0.0.1:7001"])
     m.seconds.observe(0.0003)  # a proxy hop on a LAN
     assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.0005"}) == 1.0
     assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.00025"}) == 0.0

@@ -4,3 +4,7 @@ What a command does lives below it: the servers and their process plumbing in ``
 ``tensorwire.soak``; what ``fetch`` and the demos measure and print beside the commands (``_measure``,
 ``_rdma_demo``). The CLI never imports ``tensorwire.bench`` (benchmarks are not product code).
 """
+
+import time as _time
+
+STARTED = _time.monotonic()  # when the command started (the wall time ``fetch`` reports counts from here)

@@ -35,9 +35,12 @@ FETCH_JSON_HELP = f"""\
   ok=true:    plane ("rdma" | "inline"), fallback_reason (str | null: why RDMA fell back to inline),
               worker_id (str), items (list, one per image: image, shape, dtype, device,
               position_ids_shape), encoder_ms, transfer_ms (total minus the encoder's forward),
-              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int)
+              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int),
+              wall_ms (object: total, start_up, fetch, release_and_close: the command's wall
+              time from its start, split; fetch is the call whose stages are stage_ms)
   ok=false:   error: {{type (exception class, e.g. "PeerUnavailable"), reason (a stable
-              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int)}}
+              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int),
+              hint (str, when there is one: e.g. a TLS mismatch and the flags that fix it)}}
 """
 
 
@@ -109,6 +112,11 @@ def fetch_lines(result: dict[str, Any]) -> list[str]:
     lines.append(f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
                  f"total {result['total_ms']:.2f} ms")
     lines.append(f"stages (ms): {stages}")
+    wall = result.get("wall_ms")
+    if wall:
+        lines.append(f"wall time {wall['total'] / 1e3:.2f} s = start-up {wall['start_up'] / 1e3:.2f} s (imports, "
+                     f"channel, RDMA reader) + fetch {wall['fetch'] / 1e3:.2f} s (the stages above) + releases and "
+                     f"close {wall['release_and_close'] / 1e3:.2f} s")
     return lines
 
 

@@ -38,7 +38,7 @@ def rdma_demo(cfg: RdmaConfig, rows: int, hidden: int, iters: int, say: Callable
             ok = same_bytes(t.cpu(), make_tensor(shape, dtype, seed))
             nbytes = t.numel() * t.element_size()
             say(f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {nbytes:>11d} bytes "
-                f"{'bytes match' if ok else 'BYTES DIFFER'}")
+                f"{'match' if ok else 'DIFFER'}")
             if not ok:
                 return False
         del out

@@ -28,12 +28,14 @@ HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, b
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tensorwire.cli._args import device
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds over all images (default: 8)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (default: 2)")
     parser.add_argument("--workers", type=int, default=2, help="encoder workers behind the proxy (default: 2)")
-    parser.add_argument("--device", default="cpu",
+    parser.add_argument("--device", type=device, default="cpu",
                         help="encoder device of the workers and where RDMA reads land: cpu or cuda:N (default: cpu)")
-    parser.add_argument("--images", nargs="*", default=None, help="image files (default: the shipped samples)")
+    parser.add_argument("--images", nargs="*", default=None, help="image files to send through the proxy "
+                        "(default: the sample images shipped in the package)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
                         help="also write the JSON result (default path: benchmarks/results/demo-<machine>.json)")
@@ -43,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensorwire.cli._args import device_problem
     from tensorwire.cli._measure import measure, table
     from tensorwire.encoder import sample_paths
     from tensorwire.service._child import LoopbackDeployment
@@ -50,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.rounds < 1 or args.warmup < 0 or args.workers < 1:
         print("error: --rounds >= 1, --warmup >= 0, --workers >= 1", file=sys.stderr)
+        return 2
+    problem = device_problem(args.device)  # before any child starts: never a silent CPU run
+    if problem:
+        print(f"error: --device: {problem}", file=sys.stderr)
         return 2
     images = [Path(p) for p in args.images] if args.images else sample_paths()
     missing = [str(p) for p in images if not p.is_file()]

@@ -6,17 +6,24 @@
     def add_arguments(parser) -> None            its flags
     def run(args) -> int                         the exit code
 
-Subcommands are listed in ``COMMANDS`` (command name -> module name); each module keeps its heavy imports
-(torch, grpc, nixl) inside ``run`` where it can, so building the parser for ``--help`` stays cheap.
+Subcommands are listed in ``COMMANDS`` (command name -> module name). Start-up stays cheap: a command module
+imports nothing heavy at module level, only the command being run gets its flags built, and building them
+imports no torch, so ``tensorwire --help`` and ``tensorwire COMMAND --help`` answer in a fraction of a second.
+
+Every mistake in the arguments is one line on stderr (``tensorwire COMMAND: error: ...``) and exit code 2;
+Ctrl-C at any point, imports included, is one line and exit code 130. Unless ``--log-level DEBUG``, gRPC's own
+log lines (its C core writes them to stderr) are turned off for the CLI's process and its children
+(``GRPC_VERBOSITY=NONE`` before gRPC is imported, unless the environment already sets it); the library itself
+never changes that.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
+from collections.abc import Sequence
 
 COMMANDS: dict[str, str] = {
     "demo": "demo",
@@ -27,45 +34,101 @@ COMMANDS: dict[str, str] = {
     "soak": "soak",
 }
 
+EXIT_USAGE, EXIT_INTERRUPTED = 2, 130
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: what is wrong and where the help is, without the usage block."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def _available() -> dict[str, str]:
     here = os.path.dirname(__file__)
     return {cmd: mod for cmd, mod in COMMANDS.items() if os.path.exists(os.path.join(here, f"{mod}.py"))}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tensorwire", description="Move tensors between LLM serving processes.")
-    parser.add_argument("--log-level", default=os.environ.get("TENSORWIRE_LOG_LEVEL", "WARNING"),
-                        help="logging level (default: WARNING, env TENSORWIRE_LOG_LEVEL)")
+def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
+    from tensorwire.cli._args import log_level
+
+    parser.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS if default is None else default,
+                        metavar="LEVEL", help="tensorwire's logging level on stderr: DEBUG, INFO, WARNING, ERROR "
+                        "(default: WARNING or env TENSORWIRE_LOG_LEVEL); DEBUG also shows gRPC's own log lines")
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is not an option or ``--log-level``'s value)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(*commands: str) -> argparse.ArgumentParser:
+    """The parser, with the flags of ``commands`` built (``build_parser(*COMMANDS)``: every command's)."""
+    parser = Parser(prog="tensorwire", description="Move tensors between LLM serving processes.")
+    _log_level_flag(parser, os.environ.get("TENSORWIRE_LOG_LEVEL", "WARNING"))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd, mod in _available().items():
         module = importlib.import_module(f"tensorwire.cli.{mod}")
         p = sub.add_parser(cmd, help=getattr(module, "HELP", ""), description=getattr(module, "HELP", ""),
                            epilog=getattr(module, "EPILOG", None), formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
+        if cmd in commands:
+            _log_level_flag(p, None)  # also after the command: ``tensorwire fetch --log-level INFO ...``
+            module.add_arguments(p)
         p.set_defaults(_module=module)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _wanted_level(argv: Sequence[str]) -> str:
+    """The log level asked for, before parsing (gRPC's verbosity must be set before gRPC is imported)."""
+    level = os.environ.get("TENSORWIRE_LOG_LEVEL", "WARNING")
+    for i, word in enumerate(argv):
+        if word == "--log-level" and i + 1 < len(argv):
+            level = argv[i + 1]
+        elif word.startswith("--log-level="):
+            level = word.split("=", 1)[1]
+    return level.upper()
+
+
+def _main(argv: Sequence[str]) -> int:
+    if _wanted_level(argv) != "DEBUG":
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from tensorwire._lifeline import arm_from_env
 
     arm_from_env()  # started by a tensorwire parent (the demo): die with it, however it dies
-    parser = build_parser()
+    command = _command_in(argv)
+    parser = build_parser(*([command] if command else []))
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
-        return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        code = int(args._module.run(args) or 0)
-    except KeyboardInterrupt:
-        return 130
+        return EXIT_USAGE
+    import logging
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = int(args._module.run(args) or 0)
     if getattr(args._module, "FAST_EXIT", False):
         from tensorwire.service._runtime import exit_now
 
         exit_now(code)  # a stopped server has nothing left to finalize (see exit_now)
     return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        # Anywhere: importing torch, building the parser, starting up, a command that does not handle it itself.
+        try:
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        except (KeyboardInterrupt, OSError):
+            pass
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -39,52 +39,39 @@ _CLIENT_ONLY = ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms
                 "release_queue_max", "release_shutdown_ms", "failures_to_open", "open_seconds", "control_stream",
                 "control_stream_pool", "local_channel_wait_ms")
 
-_RDMA_HELP = {
-    "port": "RDMA metadata listener port; 0 lets the OS pick. Behind a proxy every worker on a host needs its "
-            "own port (the proxy refuses a shared fixed port at start-up)",
-    "device": "device of the exported slots (default: --device)",
-    "bind_ip": "RDMA metadata listener address; '' follows --host (a wildcard --host: this host's detected "
-               "address); 0.0.0.0 listens on all interfaces (docs/deployment.md, Addresses)",
-    "advertise_host": "host written into descriptors, which readers connect to; '' = the listener's address, "
-                      "else --host, else this host's detected address",
-    "provider": "auto | nixl | none",
-}
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tls-*`` (TlsConfig) and ``--insecure``; shared by serve-encoder, serve-proxy and fetch."""
     from tensorwire._grpc.tls import TlsConfig
+    from tensorwire.cli import _help
     from tensorwire.service._flags import add_flags
 
     tls = parser.add_argument_group("TLS (TlsConfig; docs/security.md)")
-    add_flags(tls, TlsConfig, prefix="tls_", help_extra=_TLS_HELP)
+    add_flags(tls, TlsConfig, prefix="tls_", help_extra=_help.TLS)
     tls.add_argument("--insecure", action="store_true",
                      help="allow a plaintext listener on a non-loopback address (a network you trust)")
 
 
-_TLS_HELP = {
-    "cert": "PEM certificate chain of this process (server certificate; client certificate for mTLS)",
-    "key": "PEM private key of --tls-cert",
-    "ca": "PEM CA bundle: a server verifies client certificates with it, a client the server's",
-    "server_name": "client: the name expected in the server's certificate ('' = the endpoint's host)",
-    "client_auth": "server: require client certificates signed by --tls-ca (mTLS)",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire._grpc.limits import ServerLimits
+    from tensorwire.cli import _help
+    from tensorwire.cli._args import device, metrics_port, port
     from tensorwire.mm import MODES, TransportConfig
     from tensorwire.rdma import RdmaConfig
     from tensorwire.service._flags import add_flags, add_stop_flags
     from tensorwire.service._images import ImageLimits
 
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--port", type=port, default=0, help="gRPC port; 0 picks a free one (default: 0)")
+    parser.add_argument("--metrics-port", type=metrics_port, default=0,
                         help="Prometheus /metrics port; 0 picks a free one, -1 disables (default: 0)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
-    parser.add_argument("--device", default="cpu", help="encoder device: cpu or cuda:N (default: cpu)")
+    parser.add_argument("--device", type=device, default="cpu",
+                        help="where the encoder runs and its output is exported from: cpu or cuda:N (default: cpu)")
     parser.add_argument("--model", default="builtin",
                         help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
                              "weights and its preprocessor_config.json, never downloaded (default: builtin)")
@@ -93,17 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before READY, wait this long for the RDMA exporter (default: 0, build in background)")
     add_security_arguments(parser)
     limits = parser.add_argument_group("limits (ServerLimits, ImageLimits)")
-    add_flags(limits, ServerLimits)
-    add_flags(limits, ImageLimits, help_extra={
-        "max_item_pixels": "largest image (width x height, from its header) accepted; checked before decoding",
-        "max_request_pixels": "pixels of all images of one request together"})
+    add_flags(limits, ServerLimits, help_extra=_help.LIMITS)
+    add_flags(limits, ImageLimits, help_extra=_help.IMAGES)
     transport = parser.add_argument_group("transport (TransportConfig)")
     add_flags(transport, TransportConfig, skip=("rdma", *_CLIENT_ONLY), choices={"mode": MODES},
-              help_extra={"mode": "auto: RDMA when the client can read it, else inline; grpc: always inline "
-                                  "(the one-switch rollback)"})
+              help_extra=_help.TRANSPORT)
     rdma = parser.add_argument_group("RDMA data plane (RdmaConfig)")
     # control_host is not a flag: the worker sets it to --host (where the metadata endpoint follows).
-    add_flags(rdma, RdmaConfig, prefix="rdma_", skip=("control_host",), help_extra=_RDMA_HELP)
+    add_flags(rdma, RdmaConfig, prefix="rdma_", skip=("control_host",), help_extra=_help.RDMA,
+              types={"port": port, "device": device})
 
 
 def build_config(args: argparse.Namespace) -> TransportConfig:
@@ -138,6 +123,7 @@ def build_image_limits(args: argparse.Namespace) -> ImageLimits:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tensorwire.cli._args import device_problem
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError
     from tensorwire.service._flags import stop_config
@@ -158,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         stop = stop_config(args)
     except (TensorwireError, ValueError) as exc:
         return fail(str(exc), EXIT_USAGE)
+    # A device this process lacks is an error before the port is bound or a model loaded, never a CPU run.
+    for flag, name in (("--device", args.device), ("--rdma-device", config.rdma.device)):
+        problem = device_problem(name)
+        if problem:
+            return fail(f"{flag}: {problem}", EXIT_USAGE)
     log.info("effective config: %s; %s", config, image_limits)
     # What the RDMA plane advertises (and the warnings when other hosts could not reach it) is shown by default.
     endpoint_log = logging.getLogger("tensorwire.rdma.endpoint")

@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tensorwire.service._proxy import ProxyConfig
+    from tensorwire.service._proxy_config import ProxyConfig
 
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
@@ -33,14 +33,17 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tensorwire.cli import _help
+    from tensorwire.cli._args import metrics_port, port
     from tensorwire.service._flags import add_flags, add_stop_flags
-    from tensorwire.service._proxy import ProxyConfig
+    from tensorwire.service._proxy_config import ProxyConfig
 
     parser.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
                         help="an encoder worker (repeat for each); each needs its own RDMA port, or port 0")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one (default: 0)")
-    parser.add_argument("--metrics-port", type=int, default=0,
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all, then TLS or --insecure)")
+    parser.add_argument("--port", type=port, default=0, help="gRPC port; 0 picks a free one (default: 0)")
+    parser.add_argument("--metrics-port", type=metrics_port, default=0,
                         help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
     parser.add_argument("--metrics-host", default="127.0.0.1",
                         help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
@@ -48,17 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.cli.serve_encoder import add_security_arguments
 
     add_security_arguments(parser)
-    add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits)
+    add_flags(parser.add_argument_group("limits (ServerLimits)"), ServerLimits, help_extra=_help.LIMITS)
     add_stop_flags(parser)
-    add_flags(parser, ProxyConfig, skip=("workers",), help_extra={
-        "max_attempts": "attempts per Encode, in rounds over the workers; 0 = three rounds of every worker",
-        "check_workers": "ask workers for WorkerInfo at start-up (RDMA port check, route TTL)",
-        "slot_gc_timeout_ms": "workers' lease GC timeout, for the route TTL when workers are not asked",
-        "probe_interval_s": "seconds between health probes of each worker",
-        "probe_timeout_s": "how long one health probe waits for its answer",
-        "probe_failures": "unanswered probes in a row before a worker counts as DOWN",
-        "check_receipts": "check each receipt as a reader would; a broken one is retried on another worker",
-    })
+    add_flags(parser, ProxyConfig, skip=("workers",), help_extra=_help.PROXY)
 
 
 def build_config(args: argparse.Namespace) -> ProxyConfig:
@@ -70,7 +65,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     from tensorwire._grpc.tls import ENV_TLS_PREFIX, TlsConfig
     from tensorwire.mm._config import dataclass_from_env
     from tensorwire.service._flags import flag_values
-    from tensorwire.service._proxy import ProxyConfig
+    from tensorwire.service._proxy_config import ProxyConfig
 
     tls = dataclasses.replace(dataclass_from_env(TlsConfig, ENV_TLS_PREFIX, os.environ),
                               **flag_values(args, TlsConfig, prefix="tls_"))
@@ -101,9 +96,15 @@ def run(args: argparse.Namespace) -> int:
     proxy = EncoderProxy(config, reuse_port=args.reuse_port)
     metrics: MetricsServer | None = None
     served = False  # the drain period is for peers that saw us SERVING; a failed start has none
+    from tensorwire.cli._progress import Ticker, on_terminal
+
     try:
         try:
-            proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
+            with Ticker(on_terminal()) as ticker:
+                if config.check_workers:
+                    ticker.phase(f"waiting for {len(config.workers)} worker(s) to answer WorkerInfo "
+                                 f"(up to {config.worker_wait_s:g} s each: {', '.join(config.workers)})")
+                proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
                 metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:

@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="closed-loop load run: no faults, clients split over the rdma and inline planes")
     parser.add_argument("--planes", default=None,
                         help="client modes, comma list of auto, grpc (default: auto; with --load: auto,grpc)")
-    parser.add_argument("--gc-timeout-ms", type=int, default=3000, help="workers' slot_gc_timeout_ms (default: 3000)")
+    parser.add_argument("--gc-timeout-ms", type=int, default=3000,
+                        help="how long the workers keep an unreleased lease before reclaiming it "
+                             "(their --rdma-slot-gc-timeout-ms) (default: 3000)")
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period (default: 5)")
     parser.add_argument("--verbose", action="store_true",
                         help="keep tensorwire's warnings (every fallback, GC reclaim, relay fault) on stderr")

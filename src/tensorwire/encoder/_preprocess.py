@@ -75,7 +75,7 @@ def open_image(data: bytes, cfg: PreprocessConfig, *, index: int = 0) -> Image.I
 def _no_repr(exc: BaseException) -> str:
     """Pillow's message without the object reprs it embeds ("cannot identify image file <_io.BytesIO object at
     0x7f...>"): the address means nothing to the caller, and it makes every message unique to alerting."""
-    return _REPR.sub("the data", str(exc)) or type(exc).__name__
+    return " ".join(_REPR.sub("", str(exc)).split()) or type(exc).__name__
 
 
 def to_rgb(img: Image.Image, *, index: int = 0) -> Image.Image:

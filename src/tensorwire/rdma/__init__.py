@@ -28,15 +28,44 @@ imported.
 
 from __future__ import annotations
 
-from tensorwire.rdma._config import RdmaConfig
-from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
-from tensorwire.rdma._dtypes import SUPPORTED_DTYPES, WIRE_DTYPES
-from tensorwire.rdma._exporter import Lease, TensorExporter
-from tensorwire.rdma._protocols import Exporter, Reader
-from tensorwire.rdma._reader import TensorReader
-from tensorwire.rdma._stats import ExporterStats, PoolStats, ProviderStats, ReaderStats
-from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
-from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu as is_staged_gpu_transport
+from typing import TYPE_CHECKING
+
+from tensorwire._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from tensorwire.rdma._config import RdmaConfig
+    from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta
+    from tensorwire.rdma._dtypes import SUPPORTED_DTYPES, WIRE_DTYPES
+    from tensorwire.rdma._exporter import Lease, TensorExporter
+    from tensorwire.rdma._protocols import Exporter, Reader
+    from tensorwire.rdma._reader import TensorReader
+    from tensorwire.rdma._stats import ExporterStats, PoolStats, ProviderStats, ReaderStats
+    from tensorwire.rdma.providers import available_providers, has_rdma, known_providers, register_provider
+    from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu as is_staged_gpu_transport
+
+# Each name is imported from its module on first use, so ``import tensorwire.rdma`` (and its config, which the
+# CLI needs to build its flags) does not import torch.
+_LAZY = {
+    "RdmaConfig": "tensorwire.rdma._config",
+    "Descriptor": "tensorwire.rdma._descriptor",
+    "Owner": "tensorwire.rdma._descriptor",
+    "TensorMeta": "tensorwire.rdma._descriptor",
+    "SUPPORTED_DTYPES": "tensorwire.rdma._dtypes",
+    "WIRE_DTYPES": "tensorwire.rdma._dtypes",
+    "Lease": "tensorwire.rdma._exporter",
+    "TensorExporter": "tensorwire.rdma._exporter",
+    "Exporter": "tensorwire.rdma._protocols",
+    "Reader": "tensorwire.rdma._protocols",
+    "TensorReader": "tensorwire.rdma._reader",
+    "ExporterStats": "tensorwire.rdma._stats",
+    "PoolStats": "tensorwire.rdma._stats",
+    "ProviderStats": "tensorwire.rdma._stats",
+    "ReaderStats": "tensorwire.rdma._stats",
+    "available_providers": "tensorwire.rdma.providers",
+    "has_rdma": "tensorwire.rdma.providers",
+    "known_providers": "tensorwire.rdma.providers",
+    "register_provider": "tensorwire.rdma.providers",
+}
 
 __all__ = [
     "RdmaConfig",
@@ -60,3 +89,15 @@ __all__ = [
     "register_provider",
     "is_staged_gpu_transport",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "is_staged_gpu_transport":
+        from tensorwire.rdma.providers._ucx_probe import is_slow_for_gpu
+
+        globals()[name] = is_slow_for_gpu
+        return is_slow_for_gpu
+    return _lazy(name)
+
+
+_lazy = lazy_exports("tensorwire.rdma", _LAZY, globals())

@@ -19,7 +19,7 @@ _LAZY = {
     "EncoderWorker": "tensorwire.service._worker",
     "make_encode_fn": "tensorwire.service._worker",
     "EncoderProxy": "tensorwire.service._proxy",
-    "ProxyConfig": "tensorwire.service._proxy",
+    "ProxyConfig": "tensorwire.service._proxy_config",
     "RouteTable": "tensorwire.service._routes",
     "route_ttl_s": "tensorwire.service._routes",
     "WorkerInfo": "tensorwire.service._info",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 _TYPES = {int: int, float: float, str: str}
@@ -29,11 +29,14 @@ def _dest(prefix: str, name: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser | Any, cls: type, prefix: str = "", *, skip: Iterable[str] = (),
-              help_extra: Mapping[str, str] | None = None, choices: Mapping[str, Iterable[str]] | None = None) -> None:
-    """Adds one flag per scalar (bool, int, float, str) field of dataclass ``cls``."""
+              help_extra: Mapping[str, str] | None = None, choices: Mapping[str, Iterable[str]] | None = None,
+              types: Mapping[str, Callable[[str], Any]] | None = None) -> None:
+    """Adds one flag per scalar (bool, int, float, str) field of dataclass ``cls``; ``types`` overrides a field's
+    argparse type (e.g. a port check), ``choices`` limits its values."""
     skip = set(skip)
     help_extra = help_extra or {}
     choices = choices or {}
+    types = types or {}
     for f in dataclasses.fields(cls):
         default = _default(f)
         if f.name in skip or not isinstance(default, (bool, int, float, str)):
@@ -44,7 +47,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, prefix: str = ""
         if isinstance(default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = _TYPES[type(default)]
+            kwargs["type"] = types.get(f.name, _TYPES[type(default)])
             kwargs["metavar"] = type(default).__name__.upper()
             if f.name in choices:
                 kwargs["choices"] = list(choices[f.name])

@@ -29,8 +29,8 @@ while at least one worker is UP; ``tensorwire_proxy_worker_up{worker}`` shows ea
 Stop (``GrpcHost`` sequence): NOT_SERVING for ``drain_s``, then new Encodes are refused with UNAVAILABLE while
 ReleaseLeases is still routed; in-flight Encodes finish and routed leases get released within the grace.
 
-Metric labels are bounded: ``worker`` is the worker's index in ``--worker`` order, ``code`` a gRPC status name
-(or ``BAD_RECEIPT``).
+Metric labels are bounded: ``worker`` is the worker's address as ``--worker`` gives it (a fixed set), ``code`` a
+gRPC status name (or ``BAD_RECEIPT``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -50,22 +50,18 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tensorwire._grpc.host import Admission, GrpcHost, Lane, Method, Service
-from tensorwire._grpc.limits import ServerLimits
 from tensorwire._grpc.scope import FORWARDED_PEER_METADATA, current_call
-from tensorwire._grpc.tls import TlsConfig, secure_or_insecure_channel
+from tensorwire._grpc.tls import secure_or_insecure_channel
 from tensorwire._ratelog import RateLimitedLog
-from tensorwire.errors import ConfigError, Reason
-from tensorwire.mm import TransportConfig, wire
+from tensorwire.errors import Reason
+from tensorwire.mm import wire
 from tensorwire.mm.client import _rdma_receipt as _receipt
-from tensorwire.rdma import RdmaConfig
-from tensorwire.service._endpoint import parse_endpoint
 from tensorwire.service._info import WorkerInfo, check_workers, fetch_info
+from tensorwire.service._proxy_config import ProxyConfig
 from tensorwire.service._routes import RouteTable, route_ttl_s
 from tensorwire.service._workers import HealthProber, WorkerHealth, health_check
 
 log = logging.getLogger(__name__)
-
-_DEFAULT_TRANSPORT = TransportConfig()
 
 # Failures that say nothing about the request itself: another worker may well succeed.
 RETRYABLE = frozenset({
@@ -85,63 +81,6 @@ def may_have_orphaned(code: grpc.StatusCode, support_rdma: bool) -> bool:
     return support_rdma and code in MAY_HAVE_EXPORTED
 
 
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Settings of ``serve-proxy``. Timeouts default to the transport's, so proxy and workers agree."""
-
-    workers: tuple[str, ...] = ()
-    # Attempts per Encode, in rounds over the workers (UP ones first); 0: three rounds of every worker. Attempts
-    # also stop when the caller's deadline is spent.
-    max_attempts: int = 0
-    worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
-    rpc_timeout_margin_ms: int = _DEFAULT_TRANSPORT.rpc_timeout_margin_ms
-    release_timeout_ms: int = _DEFAULT_TRANSPORT.release_timeout_ms
-    # Used for the route TTL when workers are not asked (check_workers=False); else the workers' largest.
-    slot_gc_timeout_ms: int = RdmaConfig().slot_gc_timeout_ms
-    # Ask every worker for WorkerInfo at start-up (RDMA port check, route TTL); wait this long for each.
-    check_workers: bool = True
-    worker_wait_s: float = 30.0
-    # Encode forwards in flight at once (the rest wait within their deadline); releases never wait for these.
-    server_threads: int = 16
-    # Worker health probes (grpc.health.v1 Check): period, per-probe timeout, unanswered probes before DOWN.
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 1.0
-    probe_failures: int = 2
-    # Check every receipt as a reader would before forwarding it; a broken one is retried on another worker.
-    check_receipts: bool = True
-    tls: TlsConfig = field(default_factory=TlsConfig)
-    limits: ServerLimits = field(default_factory=ServerLimits)
-
-    def __post_init__(self) -> None:
-        if not self.workers:
-            raise ConfigError("the proxy needs at least one --worker HOST:PORT")
-        if len(set(self.workers)) != len(self.workers):
-            raise ConfigError(f"--worker lists a worker twice: {list(self.workers)}")
-        for w in self.workers:
-            parse_endpoint(w, "--worker")
-        for name in ("max_attempts",):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("worker_timeout_ms", "release_timeout_ms", "slot_gc_timeout_ms", "server_threads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("worker_wait_s", "probe_interval_s", "probe_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.probe_failures < 1:
-            raise ConfigError(f"probe_failures={self.probe_failures} must be >= 1")
-        if not isinstance(self.tls, TlsConfig) or not isinstance(self.limits, ServerLimits):
-            raise ConfigError("tls must be a TlsConfig and limits a ServerLimits")
-
-    @property
-    def attempts(self) -> int:
-        return self.max_attempts or ROUNDS * len(self.workers)
-
-
-# Default rounds over the workers per Encode: a request can outlive one worker's fault and meet the next one
-# (the worker it retried on dies while the first is back), so later rounds ask the recovered one again; and with
-# one worker left, a transient fault on its path (a broken receipt) can hit twice in a row.
-ROUNDS = 3
 ROUND_PAUSE_S = 0.05  # between rounds, so that nothing spins when every worker fails at once
 
 
@@ -151,7 +90,7 @@ _LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.
 
 
 class _Metrics:
-    def __init__(self, registry: CollectorRegistry, routes: RouteTable, n_workers: int) -> None:
+    def __init__(self, registry: CollectorRegistry, routes: RouteTable, workers: Sequence[str]) -> None:
         self.requests = Counter("tensorwire_proxy_requests_total", "Encode requests by outcome",
                                 ["outcome"], registry=registry)
         self.seconds = Histogram("tensorwire_proxy_request_seconds", "Encode latency through the proxy",
@@ -163,15 +102,16 @@ class _Metrics:
                                     "Times a worker went from UP to DOWN (failed call, NOT_SERVING or unanswered "
                                     "probes)", ["worker"], registry=registry)
         self.worker_errors = Counter("tensorwire_proxy_worker_errors_total",
-                                     "Failed worker calls by worker index and gRPC status", ["worker", "code"],
+                                     "Failed worker calls by worker address and gRPC status", ["worker", "code"],
                                      registry=registry)
         self.retries = Counter("tensorwire_proxy_retries_total", "Encode attempts retried on another worker",
                                registry=registry)
         self.orphaned = Counter("tensorwire_proxy_slots_possibly_orphaned_total",
                                 "Failed attempts that may have left exported slots on the worker (its GC reclaims)",
                                 ["worker"], registry=registry)
-        self.releases = Counter("tensorwire_proxy_release_ids_total",
-                                "Lease ids in ReleaseLeases by outcome (released, failed, unknown, poisoned)",
+        self.releases = Counter("tensorwire_proxy_release_leases_total",
+                                "Leases (lease ids) in ReleaseLeases by outcome (released, failed, unknown, "
+                                "poisoned)",
                                 ["outcome"], registry=registry)
         self.owner_conflicts = Counter("tensorwire_proxy_rdma_owner_conflicts_total",
                                        "Receipts whose RDMA owner endpoint another worker also used",
@@ -181,10 +121,10 @@ class _Metrics:
         self.refused = Counter("tensorwire_proxy_refused_total",
                                "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
                                "request_timeout, work_wait", ["reason"], registry=registry)
-        for i in range(n_workers):
-            self.orphaned.labels(str(i))
-            self.worker_downs.labels(str(i))
-            self.worker_up.labels(str(i)).set(1)
+        for address in workers:  # the --worker address as given: what an operator finds in the logs
+            self.orphaned.labels(address)
+            self.worker_downs.labels(address)
+            self.worker_up.labels(address).set(1)
         registry.register(_RouteCollector(routes))
 
 
@@ -282,7 +222,7 @@ class EncoderProxy:
             check_workers(infos)
             ttl = route_ttl_s(max(i.slot_gc_timeout_ms for i in infos))
             self.routes = RouteTable(ttl, clock=self._clock)
-        self._metrics = m = _Metrics(self._registry, self.routes, len(self._workers))
+        self._metrics = m = _Metrics(self._registry, self.routes, [w.address for w in self._workers])
         host = GrpcHost("proxy", (Service(wire.SERVICE_NAME, (
             Method("Encode", self._encode, lane=Lane.WORK),  # raw bytes both ways
             Method("ReleaseLeases", self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
@@ -302,9 +242,9 @@ class EncoderProxy:
         w = self._workers[index]
         state = self.health.snapshot()[index]  # the state now: two changes racing must not leave a stale gauge
         if self._metrics is not None:
-            self._metrics.worker_up.labels(str(index)).set(1 if state.up else 0)
+            self._metrics.worker_up.labels(w.address).set(1 if state.up else 0)
             if not up:
-                self._metrics.worker_downs.labels(str(index)).inc()
+                self._metrics.worker_downs.labels(w.address).inc()
         if up:
             log.info("worker %s is UP again", w.address)
         else:
@@ -427,12 +367,12 @@ class EncoderProxy:
                 response = call.result()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-                m.worker_errors.labels(str(worker.index), code.name).inc()
+                m.worker_errors.labels(worker.address, code.name).inc()
                 self.health.call_failed(worker.index, code)
                 last_error = exc
                 tried.append(f"{worker.index}:{code.name}")
                 if may_have_orphaned(code, request.support_rdma):
-                    m.orphaned.labels(str(worker.index)).inc()
+                    m.orphaned.labels(worker.address).inc()
                     log.warning("worker %s failed with %s after it may have exported RDMA slots; they are "
                                 "reclaimed by its GC (slot_gc_timeout_ms)", worker.address, code.name)
                 if code not in RETRYABLE:
@@ -492,7 +432,7 @@ class EncoderProxy:
         ids, problem = _receipt.check_receipt(msg, self._parse) if self.config.check_receipts else ([], None)
         if problem is not None and not last:
             self._metrics.bad_receipts.inc()
-            self._metrics.worker_errors.labels(str(worker.index), "BAD_RECEIPT").inc()
+            self._metrics.worker_errors.labels(worker.address, "BAD_RECEIPT").inc()
             self._rl.log(logging.WARNING, f"bad-receipt-{worker.index}", "worker %s sent a receipt a reader would "
                          "reject (%s); releasing its %d lease(s) there and asking another worker", worker.address,
                          problem, len(ids))
@@ -578,7 +518,7 @@ class EncoderProxy:
                 failed.append(address)
                 m.releases.labels("failed").inc(len(ids))
                 code = exc.code().name if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else "DEADLINE"
-                m.worker_errors.labels(str(self._by_address(address).index), code).inc()
+                m.worker_errors.labels(address, code).inc()
                 log.warning("release of %d lease(s) on %s failed (%s); routes kept for a retry",
                             len(ids), address, code)
                 continue

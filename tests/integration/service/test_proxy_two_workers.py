@@ -44,7 +44,7 @@ def test_proxy_spreads_routes_releases_and_fails_over(tmp_path: Path) -> None:
             while time.monotonic() < deadline and len(proxy.routes):
                 time.sleep(0.05)
             assert len(proxy.routes) == 0
-            assert registry.get_sample_value("tensorwire_proxy_release_ids_total", {"outcome": "released"}) == 4
+            assert registry.get_sample_value("tensorwire_proxy_release_leases_total", {"outcome": "released"}) == 4
         # Kill one worker outright: every request still succeeds through the other.
         workers[0].terminate(grace_s=0)
         for _ in range(3):

@@ -49,6 +49,10 @@ class Harness:
     def release(self, ids: list[str]) -> int:
         return self.release_rpc(wire.ReleaseLeasesRequest(lease_ids=ids), timeout=10).released
 
+    def addr(self, index: int) -> str:
+        """The ``worker`` label of the index-th worker: its address as configured."""
+        return str(self.proxy.config.workers[index])
+
     def metric(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels or None) or 0.0
 
@@ -90,7 +94,7 @@ def test_spreads_and_releases_to_owners_batched(make) -> None:
     assert [sorted(b) for b in h.workers[0].releases] == [sorted(i for i in ids if i.startswith("w0"))]
     assert [sorted(b) for b in h.workers[1].releases] == [sorted(i for i in ids if i.startswith("w1"))]
     assert len(h.proxy.routes) == 0
-    assert h.metric("tensorwire_proxy_release_ids_total", outcome="unknown") == 1
+    assert h.metric("tensorwire_proxy_release_leases_total", outcome="unknown") == 1
     # Inline receipts are forwarded unchanged and create no route.
     inline = h.encode(rdma=False)
     assert inline.embedding.shape == [4, 8] and not inline.rdma_slots and len(h.proxy.routes) == 0
@@ -101,9 +105,9 @@ def test_retry_on_another_worker_when_one_is_down(make) -> None:
     for _ in range(4):
         assert h.encode().worker.worker_id == "w0"
     assert h.metric("tensorwire_proxy_retries_total") >= 1
-    assert h.metric("tensorwire_proxy_worker_errors_total", worker="1", code="UNAVAILABLE") >= 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(1), code="UNAVAILABLE") >= 1
     # Connection refused: the worker never ran the request, so nothing can be orphaned.
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="1") == 0
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(1)) == 0
 
 
 def test_request_errors_are_not_retried_and_keep_their_reason(make) -> None:
@@ -126,12 +130,12 @@ def test_retry_after_possible_export_is_counted_as_orphan(make) -> None:
     h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
     resp = h.encode(item_timeout_ms=300)
     assert resp.worker.worker_id == "w1"
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="0") == 1
-    assert h.metric("tensorwire_proxy_worker_errors_total", worker="0", code="DEADLINE_EXCEEDED") == 1
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(0)) == 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(0), code="DEADLINE_EXCEEDED") == 1
     assert h.proxy.routes.lookup("slow-lease") is None  # the orphan never reached a reader or the table
     # Without RDMA nothing could be exported, so nothing is counted.
     assert h.encode(rdma=False, item_timeout_ms=300).worker.worker_id == "w1"
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker="0") == 1
+    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(0)) == 1
 
 
 def test_may_have_orphaned_table() -> None:
@@ -168,7 +172,7 @@ def test_collision_poisons_and_releases_on_both(make) -> None:
         time.sleep(0.02)
     assert h.workers[0].releases == [["dup-lease"]] and h.workers[1].releases == [["dup-lease"]]
     assert h.release(["dup-lease"]) == 0  # a reader's release of a poisoned id is not forwarded
-    assert h.metric("tensorwire_proxy_release_ids_total", outcome="poisoned") == 1
+    assert h.metric("tensorwire_proxy_release_leases_total", outcome="poisoned") == 1
 
 
 def test_route_ttl_comes_from_the_workers(make) -> None:
@@ -229,7 +233,7 @@ def test_expired_routes_are_not_forwarded(make) -> None:
     now[0] += 6.5
     assert h.release(ids) == 0
     assert h.workers[0].releases == []  # the worker's GC has reclaimed it by now; nothing to forward
-    assert h.metric("tensorwire_proxy_release_ids_total", outcome="unknown") == 1
+    assert h.metric("tensorwire_proxy_release_leases_total", outcome="unknown") == 1
     assert h.metric("tensorwire_proxy_routes_expired_total") == 1
 
 
@@ -258,17 +262,17 @@ def test_proxy_health_says_whether_any_worker_can_serve(make) -> None:
 
     h = make([FakeWorker("w0"), FakeWorker("w1")], probe_interval_s=0.05, probe_timeout_s=1.0)
     assert _proxy_health(h) == SERVING
-    assert h.metric("tensorwire_proxy_worker_up", worker="0") == 1
+    assert h.metric("tensorwire_proxy_worker_up", worker=h.addr(0)) == 1
     # One worker says NOT_SERVING (loading, draining): it is DOWN, the proxy still serves through the other.
     h.workers[0].health.set_all(NOT_SERVING)
-    assert _until(lambda: h.metric("tensorwire_proxy_worker_up", worker="0") == 0)
+    assert _until(lambda: h.metric("tensorwire_proxy_worker_up", worker=h.addr(0)) == 0)
     assert _proxy_health(h) == SERVING
     assert {h.encode().worker.worker_id for _ in range(6)} == {"w1"}
     # Both down (the second one dead): NOT_SERVING, where the old proxy answered SERVING forever.
     h.workers[1].stop()
     assert _until(lambda: _proxy_health(h) == NOT_SERVING)
-    assert h.metric("tensorwire_proxy_worker_up", worker="1") == 0
-    assert h.metric("tensorwire_proxy_worker_down_total", worker="1") == 1
+    assert h.metric("tensorwire_proxy_worker_up", worker=h.addr(1)) == 0
+    assert h.metric("tensorwire_proxy_worker_down_total", worker=h.addr(1)) == 1
     # A worker back to SERVING is probed back UP, and so is the proxy.
     h.workers[0].health.set_all(SERVING)
     assert _until(lambda: _proxy_health(h) == SERVING)
@@ -282,8 +286,8 @@ def test_a_failed_worker_gets_no_new_requests_until_probed_back(make) -> None:
         assert h.encode().worker.worker_id == "w0"
     # The old round robin sent every other request to the dead worker first (5 failed attempts); now the first
     # failure takes it out of the rotation and nobody waits on it again.
-    assert h.metric("tensorwire_proxy_worker_errors_total", worker="1", code="UNAVAILABLE") <= 1
-    assert h.metric("tensorwire_proxy_worker_up", worker="1") == 0
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(1), code="UNAVAILABLE") <= 1
+    assert h.metric("tensorwire_proxy_worker_up", worker=h.addr(1)) == 0
 
 
 def test_every_worker_is_tried_even_when_all_look_down(make) -> None:
@@ -316,7 +320,7 @@ def test_a_receipt_a_reader_would_reject_is_retried_on_another_worker(make, rdma
     resp = h.encode(rdma=rdma)
     assert resp.worker.worker_id == "w1"  # the old proxy forwarded w0's broken receipt
     assert h.metric("tensorwire_proxy_bad_receipts_total") == 1
-    assert h.metric("tensorwire_proxy_worker_errors_total", worker="0", code="BAD_RECEIPT") == 1
+    assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(0), code="BAD_RECEIPT") == 1
     if rdma:  # the broken receipt's lease goes back to w0 at once instead of waiting for its GC
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not h.workers[0].releases:
