@@ -61,8 +61,10 @@ def test_device_flag_sets_the_rdma_device_unless_given() -> None:
 def test_bad_values_are_rejected() -> None:
     with pytest.raises(SystemExit):
         _parse(["--mode", "rdma"])
+    with pytest.raises(SystemExit):  # the parser refuses it (one line, exit 2), before any config is built
+        _parse(["--rdma-port", "70000"])
     with pytest.raises(ValueError):
-        serve_encoder.build_config(_parse(["--rdma-port", "70000"]))
+        serve_encoder.build_config(_parse(["--rdma-qp-count", "0"]))
 
 
 def test_bool_fields_become_optional_flags() -> None:
