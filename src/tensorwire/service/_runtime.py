@@ -48,8 +48,38 @@ class StopConfig:
 log = logging.getLogger(__name__)
 
 
+class ServedMetrics:
+    """What ``/metrics`` of a serve command shows: ``registry``'s families without the ``*_created`` series
+    prometheus_client adds to every counter and histogram (a timestamp per series that doubles the scrape and that
+    no tensorwire alert reads), plus ``tensorwire_build_info{version, python} 1``. A view: the registry itself, and
+    prometheus_client's process-wide settings, are left as they are (the library may share them with vLLM)."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        import platform
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        from tensorwire import __version__
+
+        info = GaugeMetricFamily("tensorwire_build_info", "The tensorwire version this process runs (always 1)",
+                                 labels=["version", "python"])
+        info.add_metric([__version__, platform.python_version()], 1)
+        yield info
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+    def restricted_registry(self, names: Any) -> Any:
+        """The ``?name[]=...`` query of the exposition handler: the same view, those families only."""
+        return ServedMetrics(self._registry.restricted_registry(names))
+
+
 class MetricsServer:
     """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close.
+    What it serves is ``ServedMetrics`` of ``registry`` (no ``*_created`` series, a build-info gauge).
 
     ``tls`` (a ``TlsConfig`` with a certificate): HTTPS with that certificate, and client certificates signed by
     its CA required when it asks for client authentication (the gRPC listener's rules)."""
@@ -63,7 +93,8 @@ class MetricsServer:
             if tls.mutual:
                 kwargs.update(client_cafile=tls.ca, client_auth_required=True)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry or REGISTRY, **kwargs)
+            served = ServedMetrics(registry or REGISTRY)
+            self._server, self._thread = start_http_server(port, addr=host, registry=served, **kwargs)
         except OSError as exc:
             why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
             raise ConfigError(f"cannot listen on {host}:{port} for /metrics: {why} (pick another --metrics-port, "
@@ -188,6 +219,6 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_FAILED
 
 
-__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "StopConfig", "drain_releases",
-           "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "serve_metrics", "stdout_to_stderr",
-           "wait_for_signal"]
+__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "ServedMetrics", "StopConfig",
+           "drain_releases", "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "serve_metrics",
+           "stdout_to_stderr", "wait_for_signal"]

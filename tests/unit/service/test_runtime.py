@@ -6,7 +6,7 @@ import subprocess
 import sys
 import urllib.request
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tensorwire.service._runtime import MetricsServer, parse_ready
 
@@ -41,10 +41,22 @@ def test_native_stdout_goes_to_stderr_meanwhile() -> None:
 def test_metrics_server_serves_its_registry() -> None:
     reg = CollectorRegistry()
     Counter("tw_test_things_total", "things", registry=reg).inc(3)
+    Histogram("tw_test_wait_seconds", "waits", registry=reg).observe(0.1)
     m = MetricsServer(0, registry=reg)
     try:
         with urllib.request.urlopen(f"http://{m.address}/metrics", timeout=10) as resp:
-            assert "tw_test_things_total 3.0" in resp.read().decode()
+            text = resp.read().decode()
+        assert "tw_test_things_total 3.0" in text and "tw_test_wait_seconds_count 1.0" in text
+        # No *_created series (one more per counter and histogram), a build-info gauge with the version.
+        assert "_created" not in text
+        from tensorwire import __version__
+
+        assert 'tensorwire_build_info{python="' in text and f'version="{__version__}"}} 1.0' in text
+        with urllib.request.urlopen(f"http://{m.address}/metrics?name[]=tw_test_things_total", timeout=10) as resp:
+            only = resp.read().decode()
+        assert "tw_test_things_total 3.0" in only and "tw_test_wait_seconds" not in only and "_created" not in only
+        # The registry itself is left alone (the library may share prometheus_client with vLLM).
+        assert reg.get_sample_value("tw_test_things_created") is not None
     finally:
         m.close()
         m.close()
