@@ -16,17 +16,17 @@ from tensorwire.rdma import has_rdma
 from tensorwire.service._child import Child
 
 
-def _cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def _cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "tensorwire.cli.main", *argv], capture_output=True, text=True,
                           timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(900)
 def test_serve_fetch_metrics_and_sigterm(tmp_path: Path) -> None:
     enc = Child("encoder", ["serve-encoder", "--port", "0", "--metrics-port", "0", "--wait-exporter-s", "20"],
                 tmp_path)
     try:
-        ready = enc.ready(90)
+        ready = enc.ready(400)
         assert ready["mode"] == "auto" and ready["model"] == "builtin" and ready["worker_id"]
         images = [str(p) for p in sample_paths()[:2]]
         r = _cli("fetch", "--endpoint", ready["grpc"], "--json", *images)
@@ -36,10 +36,14 @@ def test_serve_fetch_metrics_and_sigterm(tmp_path: Path) -> None:
         assert [len(i["shape"]) for i in doc["items"]] == [2, 2] and doc["items"][0]["shape"][1] == 2048
         assert doc["items"][0]["position_ids_shape"] == [doc["items"][0]["shape"][0], 2]
         assert doc["total_ms"] >= doc["transfer_ms"] > 0 and doc["encoder_ms"] > 0
+        # The command's wall time, split: start-up + the fetch whose stages these are + releases and close.
+        wall = doc["wall_ms"]
+        assert wall["total"] >= wall["start_up"] + wall["fetch"] and wall["fetch"] >= doc["total_ms"] * 0.5
         # Text output, inline plane.
         r = _cli("fetch", "--endpoint", ready["grpc"], "--mode", "grpc", images[0])
         assert r.returncode == 0, r.stderr
         assert "plane: inline" in r.stdout and "2048] float32" in r.stdout
+        assert "stages (ms): " in r.stdout and "wall time " in r.stdout and "start-up " in r.stdout
         # A file that is not an image: INVALID_ARGUMENT, exit 1, and the server keeps serving.
         bad = tmp_path / "bad.jpg"
         bad.write_bytes(b"\xff\xd8 not really a jpeg")
@@ -52,12 +56,12 @@ def test_serve_fetch_metrics_and_sigterm(tmp_path: Path) -> None:
         assert 'tensorwire_mm_errors_total{reason="invalid_payload",side="encoder"} 1.0' in text
         # Graceful shutdown on SIGTERM: exit 0, promptly.
         enc.proc.send_signal(signal.SIGTERM)
-        assert enc.proc.wait(30) == 0
+        assert enc.proc.wait(120) == 0
     finally:
         enc.terminate(grace_s=5)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(600)
 def test_serve_proxy_refuses_unreachable_worker_and_bad_flags() -> None:
     r = _cli("serve-proxy", "--worker", "127.0.0.1:1", "--worker-wait-s", "1", "--metrics-port", "-1")
     assert r.returncode == 1 and "did not answer WorkerInfo" in r.stderr
@@ -67,9 +71,9 @@ def test_serve_proxy_refuses_unreachable_worker_and_bad_flags() -> None:
     assert r.returncode == 2 and "config.json" in r.stderr
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(900)
 def test_demo_json_runs_both_planes_and_leaves_nothing_behind() -> None:
-    r = _cli("demo", "--json", "--rounds", "2", "--warmup", "1", timeout=160)
+    r = _cli("demo", "--json", "--rounds", "2", "--warmup", "1", timeout=800)
     if r.returncode == 1 and r.stdout.strip():  # the planes disagreed: say how (which image, worker, bytes)
         doc = json.loads(r.stdout)
         pytest.fail(f"demo outputs differ between planes: {json.dumps(doc.get('mismatch_details'))[:4000]}")
