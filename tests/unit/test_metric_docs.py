@@ -13,6 +13,7 @@ from tensorwire.integrations._vllm_router.metrics import RouterMetrics
 from tensorwire.mm import TransportMetrics
 from tensorwire.service._proxy import _Metrics
 from tensorwire.service._routes import RouteTable
+from tensorwire.service._runtime import ServedMetrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 NAME = re.compile(r"`(tensorwire_[a-z0-9_]+)(?![a-z0-9_*])")  # not a glob like tensorwire_mm_*
@@ -35,6 +36,11 @@ def _proxy() -> dict[str, str]:
     reg = CollectorRegistry()
     _Metrics(reg, RouteTable(1.0), ["127.0.0.1:7001", "127.0.0.1:7002"])
     return _exported(reg)
+
+
+def _served() -> dict[str, str]:
+    """What a serve command's /metrics adds to its registry's families (the build-info gauge)."""
+    return _exported(ServedMetrics(CollectorRegistry()))  # type: ignore[arg-type]
 
 
 def _vllm() -> dict[str, str]:
@@ -63,15 +69,19 @@ def test_vllm_md_lists_exactly_the_connector_and_router_metrics() -> None:
     assert documented == set(_vllm())
 
 
+def test_deployment_md_lists_what_a_serve_command_adds() -> None:
+    assert set(_served()) <= _documented("deployment.md")
+
+
 def test_every_metric_any_doc_names_exists() -> None:
-    exported = set(_mm()) | set(_proxy()) | set(_vllm())
+    exported = set(_mm()) | set(_proxy()) | set(_vllm()) | set(_served())
     named = _documented(*(p.name for p in DOCS.glob("*.md")))
     named |= set(NAME.findall((DOCS.parent / "README.md").read_text()))
     assert named <= exported, sorted(named - exported)
 
 
 def test_names_follow_the_prometheus_conventions() -> None:
-    for name, kind in {**_mm(), **_proxy(), **_vllm()}.items():
+    for name, kind in {**_mm(), **_proxy(), **_vllm(), **_served()}.items():
         if kind == "counter":
             assert name.endswith("_total"), name
         else:
