@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorwire.errors import ConfigError
+from tensorwire.rdma._registry import known_providers
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -53,8 +54,6 @@ class RdmaConfig:
     progress_delay_us: int = 1000
 
     def __post_init__(self) -> None:
-        from tensorwire.rdma.providers import known_providers  # registry imports this module; resolved lazily
-
         known = ("auto", *known_providers())
         if self.provider not in known:
             raise ConfigError(

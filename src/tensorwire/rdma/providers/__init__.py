@@ -13,10 +13,10 @@ importable. Providers are imported only when chosen, so ``tensorwire.rdma`` neve
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._registry import _REGISTRY, known_providers, register_provider
 from tensorwire.rdma.providers.base import (
     ROLE_EXPORTER,
     ROLE_READER,
@@ -27,23 +27,7 @@ from tensorwire.rdma.providers.base import (
     Registration,
 )
 
-# name -> "module:Class"; entries are resolved lazily. register_provider() adds third-party ones.
-_REGISTRY: dict[str, str | Callable[[], type[Provider]]] = {
-    "nixl": "tensorwire.rdma.providers._nixl:NixlProvider",
-    "none": "tensorwire.rdma.providers._none:NoneProvider",
-}
 _AUTO_ORDER = ("nixl",)
-
-
-def register_provider(name: str, target: str | Callable[[], type[Provider]]) -> None:
-    """Add a provider under ``name`` ("module:Class" or a zero-argument factory returning the class)."""
-    if not name or name == "auto":
-        raise ConfigError(f"provider name {name!r} is reserved or empty")
-    _REGISTRY[name] = target
-
-
-def known_providers() -> list[str]:
-    return sorted(_REGISTRY)
 
 
 def provider_class(name: str) -> type[Provider]:
