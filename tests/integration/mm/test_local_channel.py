@@ -38,7 +38,7 @@ from tensorwire.errors import (
 from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig
 from tensorwire.mm.client._local import UdsControlChannel
 from tensorwire.mm.server import _local as _uds_service
-from tensorwire.mm.server._local import HELLO_MAGIC
+from tensorwire.mm.wire._local import HELLO_MAGIC
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
 pytestmark = pytest.mark.timeout(90)

@@ -57,8 +57,8 @@ from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession, Requeue
 from tensorwire.mm.client._grpc import GrpcControlChannel
-from tensorwire.mm.server._local import HELLO_MAGIC, NOT_MAPPED
-from tensorwire.mm.server._local import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
+from tensorwire.mm.wire._local import HELLO_MAGIC, NOT_MAPPED
+from tensorwire.mm.wire._local import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
 from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
 from tensorwire.mm.wire._receipt import WireReceipt, read_stream_response
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from google.protobuf.message import DecodeError
@@ -44,16 +43,14 @@ from tensorwire._local.server import HELLO_FULL, HELLO_OK, Conn, UnixConnServer
 from tensorwire.mm import wire
 from tensorwire.mm._config import MODE_AUTO
 from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.server._handler import EncodeHandler
+from tensorwire.mm.wire._local import HELLO_MAGIC, MAX_BUFFERS_PER_CONN, NOT_MAPPED
 from tensorwire.mm.wire._placed import MappedBuffer, Placement, PlacementRefused, map_offer
 from tensorwire.mm.wire._protobuf import Buffer
 from tensorwire.mm.wire._receipt import WireReceipt
 
-if TYPE_CHECKING:
-    from tensorwire.mm.server._service import EncoderService
-
 log = logging.getLogger(__name__)
 
-HELLO_MAGIC = b"TWL1"
 _THREAD = "tensorwire-mm-local"
 # How long an answer may take to be taken by the client: its request's deadline plus this slack, or, for a
 # request without one, ANSWER_SEND_S. A client that stops reading (hung, stopped with SIGSTOP) would otherwise
@@ -65,8 +62,6 @@ ANSWER_SEND_S = 60.0
 REQUEST_FRAME_S = 10.0
 
 
-NOT_MAPPED = "not_mapped"  # PlacedOutput.declined: the request named a buffer this connection has not mapped
-MAX_BUFFERS_PER_CONN = 8  # receive buffers one connection may have mapped (the client keeps to 4)
 
 
 class _Mapped:
@@ -106,7 +101,7 @@ class _Mapped:
 class LocalControlServer(UnixConnServer):
     """The listening socket and its connection threads; ``path`` is what clients are told. See the module doc."""
 
-    def __init__(self, service: EncoderService, directory: str, max_conns: int, idle_s: float = 300.0) -> None:
+    def __init__(self, service: EncodeHandler, directory: str, max_conns: int, idle_s: float = 300.0) -> None:
         self._service = service
         self._idle_s = idle_s
         self._metrics = service.transport.metrics
@@ -224,7 +219,7 @@ _EVENT_LABELS = {"refused_uid": "local_refused_uid", "refused_full": "local_refu
                  "ended": "local_ended", "idle": "local_idle"}
 
 
-def start_local_server(service: EncoderService, directory: str, max_conns: int,
+def start_local_server(service: EncodeHandler, directory: str, max_conns: int,
                        idle_s: float = 300.0) -> LocalControlServer | None:
     """A LocalControlServer, or None (logged) when the directory or the socket cannot be made safely."""
     try:
