@@ -1,6 +1,7 @@
 """Same-host Unix-socket plumbing both ``mm`` and ``tp`` may use (neither imports the other; both may import this).
 
-What is here: the per-user private runtime directory (0700, owned by us, never a symlink), the owner checks of a
+What is here: the per-user private runtime directory (0700, owned by us, never a symlink; opened as a handle and
+checked through it, files in it opened relative to the handle), the owner checks of a
 socket someone advertised to us, the SO_PEERCRED uid of a connected peer, the host token (the kernel's boot id:
 equal tokens mean one kernel, so one file system namespace is at least possible; the path checks decide), and
 length-prefixed frames on a stream socket.
@@ -16,12 +17,15 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import logging
 import os
+import secrets
 import select
 import socket
 import stat
 import struct
+import tempfile
 import time
 from collections.abc import Sequence
 
@@ -72,40 +76,134 @@ def xdg_runtime_dir(uid: int | None = None) -> tuple[str | None, str]:
 
 
 _warned_xdg: set[tuple[str | None, str]] = set()
+_fallbacks: dict[tuple[str, int], str] = {}
+_FALLBACK_LOCK_S = 2.0  # how long a process waits for another making the fallback directory (then goes ahead)
 
 
 def default_runtime_dir() -> str:
-    """``$XDG_RUNTIME_DIR/tensorwire`` when :func:`xdg_runtime_dir` accepts it (a per-user tmpfs), else
-    ``$TMPDIR`` (or /tmp) ``/tensorwire-<uid>``, the broadcaster's default directory too."""
+    """The per-user private directory, created if missing: ``$XDG_RUNTIME_DIR/tensorwire`` when
+    :func:`xdg_runtime_dir` accepts it (a per-user tmpfs), else ``$TMPDIR`` (or /tmp) ``/tensorwire-<uid>``, the
+    broadcaster's default directory too. When that name is taken by something that fails the checks of
+    :func:`open_private_dir` (another user pre-created it, or a symlink), a private ``tensorwire-<uid>-<random>``
+    next to it (:func:`fallback_runtime_dir`): a squatted name costs nobody their start-up."""
     xdg, why = xdg_runtime_dir()
     if xdg is not None:
         return os.path.join(xdg, "tensorwire")
     if why and (os.environ.get("XDG_RUNTIME_DIR"), why) not in _warned_xdg:
         _warned_xdg.add((os.environ.get("XDG_RUNTIME_DIR"), why))  # once per value: callers ask again and again
         log.warning("ignoring XDG_RUNTIME_DIR=%s for the same-host socket: %s", os.environ.get("XDG_RUNTIME_DIR"), why)
-    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"tensorwire-{os.geteuid()}")
+    base = os.environ.get("TMPDIR") or "/tmp"
+    primary = os.path.join(base, f"tensorwire-{os.geteuid()}")
+    try:
+        os.close(open_private_dir(primary))
+        return primary
+    except InsecurePath as exc:
+        return fallback_runtime_dir(base, str(exc))
+
+
+def fallback_runtime_dir(base: str, why: str = "") -> str:
+    """A private directory of ours under ``base`` that every process of our uid agrees on without talking:
+    the ``tensorwire-<uid>-*`` directories that pass :func:`open_private_dir` (anyone can create such names,
+    only ours pass), the first by name; one is made (``mkdtemp``) when there is none. Making it holds an
+    ``flock`` on ``base``, so two processes starting at once make one; whoever holds that lock longer than
+    ``_FALLBACK_LOCK_S`` only delays us. Remembered per process."""
+    uid = os.geteuid()
+    known = _fallbacks.get((base, uid))
+    if known is not None:
+        try:
+            os.close(open_private_dir(known, create=False))
+            return known
+        except (InsecurePath, OSError):
+            _fallbacks.pop((base, uid), None)
+    prefix = f"tensorwire-{uid}-"
+    lock_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        _flock_for(lock_fd, _FALLBACK_LOCK_S)
+        chosen = _first_private(base, prefix)
+        if chosen is None:
+            made = tempfile.mkdtemp(prefix=prefix, dir=base)  # 0700, ours
+            chosen = _first_private(base, prefix) or made
+    finally:
+        os.close(lock_fd)  # releases the lock
+    log.warning("the runtime directory %s cannot be used (%s); using %s instead",
+                os.path.join(base, f"tensorwire-{uid}"), why or "taken", chosen)
+    _fallbacks[(base, uid)] = chosen
+    return chosen
+
+
+def _flock_for(fd: int, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+def _first_private(base: str, prefix: str) -> str | None:
+    names = sorted(e.name for e in os.scandir(base) if e.name.startswith(prefix))
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            os.close(open_private_dir(path, create=False))
+            return path
+        except (InsecurePath, OSError):
+            continue
+    return None
+
+
+def open_private_dir(path: str, uid: int | None = None, *, create: bool = True, strict: bool = False) -> int:
+    """Opens ``path`` as a directory handle (``O_DIRECTORY | O_NOFOLLOW``: a symlink in its last component is
+    refused, not followed) and checks the handle, not the name: a directory owned by ``uid`` (default: our
+    effective uid) that nobody else can write to (readable bits are tightened to 0700 quietly; ``strict``: refused
+    too, the mode must be 0700). ``create``:
+    make it (0700, and missing parents) first. Returns the descriptor (the caller closes it); files in it are
+    then opened relative to it (``dir_fd=``), so whatever replaces the name later is never used.
+    ``InsecurePath`` when it is missing and not made, a symlink, not a directory, or fails a check."""
+    path = os.path.abspath(path)
+    if create:
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise InsecurePath(f"cannot create {path}: {exc}") from exc
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise InsecurePath(f"{path} is not a plain directory (symlink or file)") from exc
+        raise InsecurePath(f"cannot open {path}: {exc}") from exc
+    try:
+        st = os.fstat(fd)
+        check_private_dir(path, st, uid)
+        if strict and stat.S_IMODE(st.st_mode) & 0o077:
+            raise InsecurePath(f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0700")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure_private_dir(path: str, uid: int | None = None) -> str:
-    """Creates ``path`` (0700) if missing and checks it: a plain directory, owned by ``uid`` (default: our
-    effective uid), not group/world-writable (readable bits are tightened quietly). Returns the absolute path;
-    ``InsecurePath``. The one implementation of these checks: the broadcaster's directory (``tp._paths``) and the
-    same-host channel's both come here."""
+    """Creates ``path`` (0700) if missing and checks it (:func:`open_private_dir`): a plain directory, owned by
+    ``uid`` (default: our effective uid), not group/world-writable (readable bits are tightened quietly). Returns
+    the absolute path; ``InsecurePath``. The one implementation of these checks: the broadcaster's directory
+    (``tp._paths``) and the same-host channel's both come here."""
     path = os.path.abspath(path)
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as exc:
-        raise InsecurePath(f"cannot create {path}: {exc}") from exc
-    check_private_dir(path, st, uid)
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    os.close(open_private_dir(path, uid))
     return path
 
 
 def check_private_dir(path: str, st: os.stat_result | None = None, uid: int | None = None) -> None:
-    """``InsecurePath`` unless ``path`` is a plain directory of ``uid`` (default: ours) that nobody else can
-    write to."""
+    """``InsecurePath`` unless ``path`` (or ``st``, its ``lstat`` or its handle's ``fstat``) is a plain directory
+    of ``uid`` (default: ours) that nobody else can write to."""
     st = st if st is not None else os.lstat(path)
     uid = os.geteuid() if uid is None else uid
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
@@ -114,6 +212,36 @@ def check_private_dir(path: str, st: os.stat_result | None = None, uid: int | No
         raise InsecurePath(f"{path} is owned by uid {st.st_uid}, not by us (uid {uid})")
     if st.st_mode & 0o022:
         raise InsecurePath(f"{path} is group/world-writable (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def read_private_file(dir_fd: int, name: str, max_bytes: int = 1 << 20) -> bytes:
+    """The bytes of ``name`` in the directory handle ``dir_fd`` (``O_NOFOLLOW``): a regular file of ours, else
+    ``InsecurePath``; ``OSError`` (``FileNotFoundError``) as the system says."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise InsecurePath(f"{name} is not a regular file of ours")
+        return os.read(fd, max_bytes)
+    finally:
+        os.close(fd)
+
+
+def write_private_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Writes ``name`` in the directory handle ``dir_fd`` atomically (a 0600 temporary file of a unique name,
+    then a rename over ``name``)."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def check_socket_path(path: str) -> None:
@@ -320,5 +448,6 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
 
 
 __all__ = ["FRAME_HEADER", "MAX_FDS", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
-           "close_fds", "default_runtime_dir", "ensure_private_dir", "host_token", "is_gone", "is_quiet", "listen",
-           "peer_uid", "recv_frame", "send_frame", "wait_readable", "xdg_runtime_dir"]
+           "close_fds", "default_runtime_dir", "ensure_private_dir", "fallback_runtime_dir", "host_token", "is_gone",
+           "is_quiet", "listen", "open_private_dir", "peer_uid", "read_private_file", "recv_frame", "send_frame",
+           "wait_readable", "write_private_file", "xdg_runtime_dir"]

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import stat
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -52,22 +51,28 @@ def instance_name(engine_id: str | None, dp_rank: int) -> str:
 
 
 def runtime_dir(cfg: ECConfig) -> Path:
-    """The directory for sockets and rendezvous files, created 0700 and checked to be this user's (the default's
-    parent, tensorwire's per-user directory, too: whoever owns a parent can swap what is inside it)."""
-    path = Path(cfg.effective_runtime_dir)
-    if not cfg.runtime_dir:
-        try:
-            _unix.ensure_private_dir(str(path.parent))
-        except InsecurePath as exc:
-            raise ConfigError(f"runtime_dir: {exc}; set ec_connector_extra_config.runtime_dir",
-                              reason=Reason.INSECURE_PATH) from exc
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise ConfigError(f"runtime_dir {path} must be owned by uid {os.getuid()} with mode 0700 (it holds the "
-                          "connector's sockets); set ec_connector_extra_config.runtime_dir",
-                          reason=Reason.INSECURE_PATH)
+    """The directory for sockets and rendezvous files, created 0700 and checked through a handle
+    (:func:`open_runtime_dir`)."""
+    path, fd = open_runtime_dir(cfg)
+    os.close(fd)
     return path
+
+
+def open_runtime_dir(cfg: ECConfig) -> tuple[Path, int]:
+    """``(path, handle)`` of the runtime directory: opened without following a symlink, and checked through the
+    handle to be this user's with mode 0700 (a ConfigError otherwise, reason ``insecure_path``), the default's
+    parent (tensorwire's per-user directory, ``_unix.default_runtime_dir``, which moves to a private fallback
+    when another user took its name) too. Files in it are opened relative to the handle (the caller closes it):
+    a name swapped for a symlink or another directory afterwards is never used."""
+    path = Path(cfg.effective_runtime_dir)
+    try:
+        if not cfg.runtime_dir:
+            os.close(_unix.open_private_dir(str(path.parent)))
+        return path, _unix.open_private_dir(str(path), strict=True)
+    except InsecurePath as exc:
+        raise ConfigError(f"runtime_dir {path} must be a directory (not a symlink) owned by uid {os.geteuid()} "
+                          f"with mode 0700, as it holds the connector's sockets: {exc}; set "
+                          "ec_connector_extra_config.runtime_dir", reason=Reason.INSECURE_PATH) from exc
 
 
 def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
@@ -124,10 +129,13 @@ class ProducerRuntime:
                                       tls=cfg.tls, insecure=cfg.insecure, local_dir=local_dir)
             self.endpoint = self.server.address
             if cfg.port == 0:
-                self._file = runtime_dir(cfg) / f"{name}.producer.json"
-                tmp = self._file.with_suffix(f".tmp{os.getpid()}")
-                tmp.write_text(json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}))
-                os.replace(tmp, self._file)
+                directory, fd = open_runtime_dir(cfg)
+                try:
+                    _unix.write_private_file(fd, f"{name}.producer.json",
+                                             json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode())
+                finally:
+                    os.close(fd)
+                self._file = directory / f"{name}.producer.json"
         except BaseException:
             self.close()
             raise
@@ -140,8 +148,12 @@ class ProducerRuntime:
     def close(self) -> None:
         if self._file is not None:
             try:
-                self._file.unlink()
-            except OSError:
+                fd = _unix.open_private_dir(str(self._file.parent), create=False, strict=True)
+                try:
+                    os.unlink(self._file.name, dir_fd=fd)
+                finally:
+                    os.close(fd)
+            except (OSError, InsecurePath):
                 pass
             self._file = None
         if self.server is not None:
@@ -172,11 +184,17 @@ def producer_endpoint(cfg: ECConfig, name: str) -> str | None:
     if cfg.port:
         return f"{_advertise(cfg)}:{cfg.port}"
     try:
-        data = json.loads((runtime_dir(cfg) / f"{name}.producer.json").read_text())
+        _, fd = open_runtime_dir(cfg)
+    except ConfigError:  # not private: nothing in it is read (the producer itself refused to start there)
+        return None
+    try:
+        data = json.loads(_unix.read_private_file(fd, f"{name}.producer.json"))
         endpoint = data.get("endpoint")
         return endpoint if isinstance(endpoint, str) and endpoint else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, InsecurePath):
         return None
+    finally:
+        os.close(fd)
 
 
 def close_producer(name: str) -> None:
@@ -282,7 +300,8 @@ def serve_metrics(port: int) -> None:
         log.warning("cannot serve metrics on port %d: %s", port, exc)
 
 
-__all__ = ["instance_name", "runtime_dir", "ProducerRuntime", "producer_runtime", "producer_endpoint",
+__all__ = ["instance_name", "runtime_dir", "open_runtime_dir", "ProducerRuntime", "producer_runtime",
+           "producer_endpoint",
            "close_producer", "StagingRuntime", "staging_runtime", "close_staging", "staging_address",
            "staging_local_path",
            "serve_metrics"]
