@@ -92,6 +92,7 @@ class Reason(str, enum.Enum):
     PEER_LIMIT = "peer_limit"  # a peer is over its share of in-flight calls or streams
     PEER_QUOTA = "peer_quota"  # a peer holds its quota of leased bytes: answered inline
     PERMISSION_DENIED = "permission_denied"  # the peer may not call this (not loopback, not authenticated)
+    UNTRUSTED_LISTENER = "untrusted_listener"  # a plaintext loopback port is held by another user's process
     # broadcaster
     BOOTSTRAP_FAILED = "bootstrap_failed"
     BOOTSTRAP_TIMEOUT = "bootstrap_timeout"

@@ -78,9 +78,11 @@ from grpc_health.v1 import health_pb2
 from tensorwire._grpc import status
 from tensorwire._grpc.health import NOT_SERVING, SERVING, HealthService
 from tensorwire._grpc.limits import ServerLimits
+from tensorwire._grpc.owner import CallerCheck
 from tensorwire._grpc.scope import CallScope, Peer, call_scope, forwarded_peer, is_loopback_host, peer_of
 from tensorwire._grpc.tls import TlsConfig, server_credentials
 from tensorwire._grpc.watchdog import DeadlineWatchdog
+from tensorwire._ratelog import RateLimitedLog
 from tensorwire.errors import ClosedError, ConfigError, Reason, TensorwireError
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,7 @@ class HostStats:
     request_timeouts: int = 0
     stream_idle_ends: int = 0
     work_wait_timeouts: int = 0
+    untrusted_callers: int = 0
     inflight: int = 0
     peers: int = 0
 
@@ -253,8 +256,8 @@ class GrpcHost:
     ``Lane.WORK`` calls run at once (the encoder's ``server_threads``). ``limits``: ``ServerLimits``; ``tls``:
     a ``TlsConfig`` (None or one without a certificate: plaintext). ``on_refuse(reason)`` is called for every
     call the guard refuses or ends (a bounded label: ``peer_limit``, ``request_timeout``, ``stream_idle``,
-    ``work_wait``), for metrics. ``reuse_port``: let other processes bind the same port (SO_REUSEPORT); off by
-    default. ``stop`` may be called from any thread, any number of times (the first stops).
+    ``work_wait``, ``untrusted_caller``), for metrics. ``reuse_port``: let other processes bind the same port
+    (SO_REUSEPORT); off by default. ``stop`` may be called from any thread, any number of times (the first stops).
     """
 
     def __init__(self, what: str, services: Sequence[Service], *, work_slots: int, thread_prefix: str,
@@ -288,6 +291,8 @@ class GrpcHost:
         self.host = ""
         self.port = 0
         self.certificates: Any = None  # the TLS certificate source (reload counter), when TLS is on
+        self._callers: CallerCheck | None = None  # a plaintext TCP listener's same-user rule (bind sets it)
+        self._rl = RateLimitedLog(log)
 
     @property
     def address(self) -> str:
@@ -309,6 +314,8 @@ class GrpcHost:
             port = self._bind(address)
             self.host = host or "127.0.0.1"
             self.port = port
+            if self.tls is None and not address.startswith("unix:"):
+                self._callers = CallerCheck(self.host, port)
             self.state = HostState.BOUND
             return port
 
@@ -400,13 +407,14 @@ class GrpcHost:
 
     def _handler(self, service: Service) -> grpc.GenericRpcHandler:
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        check = service.name != HEALTH_SERVICE  # health answers everyone: it says SERVING or not, nothing else
         for m in service.methods:
             if m.kind == "unary":
                 handlers[m.name] = grpc.stream_unary_rpc_method_handler(
-                    self._guard_unary(m), response_serializer=m.response_serializer)
+                    self._guard_unary(m, check), response_serializer=m.response_serializer)
             else:
                 handlers[m.name] = grpc.stream_stream_rpc_method_handler(
-                    self._guard_streaming(m), response_serializer=m.response_serializer)
+                    self._guard_streaming(m, check), response_serializer=m.response_serializer)
         return grpc.method_handlers_generic_handler(service.name, handlers)
 
     def _peer(self, context: grpc.ServicerContext) -> Peer:
@@ -420,7 +428,17 @@ class GrpcHost:
         deadline = math.inf if left is None else time.monotonic() + float(left)
         return _HostScope(peer, deadline=deadline, is_active=context.is_active, host=self)
 
-    def _admit(self, context: grpc.ServicerContext, stream: bool) -> Peer:
+    def _admit(self, context: grpc.ServicerContext, stream: bool, check_owner: bool = True) -> Peer:
+        if check_owner and self._callers is not None:
+            why = self._callers.allowed(str(context.peer() or ""))
+            if why is not None:
+                self._count("untrusted_callers", "untrusted_caller")
+                self._rl.log(logging.WARNING, "untrusted", "%s on %s refused a call: %s", self.what, self.address,
+                             why)
+                context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.PERMISSION_DENIED.value),))
+                context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                              f"this plaintext {self.what} listener answers only its own user's processes on this "
+                              "host")
         peer = self._peer(context)
         why = self._admission.enter(peer.key, stream)
         if why is not None:
@@ -464,9 +482,9 @@ class GrpcHost:
             context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method.name} request does not parse: {exc}")
 
-    def _guard_unary(self, method: Method) -> Callable[..., Any]:
+    def _guard_unary(self, method: Method, check_owner: bool) -> Callable[..., Any]:
         def guarded(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-            peer = self._admit(context, stream=False)
+            peer = self._admit(context, stream=False, check_owner=check_owner)
             try:
                 request = self._first_request(requests, context, method)
                 scope = self._scope(context, peer)
@@ -487,10 +505,10 @@ class GrpcHost:
 
         return guarded
 
-    def _guard_streaming(self, method: Method) -> Callable[..., Any]:
+    def _guard_streaming(self, method: Method, check_owner: bool) -> Callable[..., Any]:
         def guarded(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             stream = method.kind == "stream"
-            peer = self._admit(context, stream=stream)
+            peer = self._admit(context, stream=stream, check_owner=check_owner)
             try:
                 scope = self._scope(context, peer)
                 if stream:

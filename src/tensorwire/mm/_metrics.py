@@ -103,7 +103,8 @@ class TransportMetrics:
                                           registry=reg)
         self.server_refused = Counter("tensorwire_mm_server_refused_total",
                                       "Calls an encoder server refused or ended before serving them, by reason: "
-                                      "peer_limit, request_timeout, stream_idle, work_wait", ["reason"], registry=reg)
+                                      "peer_limit, request_timeout, stream_idle, work_wait, untrusted_caller",
+                                      ["reason"], registry=reg)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, family: Any, *values: str) -> Any:

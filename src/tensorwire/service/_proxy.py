@@ -120,7 +120,7 @@ class _Metrics:
                                     "Worker responses the proxy could not parse for lease ids", registry=registry)
         self.refused = Counter("tensorwire_proxy_refused_total",
                                "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
-                               "request_timeout, work_wait", ["reason"], registry=registry)
+                               "request_timeout, work_wait, untrusted_caller", ["reason"], registry=registry)
         for address in workers:  # the --worker address as given: what an operator finds in the logs
             self.orphaned.labels(address)
             self.worker_downs.labels(address)
