@@ -229,14 +229,19 @@ def _lookup(family: int, states: int, sport: int, dport: int, src: bytes, dst: b
 
 def listener_uids(ip: str, port: int) -> set[int]:
     """The owners of the sockets that may accept a connection to ``ip:port`` in this network namespace (a
-    listener bound to ``ip`` or to the wildcard address, IPv4 or dual-stack IPv6: each family is asked which
-    socket it would pick); empty when nothing listens there."""
+    listener bound to ``ip`` or to the wildcard address, IPv4 or dual-stack IPv6); empty when nothing listens
+    there. sock_diag answers the one listener the kernel would pick (an IPv4 lookup also finds dual-stack IPv6
+    listeners), and the kernel lets no second listener of another uid overlap it, so the first form that finds
+    one decides; the /proc fallback lists every listener of a form."""
     uids: set[int] = set()
-    for family, addr in _forms(ip):
+    forms = _forms(ip)
+    bound = {addr for _, addr in forms} | {bytes(16)}  # the address in any form, or the wildcard
+    for family, addr in reversed(forms):  # the IPv4 form first: it finds IPv4 and dual-stack listeners
         for e in _lookup(family, 1 << _TCP_LISTEN, port, 0, addr, bytes(16), dump=False):
-            # sock_diag answers the listener the kernel would pick; the /proc fallback lists all of them
-            if e.state == _TCP_LISTEN and e.sport == port and e.src in (addr, bytes(16)):
+            if e.state == _TCP_LISTEN and e.sport == port and e.src in bound:
                 uids.add(e.uid)
+        if uids:
+            return uids
     return uids
 
 

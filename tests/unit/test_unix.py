@@ -178,3 +178,41 @@ def test_default_runtime_dir_uses_a_private_xdg_runtime_dir_and_not_someone_else
                                                                  f"(uid {os.geteuid() + 1})")
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert _unix.xdg_runtime_dir() == (None, "")
+
+
+def test_a_taken_default_runtime_dir_moves_to_one_private_fallback(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(_unix, "_fallbacks", {})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / f"tensorwire-{os.geteuid()}").symlink_to(elsewhere)  # taken: a symlink is never followed
+    (tmp_path / f"tensorwire-{os.geteuid()}-0loose").mkdir(mode=0o777)  # a look-alike that fails the checks
+    os.chmod(tmp_path / f"tensorwire-{os.geteuid()}-0loose", 0o777)
+    chosen = _unix.default_runtime_dir()
+    assert os.path.dirname(chosen) == str(tmp_path)
+    assert os.path.basename(chosen).startswith(f"tensorwire-{os.geteuid()}-") and not chosen.endswith("0loose")
+    assert os.stat(chosen).st_mode & 0o777 == 0o700 and not os.listdir(elsewhere)
+    monkeypatch.setattr(_unix, "_fallbacks", {})  # another process of ours finds the same one
+    assert _unix.default_runtime_dir() == chosen
+
+
+def test_private_dir_handles_refuse_symlinks_and_files_are_read_through_them(tmp_path: Path) -> None:
+    d = tmp_path / "d"
+    fd = _unix.open_private_dir(str(d))
+    try:
+        _unix.write_private_file(fd, "a.json", b"{}")
+        assert _unix.read_private_file(fd, "a.json") == b"{}"
+        assert (d / "a.json").stat().st_mode & 0o777 == 0o600
+        (d / "b.json").symlink_to(d / "a.json")
+        with pytest.raises(OSError):
+            _unix.read_private_file(fd, "b.json")  # O_NOFOLLOW
+    finally:
+        os.close(fd)
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    with pytest.raises(_unix.InsecurePath, match="symlink"):
+        _unix.open_private_dir(str(link))
+    os.chmod(d, 0o750)
+    with pytest.raises(_unix.InsecurePath, match="0750"):
+        _unix.open_private_dir(str(d), strict=True)
