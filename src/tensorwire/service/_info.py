@@ -7,8 +7,9 @@ forever without anyone noticing). Receipts are checked too, at run time: two wor
 the same owner endpoint are logged and counted (``check_receipt_owner`` in the proxy).
 
 Who may ask (issue 15, finding 2): WorkerInfo names the worker's host, pid, ports and model, so a worker answers
-it only to loopback callers and to callers that presented a client certificate it verified (mTLS); anyone else
-gets PERMISSION_DENIED. A proxy on another host therefore needs mTLS, or ``--no-check-workers``.
+it only to loopback callers (of a trusted uid: ``GrpcHost`` refuses other users' processes before this runs) and
+to callers that presented a client certificate it verified (mTLS); anyone else gets PERMISSION_DENIED. A proxy
+on another host therefore needs mTLS, or ``--no-check-workers``.
 """
 
 from __future__ import annotations
