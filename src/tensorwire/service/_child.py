@@ -51,8 +51,9 @@ class Child:
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self._lines.put(raw.decode(errors="replace").strip())
+        with self.proc.stdout:  # closed at EOF (the child exited), so no pipe outlives the child
+            for raw in self.proc.stdout:
+                self._lines.put(raw.decode(errors="replace").strip())
         self._lines.put(None)
 
     def ready(self, timeout_s: float) -> dict[str, str]:
