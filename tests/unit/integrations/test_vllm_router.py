@@ -240,7 +240,8 @@ def test_the_module_runs_as_a_process(fakes: list[Fake]) -> None:
         conn.close()
     finally:
         proc.terminate()
-        assert proc.wait(timeout=30) == 0
+        proc.communicate(timeout=30)  # reaps it and closes our end of its stdout
+    assert proc.returncode == 0
     bad = subprocess.run([sys.executable, "-m", "tensorwire.integrations.vllm_router", "--encoder", "x",
                           "--llm", llm.url], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=str(SRC)))
