@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml requirements/dev.txt requirements/nixl.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Under coverage (pyproject.toml [tool.coverage]); the last line printed is the figure.
 test: install
-	$(PY) -m pytest -m "not gpu and not slow and not vllm" -q --ignore=tests/vllm
+	$(PY) -m coverage run -m pytest -m "not gpu and not slow and not vllm" -q --ignore=tests/vllm
+	@echo "line coverage of src/tensorwire in the pytest process: $$($(PY) -m coverage report --format=total)%"
 
 # The quick loop while editing: the unit tests alone (one process each, loopback only; docs/development.md).
 test-unit: install
@@ -55,6 +57,8 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm -m vllm -q -p no:cacheprovider --basetemp=build/test-vllm
 
 # ruff and mypy --strict, both configured in pyproject.toml (mypy checks src/ only).
+# `ruff format --check` joins once the tree has been formatted in one commit (until then it would fail on every file):
+#	$(PY) -m ruff format --check src tests scripts
 lint: install
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m mypy
