@@ -3,6 +3,7 @@ a heading of that file."""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
 
 
+@functools.cache
 def _anchors(path: Path) -> set[str]:
     seen: dict[str, int] = {}
     anchors = set()
