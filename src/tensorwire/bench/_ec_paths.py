@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from types import SimpleNamespace
 from typing import Any
@@ -172,8 +173,9 @@ class CheckedArea(StagingArea):
         self.checked = 0
         self.last_check_ns = 0  # how long the last item's check took (the file path pays the same check)
 
-    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect | None = None) -> int:
-        nbytes = super().stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
+    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect | None = None,
+              into: Callable[[int], torch.Tensor] | None = None) -> int:
+        nbytes = super().stage(key, receipt, timeout_ms=timeout_ms, expect=expect, into=into)
         t = time.monotonic_ns()
         got = self.get(key)
         rows = expect.shape[0] if expect is not None and expect.shape else -1

@@ -161,11 +161,15 @@ class TensorReader:
         local = "DRAM" if remote == "DRAM" else self._mem_type  # host descriptors are staged in host memory
         return self._provider.transport(local, remote)
 
-    def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None) -> list[torch.Tensor]:
+    def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None, *,
+             into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Fetch every descriptor's tensors: flattened in descriptor order x manifest order.
 
         The tensors are on the reader's device, own their storage and outlive the reader and the remote lease.
         ``timeout_ms`` (default ``read_timeout_ms``) bounds the whole call; <= 0 fails at once with ReadTimeout.
+        ``into``: one caller-owned destination per descriptor (a contiguous uint8 host tensor of at least the
+        descriptor's payload bytes, for example a shared-memory mapping), registered for this read only; the
+        tensors returned are then views of it. Host readers only.
         Raises InvalidDescriptor before touching memory, ReadTimeout, LeaseExpired (stale generation), ReadError.
         """
         if self._closed:
@@ -173,11 +177,19 @@ class TensorReader:
         timeout = self._cfg.read_timeout_ms if timeout_ms is None else timeout_ms
         deadline = time.monotonic() + timeout / 1000.0
         descs = self._validate(descriptors)
+        if into is not None:
+            if len(into) != len(descs) or self._device.type != "cpu":
+                raise ValueError("into: one host destination per descriptor, on a host reader")
+            for d, t in zip(descs, into, strict=True):
+                if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous() or \
+                        t.numel() < d.payload_bytes:
+                    raise ValueError(f"into: a contiguous uint8 host tensor of >= {d.payload_bytes} bytes per "
+                                     "descriptor")
         if timeout <= 0:
             raise ReadTimeout(f"read budget {timeout} ms is already exhausted", reason=Reason.READ_TIMEOUT)
         self._drain_quarantine()
         try:
-            out = self._read_batch(descs, deadline)
+            out = self._read_batch(descs, deadline, into)
         except ReadTimeout:
             with self._tally.locked() as c:
                 c.read_timeouts += 1
@@ -265,7 +277,8 @@ class TensorReader:
             raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
         return out
 
-    def _read_batch(self, descs: list[Descriptor], deadline: float) -> list[torch.Tensor]:
+    def _read_batch(self, descs: list[Descriptor], deadline: float,
+                    into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """All descriptors in as few transfers as possible: one payload READ per (owner, memory pair), then, once
         every payload READ completed, one generation READ per owner (see _pool's module docstring)."""
         assert self._provider is not None and self._scratch is not None
@@ -274,8 +287,8 @@ class TensorReader:
         out: list[torch.Tensor] = []
         finished = False
         try:
-            for d, cell in zip(descs, cells, strict=True):
-                dests.append(self._destination(d, cell))
+            for i, (d, cell) in enumerate(zip(descs, cells, strict=True)):
+                dests.append(self._destination(d, cell) if into is None else self._given(d, cell, into[i]))
             for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
                 local = [r for x in group for r in x.local]
                 if local:
@@ -361,6 +374,17 @@ class TensorReader:
             assert x.pool is not None
             x.slot = _ready(x.pool, x.pool.acquire(d.payload_bytes))
             x.local.append((x.slot.addr, d.payload_bytes, 0 if staged else dev))
+            x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
+        return x
+
+    def _given(self, d: Descriptor, cell: int, dest: torch.Tensor) -> _Dest:
+        """``d``'s payload lands in the caller's ``dest``, registered for this read."""
+        assert self._provider is not None
+        x = _Dest(d=d, cell=cell, staged=False, local_mem=self._mem_type)
+        x.results = views(dest[:d.payload_bytes], d.manifest)
+        if d.payload_bytes:
+            x.regs.append(self._provider.register(dest.data_ptr(), d.payload_bytes, self._mem_type, 0))
+            x.local.append((dest.data_ptr(), d.payload_bytes, 0))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         return x
 

@@ -34,6 +34,7 @@ gone, broken frame); ``sent`` says whether the request may have run. Every metho
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import struct
 import threading
@@ -195,39 +196,25 @@ class LocalRpcClient:
         """The response bytes; the server's error as the TensorwireError gRPC would have raised
         (``wire.error_from_stream``); ``DeadlineExceeded`` when ``timeout_s`` runs out (the connection is closed:
         the server sees the caller go); ``LocalUnavailable`` when no answer came for another reason."""
+        return self.begin(method, body, timeout_s, what).wait()
+
+    def begin(self, method: str, body: bytes, timeout_s: float, what: str) -> PendingCall:
+        """Sends the request and returns at once: the answer is collected with ``PendingCall.poll()`` (never
+        blocks while nothing has arrived) or ``wait()``. Errors as ``call``; a request that could not be written
+        raises ``LocalUnavailable(sent=False)`` here."""
         if timeout_s <= 0:
             raise DeadlineExceeded(f"{what}: no time left", reason=Reason.BUDGET_EXHAUSTED)
         deadline = time.monotonic() + timeout_s
         sock = self._take(min(timeout_s, self._connect_timeout_s))
         name = method.encode("ascii")
         head = REQUEST_HEAD.pack(max(1, int(timeout_s * 1000)), len(name))
-        ok = False
         try:
-            try:
-                _unix.send_frame(sock, [head, name, body], deadline)
-            except OSError as exc:  # TimeoutError included: not written whole, never run
-                raise LocalUnavailable(f"{what} over {self.path}: the request could not be written: {exc}",
-                                       sent=False) from exc
-            try:
-                raw = _unix.recv_frame(sock, deadline, wire.MAX_MESSAGE_BYTES)
-            except TimeoutError as exc:
-                raise DeadlineExceeded(f"{what} over {self.path}: no answer within {timeout_s:.3f} s",
-                                       reason=Reason.DEADLINE_EXCEEDED) from exc
-            except (OSError, ValueError) as exc:
-                raise LocalUnavailable(f"{what} over {self.path}: the connection failed: {exc}", sent=True) from exc
-            if raw is None or len(raw) < 1 or raw[0] not in (ANSWER_OK, ANSWER_ERROR):
-                raise LocalUnavailable(f"{what} over {self.path}: the connection ended without an answer",
-                                       sent=True)
-            ok = True
-        finally:
-            self._give_back(sock, ok)
-        if raw[0] == ANSWER_OK:
-            return bytes(memoryview(raw)[1:])
-        try:
-            error = pb.StreamError.FromString(bytes(memoryview(raw)[1:]))
-        except Exception as exc:
-            raise LocalUnavailable(f"{what} over {self.path}: an error answer that does not parse", sent=True) from exc
-        raise wire.error_from_stream(error, what)
+            _unix.send_frame(sock, [head, name, body], deadline)
+        except OSError as exc:  # TimeoutError included: not written whole, never run
+            self._give_back(sock, False)
+            raise LocalUnavailable(f"{what} over {self.path}: the request could not be written: {exc}",
+                                   sent=False) from exc
+        return PendingCall(self, sock, deadline, timeout_s, what)
 
     def close(self) -> None:
         with self._lock:
@@ -261,10 +248,78 @@ class LocalRpcClient:
             raise LocalUnavailable(str(exc), sent=False) from exc
 
 
+class PendingCall:
+    """One request written to a :class:`LocalRpcClient` connection, its answer not yet read. Single-threaded."""
+
+    def __init__(self, client: LocalRpcClient, sock: socket.socket, deadline: float, timeout_s: float,
+                 what: str) -> None:
+        self._client = client
+        self._sock: socket.socket | None = sock
+        self._deadline = deadline
+        self._timeout_s = timeout_s
+        self._what = what
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+
+    def poll(self) -> bytes | None:
+        """The answer if it has arrived (None: not yet; raises as ``LocalRpcClient.call`` does, and
+        ``DeadlineExceeded`` once the deadline has passed without one)."""
+        if self._sock is None:
+            raise LocalUnavailable(f"{self._what} over {self._client.path}: the answer was already taken", sent=True)
+        if not self._poller.poll(0):
+            if time.monotonic() < self._deadline:
+                return None
+            self._finish(False)
+            raise DeadlineExceeded(f"{self._what} over {self._client.path}: no answer within {self._timeout_s:.3f} s",
+                                   reason=Reason.DEADLINE_EXCEEDED)
+        return self._read(expect_wait=False)
+
+    def wait(self) -> bytes:
+        """Blocks until the answer (or the deadline)."""
+        return self._read(expect_wait=True)
+
+    def cancel(self) -> None:
+        """Gives up on the answer: the connection is closed (the server sees the caller go)."""
+        if self._sock is not None:
+            self._finish(False)
+
+    def _finish(self, ok: bool) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            self._client._give_back(sock, ok)
+
+    def _read(self, *, expect_wait: bool) -> bytes:
+        sock = self._sock
+        if sock is None:
+            raise LocalUnavailable(f"{self._what} over {self._client.path}: the answer was already taken", sent=True)
+        ok = False
+        what, path = self._what, self._client.path
+        try:
+            try:
+                raw = _unix.recv_frame(sock, self._deadline, wire.MAX_MESSAGE_BYTES, expect_wait=expect_wait)
+            except TimeoutError as exc:
+                raise DeadlineExceeded(f"{what} over {path}: no answer within {self._timeout_s:.3f} s",
+                                       reason=Reason.DEADLINE_EXCEEDED) from exc
+            except (OSError, ValueError) as exc:
+                raise LocalUnavailable(f"{what} over {path}: the connection failed: {exc}", sent=True) from exc
+            if raw is None or len(raw) < 1 or raw[0] not in (ANSWER_OK, ANSWER_ERROR):
+                raise LocalUnavailable(f"{what} over {path}: the connection ended without an answer", sent=True)
+            ok = True
+        finally:
+            self._finish(ok)
+        if raw[0] == ANSWER_OK:
+            return bytes(memoryview(raw)[1:])
+        try:
+            error = pb.StreamError.FromString(bytes(memoryview(raw)[1:]))
+        except Exception as exc:
+            raise LocalUnavailable(f"{what} over {path}: an error answer that does not parse", sent=True) from exc
+        raise wire.error_from_stream(error, what)
+
+
 def local_channel_request() -> pb.LocalChannelRequest:
     """What a client sends over gRPC to learn a server's local socket (this host's token)."""
     return pb.LocalChannelRequest(host_token=_unix.host_token())
 
 
 __all__ = ["HELLO_MAGIC", "IDLE_TIMEOUT_S", "LocalRpcClient", "LocalRpcServer", "LocalUnavailable", "MAX_REQUEST_BYTES",
-           "local_channel_request"]
+           "PendingCall", "local_channel_request"]

@@ -49,7 +49,13 @@ from tensorwire.errors import (
 from tensorwire.mm import wire
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm._proto import held_pb2 as hpb
-from tensorwire.mm.held._local import LocalRpcClient, LocalRpcServer, LocalUnavailable, local_channel_request
+from tensorwire.mm.held._local import (
+    LocalRpcClient,
+    LocalRpcServer,
+    LocalUnavailable,
+    PendingCall,
+    local_channel_request,
+)
 from tensorwire.mm.held._staging import Expect, StagingArea
 from tensorwire.mm.held._store import HeldItem, HeldStore
 from tensorwire.mm.server._service import _parse_or_abort as _parse  # INVALID_ARGUMENT for bytes that do not parse
@@ -462,6 +468,29 @@ class HeldStoreClient(_Client):
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
         resp = self._unary(LOOKUP_METHOD, "Lookup", req, hpb.LookupResponse, timeout_s)
+        return self._outcomes(grants, resp)
+
+    def begin_lookup(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float,
+                     support_rdma: bool = True) -> PendingLookup | None:
+        """Sends a Lookup over the same-host socket and returns at once (``PendingLookup.poll()`` collects the
+        answer without blocking); None when there is no same-host socket (use ``lookup``). Raises
+        ``LocalUnavailable`` when the request could not be written (the socket is dropped as ``lookup`` does)."""
+        local = self._local
+        if local is None:
+            self._local_missing()
+            return None
+        req = hpb.LookupRequest(support_rdma=support_rdma)
+        for key, secret in grants:
+            req.grants.add(key=key, secret=secret)
+        try:
+            call = local.begin("Lookup", req.SerializeToString(), timeout_s, f"Lookup on {self.address}")
+        except LocalUnavailable:
+            self._local_failed(local)
+            self._on_call("Lookup", "local_fallback")
+            raise
+        return PendingLookup(self, local, call, list(grants))
+
+    def _outcomes(self, grants: Sequence[tuple[str, bytes]], resp: Any) -> list[LookupOutcome]:
         if len(resp.results) != len(grants):
             raise ProtocolError(f"Lookup on {self.address}: {len(resp.results)} results for {len(grants)} grants",
                                 reason=Reason.PROTOCOL_ERROR)
@@ -487,6 +516,37 @@ class HeldStoreClient(_Client):
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
         return int(self._unary(RELEASE_METHOD, "Release", req, hpb.ReleaseResponse, timeout_s).released)
+
+
+class PendingLookup:
+    """A Lookup written to the same-host socket (``HeldStoreClient.begin_lookup``). Single-threaded."""
+
+    def __init__(self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall,
+                 grants: list[tuple[str, bytes]]) -> None:
+        self._client = client
+        self._local = local
+        self._call = call
+        self._grants = grants
+
+    def poll(self) -> list[LookupOutcome] | None:
+        """The outcomes once answered (None: not yet). Raises what ``lookup`` raises; ``LocalUnavailable`` when the
+        socket gave no answer (the client then uses gRPC: call ``lookup``, the method is idempotent)."""
+        try:
+            raw = self._call.poll()
+        except TensorwireError:
+            self._client._on_call("Lookup", "local")
+            raise
+        except LocalUnavailable:
+            self._client._local_failed(self._local)
+            self._client._on_call("Lookup", "local_fallback")
+            raise
+        if raw is None:
+            return None
+        self._client._on_call("Lookup", "local")
+        return self._client._outcomes(self._grants, self._client._parse_answer(hpb.LookupResponse, raw, "Lookup"))
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 # A failed Stage comes back as a status (INTERNAL for read failures) plus the reader's reason; rebuild the read
@@ -547,5 +607,5 @@ class StagingClient(_Client):
 
 
 __all__ = ["HeldStoreServicer", "StagingServicer", "StoreServer", "serve_store", "HeldStoreClient",
-           "StagingClient", "LookupOutcome", "receipt_for", "serve_staging_local", "HELD_SERVICE",
+           "StagingClient", "LookupOutcome", "PendingLookup", "receipt_for", "serve_staging_local", "HELD_SERVICE",
            "STAGING_SERVICE"]

@@ -31,7 +31,7 @@ import torch
 from tensorwire.errors import ClosedError, InvalidPayload, ProtocolError, ReadError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.wire._codec import DTYPE_TO_WIRE, WIRE_TO_DTYPE, decode_tensor
-from tensorwire.rdma import Descriptor, Reader
+from tensorwire.rdma import Descriptor, Reader, TensorReader
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,15 @@ class StagingArea:
             return False
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int,
-              expect: Expect | None = None) -> int:
+              expect: Expect | None = None, into: Callable[[int], torch.Tensor] | None = None) -> int:
         """Reads the receipt's tensors and keeps them under ``key``; returns their bytes. Raises on any failure
-        (then nothing is kept under ``key``; a previous item under it stays)."""
+        (then nothing is kept under ``key``; a previous item under it stays).
+
+        ``into`` (host areas only): called once with the bytes the item needs, it returns the caller's contiguous
+        uint8 host buffer of at least that size (shared memory, say); the tensors land there (RDMA: READ straight
+        into it; inline: copied) and are views of it."""
+        if into is not None and self._device.type != "cpu":
+            raise ValueError("into: host staging areas only")
         if not isinstance(key, str) or not key:
             raise InvalidPayload("staging key must be a non-empty string", reason=Reason.INVALID_REQUEST)
         if self._closed:
@@ -125,10 +131,12 @@ class StagingArea:
         expect = expect or Expect()
         try:
             if receipt.rdma_slots:
-                tensors = self._read_rdma(key, receipt, timeout_ms, expect)
+                tensors = self._read_rdma(key, receipt, timeout_ms, expect, into)
                 kind = "rdma_stages"
             else:
                 tensors = self._decode_inline(key, receipt, expect)
+                if into is not None:
+                    tensors = _copy_into(tensors, into)
                 kind = "inline_stages"
             if self._device.type == "cuda":
                 # The reader's copy-outs are queued on this thread's stream; whoever uses the tensors next may
@@ -210,7 +218,7 @@ class StagingArea:
             return self._reader
 
     def _read_rdma(self, key: str, receipt: pb.EncodeResponse, timeout_ms: int,
-                   expect: Expect) -> list[torch.Tensor]:
+                   expect: Expect, into: Callable[[int], torch.Tensor] | None = None) -> list[torch.Tensor]:
         descs = []
         n_tensors = 0
         for i, slot in enumerate(receipt.rdma_slots):
@@ -224,7 +232,16 @@ class StagingArea:
                 expect.check(first.shape, first.dtype, f"item {key[:64]!r}")
             n_tensors += len(d.manifest)
             descs.append(d)
-        tensors = self._get_reader().read(descs, timeout_ms=timeout_ms)
+        reader = self._get_reader()
+        if into is None:
+            tensors = reader.read(descs, timeout_ms=timeout_ms)
+        else:
+            if not isinstance(reader, TensorReader):
+                raise ValueError("into: needs a TensorReader")
+            offsets = _packed([d.payload_bytes for d in descs])
+            buf = into(offsets[-1])
+            tensors = reader.read(descs, timeout_ms=timeout_ms,
+                                  into=[buf[o:o + d.payload_bytes] for o, d in zip(offsets, descs, strict=False)])
         if len(tensors) != n_tensors:
             raise ProtocolError(f"item {key[:64]!r}: read {len(tensors)} tensor(s), the receipt names {n_tensors}",
                                 reason=Reason.RESULT_MISMATCH)
@@ -251,6 +268,31 @@ class StagingArea:
         if old:
             self._n["expired"] += len(old)
             log.warning("staging area dropped %d item(s) staged more than %.0f s ago", len(old), self._ttl_s)
+
+
+_ALIGN = 64
+
+
+def _packed(sizes: Sequence[int]) -> list[int]:
+    """Offsets of ``sizes`` placed back to back at ``_ALIGN``, then the total."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += -(-n // _ALIGN) * _ALIGN
+    out.append(at)
+    return out
+
+
+def _copy_into(tensors: list[torch.Tensor], into: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets = _packed(sizes)
+    buf = into(offsets[-1])
+    out = []
+    for t, o, n in zip(tensors, offsets, sizes, strict=False):
+        view = buf[o:o + n].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out
 
 
 __all__ = ["StagingArea", "StagingStats", "Expect", "ReaderFactory"]
