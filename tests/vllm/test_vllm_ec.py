@@ -4,7 +4,7 @@ Four instances, each its own OS process tree (``instance.py``; vLLM adds its Eng
 a plain single-instance baseline, an encoder-only instance (``ec_producer``) and two LLM instances
 (``ec_consumer``): one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (uniproc executor: scheduler and worker share a
 process, the scheduler stages into the worker's area directly), one at TP=2 (multiprocess executor, vLLM's CPU
-default: each rank's worker stages the item itself, Staging over a unix socket).
+default: the scheduler process reads each item once into a shared-memory segment that both ranks map).
 
 Every request runs alone (see instance.py), and greedy tokens plus the top-3 logprobs of every step must equal
 the baseline's exactly. Run with ``make test-vllm`` (it builds .venv-vllm); ``make test`` never collects this
@@ -229,6 +229,9 @@ def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
     assert metric(after, "tensorwire_vllm_ec_fallbacks_total") == metric(before, "tensorwire_vllm_ec_fallbacks_total")
     assert metric(after, "tensorwire_vllm_ec_placed_total") - metric(before, "tensorwire_vllm_ec_placed_total") == 5
     assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
+    # Once the same-host socket to the encoder instance is known, fetches run on the scheduler's thread.
+    assert metric(after, "tensorwire_vllm_ec_fetch_paths_total", path="inline") > metric(
+        before, "tensorwire_vllm_ec_fetch_paths_total", path="inline"), diff(before, after)
     wait_nothing_held(cluster)
     # The same image again: the encoder instance has it in its encoder cache and does not encode it again, so
     # it is exported from there (start_save_caches) under a new grant.
@@ -268,7 +271,9 @@ def test_tp2_every_rank_gets_the_item(cluster: Any) -> None:
     d = diff(before, after)
     assert d.get("tensorwire_vllm_ec_delivered_total{plane=rdma}") == 1, d
     assert d.get("tensorwire_vllm_ec_placed_total{}") == 2, d  # both ranks' workers placed it
-    assert d.get("tensorwire_vllm_ec_bytes_total{plane=rdma}") == 2 * 16 * 128 * 4, d
+    # One READ for the host: the scheduler process read the item once into a segment both ranks mapped.
+    assert d.get("tensorwire_vllm_ec_read_bytes_total{plane=rdma}") == 16 * 128 * 4, d
+    assert d.get("tensorwire_vllm_ec_bytes_total{plane=rdma}") == 16 * 128 * 4, d
     assert "tensorwire_vllm_ec_fallbacks_total{reason=" not in str(d)
     # The same embedding handed to vLLM directly (no connector involved) gives the same tokens and logprobs;
     # a rank that placed anything else would change them (each rank computes its shard from its own copy).

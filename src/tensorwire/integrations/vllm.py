@@ -63,7 +63,7 @@ class TensorwireECMetadata(ECConnectorMetadata):  # type: ignore[misc]  # (vLLM 
 
     grants: list[tuple[str, bytes]] = field(default_factory=list)
     revokes: list[tuple[str, bytes]] = field(default_factory=list)
-    loads: list[tuple[str, str]] = field(default_factory=list)
+    loads: list[tuple[str, str, Any]] = field(default_factory=list)  # (mm_hash, staging key, SegmentRef | None)
 
 
 class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM ships no type information)
@@ -118,6 +118,8 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
                     store = rt.producer_runtime(self._cfg, self._name, device, on_change=self._held_changed,
                                                 compat=self._compat_hash()).store
                 self._producer_worker = ProducerWorker(store, self._metrics)
+            elif self._host_stages(device):
+                self._consumer_worker = ConsumerWorker(None, self._metrics)  # maps the host's segments
             else:
                 area = rt.staging_runtime(self._cfg, self._name, self._rank, device,
                                           serve=not self._in_process).area
@@ -147,11 +149,18 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
                            revision=getattr(mc, "revision", None), dtype=str(mc.dtype),
                            quantization=getattr(mc, "quantization", None))
 
+    def _host_stages(self, device: str) -> bool:
+        """Workers in other processes on host memory: the scheduler process reads each item once into a shared
+        segment every rank maps (``segments``). GPU ranks read into their own VRAM instead."""
+        return not self._in_process and device == "cpu"
+
     def _init_consumer_scheduler(self) -> None:
         stagers: list[Any]
         if self._in_process:
             area = rt.staging_runtime(self._cfg, self._name, 0, self._worker_device(), serve=False).area
             stagers = [LocalStager(area)]
+        elif self._host_stages(self._worker_device()):
+            stagers = [rt.segment_stager(self._cfg)]
         else:
             addresses = [rt.staging_address(self._cfg, self._name, r) for r in range(self._tp)]
             stagers = [RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)

@@ -82,3 +82,28 @@ def test_a_dead_rank_fails_the_item_and_nothing_stays_held_or_staged(procs: Stor
                    "a lease or a staged copy was left behind")
     finally:
         fetcher.close()
+
+
+def test_the_host_reads_once_over_nixl_into_a_segment_and_the_lease_ends_at_once(procs: StoreProcs) -> None:
+    """The LLM instance's host stager (CPU ranks in other processes): one READ into a memfd segment, which the
+    ranks then map (``map_segment``, here in this process); the grant goes back after that one READ."""
+    from tensorwire.integrations._vllm_ec.segments import SegmentRef, SegmentStager, map_segment
+    from tensorwire.rdma import RdmaConfig, TensorReader
+
+    stager = SegmentStager(lambda: TensorReader(RdmaConfig()))
+    metrics = ECMetrics(CollectorRegistry())
+    fetcher = Fetcher(ECConfig(host="127.0.0.1", fetch_timeout_ms=60000, lookup_timeout_ms=10000), [stager], metrics)
+    try:
+        secret = new_secret()
+        want = procs.ask(procs.owner, "hold", "item-3", secret, 9)
+        grant = ItemGrant(procs.endpoint, "item-3", secret, SHAPE, "float32")
+        res = fetcher.start(grant, "k3", Expect(SHAPE, torch.float32)).result(timeout=90)
+        assert res.ok and res.plane == "rdma" and res.nbytes == want.numel() * 4, res  # one READ, not one per rank
+        ref = fetcher.load_ref("k3")
+        assert isinstance(ref, SegmentRef)
+        assert torch.equal(map_segment(ref), want)
+        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds the item after the read")
+        fetcher.drop_async(["k3"])
+        wait_until(lambda: stager.staged == 0, "the segment was not dropped")
+    finally:
+        fetcher.close()

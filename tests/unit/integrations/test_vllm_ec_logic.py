@@ -233,7 +233,7 @@ def test_item_is_held_back_fetched_announced_placed_and_released(rig: Rig) -> No
     assert rig.consumer.has_cache_item("h1")
     rig.consumer.update_state_after_alloc(creq, 0)
     loads = rig.consumer.take_loads()
-    assert [h for h, _ in loads] == ["h1"]
+    assert [h for h, _, _ in loads] == ["h1"]
     cache: dict[str, torch.Tensor] = {}
     rig.cworker.start_load_caches(cache, loads)
     assert torch.equal(cache["h1"], rig.encoder_cache["h1"])

@@ -37,6 +37,7 @@ from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, FetchResult
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, parse_params
+from tensorwire.integrations._vllm_ec.segments import SegmentRef, map_segment
 from tensorwire.integrations._vllm_ec.trust import ProducerGate
 from tensorwire.mm.held._staging import Expect, StagingArea
 
@@ -129,7 +130,7 @@ class ConsumerScheduler:
         self._idle_ready: list[_Fetch] = []
         self._abandoned: list[_Fetch] = []
         self._unavailable: set[str] = set()
-        self._loads: list[tuple[str, str]] = []
+        self._loads: list[tuple[str, str, Any]] = []
         self._ids = itertools.count(1)
 
     # -- vLLM hooks --
@@ -186,10 +187,11 @@ class ConsumerScheduler:
         if fetch is None:
             return
         fetch.last_load_s = self._clock()
-        self._loads.append((mm_hash, fetch.staging_key))
+        self._loads.append((mm_hash, fetch.staging_key, self._fetcher.load_ref(fetch.staging_key)))
 
-    def take_loads(self) -> list[tuple[str, str]]:
-        """This step's loads (for the worker metadata); clears them. Also advances the fetches."""
+    def take_loads(self) -> list[tuple[str, str, Any]]:
+        """This step's loads (for the worker metadata): (mm_hash, staging key, the host segment or None); clears
+        them. Also advances the fetches."""
         self.poll()
         loads, self._loads = self._loads, []
         return loads
@@ -226,7 +228,9 @@ class ConsumerScheduler:
         self.poll()
 
     def poll(self) -> None:
-        """Harvests finished fetches, fails stuck ones, drops what nobody needs. Cheap when idle."""
+        """Advances the inline fetches, harvests finished ones, fails stuck ones, drops what nobody needs. Cheap
+        when idle."""
+        self._fetcher.advance()
         now = self._clock()
         if self._inflight:
             still: list[_Fetch] = []
@@ -365,6 +369,7 @@ class ConsumerScheduler:
         self._metrics.fetches.labels("delivered").inc()
         self._metrics.delivered.labels(res.plane or "rdma").inc()
         self._metrics.bytes.labels(res.plane or "rdma").inc(res.nbytes)
+        self._metrics.read_bytes.labels(res.plane or "rdma").inc(res.nbytes)
         self._metrics.fetch_seconds.observe(res.seconds)
         if f.abandoned or f.mm_hash in self._ready:
             self._forget_grant(f)
@@ -427,25 +432,36 @@ def _result(f: _Fetch) -> FetchResult:
 
 
 class ConsumerWorker:
-    """The worker half: places staged tensors into vLLM's encoder cache (this rank's StagingArea)."""
+    """The worker half: places staged tensors into vLLM's encoder cache: from the host's segment when the load
+    names one (``segments.map_segment``), else from this rank's StagingArea (``area``; None when the host stages)."""
 
-    def __init__(self, area: StagingArea, metrics: ECMetrics) -> None:
+    def __init__(self, area: StagingArea | None, metrics: ECMetrics) -> None:
         self.area = area
         self._metrics = metrics
 
     def start_load_caches(self, encoder_cache: MutableMapping[str, torch.Tensor],
-                          loads: Iterable[tuple[str, str]]) -> None:
-        for mm_hash, key in loads:
+                          loads: Iterable[tuple[str, str, Any]]) -> None:
+        for mm_hash, key, ref in loads:
             if mm_hash in encoder_cache:
                 continue
-            staged = self.area.get(key)
-            if staged is None:
+            tensor = self._staged(mm_hash, key, ref)
+            if tensor is None:
                 self._metrics.place_misses.inc()
                 log.error("item %.16s was announced but is not staged here (key %s); vLLM will fail with an "
                           "encoder cache miss", mm_hash, key)
                 continue
-            encoder_cache[mm_hash] = staged[0]
+            encoder_cache[mm_hash] = tensor
             self._metrics.placed.inc()
+
+    def _staged(self, mm_hash: str, key: str, ref: Any) -> torch.Tensor | None:
+        if isinstance(ref, SegmentRef):
+            try:
+                return map_segment(ref)
+            except Exception as exc:
+                log.error("item %.16s: the host's segment %s cannot be mapped: %s", mm_hash, ref.name, exc)
+                return None
+        staged = self.area.get(key) if self.area is not None else None
+        return staged[0] if staged is not None else None
 
 
 __all__ = ["ConsumerScheduler", "ConsumerWorker", "ItemStatus", "FetchState"]

@@ -1,22 +1,30 @@
-"""The LLM side's fetch of one item: lookup -> every rank stages it -> the grant is released.
+"""The LLM side's fetch of one item: lookup -> every reader stages it -> the grant is released.
 
-Who reads: every tensor-parallel rank needs the tensors in its own process (its own GPU). The scheduler side
-looks the item up once (one control RPC to the encoder instance), then hands the receipt to one *stager* per
-rank; each stager reads the item with its own ``TensorReader`` (into its own device) and answers only when the
-tensors are local. The grant goes back to the encoder instance when the last rank has answered, success or
-not (:class:`RankCountdown`, a reference count with one reference per rank); the encoder's TTL GC is the
-backstop for a release that is lost. Only when every rank succeeded is the item delivered; the scheduler then
+Who reads: one *stager* per reader. GPU ranks in other processes each read the item into their own device
+(one :class:`RemoteStager` per rank); CPU ranks in other processes share one READ made by the scheduler's
+process into a shared-memory segment they map (``segments.SegmentStager``, the host's one stager); a rank in
+the scheduler's own process is read into directly (:class:`LocalStager`). The scheduler side looks the item up
+once (one control RPC to the encoder instance), then hands the receipt to every stager; each answers only when
+the tensors are where its rank loads them. The grant goes back to the encoder instance when the last stager has
+answered, success or not (:class:`RankCountdown`, one reference per stager); the encoder's TTL GC is the
+backstop for a release that is lost. Only when every stager succeeded is the item delivered; the scheduler then
 announces it to vLLM, so a failed read never reaches a worker.
+
+Two ways to run a fetch (:class:`Fetcher`): *inline*, when the one stager needs no RPC and the encoder
+instance's store answers on a same-host socket: the Lookup is written and collected without blocking by
+``advance`` (vLLM's scheduler thread, every step) and the item staged on that thread, so no thread of ours must
+wake up (inside a one-process engine each such wake-up can wait a GIL switch interval behind the engine loop);
+otherwise a fetch thread runs the Lookup and the stages.
 
 The Release RPC is off the critical path: the last rank's countdown queues it on the release threads and the
 fetch answers at once (the tensors are local by then, so nothing the item's consumer does depends on it; the
 benchmark measured it at 1.3-1.8 ms of every item on a loaded 2-core box). A release that fails is counted
 (``releases{outcome="failed"}``) and left to the encoder's TTL GC; ``close()`` still sends every queued one.
 
-Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor) and
-:class:`RemoteStager` (a worker process's Staging service, on its same-host socket, gRPC over a unix socket as
-the fallback: the multiprocess
-executor, which is vLLM's default on CPU even at TP=1, and any TP > 1).
+Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor),
+``segments.SegmentStager`` (CPU ranks of the multiprocess executor, vLLM's default on CPU even at TP=1) and
+:class:`RemoteStager` (a GPU worker process's Staging service, on its same-host socket, gRPC over a unix socket
+as the fallback).
 
 Budget: ``fetch_timeout_ms`` from the start of the fetch covers the lookup (at most ``lookup_timeout_ms``) and
 every rank's read; the release has its own ``release_timeout_ms``. A breaker per endpoint
@@ -29,6 +37,7 @@ after short pauses while the budget lasts.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +51,8 @@ from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._breaker import BreakerBoard
-from tensorwire.mm.held._rpc import HeldStoreClient, StagingClient
+from tensorwire.mm.held._local import LocalUnavailable
+from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, StagingClient
 from tensorwire.mm.held._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,8 @@ _NEUTRAL = frozenset({Reason.NOT_HELD, Reason.NOT_READY, Reason.BUDGET_EXHAUSTED
                       Reason.RESULT_MISMATCH, Reason.INVALID_REQUEST, Reason.INCOMPATIBLE})
 # A lookup answered not_ready (granted, still being encoded) is asked again after these pauses (the last one
 # repeats) while the item's budget lasts.
+# TENSORWIRE_VLLM_EC_TRACE=1: one INFO line per inline fetch with where its time went.
+_TRACE = os.environ.get("TENSORWIRE_VLLM_EC_TRACE", "") == "1"
 _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 
 
@@ -72,6 +84,8 @@ class Stager(Protocol):
 class LocalStager:
     """A StagingArea in this process (vLLM's uniproc executor: the worker shares the scheduler's process)."""
 
+    inline = True  # no RPC: the fetch may run it on the scheduler's thread
+
     def __init__(self, area: StagingArea, name: str = "rank0") -> None:
         self.area = area
         self.name = name
@@ -89,6 +103,8 @@ class LocalStager:
 class RemoteStager:
     """A worker process's Staging service: its same-host socket (``tensorwire.mm.held._local``), with the
     ``unix:`` gRPC service at ``address`` as the fallback."""
+
+    inline = False
 
     def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0, local_path: str = "",
                  metrics: ECMetrics | None = None) -> None:
@@ -162,14 +178,37 @@ class FetchResult:
     ok: bool
     staging_key: str
     plane: str = ""
-    nbytes: int = 0
+    nbytes: int = 0  # bytes staged, all stagers
     seconds: float = 0.0
     reason: Reason | None = None
     error: str = ""
 
 
+@dataclass(eq=False)
+class _Inline:
+    """A fetch driven by ``Fetcher.advance`` on the scheduler's thread: its Lookup is in flight on a same-host
+    socket; when the answer is there the item is staged on that thread (the host's one READ)."""
+
+    future: Future[FetchResult]
+    grant: ItemGrant
+    key: str
+    expect: Expect
+    deadline: float
+    pending: PendingLookup | None  # None: waiting until retry_at to ask again (not_ready)
+    t0: float
+    attempt: int = 0
+    retry_at: float = 0.0
+    looks: int = 0  # advance() calls that found no answer yet (the trace's count)
+
+
 class Fetcher:
-    """Runs item fetches on a thread pool; the scheduler polls the futures (it never blocks on one)."""
+    """Runs item fetches; the scheduler polls the futures (it never blocks on a peer).
+
+    Two paths. Inline (one stager that needs no RPC, and a same-host socket to the encoder instance's store):
+    ``start`` writes the Lookup and returns; ``advance``, called by the scheduler every step, collects the answer
+    and stages the item on the scheduler's thread, so no thread of ours has to be woken (on a one-process engine
+    each wake-up of a Python thread can wait a GIL switch interval behind the engine loop). Otherwise a fetch
+    thread runs the Lookup (gRPC or the socket) and every rank's stage."""
 
     def __init__(self, cfg: ECConfig, stagers: Sequence[Stager], metrics: ECMetrics, *,
                  breakers: BreakerBoard | None = None, support_rdma: bool = True,
@@ -194,17 +233,47 @@ class Fetcher:
         self._clients: dict[str, HeldStoreClient] = {}
         self._clients_lock = threading.Lock()
         self._closed = False
+        # One stager that needs no RPC (the host's, or the uniproc rank's): fetches whose Lookup can go over a
+        # same-host socket run on the caller's thread, advanced by advance() (see _Inline).
+        self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
+        self._inline: list[_Inline] = []
 
     @property
     def ranks(self) -> int:
         return len(self._stagers)
 
     def start(self, grant: ItemGrant, staging_key: str, expect: Expect) -> Future[FetchResult]:
+        """Starts a fetch; its future is answered by a fetch thread, or by ``advance`` (the inline path)."""
         deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
         fut: Future[FetchResult] = Future()
         fut.set_running_or_notify_cancel()
+        if self._inline_ok and not self._closed and self._start_inline(fut, grant, staging_key, expect, deadline):
+            self._metrics.fetch_paths.labels("inline").inc()
+            return fut
+        self._metrics.fetch_paths.labels("thread").inc()
         self._pool.submit(self._answer_then_release, fut, grant, staging_key, expect, deadline)
         return fut
+
+    def advance(self) -> None:
+        """Advances the inline fetches without blocking on a peer: collects Lookup answers that have arrived and
+        stages those items (a same-host READ, bounded by the item's budget). Call it from the thread that called
+        ``start`` (vLLM's scheduler thread, every step)."""
+        if not self._inline:
+            return
+        still: list[_Inline] = []
+        for f in self._inline:
+            if not self._step_inline(f):
+                still.append(f)
+        self._inline = still
+
+    @property
+    def inline_pending(self) -> int:
+        return len(self._inline)
+
+    def load_ref(self, staging_key: str) -> object | None:
+        """What a worker needs to map a staged item (the host stager's segment), or None (a rank's own area)."""
+        ref = getattr(self._stagers[0], "ref", None)
+        return ref(staging_key) if ref is not None else None
 
     def release_async(self, grants: Sequence[ItemGrant]) -> None:
         """Gives grants back without reading them (the item came another way, or is no longer needed)."""
@@ -228,6 +297,12 @@ class Fetcher:
         if self._closed:
             return
         self._closed = True
+        for f in self._inline:  # never answered: the grant goes back, the caller sees the fetch fail
+            if f.pending is not None:
+                f.pending.cancel()
+            self._release_even_closed(f.grant)
+            f.future.set_result(self._failed(f.key, f.t0, Reason.CLOSED, "the fetcher closed"))
+        self._inline = []
         # Queued releases still go out (they end leases on encoder instances); running fetches finish.
         for pool in (self._pool, self._rank_pool, self._side_pool):
             if pool is not None:
@@ -282,16 +357,114 @@ class Fetcher:
             if exc.reason is not Reason.NOT_HELD:
                 self.release_async([grant])  # the owner may still hold it (lookup timed out, say)
             return self._failed(key, t0, exc.reason, str(exc))
+        return self._stage_and_judge(grant, key, receipt, expect, deadline, later)
+
+    def _stage_and_judge(self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect,
+                         deadline: float, later: list[ItemGrant]) -> FetchResult:
         countdown = RankCountdown(len(self._stagers), lambda: later.append(grant))
         try:
             result = self._stage_everywhere(grant, key, receipt, expect, deadline, countdown)
         finally:
             countdown.force()  # no-op when every rank reported; otherwise a rank never answered
         if result.ok:
-            self.breakers.record_success(endpoint)
+            self.breakers.record_success(grant.endpoint)
         else:
-            self._judge(endpoint, result.reason or Reason.UNKNOWN)
+            self._judge(grant.endpoint, result.reason or Reason.UNKNOWN)
         return result
+
+    def _start_inline(self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect,
+                      deadline: float) -> bool:
+        """Sends the Lookup over the same-host socket; False when there is none (the fetch thread takes it)."""
+        if not self.breakers.allow(grant.endpoint):
+            return False  # the thread path answers breaker_open
+        f = _Inline(fut, grant, key, expect, deadline, None, self._clock())
+        if not self._begin_inline_lookup(f):
+            return False
+        self._inline.append(f)
+        return True
+
+    def _begin_inline_lookup(self, f: _Inline) -> bool:
+        budget_s = min(self._cfg.lookup_timeout_ms, self._remaining_ms(f.deadline)) / 1000.0
+        if budget_s <= 0:
+            return False
+        try:
+            f.pending = self._client(f.grant.endpoint).begin_lookup(
+                [(f.grant.key, f.grant.secret)], timeout_s=budget_s, support_rdma=self._support_rdma)
+        except (LocalUnavailable, TensorwireError):
+            return False
+        return f.pending is not None
+
+    def _step_inline(self, f: _Inline) -> bool:
+        """One non-blocking look at an inline fetch; True when it is finished (answered or handed over)."""
+        if f.pending is None:  # waiting to ask again after not_ready
+            if self._clock() < f.retry_at:
+                return False
+            if not self._begin_inline_lookup(f):
+                self._pool.submit(self._answer_then_release, f.future, f.grant, f.key, f.expect, f.deadline)
+                return True
+            return False
+        try:
+            outcomes = f.pending.poll()
+        except LocalUnavailable:
+            # No answer over the socket: the fetch thread makes the (idempotent) Lookup again over gRPC.
+            self._pool.submit(self._answer_then_release, f.future, f.grant, f.key, f.expect, f.deadline)
+            return True
+        except TensorwireError as exc:
+            reason = exc.reason
+            if reason is Reason.DEADLINE_EXCEEDED and self._remaining_ms(f.deadline) <= 0:
+                reason = Reason.BUDGET_EXHAUSTED
+            self._judge(f.grant.endpoint, reason)
+            self.release_async([f.grant])
+            f.future.set_result(self._failed(f.key, f.t0, reason, str(exc)))
+            return True
+        if outcomes is None:
+            f.looks += 1
+            return False
+        answered = self._clock()
+        later: list[ItemGrant] = []
+        try:
+            (outcome,) = outcomes
+            if outcome.error is not None and outcome.error.reason is Reason.NOT_READY:
+                # Granted, not held yet: ask again after a pause (_NOT_READY_BACKOFF_S) while the budget lasts.
+                self._metrics.refusals.labels(Reason.NOT_READY.value).inc()
+                pause = _NOT_READY_BACKOFF_S[min(f.attempt, len(_NOT_READY_BACKOFF_S) - 1)]
+                if self._clock() + pause < f.deadline:
+                    f.attempt += 1
+                    f.pending = None
+                    f.retry_at = self._clock() + pause
+                    return False
+            if outcome.error is not None:
+                err = outcome.error
+                self._judge(f.grant.endpoint, err.reason)
+                if err.reason is not Reason.NOT_HELD:
+                    self.release_async([f.grant])
+                f.future.set_result(self._failed(f.key, f.t0, err.reason, str(err)))
+                return True
+            assert outcome.receipt is not None
+            # The READ runs on the scheduler's thread: bounded by lookup_timeout_ms as well as by the item's budget,
+            # so a stuck same-host READ stalls the engine for at most that long (then the item is encoded locally).
+            stage_deadline = min(f.deadline, self._clock() + self._cfg.lookup_timeout_ms / 1000.0)
+            res = self._stage_and_judge(f.grant, f.key, outcome.receipt, f.expect, stage_deadline, later)
+            if _TRACE:
+                done = self._clock()
+                log.info("inline fetch %s: lookup answered after %.2f ms (%d empty looks), staged in %.2f ms, "
+                         "%d bytes", f.key, (answered - f.t0) * 1e3, f.looks, (done - answered) * 1e3, res.nbytes)
+            f.future.set_result(FetchResult(res.ok, res.staging_key, plane=res.plane, nbytes=res.nbytes,
+                                            seconds=self._clock() - f.t0, reason=res.reason, error=res.error))
+        except BaseException as exc:
+            if not f.future.done():
+                f.future.set_exception(exc)
+        finally:
+            for g in later:
+                self._release_later(g)
+        return True
+
+    def _release_even_closed(self, grant: ItemGrant) -> None:
+        """Queues the release, or sends it here once the release threads are shut down."""
+        try:
+            self._submit_release(grant)
+        except RuntimeError:
+            self._release(grant)
 
     def _lookup(self, grant: ItemGrant, deadline: float) -> pb.EncodeResponse:
         """The item's receipt; an answer of not_ready is asked again (``_NOT_READY_BACKOFF_S``) within the

@@ -46,6 +46,13 @@ class ECMetrics:
                                  "Items every rank holds, by the plane that carried them", ["plane"], registry=reg)
         self.bytes = Counter("tensorwire_vllm_ec_bytes_total", "Payload bytes staged (all ranks), by plane",
                              ["plane"], registry=reg)
+        self.read_bytes = Counter("tensorwire_vllm_ec_read_bytes_total",
+                                  "Payload bytes moved from encoder instances into this instance, each READ (or "
+                                  "inline answer) once: one item per host when the host stages, one per rank "
+                                  "otherwise", ["plane"], registry=reg)
+        self.fetch_paths = Counter("tensorwire_vllm_ec_fetch_paths_total",
+                                   "Item fetches by path (inline: advanced on the scheduler's thread; thread: a "
+                                   "fetch thread)", ["path"], registry=reg)
         self.fetch_seconds = Histogram("tensorwire_vllm_ec_fetch_seconds",
                                        "From the start of a fetch to every rank holding the item",
                                        buckets=_BUCKETS, registry=reg)

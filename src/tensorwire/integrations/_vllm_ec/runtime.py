@@ -29,6 +29,7 @@ from tensorwire._local import unix as _unix
 from tensorwire._local.unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.integrations._vllm_ec.segments import SegmentStager
 from tensorwire.mm.held._local import LocalRpcServer
 from tensorwire.mm.held._rpc import StoreServer, serve_staging_local, serve_store
 from tensorwire.mm.held._staging import StagingArea
@@ -283,6 +284,15 @@ def close_staging(name: str, rank: int) -> None:
         rt.close()
 
 
+def segment_stager(cfg: ECConfig) -> SegmentStager:
+    """The LLM instance's host stager (scheduler process, CPU workers in other processes): one reader on host
+    memory, built in the background now (a NIXL agent takes a fraction of a second), not in the first fetch."""
+    rdma = _rdma_config(cfg, "cpu")
+    stager = SegmentStager(None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma)))
+    threading.Thread(target=stager.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
+    return stager
+
+
 def serve_metrics(port: int) -> None:
     """Serves this process's default Prometheus registry on ``port`` (once per port and process)."""
     if port <= 0:
@@ -303,5 +313,5 @@ def serve_metrics(port: int) -> None:
 __all__ = ["instance_name", "runtime_dir", "open_runtime_dir", "ProducerRuntime", "producer_runtime",
            "producer_endpoint",
            "close_producer", "StagingRuntime", "staging_runtime", "close_staging", "staging_address",
-           "staging_local_path",
+           "staging_local_path", "segment_stager",
            "serve_metrics"]

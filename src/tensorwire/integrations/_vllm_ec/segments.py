@@ -1,0 +1,182 @@
+"""One READ per item and host: the LLM instance's scheduler process reads an item into a shared-memory segment
+that every local tensor-parallel rank maps.
+
+Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` creates an anonymous
+``memfd`` (``tw-ec-<staging key>``, sized for the item, its pages allocated up front), READs the item into it
+with this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open
+until ``drop``. Nothing is named in a file system: the segment cannot be opened by another user, and it is freed
+when the scheduler has dropped it and the last rank's mapping is gone (a crashed engine leaves nothing behind).
+
+Worker side (:func:`map_segment`): the step's metadata carries a :class:`SegmentRef` (the scheduler's pid, the
+descriptor number, the memfd's name, size and the first tensor's layout); the rank opens
+``/proc/<pid>/fd/<fd>``, checks that the link names this item's memfd (a reused descriptor number would name
+another), maps it shared and returns the tensor as a view of the mapping, without a copy. The mapping lives as
+long as the tensor (vLLM's encoder cache holds it); dropping the item on the scheduler side never changes bytes
+a rank still maps (a segment is never reused).
+
+Why a memfd reached through ``/proc`` rather than a file in ``/dev/shm``: a named file outlives a killed engine;
+the descriptor dies with the process. Opening ``/proc/<pid>/fd/<n>`` needs the same uid (and a dumpable process),
+which the ranks of one vLLM instance have.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tensorwire.errors import ProtocolError, Reason
+from tensorwire.mm._proto import encoder_pb2 as pb
+from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
+
+_PREFIX = "tw-ec-"
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+            torch.int8, torch.uint8, torch.bool)}
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """Where a rank finds an item's first tensor (plain values: it travels in vLLM's step metadata)."""
+
+    pid: int
+    fd: int
+    name: str
+    size: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class _Segment:
+    """A memfd of ``size`` bytes mapped in this process; ``tensor`` is a uint8 view of the whole mapping."""
+
+    def __init__(self, key: str, size: int) -> None:
+        self.name = f"{_PREFIX}{key}"
+        self.size = max(1, size)
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        """Closes the descriptor; this process's mapping goes when the last view of it does."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._map = None
+
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+class SegmentStager:
+    """The host's one reader (see the module docstring). ``stage`` runs on any thread, one call per key."""
+
+    name = "host"
+    inline = True  # no RPC: the fetch may run it on the calling (scheduler) thread
+
+    def __init__(self, reader_factory: ReaderFactory | None) -> None:
+        self.area = StagingArea(reader_factory, device="cpu")
+        self._lock = threading.Lock()
+        self._segments: dict[str, tuple[_Segment, SegmentRef]] = {}
+
+    def warm_up(self) -> bool:
+        return self.area.warm_up()
+
+    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
+        made: list[_Segment] = []
+
+        def alloc(nbytes: int) -> torch.Tensor:
+            seg = _Segment(key, nbytes)
+            made.append(seg)
+            return seg.tensor
+
+        try:
+            nbytes = self.area.stage(key, receipt, timeout_ms=timeout_ms, expect=expect, into=alloc)
+            staged = self.area.get(key)
+            if staged is None or len(made) != 1:
+                raise ProtocolError(f"item {key[:64]!r} was not staged into one segment", reason=Reason.UNKNOWN)
+            seg, first = made[0], staged[0]
+            offset = first.data_ptr() - seg.tensor.data_ptr()
+            if not 0 <= offset <= seg.size - first.numel() * first.element_size():
+                raise ProtocolError(f"item {key[:64]!r} landed outside its segment", reason=Reason.UNKNOWN)
+            ref = SegmentRef(os.getpid(), seg.fd, seg.name, seg.size, offset, tuple(first.shape),
+                             str(first.dtype).removeprefix("torch."))
+        except BaseException:
+            self.area.drop([key])
+            for seg in made:
+                seg.close()
+            raise
+        with self._lock:
+            old = self._segments.pop(key, None)
+            self._segments[key] = (seg, ref)
+        if old is not None:
+            old[0].close()
+        return nbytes
+
+    def ref(self, key: str) -> SegmentRef | None:
+        with self._lock:
+            entry = self._segments.get(key)
+        return entry[1] if entry is not None else None
+
+    def drop(self, keys: Sequence[str]) -> None:
+        self.area.drop(keys)
+        with self._lock:
+            gone = [self._segments.pop(k, None) for k in keys]
+        for entry in gone:
+            if entry is not None:
+                entry[0].close()
+
+    @property
+    def staged(self) -> int:
+        with self._lock:
+            return len(self._segments)
+
+    def close(self) -> None:
+        with self._lock:
+            gone, self._segments = list(self._segments.values()), {}
+        for seg, _ in gone:
+            seg.close()
+        self.area.close()
+
+
+def map_segment(ref: SegmentRef, *, opener: Callable[[str], int] | None = None) -> torch.Tensor:
+    """The item's first tensor as a view of the scheduler's segment (worker side). Raises ``OSError`` when the
+    segment cannot be opened and ``ProtocolError`` when the descriptor names another one or the layout does not
+    fit it."""
+    path = f"/proc/{int(ref.pid)}/fd/{int(ref.fd)}"
+    link = os.readlink(path)
+    if link not in (f"/memfd:{ref.name} (deleted)", f"/memfd:{ref.name}") or not ref.name.startswith(_PREFIX):
+        raise ProtocolError(f"{path} is {link!r}, not the segment {ref.name!r}", reason=Reason.STALE_GENERATION)
+    fd = (opener or (lambda p: os.open(p, os.O_RDWR | os.O_CLOEXEC)))(path)
+    try:
+        size = os.fstat(fd).st_size
+        dtype = _DTYPES.get(ref.dtype)
+        nbytes = (dtype.itemsize if dtype is not None else 0) * _numel(ref.shape)
+        if dtype is None or size != ref.size or not 0 <= ref.offset <= size - nbytes or ref.offset % dtype.itemsize:
+            raise ProtocolError(f"segment {ref.name!r} ({size} bytes) does not hold {list(ref.shape)}/{ref.dtype} "
+                                f"at {ref.offset}", reason=Reason.RESULT_MISMATCH)
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+    finally:
+        os.close(fd)
+    base = torch.frombuffer(m, dtype=torch.uint8)
+    return base[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+__all__ = ["SegmentRef", "SegmentStager", "map_segment"]
