@@ -34,6 +34,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -293,6 +294,34 @@ def _match(entries: list[_Entry], src: bytes, sport: int, dport: int) -> int | N
     return None
 
 
+_local_ips: dict[str, tuple[bool, float]] = {}
+_LOCAL_IP_TTL_S = 10.0
+
+
+def is_local_address(ip: str) -> bool:
+    """True when ``ip`` is an address of this host (in this network namespace): a socket can be bound to it.
+    Remembered for ``_LOCAL_IP_TTL_S`` (addresses change rarely; a remote peer's address is asked often). With
+    ``ip_nonlocal_bind`` on every address counts as local, which only costs a caller the socket lookups."""
+    now = time.monotonic()
+    known = _local_ips.get(ip)
+    if known is not None and known[1] > now:
+        return known[0]
+    try:
+        family, _, text = _family_and_bytes(ip)
+    except ValueError:
+        return False
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.bind((text, 0))
+        local = True
+    except OSError:
+        local = False
+    if len(_local_ips) > 4096:
+        _local_ips.clear()
+    _local_ips[ip] = (local, now + _LOCAL_IP_TTL_S)
+    return local
+
+
 def parse_peer(peer: str) -> tuple[str, int] | None:
     """(ip, port) of a gRPC peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); None for ``unix:`` and others."""
     kind, _, rest = peer.partition(":")
@@ -305,5 +334,5 @@ def parse_peer(peer: str) -> tuple[str, int] | None:
         return None
 
 
-__all__ = ["ENV_TRUSTED_UIDS", "available", "connection_uid", "listener_uids", "parse_peer",
+__all__ = ["ENV_TRUSTED_UIDS", "available", "connection_uid", "is_local_address", "listener_uids", "parse_peer",
            "trusted_uids"]

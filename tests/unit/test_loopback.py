@@ -56,6 +56,7 @@ def test_trusted_uids_and_peer_strings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _loopback.parse_peer("ipv4:127.0.0.1:5") == ("127.0.0.1", 5)
     assert _loopback.parse_peer("ipv6:[::1]:6") == ("::1", 6)
     assert _loopback.parse_peer("unix:/x") is None
+    assert _loopback.is_local_address("127.0.0.1") and not _loopback.is_local_address("192.0.2.7")
 
 
 def test_a_client_sends_nothing_to_a_listener_it_does_not_trust(listener: socket.socket,

@@ -72,6 +72,8 @@ class CallerCheck:
         if parsed is None:
             return None if peer.startswith("unix:") else f"unrecognised peer {peer!r}"
         ip, port = parsed
+        if not self.loopback and not _loopback.is_local_address(ip):
+            return None  # a remote peer of an --insecure listener: not a process of this host
         try:
             uid = _loopback.connection_uid(ip, port, self.port, self.local_ips)
         except (OSError, ValueError) as exc:
