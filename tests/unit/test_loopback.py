@@ -13,7 +13,7 @@ import pytest
 
 from tensorwire import _loopback
 from tensorwire._grpc import status
-from tensorwire._grpc.owner import CallerCheck
+from tensorwire._grpc.owner import CallerCheck, guard_channel
 from tensorwire._grpc.tls import TlsConfig, secure_or_insecure_channel
 from tensorwire.errors import Reason
 
@@ -95,3 +95,14 @@ def test_a_listener_refuses_a_caller_it_does_not_trust(listener: socket.socket,
             assert CallerCheck("127.0.0.1", port).allowed(f"ipv4:192.0.2.7:{client.getsockname()[1]}") is not None
             assert CallerCheck("0.0.0.0", port).allowed(f"ipv4:192.0.2.7:{client.getsockname()[1]}") is None
             assert CallerCheck("127.0.0.1", port).allowed("unix:/run/x.sock") is None
+
+
+def test_only_channels_to_this_host_are_guarded() -> None:
+    channel = grpc.insecure_channel("192.0.2.7:1")
+    try:
+        assert guard_channel(channel, "192.0.2.7:1") is channel  # another host: its TLS is the answer
+        assert guard_channel(channel, "unix:/run/x.sock") is channel
+        assert guard_channel(channel, "127.0.0.1:1") is not channel
+        assert guard_channel(channel, "localhost:1") is not channel
+    finally:
+        channel.close()

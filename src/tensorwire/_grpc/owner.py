@@ -8,10 +8,10 @@ socket owners).
   refuses it (nothing remote can reach loopback, so it is a socket that vanished or that the lookup could not
   place), an ``--insecure`` listener admits it (that mode trusts its network, docs/security.md).
 - Client (:func:`guard_channel`, applied by ``secure_or_insecure_channel`` to every plaintext channel to a
-  loopback address): before each call, the socket that would accept the connection must belong to a trusted uid;
-  otherwise the call fails at once, nothing sent, with UNAVAILABLE and reason ``untrusted_listener`` (callers
-  translate it into ``PeerUnavailable``). Each call checks again: a connection that broke is re-opened by gRPC
-  on the next call, possibly to whoever bound the port since.
+  loopback address or another address of this host): before each call, the socket that would accept the
+  connection must belong to a trusted uid; otherwise the call fails at once, nothing sent, with UNAVAILABLE and
+  reason ``untrusted_listener`` (callers translate it into ``PeerUnavailable``). Each call checks again: a
+  connection that broke is re-opened by gRPC on the next call, possibly to whoever bound the port since.
 
 Where the host exposes no socket owners (not Linux), neither side checks (a warning, once).
 """
@@ -192,12 +192,13 @@ class _ListenerCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
 
 
 def guard_channel(channel: grpc.Channel, target: str) -> grpc.Channel:
-    """``channel`` (plaintext, to ``target``) with the listener check when ``target`` is a loopback
-    ``host:port``; unchanged otherwise (a remote host, a ``unix:`` socket, or no socket owners on this host)."""
+    """``channel`` (plaintext, to ``target``) with the listener check when ``target`` is a ``host:port`` on this
+    host (loopback, or an IP address of this host's); unchanged otherwise (a remote host, a host name other than
+    ``localhost``, a ``unix:`` socket, or no socket owners on this host)."""
     if target.startswith("unix:") or ":" not in target:
         return channel
     host, _, port = target.rpartition(":")
-    if not is_loopback_host(host) or not port.isdigit():
+    if not port.isdigit() or not (is_loopback_host(host) or _loopback.is_local_address(host.strip("[]"))):
         return channel
     if not _loopback.available():
         _warn_unavailable("client")

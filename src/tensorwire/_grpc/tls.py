@@ -176,7 +176,7 @@ def channel_options(tls: TlsConfig) -> list[tuple[str, Any]]:
 def secure_or_insecure_channel(target: str, tls: TlsConfig, options: list[tuple[str, Any]]) -> grpc.Channel:
     """A channel to ``target``: TLS when ``tls.client_enabled``, else plaintext (a WARNING once per process for a
     plaintext channel to a non-loopback host; ``unix:`` sockets stay on the host). A plaintext channel to a
-    loopback port checks before every call that the port's listener is a trusted user's (``owner``)."""
+    port on this host checks before every call that the port's listener is a trusted user's (``owner``)."""
     if tls.client_enabled:
         return grpc.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls))
     from tensorwire._grpc.owner import guard_channel
