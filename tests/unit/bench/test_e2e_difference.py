@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorwire.bench._e2e import _difference
+from tensorwire.cli._measure import _difference
 
 
 def test_identical_outputs_differ_in_no_byte() -> None:
