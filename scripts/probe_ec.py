@@ -42,7 +42,7 @@ LLM = [
     "tensorwire.rdma.providers._nixl:NixlProvider.read",
     "tensorwire.rdma.providers._nixl:NixlProvider._remote",
     "tensorwire.rdma.providers._nixl:NixlProvider._transfer",
-    "tensorwire.bench._ec_paths:matches",
+    "tensorwire.bench._vllm.ec_paths:matches",
 ]
 ENCODER = [
     "tensorwire.integrations._vllm_ec.producer:ProducerWorker.save_caches",
@@ -63,7 +63,7 @@ T0 = "t0"
 
 def _producer_main(*args: Any) -> None:
     """The bench's encoder process with ENCODER wrapped and each item's t0 recorded; dumps the events at exit."""
-    import tensorwire.bench._ec_paths as paths
+    import tensorwire.bench._vllm.ec_paths as paths
 
     for spec in ENCODER:
         try:
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    import tensorwire.bench._ec_paths as paths
+    import tensorwire.bench._vllm.ec_paths as paths
     from tensorwire.bench import vllm_ec
 
     for spec in LLM:

@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Any
 
-from tensorwire.bench import _bcast_backends as backends
 from tensorwire.bench._common import summarize, write_result
 from tensorwire.bench._payloads import Case, build, mark, matches, payload_bytes
-from tensorwire.bench._ranks import run_ranks
+from tensorwire.bench._tp import backends
+from tensorwire.bench._tp.ranks import run_ranks
 
 BACKENDS = backends.NAMES
 SIZES = (1024, 64 * 1024, 1024 * 1024)
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _vllm_setup(chosen: list[str], args: argparse.Namespace) -> tuple[dict[str, Any], backends.Options]:
-    from tensorwire.bench import _vllm_loader
+    from tensorwire.bench._vllm import loader as _vllm_loader
 
     opts = backends.Options(tensor_api=args.tensor_api, object_codec=args.object_codec)
     if "vllm" not in chosen:

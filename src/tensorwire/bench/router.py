@@ -137,7 +137,7 @@ def _wait_health(proc: Proc, timeout_s: float = 60.0) -> Proc:
 
 
 def _upstream(*extra: str) -> Proc:
-    return _spawn("upstream", ["-m", "tensorwire.bench._router_upstream", "--port", "0", *extra])
+    return _spawn("upstream", ["-m", "tensorwire.bench._router.upstream", "--port", "0", *extra])
 
 
 def _proxy(kind: str, encoders: list[int], llm: int, old_src: Path | None, *extra: str) -> Proc | None:
@@ -146,7 +146,7 @@ def _proxy(kind: str, encoders: list[int], llm: int, old_src: Path | None, *extr
         return _wait_health(_spawn(kind, ["-m", "tensorwire.integrations.vllm_router", "--port", "0", *enc, "--llm",
                              f"http://127.0.0.1:{llm}", "--log-level", "WARNING", *extra], marker="listening on"))
     if kind == "fastapi":
-        return _wait_health(_spawn(kind, ["-m", "tensorwire.bench._router_fastapi", "--port", "0", *enc, "--llm",
+        return _wait_health(_spawn(kind, ["-m", "tensorwire.bench._router.fastapi_proxy", "--port", "0", *enc, "--llm",
                                           f"http://127.0.0.1:{llm}"]))
     if kind == "stdlib_old" and old_src is not None:
         return _spawn(kind, ["-m", "tensorwire.integrations.vllm_router", "--port", "0", *enc, "--llm",

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
-from tensorwire.bench._ranks import run_ranks
+from tensorwire.bench._tp.ranks import run_ranks
 
 SIZES = (1024, 64 * 1024, 1024 * 1024)
 TPS = (2, 4, 8)

@@ -171,8 +171,8 @@ class _Run:
     def __init__(self, args: argparse.Namespace, run_id: str, roots: dict[str, str], work: str) -> None:
         from prometheus_client import CollectorRegistry
 
-        from tensorwire.bench._ec_paths import CONSUMER_NAME, CheckedArea, run_producer, serve_staging
         from tensorwire.bench._plain_grpc import embedding
+        from tensorwire.bench._vllm.ec_paths import CONSUMER_NAME, CheckedArea, run_producer, serve_staging
         from tensorwire.integrations._vllm_ec.config import ECConfig
         from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RemoteStager, Stager
         from tensorwire.integrations._vllm_ec.metrics import metrics_for
@@ -232,7 +232,7 @@ class _Run:
 
     def item(self, path: str, index: int, rows: int) -> dict[str, float] | None:
         """One hand-off; its stages in ms, or None when it failed or the tensor was not equal (counted)."""
-        from tensorwire.bench._ec_paths import expect_for, file_load, file_remove, matches, mm_hash_of, staging_key
+        from tensorwire.bench._vllm.ec_paths import expect_for, file_load, file_remove, matches, mm_hash_of, staging_key
         from tensorwire.integrations._vllm_ec.params import ItemGrant, parse_params
 
         self.conn.send(("item", path, index, rows))
@@ -299,7 +299,7 @@ class _Run:
         return out
 
     def leftovers(self) -> dict[str, Any]:
-        from tensorwire.bench._ec_paths import files_left
+        from tensorwire.bench._vllm.ec_paths import files_left
 
         if not self.fetcher.wait_released(RPC_TIMEOUT_S):  # the last items' releases may still be on their way
             self.failures.append(f"releases still queued after {RPC_TIMEOUT_S:.0f} s")
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from tensorwire.bench._common import write_result
-    from tensorwire.bench._ec_paths import fs_type
+    from tensorwire.bench._vllm.ec_paths import fs_type
 
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from tensorwire.bench import _bcast_backends as backends
 from tensorwire.bench import broadcast
 from tensorwire.bench._payloads import Case, build, mark, matches, payload_bytes
+from tensorwire.bench._tp import backends
 from tensorwire.tp import shm_available
 
 pytestmark = pytest.mark.timeout(240)

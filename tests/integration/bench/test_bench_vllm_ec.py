@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorwire.bench import _ec_paths as paths
 from tensorwire.bench import vllm_ec
 from tensorwire.bench._plain_grpc import embedding
+from tensorwire.bench._vllm import ec_paths as paths
 from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm.held._rpc import receipt_for
 from tensorwire.mm.held._store import HeldStore

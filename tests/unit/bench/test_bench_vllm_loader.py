@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tensorwire.bench import _vllm_loader as loader
-from tensorwire.bench._vllm_loader import VllmSource, VllmUnavailable
+from tensorwire.bench._vllm import loader
+from tensorwire.bench._vllm.loader import VllmSource, VllmUnavailable
 
 pytestmark = pytest.mark.timeout(240)
 # A real vllm, not pytest's tests/ on sys.path making tests/vllm/ a namespace package "vllm" (that skipped the
@@ -117,7 +117,7 @@ def test_the_environment_reaches_the_stand_in_envs(tmp_path: Path, monkeypatch: 
 def test_a_name_the_stand_ins_lack_is_reported(tmp_path: Path) -> None:
     path = tmp_path / "shm_broadcast.py"
     path.write_bytes(b"from vllm.utils.network_utils import get_brand_new_thing\n")
-    with pytest.raises(VllmUnavailable, match="_vllm_shims.py"):
+    with pytest.raises(VllmUnavailable, match="shims.py"):
         loader.load(loader.locate(str(path)))
     assert loader.MODULE not in sys.modules  # a failed load leaves nothing half-built behind
 
@@ -147,9 +147,9 @@ def test_the_real_message_queue_carries_every_case_between_processes() -> None:
         _, info = loader.load(source)
     except VllmUnavailable as exc:
         pytest.skip(f"{source.describe()} cannot be loaded here: {exc.reason}")
-    from tensorwire.bench import _bcast_backends as backends
     from tensorwire.bench import broadcast
     from tensorwire.bench._payloads import Case
+    from tensorwire.bench._tp import backends
 
     cases = [Case("tensor", 1024), Case("tensor", 1 << 20), Case("dict"), Case("sched"), Case("sched", 0, 1.0)]
     res = broadcast.run_group(2, "vllm", cases, [3] * len(cases), 1, 0.2, timeout_s=180,

@@ -1,6 +1,6 @@
 """The baseline of ``bench router``: an EPD proxy of the shape of vLLM's example proxy, written for the bench.
 
-    python -m tensorwire.bench._router_fastapi --port 0 --encoder URL --llm URL
+    python -m tensorwire.bench._router.fastapi_proxy --port 0 --encoder URL --llm URL
 
 What users run today in front of ``vllm serve`` encoder and LLM instances: FastAPI on uvicorn (uvloop and httptools
 when installed, as in vLLM's environment), one pooled ``aiohttp.ClientSession`` per side made at start-up. A chat
@@ -74,7 +74,7 @@ def build(encoders: list[str], llms: list[str]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench._router_fastapi")
+    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench._router.fastapi_proxy")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--encoder", action="append", required=True)
     ap.add_argument("--llm", action="append", required=True)

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 from tensorwire.bench._payloads import KINDS, SchedulerStep
-from tensorwire.bench._vllm_loader import VllmSource
+from tensorwire.bench._vllm.loader import VllmSource
 
 NAMES = ("shm", "uds", "gloo", "gloo_obj", "vllm")
 # shm with other reader waits (BroadcastConfig overrides); opt-in, see the module docstring.
@@ -151,7 +151,7 @@ class VllmEndpoint(Endpoint):
     scratch directory instead of a torch.distributed broadcast."""
 
     def __init__(self, rank: int, world: int, store: str, opts: Options) -> None:
-        from tensorwire.bench import _vllm_loader
+        from tensorwire.bench._vllm import loader as _vllm_loader
 
         if opts.vllm_source is None:
             raise RuntimeError("the vllm backend needs Options.vllm_source")

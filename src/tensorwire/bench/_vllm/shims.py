@@ -49,7 +49,7 @@ def _env_value(name: str) -> Any:
         return bool(int(os.environ.get(name, "0")))
     if name == "VLLM_RPC_BASE_PATH":
         return os.environ.get(name, tempfile.gettempdir())
-    raise AttributeError(f"vllm.envs has no {name!r} in tensorwire's stand-in (tensorwire/bench/_vllm_shims.py); "
+    raise AttributeError(f"vllm.envs has no {name!r} in tensorwire's stand-in (tensorwire/bench/_vllm/shims.py); "
                          f"this vLLM file needs a new stand-in")
 
 
@@ -94,7 +94,7 @@ def _get_ip() -> str:
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
-    mod = types.ModuleType(name, f"tensorwire bench stand-in for {name} (tensorwire/bench/_vllm_shims.py)")
+    mod = types.ModuleType(name, f"tensorwire bench stand-in for {name} (tensorwire/bench/_vllm/shims.py)")
     mod.__dict__.update(attrs)
     return mod
 

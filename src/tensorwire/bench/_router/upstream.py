@@ -1,6 +1,6 @@
 """A stand-in ``vllm serve`` instance for ``bench router``: answers at once, so only the proxy in front is measured.
 
-    python -m tensorwire.bench._router_upstream --port 0 [--events 8] [--event-delay-ms 0] [--hang]
+    python -m tensorwire.bench._router.upstream --port 0 [--events 8] [--event-delay-ms 0] [--hang]
 
 A raw asyncio protocol (no HTTP framework: the stand-in must cost less than anything measured through it).
 HTTP/1.1 keep-alive, ``Content-Length`` request bodies. ``GET /health``: 200. A POST whose body has
@@ -105,7 +105,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench._router_upstream")
+    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench._router.upstream")
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--events", type=int, default=8)
     ap.add_argument("--event-delay-ms", type=float, default=0.0)

@@ -98,7 +98,7 @@ def load(source: VllmSource) -> tuple[types.ModuleType, dict[str, Any]]:
         return loaded, {**info, "shims": getattr(loaded, "__tensorwire_shims__", [])}
     shims: list[str] = []
     if not _importable("vllm"):
-        from tensorwire.bench import _vllm_shims
+        from tensorwire.bench._vllm import shims as _vllm_shims
 
         shims = _vllm_shims.install()
     mod = types.ModuleType(MODULE)
@@ -128,10 +128,10 @@ def _guarded(fn: Any, source: VllmSource) -> Any:
             raise VllmUnavailable("pyzmq is not installed (vLLM's shm_broadcast.py imports zmq): pip install pyzmq; "
                                   "on a machine without a package registry carry its wheel in .whl/") from exc
         raise VllmUnavailable(f"{source.describe()} imports {exc.name!r}, which neither this environment nor the "
-                              f"stand-ins in tensorwire/bench/_vllm_shims.py provide") from exc
+                              f"stand-ins in tensorwire/bench/_vllm/shims.py provide") from exc
     except ImportError as exc:
         raise VllmUnavailable(f"{source.describe()}: {exc} (a vllm.* name the stand-ins in "
-                              f"tensorwire/bench/_vllm_shims.py lack?)") from exc
+                              f"tensorwire/bench/_vllm/shims.py lack?)") from exc
 
 
 def _read(source: VllmSource) -> tuple[bytes, str, bool | None]:
