@@ -87,7 +87,7 @@ class Reason(str, enum.Enum):
     BUDGET_EXHAUSTED = "budget_exhausted"
     BREAKER_OPEN = "breaker_open"
     ASSEMBLY_MISMATCH = "assembly_mismatch"
-    # service boundary (issue 15)
+    # service boundary
     CANCELLED = "cancelled"  # the caller cancelled or went away; the work stopped
     PEER_LIMIT = "peer_limit"  # a peer is over its share of in-flight calls or streams
     PEER_QUOTA = "peer_quota"  # a peer holds its quota of leased bytes: answered inline

@@ -34,7 +34,7 @@ Port sharing: gRPC sets SO_REUSEPORT by default, so a second server on a port in
 take half its connections. ``GrpcHost`` turns it off unless ``reuse_port=True``; binding a port in use is then a
 ``ConfigError`` with reason ``BIND_FAILED``.
 
-Calls (issue 15, finding 4). Methods are declared as ``Service``/``Method`` specs; the host registers every one
+Calls. Methods are declared as ``Service``/``Method`` specs; the host registers every one
 of them behind the same guard, health included (Check, and Watch on a thread of its own):
 
 1. admission: the caller's ``Peer`` (``_scope``) may hold at most ``max_inflight_per_peer`` calls, of which at

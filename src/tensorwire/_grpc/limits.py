@@ -1,6 +1,6 @@
 """ServerLimits: what one gRPC server (an encoder worker or the proxy) lets its callers hold, and for how long.
 
-Every field is enforced by ``GrpcHost`` (issue 15, findings 4 and 5):
+Every field is enforced by ``GrpcHost``:
 
 - size: a request is at most ``max_request_bytes`` = ``max_request_items`` x (``max_item_bytes`` + per-item
   framing) + request framing; gRPC refuses a larger message from its length prefix, before buffering it, and the
@@ -33,7 +33,7 @@ from tensorwire.errors import ConfigError
 # request (support_rdma, deadline, excluded workers); generous, so the limit is about the payload.
 ITEM_FRAMING_BYTES = 4096
 REQUEST_FRAMING_BYTES = 64 * 1024
-# Inline receipts carry whole embeddings (the seed's is 112.7 MB): what a server sends stays at protobuf's limit.
+# Inline receipts carry whole embeddings (a ViT output is 112.7 MB): what a server sends stays at protobuf's limit.
 MAX_SEND_BYTES = 2**31 - 1
 
 

@@ -3,8 +3,8 @@ call's peer, deadline and liveness, visible to the code that serves it through `
 
 ``GrpcHost`` opens a scope around every handler it runs, on the handler's thread; ``EncoderService`` narrows it
 to the request's worker budget around the encode function. An encode function that works item by item calls
-``current_call().check()`` between items, so a caller that cancelled or a deadline that passed stops the work
-(issue 15, finding 7). Code that runs outside any call (tests, an in-process channel) sees ``NO_CALL``, which is
+``current_call().check()`` between items, so a caller that cancelled or a deadline that passed stops the work.
+Code that runs outside any call (tests, an in-process channel) sees ``NO_CALL``, which is
 never cancelled and has no deadline.
 
 Peer keys (the unit of per-peer limits and quotas) are bounded strings: ``cn:<common name>`` for a caller that

@@ -424,7 +424,7 @@ def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: lis
         "gloo_over_shm_1KiB_tp8>=5": ratio("gloo_over_shm", 8, "1KiB"),
         "gloo_over_uds_1KiB_tp8>=5": ratio("gloo_over_uds", 8, "1KiB"),
         "idle_reader_cpu_frac_max<0.05": {f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"] for d in idle},
-        # Issue 17: every case at most 1.0x vLLM's MessageQueue, idle reader at most 10% of a core.
+        # Target: every case at most 1.0x vLLM's MessageQueue, idle reader at most 10% of a core.
         "shm_over_vllm_max<=1.0": max(shm_vllm) if shm_vllm else None,
         "shm_over_vllm_worst_case": max(((r["shm_over_vllm"], r["case"], r["tp"]) for r in ratios
                                          if r["shm_over_vllm"] is not None), default=None),

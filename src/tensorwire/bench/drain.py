@@ -16,7 +16,7 @@ While the server stops, health ``Check`` is polled. Then the run records:
   server in the moment between the end of the drain period and its refusing;
 - ``exit_code`` (0) and ``stop_s``: SIGTERM to exit; less than drain + grace when the leases came back early.
 
-The summary counts runs and failed in-flight fetches over all runs (target: 0 in 20 runs, issue 16).
+The summary counts runs and failed in-flight fetches over all runs (target: 0 in 20 runs).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark: a legitimate client's fetches while 50 hostile calls run against the same worker (issue 15 target).
+"""Benchmark: a legitimate client's fetches while 50 hostile calls run against the same worker.
 
     python -m tensorwire.bench hostile [--tls] [--hostile 50] [--fetches 200] [--out PATH]
 

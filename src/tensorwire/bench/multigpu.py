@@ -7,7 +7,7 @@ For each (encoder device, reader device) pair three spawned processes run, one a
 
 * the **encoder**: ``serve_encoder`` on a real gRPC server (127.0.0.1, OS port) with
   ``TransportConfig(rdma=RdmaConfig(device=<encoder device>))``; its output is a bf16 ``[rows, 4096]`` tensor
-  built on the encoder device (the seed's 112.7 MB ViT output at 13760 rows);
+  built on the encoder device (a 112.7 MB ViT output at 13760 rows);
 * the **LLM side**: ``RemoteOutputTransport`` with ``RdmaConfig(device=<reader device>)`` (RDMA plane, mode auto)
   and a mode ``grpc`` transport (inline plane); it checks the bytes (bf16, bitwise) of the first and last fetch of
   each plane, the device of every returned embedding (RDMA: the reader device; inline: the host, then moved to the
@@ -44,7 +44,7 @@ from typing import Any
 from tensorwire.bench._common import RESULTS_DIR, machine_tag, summarize, write_result
 from tensorwire.bench.transfer import stage_row
 
-SEED_SHAPE = (13760, 4096)  # bf16: 112,721,920 bytes, the seed's 112.7 MB (same as tensorwire.bench.transfer)
+SEED_SHAPE = (13760, 4096)  # bf16: 112,721,920 bytes, a 112.7 MB ViT output (same as tensorwire.bench.transfer)
 DATA_SEED = 8
 DRY_RUN_ROWS = 1024  # 8 MiB: enough for the RDMA path's large-read branch on host memory, fast on 2 cores
 

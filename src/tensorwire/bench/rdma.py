@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     targets["idle_cpu_owner"] = {"value": owner_idle, "target": "< 0.05", "met": owner_idle < 0.05}
     targets["idle_cpu_reader"] = {"value": reader_idle, "target": "< 0.05", "met": reader_idle < 0.05}
     if cfg.is_cuda:
-        # Issue 6: read bandwidth >= 50% of the same run's device-to-device copy for payloads >= 64 MiB. Judged on
+        # Target: read bandwidth >= 50% of the same run's device-to-device copy for payloads >= 64 MiB. Judged on
         # throughput (a batch of descriptors per read() against as many back-to-back copies); the single-read
         # ratio, which a fixed per-call cost dominates at these sizes on a GPU, is reported beside it.
         for row in rows:

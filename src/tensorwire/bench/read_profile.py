@@ -3,7 +3,7 @@
 An exporter in a spawned process exports one small (64 KiB) and one seed-sized (112.7 MB) bf16 tensor once; the
 reader here reads each ``--iters`` times. Every provider READ is timed by wrapping ``Provider.read`` (payload READ
 and generation READ apart), and one cProfile of the small reads lists the top functions by own time. This is a
-diagnosis tool for the read path's fixed cost (issue 6), not a benchmark with targets: it writes JSON under
+diagnosis tool for the read path's fixed cost, not a benchmark with targets: it writes JSON under
 ``benchmarks/results/read_profile-<machine>.json``.
 """
 

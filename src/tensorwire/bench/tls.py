@@ -8,7 +8,7 @@ alternating rounds (the order flips every round), so both see the same machine s
 with a zero-copy output (the bulk bytes go over the data plane, only the receipt and the release over TLS) and
 the inline plane (the bytes themselves through TLS), both over the gRPC control plane (the same-host
 channel off: an mTLS worker does not open it). Medians over all rounds; ``tls_over_plaintext`` is the
-ratio of the medians. Issue 15's target: the 112.7 MB GPU fetch (``--rows 13760 --device cuda:0``) within 10%.
+ratio of the medians. The target: the 112.7 MB GPU fetch (``--rows 13760 --device cuda:0``) within 10%.
 Writes benchmarks/results/tls-<machine>.json.
 """
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench tls", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N (both processes use it)")
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 1024, SEED_ROWS],
-                    help=f"output rows (x {COLS} bf16) to time; {SEED_ROWS} is the seed's 112.7 MB")
+                    help=f"output rows (x {COLS} bf16) to time; {SEED_ROWS} is a 112.7 MB ViT output")
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     ap.add_argument("--iters", type=int, default=20, help="timed fetches per round, mode, size and plane")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tls-<machine>.json)")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("plaintext", "mtls")}
     try:
         server_tls, client_tls = bench_tls(tmp.name)
-        # Both on the gRPC control plane: a plaintext worker would also serve the same-host Unix socket (issue 18),
+        # Both on the gRPC control plane: a plaintext worker would also serve the same-host Unix socket,
         # which an mTLS worker keeps closed, and the ratio would then measure the channel, not TLS.
         base = TransportConfig(rdma=RdmaConfig(device=args.device), local_channel="off")
         clients: dict[str, tuple[Any, Any]] = {}

@@ -1,7 +1,7 @@
 """Benchmark: encoder output through both planes (RDMA via tensorwire.rdma, inline gRPC bytes) and one plain gRPC call.
 
     python -m tensorwire.bench transfer [--device cpu|cuda:N] [--iters 20] [--inline-iters 5] [--quick] [--tls]
-    python -m tensorwire.bench transfer --rows 128 1280 13760     # issue 17: 1 MiB, 10 MiB, the seed's 112.7 MB
+    python -m tensorwire.bench transfer --rows 128 1280 13760     # 1 MiB, 10 MiB, a 112.7 MB ViT output
 
 The encoder runs in a spawned process (real gRPC server, real exporter); this process fetches through a mode
 ``auto`` transport (RDMA plane) and a mode ``grpc`` transport (inline plane). The headline payload is the
@@ -9,7 +9,7 @@ seed's 112.7 MB ViT output (Qwen3-VL, one 2048x1365 image; 13760 x 2048 fp32): m
 shape [13760, 4096] = 112,721,920 bytes (one row is 8 KiB either way). A size sweep (64 KiB .. 112.7 MB, same row
 width) follows.
 
-The baseline a user would pick instead (issue 17): one plain unary gRPC call returning the same bytes, from a
+The baseline a user would pick instead: one plain unary gRPC call returning the same bytes, from a
 second spawned server process that holds them ready (``_plain_grpc``), fetched by this process; on CUDA its bytes
 are copied to the device (synchronized), as the inline plane must deliver them there. A second variant has the
 server turn its held tensor into bytes in each call (one host copy). Both alternate fetch by fetch with the inline
@@ -20,7 +20,7 @@ total), and inline / the copying variant.
 Each size runs the RDMA plane three times: with a copying export, with a zero-copy output (the encoder writes
 into ``OutputTransport.allocate_output`` buffers, so the export only publishes the slot), and the zero-copy
 output again with the control messages on unary RPCs instead of the EncodeStream (``control_stream=False``).
-Those (and the inline plane) use the gRPC control plane (``local_channel="off"``). Issue 18: both RDMA runs and
+Those (and the inline plane) use the gRPC control plane (``local_channel="off"``). Both RDMA runs and
 the inline plane run again, in the same process and run, over the same-host control channel (the worker's Unix
 socket): ``rdma_local``, ``rdma_zero_copy_local``, ``inline_local``, with their p50/p90/p99 and the ratios to
 the gRPC rows; the RDMA runs of both control channels alternate fetch by fetch (``--block N``: N fetches each in
@@ -40,7 +40,7 @@ With a zero-copy output the encoder does not synchronize its write into the slot
 the one a model pays too), so on CUDA that copy's device time shows in ``export``, not in compute.
 
 ``--tls``: the control plane runs over mTLS (a throwaway CA and certificates made at run time); the bulk bytes
-still go over the data plane, so this measures what TLS adds per fetch (issue 15). The plain-gRPC baseline stays
+still go over the data plane, so this measures what TLS adds per fetch. The plain-gRPC baseline stays
 plaintext. Writes ``transfer-tls-<machine>.json``.
 """
 
@@ -55,9 +55,9 @@ import sys
 import time
 from typing import Any
 
-SEED_SHAPE = (13760, 4096)  # bf16: 112,721,920 bytes = the seed's 112.7 MB
+SEED_SHAPE = (13760, 4096)  # bf16: 112,721,920 bytes = a 112.7 MB ViT output
 SWEEP_ROWS = [8, 128, 1024, 4096, 13760]  # x 4096 x 2 bytes: 64 KiB, 1 MiB, 8 MiB, 32 MiB, 112.7 MB
-# On a GPU the sweep goes to 1 GiB (issue 6): 64 KiB, 1, 8, 64 MiB, 112.7 MB, 256 MiB, 1 GiB.
+# On a GPU the sweep goes to 1 GiB: 64 KiB, 1, 8, 64 MiB, 112.7 MB, 256 MiB, 1 GiB.
 GPU_SWEEP_ROWS = [8, 128, 1024, 8192, 13760, 32768, 131072]
 SLOW_INLINE_BYTES = 256 << 20  # from here on the inline plane takes seconds per fetch: one timed fetch, no warmup
 
@@ -123,7 +123,7 @@ def _memcpy_ms(nbytes: int, device: str, iters: int, threads: int | None = None)
 
 
 def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
-    """One fetch's stages in the seed's terms (ms) from ``MultimodalOutput.stage_ms`` and the synced wall time."""
+    """One fetch's stages as the stage table has them (ms) from ``MultimodalOutput.stage_ms`` and the wall time."""
     total = max(s.get("total", 0.0), synced_total_ms)
     # allocate_output runs inside encode_fn but is transport work (a model would allocate its output anyway).
     compute = s.get("encoder.encode", 0.0) - s.get("encoder.allocate", 0.0)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; the seed is {SEED_SHAPE[0]}) "
+                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; a ViT output is {SEED_SHAPE[0]}) "
                     "instead of the sweep")
     ap.add_argument("--block", type=int, default=1,
                     help="RDMA and placed rows: fetches per transport in turn (1: alternate fetch by fetch)")
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     small = results[0]
     targets = {
         "payload_bytes": seed["bytes"],
-        # Issue 17: the inline plane at most 1.2x one plain unary gRPC call carrying the same bytes.
+        # Target: the inline plane at most 1.2x one plain unary gRPC call carrying the same bytes.
         "inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"],
         "target_inline_over_plain_grpc_max": 1.2,
         "meets_inline_over_plain_grpc": seed["ratio_inline_over_plain_grpc"] <= 1.2,
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError("the same-host transports never used the local channel (was it discovered?)")
     one_mib = next((r for r in results if r["bytes"] == 1 << 20), None)
     targets.update({
-        # Issue 18 (one H200, two processes): the seed's fetch p50 <= 0.8 ms, p99 <= 1.5 ms; 1 MiB p50 <= 0.3 ms.
+        # Target (one H200, two processes): the 112.7 MB fetch p50 <= 0.8 ms, p99 <= 1.5 ms; 1 MiB p50 <= 0.3 ms.
         "local_rdma_fetch_p50_ms_seed": seed["rdma_local"]["total"]["median_ms"],
         "local_rdma_fetch_p99_ms_seed": seed["rdma_local"]["total"]["p99_ms"],
         "local_rdma_zero_copy_fetch_p50_ms_seed": seed["rdma_zero_copy_local"]["total"]["median_ms"],
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         targets["meets_placed_1mib_p50_0.3ms"] = min(one_mib[k]["total"]["median_ms"] for k in
                                                      ("placed_local", "placed_zero_copy_local")) <= 0.3
     if args.device.startswith("cuda"):
-        # Issue 6 (one H200, two processes): the seed's transfer stage <= 1.0 ms and >= 300x the inline plane.
+        # Target (one H200, two processes): the 112.7 MB transfer stage <= 1.0 ms and >= 300x the inline plane.
         for name, plane in (("copy_export", seed["rdma"]), ("zero_copy", seed["rdma_zero_copy"])):
             ms = plane["transfer"]["median_ms"]
             speedup = seed["inline"]["transfer"]["median_ms"] / ms

@@ -108,7 +108,7 @@ def nearest(sizes: Sequence[dict[str, Any]], nbytes: int) -> dict[str, Any] | No
 
 def targets_of(sizes: Sequence[dict[str, Any]], series: dict[str, Any], leftovers: dict[str, Any],
                cuda: bool) -> dict[str, Any]:
-    """Issue 14's targets against the file path on tmpfs (the faster of the two) in the same run.
+    """The targets against the file path on tmpfs (the faster of the two) in the same run.
 
     A ratio comes from the largest sample at that size: the series (``--series`` items per path, interleaved as
     the sizes' rounds are) when it ran at that size, else the size's ``--iters`` items. On a 2-core VM the

@@ -259,7 +259,7 @@ def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: 
 
 
 def table(result: dict[str, Any]) -> str:
-    """The seed's table for the seed image (or the first one), a line per other image, and the plane check."""
+    """The stage table for the reference image (or the first one), a line per other image, and the plane check."""
     lines = []
     seed = result["images"].get(SEED_IMAGE) or next(iter(result["images"].values()))
     name = SEED_IMAGE if SEED_IMAGE in result["images"] else next(iter(result["images"]))

@@ -1,8 +1,8 @@
-"""``tensorwire demo`` (what ``make demo`` runs): the seed's EPD experiment on loopback, end to end.
+"""``tensorwire demo`` (what ``make demo`` runs): the EPD experiment on loopback, end to end.
 
 Starts two ``serve-encoder`` workers and a ``serve-proxy`` in front of them as subprocesses (ports from the
 OS), then sends the sample images shipped in the package through the proxy twice per round: once on the RDMA
-plane (``mode=auto``) and once inline (``mode=grpc``). Prints the seed's table (encoder compute, output
+plane (``mode=auto``) and once inline (``mode=grpc``). Prints the stage table (encoder compute, output
 transfer, total; mean ± sd per plane) for the 2048x1365 image, a line per other image, and checks that both
 planes delivered the same tensors. ``--json`` prints the numbers instead; ``--save`` also writes them under
 benchmarks/results/. Every child runs in its own process group and is stopped in ``finally`` (also on Ctrl-C or

@@ -29,7 +29,7 @@ import the few internals they need explicitly from their module: ``_host.GrpcHos
 ``_receipt.check_receipt`` and ``_ratelog.RateLimitedLog`` (``tensorwire.service``, the CLI),
 ``_grpc_channel.GrpcControlChannel`` (``tensorwire.bench``, the fuzz harness).
 
-Security (issue 15, docs/security.md): ``TransportConfig.tls`` turns TLS / mTLS on for both ends,
+Security (docs/security.md): ``TransportConfig.tls`` turns TLS / mTLS on for both ends,
 ``TransportConfig.limits`` bounds what a caller may hold on a server; a plaintext server binds a non-loopback
 address only with ``serve_encoder(..., insecure=True)``.
 """

@@ -1,6 +1,6 @@
 """TransportConfig: every knob of the encoder-output transport, with its default, in one place.
 
-Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the seed's
+Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the original
 name, kept as the one-switch rollback) and ``TENSORWIRE_MM_<FIELD>`` for the other fields; the nested settings
 come from ``TENSORWIRE_MM_RDMA_<FIELD>`` (``RdmaConfig``), ``TENSORWIRE_MM_TLS_<FIELD>`` (``TlsConfig``) and
 ``TENSORWIRE_MM_<FIELD>`` (``ServerLimits``, whose field names are distinct). The CLI builds its flags from
@@ -88,7 +88,7 @@ class TransportConfig:
     # until it releases (one client cannot pin the pool). 0: half of rdma.pool_cap_bytes.
     peer_leased_bytes: int = 0
     worker_id: str = ""  # empty: "<hostname>-<pid>"
-    # Same-host control channel (issue 18): "auto" on the worker listens on a Unix socket in a private directory
+    # Same-host control channel: "auto" on the worker listens on a Unix socket in a private directory
     # (0700, socket 0600, peers of another uid refused) and tells same-host clients its path over gRPC, unless its
     # gRPC listener requires client certificates (mTLS): the socket's trust is "same uid", and an operator who
     # asked for certificates gets them everywhere; "on" listens with mTLS too. "auto"/"on" on the client asks once

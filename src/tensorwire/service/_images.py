@@ -1,6 +1,6 @@
 """ImageLimits: the pixel budget of one encoder worker, checked from the image headers before anything is decoded.
 
-Issue 15, finding 7: a 65 KB PNG that declares 8192x8192 cost 1.5 s and 325 MB to decode. The header names the
+A 65 KB PNG that declares 8192x8192 cost 1.5 s and 325 MB to decode. The header names the
 size, and Pillow reads only the header when it opens an image, so ``check_pixels`` refuses an item over
 ``max_item_pixels`` or a request whose items add up to more than ``max_request_pixels`` (``InvalidPayload``,
 INVALID_ARGUMENT, reason ``invalid_request``) while the cost is still the few hundred bytes of a header. An item

@@ -16,7 +16,7 @@ call timed out or the connection broke). Their lease ids never reach a reader; t
 them after ``slot_gc_timeout_ms``. Each such attempt is logged with the worker and counted in
 ``tensorwire_proxy_slots_possibly_orphaned_total``; size the workers' pool for it (docs/deployment.md).
 
-Security and limits (issue 15): the proxy's listener has the TLS and ``ServerLimits`` of its config, as a worker's
+Security and limits: the proxy's listener has the TLS and ``ServerLimits`` of its config, as a worker's
 has (``GrpcHost``: per-peer call limits, a request deadline, a work lane for the Encode forwards so ReleaseLeases
 never waits behind them); its channels to the workers use the same ``TlsConfig`` as a client (mTLS: its ``cert``
 is its client certificate). A forwarded Encode names the caller in ``tensorwire-peer`` metadata, which a worker
@@ -339,7 +339,7 @@ class EncoderProxy:
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, too_big)
         forward = ((FORWARDED_PEER_METADATA, current_call().peer.key),)
-        # Each attempt gets the worker budget (the seed's formula), capped by what the caller has left overall.
+        # Each attempt gets the worker budget (the budget formula), capped by what the caller has left overall.
         budget_s = self._attempt_budget_s(request)
         caller_left = _remaining_s(context)
         end = start + caller_left if caller_left is not None else None

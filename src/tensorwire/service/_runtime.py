@@ -119,7 +119,7 @@ class MetricsServer:
 def serve_metrics(port: int, host: str, *, tls: Any, insecure: bool) -> MetricsServer:
     """The /metrics server of a serve command: plaintext on loopback (or anywhere with ``insecure``), HTTPS with the
     gRPC certificate elsewhere (client certificates required under mTLS); ConfigError for a plaintext non-loopback
-    address (issue 15: /metrics stays on loopback unless it is protected or the operator says otherwise)."""
+    address (/metrics stays on loopback unless it is protected or the operator says otherwise)."""
     from tensorwire._grpc.scope import is_loopback_host
     from tensorwire.errors import ConfigError
 

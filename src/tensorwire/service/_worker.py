@@ -6,7 +6,7 @@ standard ``grpc.health.v1.Health``, and ``tensorwire.service.v1.WorkerInfo`` (wh
 so it assembles the server from mm's public ``EncoderService`` and ``OutputTransport`` on mm's ``GrpcHost``,
 the one place that binds, starts and stops a gRPC server (with the config's TLS and limits).
 
-Work per request (issue 15, finding 7): the pixel budget (``ImageLimits``) is checked from the headers before
+Work per request: the pixel budget (``ImageLimits``) is checked from the headers before
 anything is decoded, then the images are encoded one at a time, and between two of them the call is checked:
 a caller that cancelled, or a worker budget that passed, stops the request there.
 
@@ -150,7 +150,7 @@ class EncoderWorker:
         self.host, self.port = host.host, port
         self.transport.worker_address = self.address
         self.transport.start()
-        self.service.start_local()  # the same-host control channel (issue 18), unless local_channel is off
+        self.service.start_local()  # the same-host control channel, unless local_channel is off
         host.start(serving=self.loaded)
         self._host = host
         log.info("encoder worker %s on %s: %s, mode %s, rdma port %d", self.worker_id, self.address,

@@ -1,6 +1,6 @@
 """The soak's inputs and the outputs they must produce.
 
-Decision (issue 7): the expected output of every input is recomputed locally, in the soak's own process, by
+Decision: the expected output of every input is recomputed locally, in the soak's own process, by
 the same deterministic built-in ViT the workers run, from the same image bytes; clients compare a SHA-256 of
 each fetched output (shapes, dtypes and raw bytes of every embedding and position-id tensor) with it. A
 worker-published digest would only prove the worker agrees with itself; a local recomputation catches any

@@ -19,7 +19,7 @@ Sequence (every read and write bounded by one ``init_timeout_s`` deadline)::
 Rank 0 closes the listener as soon as every peer is in: nothing accepts later, and a new broadcaster with the same
 session can bind again after close(). No message is pickled; all structs are little-endian.
 
-Connections that are not one of ours never fail the group (issue 15, finding 9): rank 0 reads every pending
+Connections that are not one of ours never fail the group: rank 0 reads every pending
 handshake at once (poll), so a connection that sends nothing cannot hold up the others, and it drops (closes,
 with a warning, without failing) a connection from another uid, one that closes or sends garbage before its
 HELLO, one of another session, one that has not sent its HELLO within ``HELLO_TIMEOUT_S``, and the oldest pending

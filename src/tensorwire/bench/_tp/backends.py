@@ -15,7 +15,7 @@ sched     ``broadcast_object(obj, schema=T)``         ``enqueue(obj)`` / ``deque
 ========  ==========================================  ===================================  ====================
 
 Opt-in variants of ``shm`` (``--backends shm,shm_fixed,...``; not in the default set) run the same ring with other
-reader waits, to show what each part of the wait is worth in one run: ``shm_fixed`` is the wait before issue 17
+reader waits, to show what each part of the wait is worth in one run: ``shm_fixed`` is the wait before the futex wake-up
 (fixed ``spin_s``, then sleep on the socket), ``shm_socket`` the adaptive spin with socket wake-ups, ``shm_nospin``
 fixed ``spin_s`` with futex wake-ups. ``shm_pickle`` is ``shm`` with the pickled ``broadcast_object`` (no schema)
 whatever ``--object-codec`` says, so one run shows both object paths next to vLLM's (which always pickles).

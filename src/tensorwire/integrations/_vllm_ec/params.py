@@ -12,7 +12,7 @@ OpenAI-compatible field) to its connector. vLLM's own convention keys the dict b
 
 ``endpoint``: the encoder instance's HeldOutputs gRPC service (``host:port``); ``key``: the store key (the
 mm_hash); ``secret``: the item's grant (>= 128 random bits, hex): lookup and release need it, so whoever holds
-the params holds the lease (issue 15 builds on that); ``shape``/``dtype``: what the encoder will hand out (the
+the params holds the lease; ``shape``/``dtype``: what the encoder will hand out (the
 LLM instance checks the item against them and against its own placeholder count before reading);
 ``ttl_ms``: how long the encoder keeps an unreleased item; ``compat``: the encoder instance's compatibility hash
 (``trust.compat_hash``: vLLM version, model, dtype, this schema's version), which the LLM instance compares with

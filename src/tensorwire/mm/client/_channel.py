@@ -2,7 +2,7 @@
 
 ``RemoteOutputTransport`` (the fetch policy: budget, planes, the one inline fallback, breakers, releases) reaches an
 encoder endpoint only through these two classes. ``GrpcControlChannel`` (``_grpc_channel.py``: unary RPCs and a
-pool of EncodeStreams) is the implementation today; a same-host channel (issue 18) fills the same contract, and
+pool of EncodeStreams) is the implementation today; a same-host channel fills the same contract, and
 transport security or per-peer limits (issues 15, 16) stay inside an implementation. The policy never learns which
 one it talks to, except through ``ControlSession.path``, a bounded metric label.
 

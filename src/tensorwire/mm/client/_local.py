@@ -1,4 +1,4 @@
-"""UdsControlChannel: the same-host control channel (issue 18), with gRPC as the way in and the fallback.
+"""UdsControlChannel: the same-host control channel, with gRPC as the way in and the fallback.
 
 Discovery: at construction (in the background) the channel asks the endpoint over gRPC for its same-host
 channel (``LocalChannel``, with this host's token: the kernel's boot id). It uses the answer only when the

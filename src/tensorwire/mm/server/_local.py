@@ -1,4 +1,4 @@
-"""LocalControlServer: the encoder's same-host control channel, a Unix socket next to its gRPC port (issue 18).
+"""LocalControlServer: the encoder's same-host control channel, a Unix socket next to its gRPC port.
 
 The socket lives in a private directory (``_unix.ensure_private_dir``: 0700, ours), is 0600, and every accepted
 peer's SO_PEERCRED uid must be ours (another uid is refused and counted). Same-host clients learn its path

@@ -1,6 +1,6 @@
 """PeerLeases: the bytes each peer holds leased on one encoder, so that one client cannot pin the slot pool.
 
-Issue 15, finding 6: a client that never releases used to hold every slot until the GC window passed, and
+A client that never releases used to hold every slot until the GC window passed, and
 everyone else fell back to inline. With a quota of ``cap_bytes`` per peer (``TransportConfig.peer_leased_bytes``),
 an output that would take a peer over it is answered inline instead (``tensorwire_mm_fallbacks_total{reason=
 "peer_quota"}``), and only that peer's outputs are.

@@ -9,7 +9,7 @@ Two control paths reach the same ``run_encode``: the unary ``Encode`` RPC and th
 the message contract). A failure ends a unary call with a status and is a ``StreamError`` on the stream, built
 from the same table, so a caller sees the same exception on either path.
 
-Limits (issue 15): the service is served through ``GrpcHost`` (``methods()``), which admits, times and lanes
+Limits: the service is served through ``GrpcHost`` (``methods()``), which admits, times and lanes
 every call; ``run_encode`` refuses more than ``max_request_items`` items or an item over ``max_item_bytes``
 (INVALID_ARGUMENT) and runs the encode function inside the call's scope narrowed to the request's worker budget,
 so an encode function that checks ``current_call()`` between items stops when the caller cancels or the budget

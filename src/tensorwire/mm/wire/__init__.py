@@ -44,7 +44,7 @@ RELEASE_METHOD = f"/{SERVICE_NAME}/ReleaseLeases"
 ENCODE_STREAM_METHOD = f"/{SERVICE_NAME}/EncodeStream"
 LOCAL_CHANNEL_METHOD = f"/{SERVICE_NAME}/LocalChannel"
 
-# Inline receipts carry whole embeddings (the seed's output is 112.7 MB); gRPC's 4 MiB default would refuse
+# Inline receipts carry whole embeddings (a ViT output is 112.7 MB); gRPC's 4 MiB default would refuse
 # them. 2 GiB - 1 is protobuf's hard limit for one message.
 MAX_MESSAGE_BYTES = 2**31 - 1
 

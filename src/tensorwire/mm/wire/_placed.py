@@ -1,4 +1,4 @@
-"""Placed outputs (issue 18): on the same-host channel the LLM lends the encoder a receive buffer, the encoder
+"""Placed outputs: on the same-host channel the LLM lends the encoder a receive buffer, the encoder
 writes its output there, and the answer carries only a manifest of where each tensor is.
 
 Why: between two processes on one GPU, a copy by the reader after the writer's work pays a GPU context switch

@@ -1,7 +1,7 @@
 """The protobuf wire format by hand, for the few places where protobuf's Python objects would copy 100+ MB.
 
 python-protobuf (upb) copies a ``bytes`` field when it is set, again when the message is serialized, again when
-it is parsed, and again on every read of the field: an inline receipt of the seed's 112.7 MB output paid about
+it is parsed, and again on every read of the field: an inline receipt of a 112.7 MB output paid about
 eight copies of its payload between the encoder's tensor and the client's. ``_wire_receipt`` writes and reads
 the inline tensors' ``data`` fields with these helpers instead, and leaves every other field to protobuf.
 

@@ -1,6 +1,6 @@
 """WireReceipt: a receipt as it crosses the wire, with the bytes of its inline tensors kept out of protobuf.
 
-Why: python-protobuf copies a ``bytes`` field when it is set, serialized, parsed and read. For the seed's
+Why: python-protobuf copies a ``bytes`` field when it is set, serialized, parsed and read. For a
 112.7 MB inline output that was four copies of the payload on each side, each into fresh memory (page faults
 included), which made the inline plane 2-3x slower than one plain gRPC call carrying the same bytes. Here the
 payload is copied once on the encoder (from the output tensor into the response bytes, ``bytes.join``) and not
