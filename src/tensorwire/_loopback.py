@@ -27,6 +27,7 @@ or an empty list.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import ipaddress
 import logging
@@ -110,6 +111,16 @@ def _family_and_bytes(ip: str) -> tuple[int, bytes, str]:
 _pool: list[socket.socket] = []
 _pool_lock = threading.Lock()
 _POOL_MAX = 8
+
+
+def _close_pool() -> None:
+    """Closes the pooled sockets (at exit: a socket left to the garbage collector is a ResourceWarning)."""
+    with _pool_lock:
+        while _pool:
+            _pool.pop().close()
+
+
+atexit.register(_close_pool)
 
 
 @contextmanager
