@@ -284,10 +284,10 @@ def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dic
                 for kind in ports:
                     proc = procs.get(kind)
                     cpu0 = proc.cpu_s() if proc else 0.0
-                    row = _run(closed_loop(ports[kind], request, c, args.seconds))
+                    row = _run(closed_loop(ports[kind], request, c, args.seconds, warmup_s=args.warmup))
                     # CPU the proxy spent per answer (warm-up included in both): robust on a busy box, where
                     # latency and throughput also measure the neighbours.
-                    served = row["n"] * (args.seconds + 0.5) / args.seconds
+                    served = row["n"] * (args.seconds + args.warmup) / args.seconds
                     row["proxy_cpu_ms_per_request"] = ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served \
                         else None
                     row.update({"proxy": kind, "mode": mode, "c": c, **(proc.stats() if proc else {})})
@@ -483,6 +483,8 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench router", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=3.0, help="measured time per closed-loop cell (default 3)")
+    ap.add_argument("--warmup", type=float, default=1.0,
+                    help="seconds per closed-loop cell before measuring (connections open, pools fill; default 1)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     ap.add_argument("--old-src", type=Path, default=None,
                     help="src/ of a tensorwire tree with the http.server router (adds the stdlib_old column)")
@@ -503,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError):
         pass
     result: dict[str, Any] = {"note": args.note, "python": sys.executable, "proxies": kinds,
-                              "seconds_per_cell": args.seconds, "loop": _loop_name()}
+                              "seconds_per_cell": args.seconds, "warmup_s": args.warmup, "loop": _loop_name(),
+                              "load_average_before": os.getloadavg()}
     t0 = time.monotonic()
     if "closed_loop" not in args.skip:
         print("closed loop (chat with an image: encoder stand-in, then LLM stand-in)", flush=True)
@@ -522,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         print("one hung encoder of two", flush=True)
         result["hung_encoder"] = scenario_hung_encoder(args, kinds)
     result["wall_s"] = time.monotonic() - t0
+    result["load_average_after"] = os.getloadavg()
     path = write_result("router", result, args.out)
     print(f"wrote {path}")
     return 0
