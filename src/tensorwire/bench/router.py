@@ -98,6 +98,9 @@ class Proc:
             return self.popen.wait(timeout=30)
         except subprocess.TimeoutExpired:
             return None
+        finally:
+            if self.popen.stdout is not None:
+                self.popen.stdout.close()
 
 
 def _spawn(name: str, argv: list[str], src: Path = SRC, marker: str = "PORT ") -> Proc:
@@ -425,6 +428,7 @@ def scenario_sigterm(args: argparse.Namespace) -> dict[str, Any]:
             assert proc is not None
             whole = _run(_streams_then_term(proc.port, proc.popen.pid, 3))
             codes.append(proc.popen.wait(timeout=60))
+            proc.stop()
             complete += sum(whole)
             cut += len(whole) - sum(whole)
     finally:

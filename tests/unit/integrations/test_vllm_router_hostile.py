@@ -250,6 +250,7 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(fakes: list[Fake]) -> 
             proc.wait()
     assert proc.stdout is not None
     out = proc.stdout.read()
+    proc.stdout.close()
     assert "waiting up to 60.0 s for 1 request(s) in flight (1 streamed" in out and "drained" in out, out
 
 
@@ -270,6 +271,7 @@ def test_health_answers_503_while_draining(fakes: list[Fake]) -> None:
             resp.read()
             status = resp.status
         assert status == 503
+        conn.close()
         assert post(type("R", (), {"port": port})(), TEXT_CHAT)[0] == 200  # still served meanwhile
         proc.send_signal(signal.SIGTERM)  # a second signal: stop now
         assert proc.wait(timeout=60) == 0
@@ -277,6 +279,8 @@ def test_health_answers_503_while_draining(fakes: list[Fake]) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
 
 
 def test_exit_codes_port_in_use_and_plaintext_off_loopback(fakes: list[Fake]) -> None:
