@@ -2,12 +2,12 @@
 
     python -m tensorwire.bench router [--seconds 3] [--old-src DIR] [--out FILE] [--skip SCENARIO ...]
 
-Stand-in ``vllm serve`` instances (``_router_upstream``: processes answering at once, plain JSON or SSE-streamed)
+Stand-in ``vllm serve`` instances (``_router.upstream``: processes answering at once, plain JSON or SSE-streamed)
 leave only the proxy in front measured. In the same run, side by side, interleaved per cell:
 
 - ``direct``: the client talks to the LLM stand-in itself (the floor);
 - ``tensorwire``: ``python -m tensorwire.integrations.vllm_router``;
-- ``fastapi``: FastAPI + aiohttp proxy of the shape of vLLM's example EPD proxy (``_router_fastapi``);
+- ``fastapi``: FastAPI + aiohttp proxy of the shape of vLLM's example EPD proxy (``_router.fastapi_proxy``);
 - ``stdlib_old``: the ``http.server`` router, run from an older tensorwire tree (``--old-src DIR``: its ``src``).
 
 Scenarios (each bounded; loopback only):
