@@ -179,7 +179,7 @@ def test_operator_metrics_and_502_504_logged_with_the_request_id(fakes: list[Fak
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
     broken = fake(fakes, lambda p, b: (200, b"x"))
-    broken.httpd.RequestHandlerClass.do_POST = lambda h: h.wfile.write(b"garbage\r\n\r\n")  # type: ignore
+    broken.httpd.RequestHandlerClass.do_POST = lambda h: h.wfile.write(b"garbage\r\n\r\n")  # type: ignore[attr-defined, method-assign]
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         assert post(router, IMAGE_CHAT)[0] == 200
         conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
