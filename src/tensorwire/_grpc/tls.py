@@ -25,11 +25,12 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from tensorwire.errors import ConfigError
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class _ServerCertificates:
         return tuple(out)
 
     def _build(self) -> Any:
+        import grpc
+
         tls = self._tls
         _check_pair(tls.cert, tls.key)
         key, cert = _read(tls.key, "key"), _read(tls.cert, "certificate")
@@ -146,6 +149,8 @@ class _ServerCertificates:
 def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, _ServerCertificates]:
     """Credentials for a TLS listener (mTLS when ``tls.client_auth``), reloading changed files; ConfigError when
     the files are missing, unreadable or inconsistent."""
+    import grpc
+
     if not tls.server_enabled:
         raise ConfigError("a TLS listener needs tls.cert and tls.key (--tls-cert, --tls-key)")
     if tls.client_auth and not tls.ca:
@@ -159,6 +164,8 @@ def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, _ServerC
 
 def channel_credentials(tls: TlsConfig) -> grpc.ChannelCredentials:
     """Credentials for a TLS client channel (presenting ``cert`` when set); ConfigError on unreadable files."""
+    import grpc
+
     if tls.cert:
         _check_pair(tls.cert, tls.key)
     return grpc.ssl_channel_credentials(
@@ -177,6 +184,8 @@ def secure_or_insecure_channel(target: str, tls: TlsConfig, options: list[tuple[
     """A channel to ``target``: TLS when ``tls.client_enabled``, else plaintext (a WARNING once per process for a
     plaintext channel to a non-loopback host; ``unix:`` sockets stay on the host). A plaintext channel to a
     port on this host checks before every call that the port's listener is a trusted user's (``owner``)."""
+    import grpc
+
     if tls.client_enabled:
         return grpc.secure_channel(target, channel_credentials(tls), options=options + channel_options(tls))
     from tensorwire._grpc.owner import guard_channel

@@ -36,12 +36,37 @@ address only with ``serve_encoder(..., insecure=True)``.
 
 from __future__ import annotations
 
-from tensorwire.mm._config import MODES, TransportConfig
-from tensorwire.mm._metrics import TransportMetrics, metrics_for
-from tensorwire.mm._types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
-from tensorwire.mm.client._transport import RemoteOutputTransport
-from tensorwire.mm.server._output import OutputBuffers, OutputTransport
-from tensorwire.mm.server._service import EncodeFn, EncoderServer, EncoderService, serve_encoder
+import typing as _typing
+
+from tensorwire._lazy import lazy_exports as _lazy_exports
+
+if _typing.TYPE_CHECKING:
+    from tensorwire.mm._config import MODES, TransportConfig
+    from tensorwire.mm._metrics import TransportMetrics, metrics_for
+    from tensorwire.mm._types import EncoderOutput, MultimodalInput, MultimodalOutput, Plane
+    from tensorwire.mm.client._transport import RemoteOutputTransport
+    from tensorwire.mm.server._output import OutputBuffers, OutputTransport
+    from tensorwire.mm.server._service import EncodeFn, EncoderServer, EncoderService, serve_encoder
+
+# Each name is imported from its module on first use, so ``import tensorwire.mm`` and its configuration (which
+# the CLI needs to build its flags) import neither torch nor the servers.
+_LAZY = {
+    "MODES": "tensorwire.mm._config",
+    "TransportConfig": "tensorwire.mm._config",
+    "TransportMetrics": "tensorwire.mm._metrics",
+    "metrics_for": "tensorwire.mm._metrics",
+    "EncoderOutput": "tensorwire.mm._types",
+    "MultimodalInput": "tensorwire.mm._types",
+    "MultimodalOutput": "tensorwire.mm._types",
+    "Plane": "tensorwire.mm._types",
+    "RemoteOutputTransport": "tensorwire.mm.client._transport",
+    "OutputBuffers": "tensorwire.mm.server._output",
+    "OutputTransport": "tensorwire.mm.server._output",
+    "EncodeFn": "tensorwire.mm.server._service",
+    "EncoderServer": "tensorwire.mm.server._service",
+    "EncoderService": "tensorwire.mm.server._service",
+    "serve_encoder": "tensorwire.mm.server._service",
+}
 
 __all__ = [
     # encoder side
@@ -63,3 +88,5 @@ __all__ = [
     "TransportMetrics",
     "metrics_for",
 ]
+
+__getattr__ = _lazy_exports("tensorwire.mm", _LAZY, globals())

@@ -111,7 +111,7 @@ class TransportConfig:
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"mode={self.mode!r} is not one of {list(MODES)} (set {ENV_MODE} or --mm-transport-mode)")
+            raise ConfigError(f"mode={self.mode!r} is not one of {list(MODES)} (set {ENV_MODE} or the CLI's --mode)")
         for name, (cls, _) in NESTED.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")

@@ -17,11 +17,9 @@ _TYPES = {int: int, float: float, str: str}
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
+    """The field's plain default; None for a factory (nested configs: building one may import a lot, and no
+    factory-made value is a scalar flag)."""
+    return f.default if f.default is not dataclasses.MISSING else None
 
 
 def _dest(prefix: str, name: str) -> str:

@@ -4,6 +4,7 @@ importing gRPC servers or torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tensorwire._grpc.limits import ServerLimits
 from tensorwire._grpc.tls import TlsConfig
@@ -12,7 +13,11 @@ from tensorwire.mm._config import TransportConfig
 from tensorwire.rdma import RdmaConfig
 from tensorwire.service._endpoint import parse_endpoint
 
-_DEFAULT_TRANSPORT = TransportConfig()
+
+def _default(cls: type, name: str) -> Any:
+    """A field's default, read without building the dataclass (RdmaConfig's checks import the providers)."""
+    return cls.__dataclass_fields__[name].default  # type: ignore[attr-defined]
+
 
 # Default rounds over the workers per Encode: a request can outlive one worker's fault and meet the next one
 # (the worker it retried on dies while the first is back), so later rounds ask the recovered one again; and with
@@ -28,11 +33,11 @@ class ProxyConfig:
     # Attempts per Encode, in rounds over the workers (UP ones first); 0: three rounds of every worker. Attempts
     # also stop when the caller's deadline is spent.
     max_attempts: int = 0
-    worker_timeout_ms: int = _DEFAULT_TRANSPORT.worker_timeout_ms
-    rpc_timeout_margin_ms: int = _DEFAULT_TRANSPORT.rpc_timeout_margin_ms
-    release_timeout_ms: int = _DEFAULT_TRANSPORT.release_timeout_ms
+    worker_timeout_ms: int = _default(TransportConfig, "worker_timeout_ms")
+    rpc_timeout_margin_ms: int = _default(TransportConfig, "rpc_timeout_margin_ms")
+    release_timeout_ms: int = _default(TransportConfig, "release_timeout_ms")
     # Used for the route TTL when workers are not asked (check_workers=False); else the workers' largest.
-    slot_gc_timeout_ms: int = RdmaConfig().slot_gc_timeout_ms
+    slot_gc_timeout_ms: int = _default(RdmaConfig, "slot_gc_timeout_ms")
     # Ask every worker for WorkerInfo at start-up (RDMA port check, route TTL); wait this long for each.
     check_workers: bool = True
     worker_wait_s: float = 30.0

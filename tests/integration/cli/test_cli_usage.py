@@ -76,6 +76,8 @@ BAD_USAGE = [
     (["fetch", "--endpoint", "127.0.0.1:7001", "--device", MISSING_GPU, IMAGE], f"device {MISSING_GPU} asked for"),
     (["demo", "--device", MISSING_GPU], f"device {MISSING_GPU} asked for"),
     (["rdma-demo", "--device", MISSING_GPU], f"device {MISSING_GPU} asked for"),
+    # The environment's mistakes name the flag that overrides them (the flag is --mode, not --mm-transport-mode).
+    (["fetch", "--endpoint", "127.0.0.1:7001", IMAGE, "ENV:MM_TRANSPORT_MODE=rdma"], "or the CLI's --mode"),
 ]
 
 
@@ -100,7 +102,12 @@ def alarm(signum, frame):
 
 signal.signal(signal.SIGALRM, alarm)
 results = []
+import os
 for argv in json.loads(sys.argv[1]):
+    env = dict(a[4:].split("=", 1) for a in argv if a.startswith("ENV:"))
+    argv = [a for a in argv if not a.startswith("ENV:")]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     err, out = io.StringIO(), io.StringIO()
     signal.alarm(60)
     try:
@@ -114,6 +121,8 @@ for argv in json.loads(sys.argv[1]):
         err.write(traceback.format_exc())
     finally:
         signal.alarm(0)
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     results.append([code, err.getvalue(), out.getvalue()])
 sys.__stdout__.write(json.dumps(results))
 """
@@ -139,6 +148,23 @@ def test_every_usage_mistake_is_one_line_and_exit_code_2() -> None:
 def test_the_entry_point_itself_exits_2_with_one_line(argv: list[str]) -> None:
     r = _cli(*argv)
     assert r.returncode == 2 and len(_lines(r.stderr)) == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_help_of_every_command_imports_no_torch() -> None:
+    """``--help`` builds only the asked command's flags, and building them imports no torch (start-up time)."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from tensorwire.cli.main import COMMANDS, main\n"
+        "for argv in [['--help'], *[[c, '--help'] for c in COMMANDS]]:\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    if 'torch' in sys.modules:\n"
+        "        print(' '.join(argv)); break\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "", f"torch imported by: tensorwire {r.stdout}"
 
 
 def _loading_torch(pid: int) -> bool:

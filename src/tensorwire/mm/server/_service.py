@@ -220,7 +220,10 @@ class EncoderService:
         reason = wire.status_for(exc)[1].value
         self.transport.metrics.errors.labels("encoder", reason).inc()
         # Rate-limited per reason: a caller sending bad requests must not flood the log (counted above anyway).
-        self._rl.log(logging.WARNING, "failure-" + reason, msg, *args)
+        # A caller's mistake (an image that does not decode, too many items) is INFO: the server is fine, the
+        # caller got INVALID_ARGUMENT with the reason; a failure of the server's own is a WARNING.
+        level = logging.INFO if isinstance(exc, InvalidPayload) else logging.WARNING
+        self._rl.log(level, "failure-" + reason, msg, *args)
 
     def encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.EncodeRequest, raw, context)
