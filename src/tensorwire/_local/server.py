@@ -1,4 +1,4 @@
-"""UnixConnServer: what both same-host servers of ``mm`` share (the encoder's control channel, ``_uds_service``,
+"""UnixConnServer: what both same-host servers of ``mm`` share (the encoder's control channel, ``server._local``,
 and the held-outputs/staging calls, ``_local_rpc``): a private listening socket, same-uid peers only, one thread
 per connection up to a cap, a hello, and the stop sequence.
 

@@ -46,7 +46,7 @@ _IFF_LOOPBACK = 0x8
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class MetadataEndpoint:
     """The resolved metadata endpoint: what to bind, what to advertise, and which rule chose each (for logs)."""
 
     bind_ip: str
@@ -149,7 +149,7 @@ def detect() -> tuple[str, str]:
     return LOOPBACK, "no non-loopback address found"
 
 
-def resolve(bind_ip: str, advertise_host: str, control_host: str) -> Endpoint:
+def resolve(bind_ip: str, advertise_host: str, control_host: str) -> MetadataEndpoint:
     """Apply the rules of the module docstring."""
     control = to_ip(control_host) if control_host and not is_wildcard(control_host) else None
     detected: tuple[str, str] | None = None
@@ -176,10 +176,10 @@ def resolve(bind_ip: str, advertise_host: str, control_host: str) -> Endpoint:
         adv, adv_rule = control, f"the control plane's address {control_host}"
     else:
         adv, adv_rule = detected_once()
-    return Endpoint(bind, adv, bind_rule, adv_rule)
+    return MetadataEndpoint(bind, adv, bind_rule, adv_rule)
 
 
-def announce(ep: Endpoint, port: int, agent_name: str, control_host: str = "") -> list[str]:
+def announce(ep: MetadataEndpoint, port: int, agent_name: str, control_host: str = "") -> list[str]:
     """Log where the endpoint listens and what it advertises; returns the warnings it logged (for tests)."""
     log.info("rdma metadata endpoint of %s: listening on %s:%d (%s); descriptors advertise %s (%s)", agent_name,
              ep.bind_ip, port, ep.bind_rule, ep.advertise_host, ep.advertise_rule)
@@ -202,5 +202,5 @@ def announce(ep: Endpoint, port: int, agent_name: str, control_host: str = "") -
     return warnings
 
 
-__all__ = ["Endpoint", "announce", "bare", "detect", "interface_addresses", "is_local", "is_loopback",
+__all__ = ["MetadataEndpoint", "announce", "bare", "detect", "interface_addresses", "is_local", "is_loopback",
            "is_wildcard", "resolve", "route_address", "to_ip"]

@@ -16,7 +16,7 @@ from tensorwire.errors import ConfigError
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.%a-zA-Z]+\]|[A-Za-z0-9]([A-Za-z0-9.\-_]*[A-Za-z0-9])?)$")
 
 
-class Endpoint(NamedTuple):
+class HostPort(NamedTuple):
     host: str  # as given (IPv6 keeps its brackets)
     port: int
 
@@ -24,8 +24,8 @@ class Endpoint(NamedTuple):
         return f"{self.host}:{self.port}"
 
 
-def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
-    """``Endpoint(host, port)``, or ``ConfigError`` naming ``what`` and the expected form."""
+def parse_endpoint(text: str, what: str = "endpoint") -> HostPort:
+    """``HostPort(host, port)``, or ``ConfigError`` naming ``what`` and the expected form."""
     expected = f"{what} {text!r}: expected HOST:PORT with a port in 1..65535 (e.g. 127.0.0.1:7001 or [::1]:7001)"
     host, sep, port = text.strip().rpartition(":")
     if not sep or not host or not port:
@@ -38,7 +38,7 @@ def parse_endpoint(text: str, what: str = "endpoint") -> Endpoint:
         raise ConfigError(expected + "; put an IPv6 address in brackets")
     if not _HOST.match(host):
         raise ConfigError(expected + f"; {host!r} is not a host name or address")
-    return Endpoint(host, int(port))
+    return HostPort(host, int(port))
 
 
-__all__ = ["Endpoint", "parse_endpoint"]
+__all__ = ["HostPort", "parse_endpoint"]

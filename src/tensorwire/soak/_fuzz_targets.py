@@ -295,11 +295,11 @@ class HelloHarness:
     def __init__(self) -> None:
         import hashlib
 
-        from tensorwire.tp._paths import Endpoint, session_digest
+        from tensorwire.tp._paths import Rendezvous, session_digest
         from tensorwire.tp._star import Hello, RootBootstrap
 
         self.hello = Hello(0, 4, "uds", session_digest("fuzz"), hashlib.blake2b(b"p", digest_size=16).digest())
-        self.root = RootBootstrap(Endpoint("/nonexistent/fuzz.sock", "fuzz", False), 4, self.hello, 1.0, 0, False)
+        self.root = RootBootstrap(Rendezvous("/nonexistent/fuzz.sock", "fuzz", False), 4, self.hello, 1.0, 0, False)
 
     def __call__(self, data: bytes) -> str:
         from tensorwire.tp._link import Link

@@ -42,15 +42,15 @@ from ._frame import (
     SEQ_AT,
     Layout,
     allocate,
-    assemble,
     byte_view,
     check_inplace,
     encode_object_prefix,
     encode_prefix,
     flatten,
     plain,
+    unflatten,
 )
-from ._paths import Endpoint
+from ._paths import Rendezvous
 from ._transport import Transport
 from ._typed import Codec
 
@@ -121,7 +121,7 @@ class CpuTpBroadcaster:
         self.world_size = world_size
         self.session = session
         self.backend = resolve_backend(backend)
-        self.endpoint: Endpoint | None = None
+        self.endpoint: Rendezvous | None = None
         self._seq = 0
         self._codecs: dict[Any, Codec] = {}  # broadcast_object(schema=...): one msgspec codec per schema
         self._align = 1
@@ -410,7 +410,7 @@ class CpuTpBroadcaster:
         assert self._transport is not None
         layout = self._transport.recv(seq, into)
         self._seq = seq
-        return assemble(layout.structure, layout.entries, tensors)
+        return unflatten(layout.structure, layout.entries, tensors)
 
     def _into_target(self, layout: Layout) -> Sequence[memoryview]:
         """broadcast_: the frame must match the target; checked once per (layout, dtype, shape) in a hot loop."""

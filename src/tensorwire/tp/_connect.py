@@ -15,7 +15,7 @@ from tensorwire.errors import ConfigError
 from . import _fence
 from ._config import BroadcastConfig
 from ._link import Link
-from ._paths import Endpoint, make_endpoint, session_digest
+from ._paths import Rendezvous, make_endpoint, session_digest
 from ._ring import Ring
 from ._shm import ShmReader, ShmRoot
 from ._star import Hello, RootBootstrap, peer_bootstrap
@@ -59,7 +59,7 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
     cfg = config
     endpoint = make_endpoint(session, base_dir, cfg.abstract)
 
-    def private() -> Endpoint:  # where an abstract group meets when its name is squatted (_star)
+    def private() -> Rendezvous:  # where an abstract group meets when its name is squatted (_star)
         return make_endpoint(session, base_dir, False)
 
     fallback = private if cfg.abstract else None

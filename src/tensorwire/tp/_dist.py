@@ -24,12 +24,12 @@ from ._frame import (
     HEADER,
     KIND_DATA,
     allocate,
-    assemble,
     byte_view,
     decode_header,
     decode_table,
     encode_prefix,
     flatten,
+    unflatten,
 )
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
     for e, t in zip(entries, tensors, strict=True):
         if e.nbytes:
             byte_view(t)[:] = fv[pbase + e.offset: pbase + e.offset + e.nbytes]
-    return assemble(structure, entries, tensors)
+    return unflatten(structure, entries, tensors)
 
 
 def _bcast(t: torch.Tensor, src: int, group: Any, device: torch.device | None) -> None:

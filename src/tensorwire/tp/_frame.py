@@ -267,7 +267,7 @@ def encode_object_prefix(seq: int, nbytes: int, structure: int = S_OBJECT) -> by
     return HEADER.pack(MAGIC, VERSION, KIND_DATA, seq, 1, len(table), nbytes, structure) + table
 
 
-def assemble(structure: int, entries: Sequence[Entry], tensors: list[torch.Tensor]) -> Any:
+def unflatten(structure: int, entries: Sequence[Entry], tensors: list[torch.Tensor]) -> Any:
     if structure in OBJECTS:
         raise FrameMismatch("rank 0 sent an object (broadcast_object) where this rank called broadcast; the ranks "
                             "called different methods")

@@ -102,7 +102,7 @@ def ensure_private_dir(path: str) -> str:
 
 
 @dataclass(frozen=True)
-class Endpoint:
+class Rendezvous:
     """The rendezvous address: a socket file under a private directory, or an abstract name."""
 
     address: str | bytes  # str path, or bytes starting with NUL for the abstract namespace
@@ -114,7 +114,7 @@ class Endpoint:
         return None if self.is_abstract else str(self.address)
 
 
-def make_endpoint(session: str, base_dir: str | None, abstract: bool) -> Endpoint:
+def make_endpoint(session: str, base_dir: str | None, abstract: bool) -> Rendezvous:
     """Resolve the rank-0 socket address for ``session`` and check it against the sun_path limit."""
     token = sanitize_session(session)
     if abstract:
@@ -125,7 +125,7 @@ def make_endpoint(session: str, base_dir: str | None, abstract: bool) -> Endpoin
                 f"use a shorter session id",
                 reason=Reason.PATH_TOO_LONG,
             )
-        return Endpoint(name, "@" + name[1:].decode(), True)
+        return Rendezvous(name, "@" + name[1:].decode(), True)
     leaf = f"tw-{token}.sock"
     if base_dir is not None:
         directory = os.path.abspath(base_dir)
@@ -135,7 +135,7 @@ def make_endpoint(session: str, base_dir: str | None, abstract: bool) -> Endpoin
     else:
         directory = default_base_dir(leaf)
     path = os.path.join(directory, leaf)
-    return Endpoint(path, path, False)
+    return Rendezvous(path, path, False)
 
 
 def _check_length(path: str) -> None:

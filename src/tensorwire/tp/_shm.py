@@ -43,7 +43,7 @@ from . import _fence, _futex
 from ._config import BroadcastConfig
 from ._frame import HEADER, KIND_DATA, LastFrame, Layout, decode_header, decode_table
 from ._link import Link, Waiter
-from ._paths import Endpoint
+from ._paths import Rendezvous
 from ._ring import ABORT, ABORT_PEER_DIED, ABORT_ROOT_CLOSED, PUB, SLOT_HEADER, Ring, align
 from ._spin import PREEMPTED_S, SpinWindow
 from ._transport import Into, ReaderSide, RootSide, Use, again
@@ -57,7 +57,7 @@ class ShmRoot(RootSide):
 
     align = 64
 
-    def __init__(self, ring: Ring, links: list[Link | None], endpoint: Endpoint, config: BroadcastConfig,
+    def __init__(self, ring: Ring, links: list[Link | None], endpoint: Rendezvous, config: BroadcastConfig,
                  session: str) -> None:
         self._ring = ring
         # Hot-path copies of the ring's views and sizes (valid until close(), which runs after the last send).
@@ -195,7 +195,7 @@ class ShmReader(ReaderSide):
 
     align = 64
 
-    def __init__(self, ring: Ring, link: Link, rank: int, endpoint: Endpoint, config: BroadcastConfig) -> None:
+    def __init__(self, ring: Ring, link: Link, rank: int, endpoint: Rendezvous, config: BroadcastConfig) -> None:
         super().__init__(link, rank, endpoint, config)
         self._ring = ring
         # Hot-path copies of the ring's views and sizes (valid until close(), which runs after the last recv).

@@ -50,7 +50,7 @@ from tensorwire._local import unix as _unix
 from tensorwire.errors import BootstrapError, BootstrapTimeout, BroadcastTimeout, PeerClosed, Reason
 
 from ._link import Link, Waiter
-from ._paths import Endpoint, effective_uid
+from ._paths import Rendezvous, effective_uid
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _Squatted(Exception):
     """An abstract name is held by a process that is not one of ours (its message says who, as far as known)."""
 
 
-def _check_holder(endpoint: Endpoint) -> None:
+def _check_holder(endpoint: Rendezvous) -> None:
     """Who holds the abstract name ``endpoint`` that we could not bind: ``_Squatted`` for another uid or a holder
     we cannot identify, BootstrapError for a live listener of our own uid (another group with our session)."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,8 +152,8 @@ class RootBootstrap:
     builds the private socket-file endpoint an abstract endpoint falls back to when its name is squatted;
     ``endpoint`` is where the group met once ``run()`` returns."""
 
-    def __init__(self, endpoint: Endpoint, world: int, hello: Hello, timeout_s: float, sock_buf: int,
-                 check_uid: bool, fallback: Callable[[], Endpoint] | None = None) -> None:
+    def __init__(self, endpoint: Rendezvous, world: int, hello: Hello, timeout_s: float, sock_buf: int,
+                 check_uid: bool, fallback: Callable[[], Rendezvous] | None = None) -> None:
         self.endpoint = endpoint
         self.world = world
         self.hello = hello
@@ -178,7 +178,7 @@ class RootBootstrap:
             self.endpoint = private
             return self._bind_to(private)
 
-    def _bind_to(self, endpoint: Endpoint) -> socket.socket:
+    def _bind_to(self, endpoint: Rendezvous) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             path = endpoint.path
@@ -431,9 +431,9 @@ def _remove_stale(path: str) -> None:
                          reason=Reason.BOOTSTRAP_FAILED)
 
 
-def peer_bootstrap(endpoint: Endpoint, rank: int, hello: Hello, timeout_s: float, retry_s: float, sock_buf: int,
-                   check_uid: bool, want_fds: int, fallback: Callable[[], Endpoint] | None = None,
-                   ) -> tuple[Link, int, list[int], Endpoint]:
+def peer_bootstrap(endpoint: Rendezvous, rank: int, hello: Hello, timeout_s: float, retry_s: float, sock_buf: int,
+                   check_uid: bool, want_fds: int, fallback: Callable[[], Rendezvous] | None = None,
+                   ) -> tuple[Link, int, list[int], Rendezvous]:
     """Rank k's half: returns the link to rank 0, READY's extra field, the fds passed with it, and the endpoint
     the group met at (``fallback()`` when rank 0 had to leave a squatted abstract name for it)."""
     deadline = time.monotonic() + timeout_s
@@ -491,8 +491,8 @@ def peer_bootstrap(endpoint: Endpoint, rank: int, hello: Hello, timeout_s: float
         raise
 
 
-def _connect_root(endpoint: Endpoint, fallback: Callable[[], Endpoint] | None, rank: int, timeout_s: float,
-                  retry_s: float, sock_buf: int, check_uid: bool, deadline: float) -> tuple[socket.socket, Endpoint]:
+def _connect_root(endpoint: Rendezvous, fallback: Callable[[], Rendezvous] | None, rank: int, timeout_s: float,
+                  retry_s: float, sock_buf: int, check_uid: bool, deadline: float) -> tuple[socket.socket, Rendezvous]:
     """A socket connected to rank 0's listener (of our uid when ``check_uid``) and the endpoint it is at.
 
     An abstract endpoint with a ``fallback``: when the name refuses us or is held by another uid (squatted), the

@@ -22,7 +22,7 @@ from tensorwire.errors import BroadcastError, ClosedError, PeerClosed, Reason, T
 from ._config import BroadcastConfig
 from ._frame import Layout
 from ._link import Link, Waiter
-from ._paths import Endpoint
+from ._paths import Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class Transport(abc.ABC):
     """
 
     align: int = 1
-    endpoint: Endpoint | None = None  # where the group met (for logs)
+    endpoint: Rendezvous | None = None  # where the group met (for logs)
 
     def send(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
              payload_bytes: int) -> None:
@@ -111,7 +111,7 @@ class RootSide(Transport):
     ``_error`` is written once, under ``_lock``; send loops read it to stop when the group is aborted.
     """
 
-    def __init__(self, links: list[Link | None], endpoint: Endpoint, config: BroadcastConfig, session: str) -> None:
+    def __init__(self, links: list[Link | None], endpoint: Rendezvous, config: BroadcastConfig, session: str) -> None:
         self.endpoint = endpoint
         self._cfg = config
         self._peers = [lk for lk in links if lk is not None]
@@ -229,7 +229,7 @@ class ReaderSide(Transport):
     subclass's ``recv`` then finds ``_error`` set and raises a copy of it instead of "rank 0 hung up".
     """
 
-    def __init__(self, link: Link, rank: int, endpoint: Endpoint, config: BroadcastConfig) -> None:
+    def __init__(self, link: Link, rank: int, endpoint: Rendezvous, config: BroadcastConfig) -> None:
         self.endpoint = endpoint
         self._link = link
         self._rank = rank

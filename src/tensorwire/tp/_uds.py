@@ -16,7 +16,7 @@ from tensorwire.errors import BroadcastError, FrameMismatch, PeerClosed, Reason
 from ._config import BroadcastConfig
 from ._frame import HEADER, KIND_ABORT, LastFrame, Layout, decode_header, decode_table, encode_abort, frame_seq
 from ._link import Link, Waiter
-from ._paths import Endpoint
+from ._paths import Rendezvous
 from ._spin import SpinWindow
 from ._transport import Into, ReaderSide, RootSide, again
 
@@ -26,7 +26,7 @@ class UdsRoot(RootSide):
 
     align = 1
 
-    def __init__(self, links: list[Link | None], endpoint: Endpoint, config: BroadcastConfig, session: str) -> None:
+    def __init__(self, links: list[Link | None], endpoint: Rendezvous, config: BroadcastConfig, session: str) -> None:
         self._send_lock = threading.Lock()
         self._seq = 0
         super().__init__(links, endpoint, config, session)
@@ -77,7 +77,7 @@ class UdsReader(ReaderSide):
 
     align = 1
 
-    def __init__(self, link: Link, rank: int, endpoint: Endpoint, config: BroadcastConfig, world: int) -> None:
+    def __init__(self, link: Link, rank: int, endpoint: Rendezvous, config: BroadcastConfig, world: int) -> None:
         super().__init__(link, rank, endpoint, config)
         self._last = LastFrame()
         self._window = SpinWindow(config.spin_s, config.spin_max_s, config.spin_gap_factor, world)

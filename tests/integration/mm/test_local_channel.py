@@ -36,8 +36,8 @@ from tensorwire.errors import (
     TensorwireError,
 )
 from tensorwire.mm import EncoderOutput, MultimodalInput, Plane, TransportConfig
-from tensorwire.mm.client._local import UdsControlChannel
-from tensorwire.mm.server import _local as _uds_service
+from tensorwire.mm.client._local import LocalControlChannel
+from tensorwire.mm.server import _local as _local_server
 from tensorwire.mm.wire._local import HELLO_MAGIC
 from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
@@ -376,7 +376,7 @@ def test_idle_connections_are_ended_and_the_client_lets_go_first(local_env: Env,
     local_channel_conns for good), and one whose request frame stalls; the client's pool drops its own idle
     connection at half that time, so a fetch never goes into a connection the worker is ending."""
     env = local_env
-    monkeypatch.setattr(_uds_service, "REQUEST_FRAME_S", 1.0)
+    monkeypatch.setattr(_local_server, "REQUEST_FRAME_S", 1.0)
     cfg = TransportConfig(worker_id="worker-1", local_channel_idle_ms=3000)
     srv = env.server(cfg)
     path = srv.service.local.path  # type: ignore[union-attr]
@@ -414,7 +414,7 @@ def test_a_proxy_has_no_local_channel_and_its_clients_stay_on_grpc(local_env: En
 
 def test_close_leaves_no_thread_and_no_connection(local_env: Env) -> None:
     srv = local_env.server()
-    channel = UdsControlChannel(srv.address, TransportConfig(), local_env.metrics)
+    channel = LocalControlChannel(srv.address, TransportConfig(), local_env.metrics)
     assert channel.wait_discovered(5)
     c = local_env.client(srv.address, channel=channel)
     with futures.ThreadPoolExecutor(4) as pool:

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
 from tensorwire.mm import EncoderOutput, MultimodalInput, OutputTransport, Plane, TransportConfig
-from tensorwire.mm.client._local import UdsControlChannel
+from tensorwire.mm.client._local import LocalControlChannel
 from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES
 
 pytestmark = pytest.mark.timeout(90)
@@ -39,7 +39,7 @@ def env(placed_env: Env) -> Env:
 
 def placements(c: Any) -> Any:
     channel = c._channel
-    assert isinstance(channel, UdsControlChannel)
+    assert isinstance(channel, LocalControlChannel)
     return channel.placements
 
 

@@ -67,21 +67,22 @@ def test_empty_message_is_not_a_float32_scalar() -> None:
 
 def test_assemble_checks_every_invariant() -> None:
     emb = torch.arange(10.0).reshape(5, 2)
-    embs, pos, extras = _codec.assemble(emb, [2, 3], torch.arange(5).reshape(5, 1), [torch.ones(1), torch.ones(2)])
+    pos_ids = torch.arange(5).reshape(5, 1)
+    embs, pos, extras = _codec.split_per_item(emb, [2, 3], pos_ids, [torch.ones(1), torch.ones(2)])
     assert [e.shape[0] for e in embs] == [2, 3] and pos is not None and [p.shape[0] for p in pos] == [2, 3]
     with pytest.raises(InvalidPayload, match="sum"):
-        _codec.assemble(emb, [2, 2], None, [])
+        _codec.split_per_item(emb, [2, 2], None, [])
     with pytest.raises(InvalidPayload, match="position ids"):
-        _codec.assemble(emb, [2, 3], torch.arange(4).reshape(4, 1), [])
+        _codec.split_per_item(emb, [2, 3], torch.arange(4).reshape(4, 1), [])
     with pytest.raises(InvalidPayload, match="extra_input count"):
-        _codec.assemble(emb, [2, 3], None, [torch.ones(1)] * 3)
+        _codec.split_per_item(emb, [2, 3], None, [torch.ones(1)] * 3)
     with pytest.raises(InvalidPayload, match="scalar"):
-        _codec.assemble(torch.tensor(1.0), [1], None, [])
+        _codec.split_per_item(torch.tensor(1.0), [1], None, [])
     with pytest.raises(InvalidPayload, match="negative"):
-        _codec.assemble(emb, [7, -2], None, [])
+        _codec.split_per_item(emb, [7, -2], None, [])
     with pytest.raises(InvalidPayload, match="no embedding"):
-        _codec.assemble(None, [1], None, [])
-    assert _codec.assemble(None, [], None, []) == ([], None, [])
+        _codec.split_per_item(None, [1], None, [])
+    assert _codec.split_per_item(None, [], None, []) == ([], None, [])
 
 
 def test_inline_receipt_decode_rejects_inconsistent_receipts() -> None:

@@ -31,7 +31,7 @@ def _roundtrip(value, align=1):
     base = F.HEADER.size + table_bytes
     for e, t in zip(entries, out, strict=True):
         F.byte_view(t)[:] = mv[base + e.offset: base + e.offset + e.nbytes]
-    return F.assemble(st, entries, out)
+    return F.unflatten(st, entries, out)
 
 
 @pytest.mark.parametrize("dtype", sorted(F.CODE_OF, key=str), ids=str)

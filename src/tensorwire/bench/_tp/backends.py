@@ -56,7 +56,7 @@ class Options:
     pin: tuple[int, ...] | None = None  # --pin: rank i runs on CPU pin[i] (the same CPUs for every backend)
 
 
-class Endpoint(abc.ABC):
+class BroadcastEndpoint(abc.ABC):
     """One rank's end of a broadcast group.
 
     Every rank of a group constructs it with the same arguments; construction returns once the group is connected
@@ -75,7 +75,7 @@ class Endpoint(abc.ABC):
         """Release what the endpoint holds (sockets, shared memory, process group)."""
 
 
-class TensorwireEndpoint(Endpoint):
+class TensorwireEndpoint(BroadcastEndpoint):
     def __init__(self, rank: int, world: int, backend: str, opts: Options) -> None:
         from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster
 
@@ -100,7 +100,7 @@ class TensorwireEndpoint(Endpoint):
         self._b.close()
 
 
-class GlooEndpoint(Endpoint):
+class GlooEndpoint(BroadcastEndpoint):
     kinds = frozenset({"tensor"})
 
     def __init__(self, rank: int, world: int, store: str) -> None:
@@ -145,7 +145,7 @@ class GlooObjEndpoint(GlooEndpoint):
         return obj[0]
 
 
-class VllmEndpoint(Endpoint):
+class VllmEndpoint(BroadcastEndpoint):
     """vLLM's ``MessageQueue`` with one writer (rank 0) and ``world - 1`` local readers, as
     ``MessageQueue.create_from_process_group`` sets it up; the handle travels through a file in the group's
     scratch directory instead of a torch.distributed broadcast."""
@@ -191,10 +191,10 @@ class VllmEndpoint(Endpoint):
 
 def kinds_of(name: str) -> frozenset[str]:
     """The case kinds backend ``name`` carries (gloo: tensors only)."""
-    return GlooEndpoint.kinds if name == "gloo" else Endpoint.kinds
+    return GlooEndpoint.kinds if name == "gloo" else BroadcastEndpoint.kinds
 
 
-def make(name: str, rank: int, world: int, store: str, opts: Options) -> Endpoint:
+def make(name: str, rank: int, world: int, store: str, opts: Options) -> BroadcastEndpoint:
     if name in ("shm", "uds") or name in SHM_VARIANTS:
         return TensorwireEndpoint(rank, world, name, opts)
     if name == "gloo":

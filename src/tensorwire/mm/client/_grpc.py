@@ -102,7 +102,7 @@ class GrpcControlChannel(ControlChannel):
         return int(resp.released)
 
     def local_channel_info(self, host_token: str, timeout_s: float) -> pb.LocalChannelInfo:
-        """Asks the encoder for its same-host control channel (``_uds_channel``); ``TensorwireError`` (an encoder
+        """Asks the encoder for its same-host control channel (``client._local``); ``TensorwireError`` (an encoder
         or proxy without the method: ``ControlPlaneError(UNIMPLEMENTED)``)."""
         try:
             info: pb.LocalChannelInfo = self._local_info(pb.LocalChannelRequest(host_token=host_token),

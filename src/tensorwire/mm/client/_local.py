@@ -1,9 +1,9 @@
-"""UdsControlChannel: the same-host control channel, with gRPC as the way in and the fallback.
+"""LocalControlChannel: the same-host control channel, with gRPC as the way in and the fallback.
 
 Discovery: at construction (in the background) the channel asks the endpoint over gRPC for its same-host
 channel (``LocalChannel``, with this host's token: the kernel's boot id). It uses the answer only when the
 worker's token is ours and the path is a socket of ours, 0600 at most, in a private directory of ours; a
-connection is used only when the listener's SO_PEERCRED uid is ours and it said hello (``_uds_service``). A proxy
+connection is used only when the listener's SO_PEERCRED uid is ours and it said hello (``server._local``). A proxy
 has no ``LocalChannel`` (UNIMPLEMENTED): clients of a proxy stay on gRPC, so its routing is never bypassed. The
 first fetch waits for that first answer (at most ``local_channel_wait_ms``); a "no" (other host, channel off,
 not listening, UNIMPLEMENTED, a failed check) is asked again after ``open_seconds``, an endpoint that did not
@@ -430,7 +430,7 @@ class _ConnPool:
             conn.close()
 
 
-class UdsControlChannel(ControlChannel):
+class LocalControlChannel(ControlChannel):
     """The ``ControlChannel`` of a same-host client: the worker's Unix socket when discovered (module docstring),
     else (and for answered releases) the ``GrpcControlChannel`` to ``endpoint``, which this channel owns.
 
@@ -556,7 +556,7 @@ class UdsControlChannel(ControlChannel):
                              "fetch uses gRPC", path, exc)
         if conn is None:
             return self.grpc.session()
-        return _UdsSession(self, conn)
+        return _LocalSession(self, conn)
 
     def release(self, lease_ids: list[str], timeout_s: float) -> int:
         return self.grpc.release(lease_ids, timeout_s)
@@ -585,11 +585,11 @@ class UdsControlChannel(ControlChannel):
         self._pool.give_back(conn)
 
 
-class _UdsSession(ControlSession):
+class _LocalSession(ControlSession):
     """One fetch on one local connection; after a request that was never written, the rest of the fetch (its
     inline fallback included) uses a gRPC session."""
 
-    def __init__(self, channel: UdsControlChannel, conn: _Conn) -> None:
+    def __init__(self, channel: LocalControlChannel, conn: _Conn) -> None:
         self._channel = channel
         self._conn: _Conn | None = conn
         self._grpc: ControlSession | None = None
@@ -665,7 +665,7 @@ def control_channel_for(endpoint: str, config: TransportConfig, metrics: Transpo
     """The default control channel of a ``RemoteOutputTransport``: same-host first unless ``local_channel`` is off."""
     if config.local_channel == "off":
         return GrpcControlChannel(endpoint, config, metrics)
-    return UdsControlChannel(endpoint, config, metrics)
+    return LocalControlChannel(endpoint, config, metrics)
 
 
-__all__ = ["PATH_LABEL", "UdsControlChannel", "control_channel_for"]
+__all__ = ["PATH_LABEL", "LocalControlChannel", "control_channel_for"]

@@ -6,7 +6,7 @@ reassemble the output. Nothing here does I/O, counts metrics or keeps state; ``_
     descs, roles = validate_slots(receipt, parsed)
     tensors = reader.read(descs, ...)       # the one batched read (not here)
     check_read(descs, roles, tensors)
-    output = assemble(tensors, roles, receipt)
+    output = assemble_output(tensors, roles, receipt)
 
 Roles: ``EMBEDDING`` chunks in row order, at most one ``POS_ID``, ``EXTRA_INPUT`` in item order; slot order is
 reassembly order. Errors: ``InvalidDescriptor`` (from the parser), ``ProtocolError``, ``InvalidPayload`` and
@@ -91,7 +91,7 @@ def role_bytes(tensors: list[torch.Tensor], roles: list[int]) -> dict[str, int]:
     return out
 
 
-def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse,
+def assemble_output(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse,
              plane: Plane = Plane.RDMA) -> MultimodalOutput:
     """The RDMA (or placed) output: embedding chunks joined and split per item, position ids on the host, extras
     per item."""
@@ -115,7 +115,7 @@ def assemble(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeRe
         raise InvalidPayload("embedding chunks disagree in row shape or dtype", reason=Reason.ASSEMBLY_MISMATCH)
     embedding = chunks[0] if len(chunks) == 1 else torch.cat(chunks, 0)
     splits = [int(s) for s in receipt.split_sizes]
-    embs, pos_parts, extra_list = _codec.assemble(embedding, splits, pos, extras)
+    embs, pos_parts, extra_list = _codec.split_per_item(embedding, splits, pos, extras)
     return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos_parts, extra_inputs=extra_list,
                             plane=plane, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
 
@@ -155,4 +155,4 @@ def encoder_stages(receipt: pb.EncodeResponse) -> dict[str, float]:
 
 
 __all__ = ["MAX_SLOTS_PER_RECEIPT", "DescriptorParser", "parse_slots", "lease_ids", "validate_slots", "check_read",
-           "role_bytes", "assemble", "check_receipt", "encoder_stages"]
+           "role_bytes", "assemble_output", "check_receipt", "encoder_stages"]

@@ -20,7 +20,7 @@ One fetch, one budget (never reset), shared by every step::
 Control path: the policy here talks to the encoder only through a ``ControlChannel`` (``_channel.py``, the
 contract): one ``ControlSession`` per fetch carries its Encode(s) and its success-path release (the default
 ``GrpcControlChannel`` puts both on a pooled EncodeStream, else unary RPCs and the release queue; on one host the
-``UdsControlChannel`` puts them on the worker's Unix socket, with the gRPC channel as the way in and the fallback);
+``LocalControlChannel`` puts them on the worker's Unix socket, with the gRPC channel as the way in and the fallback);
 failure-path releases are the channel's answered ``release``. Receipt parsing, validation and reassembly are
 pure functions in ``_receipt.py``; every way the RDMA consume fails is classified in one place,
 ``classify_consume_error``.
@@ -220,7 +220,7 @@ class RemoteOutputTransport:
     """The LLM-side transport for one encoder endpoint (a worker or a proxy in front of workers).
 
     Keyword-only seams: ``channel`` (a ``ControlChannel`` to ``endpoint``; default: ``control_channel_for``, the
-    same-host ``UdsControlChannel`` unless ``local_channel`` is off, else a ``GrpcControlChannel``;
+    same-host ``LocalControlChannel`` unless ``local_channel`` is off, else a ``GrpcControlChannel``;
     the transport owns it and closes it), ``reader_factory`` / ``descriptor_parser`` (default tensorwire.rdma),
     ``clock`` (the breaker's and the budget's), ``metrics`` (a TransportMetrics on your registry),
     ``release_queue`` (its sender must reach this endpoint; default: one queue per transport), ``observer``.
@@ -409,7 +409,7 @@ class RemoteOutputTransport:
         if receipt.placed.tensors:
             t = time.perf_counter()
             tensors, roles, placed_bytes = session.take_placed(wire_receipt)
-            output = _receipt.assemble(tensors, roles, receipt, plane=Plane.PLACED)
+            output = _receipt.assemble_output(tensors, roles, receipt, plane=Plane.PLACED)
             stages.add("decode", time.perf_counter() - t)
             for role, n in _receipt.role_bytes(tensors, roles).items():
                 self.metrics.child(self.metrics.bytes, "llm", "placed", role).inc(n)
@@ -456,7 +456,7 @@ class RemoteOutputTransport:
             _receipt.check_read(descs, roles, tensors)
             for role, nbytes in _receipt.role_bytes(tensors, roles).items():
                 self.metrics.child(self.metrics.bytes, "llm", "rdma", role).inc(nbytes)
-            output = _receipt.assemble(tensors, roles, receipt)
+            output = _receipt.assemble_output(tensors, roles, receipt)
         except Exception as exc:
             self._release_sync(ids, budget, stages)
             return classify_consume_error(exc, plan)

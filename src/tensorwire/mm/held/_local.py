@@ -8,7 +8,7 @@ the same raw-bytes servicer methods (``HeldStoreServicer.lookup``/``release``: o
 semantics, errors included) on a Unix socket, and calls them; gRPC stays the way in (discovery), the cross-host
 path and the fallback.
 
-Access control (as the encoder's same-host channel, ``_uds_service``): the socket lives in a private directory
+Access control (as the encoder's same-host channel, ``server._local``): the socket lives in a private directory
 (``_unix.ensure_private_dir``: 0700, ours), is 0600, and every accepted peer's SO_PEERCRED uid must be ours
 (another uid is closed at once, counted, nothing said); the client checks the advertised path
 (``_unix.check_socket_path``) and the listener's uid before it sends anything. Same uid is the trust: a store

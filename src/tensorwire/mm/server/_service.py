@@ -119,7 +119,7 @@ class EncoderService:
         self.local: LocalControlServer | None = None
 
     def start_local(self) -> None:
-        """Starts the same-host control channel (``_uds_service``) unless ``local_channel`` is off; a server calls
+        """Starts the same-host control channel (``server._local``) unless ``local_channel`` is off; a server calls
         it before it starts serving gRPC, and ``close_streams`` ends it. Best effort: without it, gRPC only."""
         cfg = self.transport.config
         if self.local is not None or cfg.local_channel == "off":

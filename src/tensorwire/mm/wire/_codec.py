@@ -151,7 +151,7 @@ def _frombuffer(data: Buffer) -> torch.Tensor:
     return out
 
 
-def assemble(
+def split_per_item(
     embedding: torch.Tensor | None,
     split_sizes: Sequence[int],
     position_ids: torch.Tensor | None,
@@ -222,7 +222,7 @@ def decode_inline_receipt(
     extras = [decode_tensor(t, f"extra_inputs[{i}]", p)
               for i, (t, p) in enumerate(zip(m.extra_inputs, receipt.extra_inputs, strict=True))]
     splits = [int(s) for s in m.split_sizes]
-    embs, pos_parts, extra_list = assemble(embedding, splits, pos, extras)
+    embs, pos_parts, extra_list = split_per_item(embedding, splits, pos, extras)
     return embs, splits, pos_parts, extra_list, receipt.payload_bytes
 
 
@@ -259,6 +259,6 @@ __all__ = [
     "decode_tensor",
     "check_layout",
     "check_inline_receipt",
-    "assemble",
+    "split_per_item",
     "decode_inline_receipt",
 ]

@@ -6,7 +6,7 @@ Why: between two processes on one GPU, a copy by the reader after the writer's w
 descriptor, READ and lease around it cost ~0.9 ms of Python. Written in place by the encoder, in its own context
 (straight from ``allocate_output``), the output needs no slot, lease, descriptor, READ or release.
 
-This module has the buffers on both sides and the checks; the channel (``_uds_channel``, ``_uds_service``) moves
+This module has the buffers on both sides and the checks; the channel (``client._local``, ``server._local``) moves
 the offers and answers, ``OutputTransport`` writes, ``RemoteOutputTransport`` takes the tensors.
 
 Buffers (client side, :class:`RecvBuffer`): a dedicated allocation the caller's other memory never shares, so the
