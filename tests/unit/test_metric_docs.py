@@ -96,3 +96,23 @@ def test_latency_histograms_resolve_sub_millisecond_calls() -> None:
     m.seconds.observe(0.0003)  # a proxy hop on a LAN
     assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.0005"}) == 1.0
     assert reg.get_sample_value("tensorwire_proxy_request_seconds_bucket", {"le": "0.00025"}) == 0.0
+
+
+def test_the_encoder_exports_its_leases_and_pool_as_gauges() -> None:
+    """What an operator sizes the pool with: live leases and their bytes, the pool against its cap (read from the
+    exporter at scrape; zeros before it is built)."""
+    from tensorwire.rdma import ExporterStats, PoolStats
+
+    m = TransportMetrics(CollectorRegistry())
+    names = ("tensorwire_mm_encoder_leases", "tensorwire_mm_encoder_leased_bytes", "tensorwire_mm_encoder_pool_bytes",
+             "tensorwire_mm_encoder_pool_capacity_bytes")
+    assert [m.registry.get_sample_value(n) for n in names] == [0.0] * 4
+    m.watch_exporter(lambda: ExporterStats(live_leases=3, pool=PoolStats(pool_bytes=8 << 20, pool_cap_bytes=1 << 30,
+                                                                          busy_bytes=6 << 20)))
+    assert [m.registry.get_sample_value(n) for n in names] == [3.0, float(6 << 20), float(8 << 20), float(1 << 30)]
+
+    def broken() -> ExporterStats:
+        raise RuntimeError("exporter closed")
+
+    m.watch_exporter(broken)  # a scrape never fails because of the exporter
+    assert m.registry.get_sample_value("tensorwire_mm_encoder_leases") == 0.0

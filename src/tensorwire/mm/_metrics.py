@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 # Encoder compute: a small image on a GPU takes milliseconds, a large batch on a CPU tens of seconds.
@@ -38,6 +38,43 @@ class _CountFromSource:
 
     def describe(self) -> Any:
         yield CounterMetricFamily(self.name, self.documentation)
+
+
+class _ExporterGauges:
+    """The encoder's exporter, read at scrape time: live leases and the bytes of their slots, the slot pool's
+    registered bytes and its cap (what docs/deployment.md asks operators to size). Zeros until the exporter is
+    built (and without one: inline only)."""
+
+    _FAMILIES = (
+        ("tensorwire_mm_encoder_leases", "Exported leases not yet released or reclaimed"),
+        ("tensorwire_mm_encoder_leased_bytes", "Bytes of the slots that live leases hold"),
+        ("tensorwire_mm_encoder_pool_bytes", "Bytes the exporter's slot pool has registered (busy and idle slots)"),
+        ("tensorwire_mm_encoder_pool_capacity_bytes", "Cap of the exporter's slot pool (--rdma-pool-cap-bytes)"),
+    )
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.source: Callable[[], Any] | None = None
+        registry.register(self)
+
+    def _values(self) -> tuple[float, ...]:
+        stats = None
+        if self.source is not None:
+            try:
+                stats = self.source()
+            except Exception:  # a scrape must not fail because of the exporter
+                stats = None
+        if stats is None:
+            return (0.0, 0.0, 0.0, 0.0)
+        pool = stats.pool
+        return (float(stats.live_leases), float(pool.busy_bytes), float(pool.pool_bytes), float(pool.pool_cap_bytes))
+
+    def collect(self) -> Any:
+        for (name, doc), value in zip(self._FAMILIES, self._values(), strict=True):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+    def describe(self) -> Any:
+        for name, doc in self._FAMILIES:
+            yield GaugeMetricFamily(name, doc)
 
 
 class TransportMetrics:
@@ -105,6 +142,7 @@ class TransportMetrics:
                                       "Calls an encoder server refused or ended before serving them, by reason: "
                                       "peer_limit, request_timeout, stream_idle, work_wait, untrusted_caller",
                                       ["reason"], registry=reg)
+        self.exporter_gauges = _ExporterGauges(reg)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
     def child(self, family: Any, *values: str) -> Any:
@@ -119,6 +157,10 @@ class TransportMetrics:
     def watch_gc(self, source: Callable[[], float]) -> None:
         """Reads the exporter's GC reclaim count at scrape time."""
         self.gc_reclaimed.source = source
+
+    def watch_exporter(self, stats: Callable[[], Any]) -> None:
+        """Reads the exporter's leases and pool (``ExporterStats``) at scrape time."""
+        self.exporter_gauges.source = stats
 
 
 _lock = threading.Lock()

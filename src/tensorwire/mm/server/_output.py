@@ -184,6 +184,7 @@ class OutputTransport:
         def on_ready(exporter: Exporter) -> None:
             self.metrics.exporter_ready.set(1)
             self.metrics.watch_gc(_gc_reader(exporter))
+            self.metrics.watch_exporter(exporter.stats)
 
         def on_failure(exc: BaseException, permanent: bool) -> None:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
