@@ -244,6 +244,37 @@ def test_item_is_held_back_fetched_announced_placed_and_released(rig: Rig) -> No
     assert not rig.consumer.has_cache_item("h1")
 
 
+def test_close_forgets_ready_items_without_dialing_the_workers(caplog: Any) -> None:
+    # vLLM shuts its executor down before its scheduler: in the multiprocess executor the workers' staging
+    # sockets are gone when the connector's scheduler closes, so a drop per ready item could only fail (it
+    # logged "dropping 1 staged item(s) on tp0 failed ... No such file or directory" per item).
+    r = _rig(retire_grace_s=600.0)
+    try:
+        params = r.produce(Req("p1", [feat("h1")]))
+        creq = Req("c1", [feat("h1")], params)
+        assert r.until(creq)
+        r.consumer.update_state_after_alloc(creq, 0)
+        r.cworker.start_load_caches({}, r.consumer.take_loads())
+        r.consumer.request_finished(creq)
+        _wait(lambda: r.store.stats().held_items == 0)  # the grant went back after the read, not at close
+        assert r.consumer.ready_items == 1  # kept for the retire grace
+        dialed: list[list[str]] = []
+
+        def gone(keys: Any) -> None:
+            dialed.append(list(keys))
+            raise FileNotFoundError(2, "No such file or directory", "/run/tw/staging-tp0.sock")
+
+        r.consumer._fetcher._stagers[0].drop = gone  # type: ignore[method-assign]
+        with caplog.at_level("DEBUG", logger="tensorwire"):
+            r.consumer.close()
+        assert dialed == [] and r.consumer.ready_items == 0
+        assert not [rec for rec in caplog.records if rec.levelno >= 30], caplog.text
+    finally:
+        r.consumer.close()
+        for s in r.servers:
+            s.stop(0)
+
+
 def test_released_early_encodes_locally_with_media_and_fails_without(rig: Rig) -> None:
     params = rig.produce(Req("p1", [feat("h1")]))
     params2 = rig.produce(Req("p2", [feat("h2")]))

@@ -269,9 +269,12 @@ class ConsumerScheduler:
             self._idle_ready = keep
 
     def close(self) -> None:
-        for f in list(self._ready.values()):
-            self._drop(f)
+        """Stops fetching; queued releases still go out. Ready items are forgotten, not dropped one by one:
+        they live in the ranks' staging areas, which close with their workers (vLLM shuts its executor down
+        before its scheduler, so in the multiprocess executor a drop would dial a worker socket that is gone),
+        and their grants went back when every rank had read them."""
         self._ready.clear()
+        self._idle_ready = []
         self._fetcher.close()
 
     # -- introspection (tests, stats) --
