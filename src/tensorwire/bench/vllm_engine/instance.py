@@ -70,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
     kw: dict[str, Any] = dict(model=args.model, enforce_eager=True, max_model_len=args.max_model_len,
                               max_num_batched_tokens=args.max_model_len, max_num_seqs=4,
-                              limit_mm_per_prompt={"image": 1}, dtype="float32", seed=0)
+                              limit_mm_per_prompt={"image": 1}, dtype="float32", seed=0,
+                              # A few requests' worth (1 KiB per token of these models), not vLLM's GiB default:
+                              # the CPU backend touches all of it, and seven instances share the box's memory.
+                              kv_cache_memory_bytes=max(32 << 20, 8 * args.max_model_len * 1024))
     if args.role != "baseline":
         kw["ec_transfer_config"] = {
             "ec_connector": args.connector, "ec_connector_module_path": TIMED_MODULE,
