@@ -270,9 +270,10 @@ class ConsumerScheduler:
 
     def close(self) -> None:
         """Stops fetching; queued releases still go out. Ready items are forgotten, not dropped one by one:
-        they live in the ranks' staging areas, which close with their workers (vLLM shuts its executor down
-        before its scheduler, so in the multiprocess executor a drop would dial a worker socket that is gone),
-        and their grants went back when every rank had read them."""
+        every staging area frees its items when it closes (this process's stagers in ``Fetcher.close()``, the
+        workers' areas when their workers shut down, which vLLM does before it closes the scheduler, so a drop
+        sent to a worker now would dial a socket that is gone), and their grants went back when every rank had
+        read them."""
         self._ready.clear()
         self._idle_ready = []
         self._fetcher.close()
