@@ -191,6 +191,7 @@ def _sigkill_leaves_no_child(argv: list[str], ready_line: bytes, env: dict[str, 
         if proc.poll() is None:
             proc.kill()
         _kill_all(pids)
+        proc.communicate(timeout=60)  # reaps it and closes our end of its stderr
 
 
 @pytest.mark.timeout(300)
@@ -231,3 +232,4 @@ def test_ctrl_c_stops_the_demo_and_its_children_on_a_busy_host(busy_cpu: None, w
         if proc.poll() is None:
             proc.kill()
         _kill_all(pids)
+        proc.communicate(timeout=60)  # reaps it and closes our end of its stderr
