@@ -126,9 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             sys.stderr.write("interrupted\n")
             sys.stderr.flush()
+            sys.stdout.flush()
         except (KeyboardInterrupt, OSError):
             pass
-        return EXIT_INTERRUPTED
+        # No interpreter finalization after an interruption: joining what the command left running (gRPC's and the
+        # transport's threads) could be interrupted again and end the process by SIGINT instead of exit code 130.
+        os._exit(EXIT_INTERRUPTED)
 
 
 if __name__ == "__main__":
