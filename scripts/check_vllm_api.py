@@ -60,8 +60,9 @@ def vllm_version(root: Path) -> str:
         if not path.exists():
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
-                                                    for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets
+            ):
                 if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
                     return node.value.value
     return "unknown"
@@ -127,13 +128,23 @@ def describe_class(cls: ast.ClassDef, bodies: bool = False) -> dict[str, Any]:
                 methods[node.name]["body"] = body_hash(node)
             if node.name in ("__init__", "__post_init__"):
                 for sub in ast.walk(node):
-                    targets = (sub.targets if isinstance(sub, ast.Assign)
-                               else [sub.target] if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else [])
+                    targets = (
+                        sub.targets
+                        if isinstance(sub, ast.Assign)
+                        else [sub.target]
+                        if isinstance(sub, (ast.AnnAssign, ast.AugAssign))
+                        else []
+                    )
                     for t in targets:
                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
                             attributes.add(t.attr)
-    return {"bases": [ast.unparse(b) for b in cls.bases], "fields": fields, "members": members,
-            "attributes": sorted(attributes), "methods": methods}
+    return {
+        "bases": [ast.unparse(b) for b in cls.bases],
+        "fields": fields,
+        "members": members,
+        "attributes": sorted(attributes),
+        "methods": methods,
+    }
 
 
 def describe_module(path: Path, names: tuple[str, ...], bodies: bool = False) -> dict[str, Any]:
@@ -179,8 +190,12 @@ def hook_calls(root: Path, hooks: set[str]) -> dict[str, list[str]]:
                     if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                         visit(child, [*scope, child.name])
                         continue
-                    if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                            and child.func.attr in hooks and "ec_connector" in ast.unparse(child.func.value)):
+                    if (
+                        isinstance(child, ast.Call)
+                        and isinstance(child.func, ast.Attribute)
+                        and child.func.attr in hooks
+                        and "ec_connector" in ast.unparse(child.func.value)
+                    ):
                         calls[child.func.attr].add(f"{rel}:{'.'.join(scope) or '<module>'}")
                     visit(child, scope)
 
@@ -192,11 +207,15 @@ def record(root: Path) -> dict[str, Any]:
     modules: dict[str, Any] = {}
     for module, names in WANTED.items():
         path = _module_path(root, module)
-        modules[module] = (describe_module(path, names, module.startswith(_BODIES)) if path is not None else {})
+        modules[module] = describe_module(path, names, module.startswith(_BODIES)) if path is not None else {}
     base = modules[BASE_MODULE].get("ECConnectorBase", {})
     hooks = {m for m in base.get("methods", {}) if not m.startswith("__")}
-    return {"vllm_version": vllm_version(root), "source": "AST of the vllm package (not imported)",
-            "modules": modules, "hook_calls": hook_calls(root, hooks)}
+    return {
+        "vllm_version": vllm_version(root),
+        "source": "AST of the vllm package (not imported)",
+        "modules": modules,
+        "hook_calls": hook_calls(root, hooks),
+    }
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -214,8 +233,9 @@ def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         elif a != b:
             out.append(f"~ {path.rstrip('.')}: {json.dumps(a)[:160]} -> {json.dumps(b)[:160]}")
 
-    walk({k: v for k, v in old.items() if k != "vllm_version"},
-         {k: v for k, v in new.items() if k != "vllm_version"}, "")
+    walk(
+        {k: v for k, v in old.items() if k != "vllm_version"}, {k: v for k, v in new.items() if k != "vllm_version"}, ""
+    )
     return out
 
 

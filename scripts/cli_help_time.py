@@ -30,8 +30,14 @@ def _time(argv: list[str], runs: int, env: dict[str, str]) -> dict[str, float]:
         walls.append(time.perf_counter() - t)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-    return {"runs": runs, "wall_median_s": statistics.median(walls), "wall_min_s": min(walls),
-            "wall_max_s": max(walls), "cpu_median_s": statistics.median(cpus), "cpu_min_s": min(cpus)}
+    return {
+        "runs": runs,
+        "wall_median_s": statistics.median(walls),
+        "wall_min_s": min(walls),
+        "wall_max_s": max(walls),
+        "cpu_median_s": statistics.median(cpus),
+        "cpu_min_s": min(cpus),
+    }
 
 
 def main() -> None:
@@ -42,8 +48,11 @@ def main() -> None:
     args = ap.parse_args()
     src = args.src or str(Path(__file__).resolve().parents[1] / "src")
     env = {**os.environ, "PYTHONPATH": src}
-    result: dict[str, object] = {"src": src, "load_avg_1m_before": os.getloadavg()[0],
-                                 "python -c pass": _time([sys.executable, "-c", "pass"], args.runs, env)}
+    result: dict[str, object] = {
+        "src": src,
+        "load_avg_1m_before": os.getloadavg()[0],
+        "python -c pass": _time([sys.executable, "-c", "pass"], args.runs, env),
+    }
     for cmd in COMMANDS:
         key = "tensorwire " + " ".join([*cmd, "--help"])
         result[key] = _time([sys.executable, "-m", "tensorwire.cli.main", *cmd, "--help"], args.runs, env)

@@ -106,9 +106,21 @@ def main() -> int:
     orig_run = paths.run_producer
     # _Run reads the attribute at construction and hands it to a spawned Process: the target must be importable.
     paths.run_producer = functools.partial(_producer_main_entry, dump=dump)  # type: ignore[assignment]
-    bench_args = argparse.Namespace(device=args.device, rows=args.rows, cols=vllm_ec.COLS, iters=args.iters,
-                                    warmup=5, series=0, series_rows=1280, stager=args.stager, tmpfs_dir="",
-                                    disk_dir="", rdma_provider="auto", quick=False, out=None)
+    bench_args = argparse.Namespace(
+        device=args.device,
+        rows=args.rows,
+        cols=vllm_ec.COLS,
+        iters=args.iters,
+        warmup=5,
+        series=0,
+        series_rows=1280,
+        stager=args.stager,
+        tmpfs_dir="",
+        disk_dir="",
+        rdma_provider="auto",
+        quick=False,
+        out=None,
+    )
     work = tempfile.mkdtemp(prefix="tw-probe-ec-")
     run = vllm_ec._Run(bench_args, "probe", {}, work)
     paths.run_producer = orig_run
@@ -133,13 +145,19 @@ def main() -> int:
     events = sorted([e for e in EVENTS + enc if e[0] != T0], key=lambda e: e[2])
     from tensorwire.bench._common import machine_info
 
-    report: dict[str, Any] = {"machine": machine_info(), "device": args.device, "stager": args.stager,
-                              "loadavg": os.getloadavg()}
+    report: dict[str, Any] = {
+        "machine": machine_info(),
+        "device": args.device,
+        "stager": args.stager,
+        "loadavg": os.getloadavg(),
+    }
     for rows, wins in windows.items():
         spans = [(t0_of[index], b) for index, _a, b in wins]  # from the encoder output's existence
         totals, rows_out = per_function(events, spans)
-        print(f"\n== rows {rows} ({rows * vllm_ec.COLS * 2 / 1e6:.2f} MB), {len(wins)} items, t0 -> checked and "
-              f"answered median {statistics.median(totals):.0f} us, load {os.getloadavg()[0]:.1f}")
+        print(
+            f"\n== rows {rows} ({rows * vllm_ec.COLS * 2 / 1e6:.2f} MB), {len(wins)} items, t0 -> checked and "
+            f"answered median {statistics.median(totals):.0f} us, load {os.getloadavg()[0]:.1f}"
+        )
         report[str(rows)] = print_table(totals, rows_out, 62)
     if args.json:
         with open(args.json, "w") as f:

@@ -58,7 +58,7 @@ class _Walk:
     def __call__(self, n: int) -> float:
         start = (self.i % self.chunks) * self.n
         self.i += 1
-        return sum(self.objs[start:start + self.n])
+        return sum(self.objs[start : start + self.n])
 
 
 def _calibrate(fn, target_us: float) -> int:
@@ -96,8 +96,14 @@ def run(workload: str, rounds: int, chunks: int, piece_us: float, conditions: li
         fn, n = walk, walk.n
     else:
         fn, n = _piece, _calibrate(_piece, piece_us)
-    out: dict = {"workload": workload, "piece_iterations": n, "piece_target_us": piece_us, "chunks": chunks,
-                 "rounds": rounds, "conditions": {}}
+    out: dict = {
+        "workload": workload,
+        "piece_iterations": n,
+        "piece_target_us": piece_us,
+        "chunks": chunks,
+        "rounds": rounds,
+        "conditions": {},
+    }
     if workload == "walk":  # the floats (24 bytes each) and the list's pointers
         out["walk_bytes"] = n * chunks * (sys.getsizeof(0.5) + 8)
         print(f"walk over {out['walk_bytes'] / 2**20:.2f} MiB")
@@ -113,10 +119,15 @@ def run(workload: str, rounds: int, chunks: int, piece_us: float, conditions: li
         per_chunk = [statistics.median(r[i] for r in rs) for i in range(chunks)]
         total = statistics.median(sum(r) for r in rs)
         base = base if base is not None else total
-        out["conditions"][name] = {"per_piece_median_us": per_chunk, "total_median_us": total,
-                                   "vs_back_to_back": total / base}
-        print(f"{name:>16}: total {total:7.1f} us ({total / base:4.2f}x)  pieces "
-              + " ".join(f"{x:5.1f}" for x in per_chunk))
+        out["conditions"][name] = {
+            "per_piece_median_us": per_chunk,
+            "total_median_us": total,
+            "vs_back_to_back": total / base,
+        }
+        print(
+            f"{name:>16}: total {total:7.1f} us ({total / base:4.2f}x)  pieces "
+            + " ".join(f"{x:5.1f}" for x in per_chunk)
+        )
     return out
 
 
@@ -128,10 +139,18 @@ def main() -> None:
     ap.add_argument("--piece-us", type=float, default=30.0, help="one piece's warm duration (default 30 us)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    conditions = [("", 0.0), ("sleep", 0.05), ("sleep", 0.2), ("sleep", 1.0), ("sleep", 5.0), ("sleep", 20.0),
-                  ("spin", 5.0)]
-    print(f"{args.workload}: {args.rounds} rounds of {args.chunks} pieces of ~{args.piece_us:g} us; medians per "
-          "piece, us")
+    conditions = [
+        ("", 0.0),
+        ("sleep", 0.05),
+        ("sleep", 0.2),
+        ("sleep", 1.0),
+        ("sleep", 5.0),
+        ("sleep", 20.0),
+        ("spin", 5.0),
+    ]
+    print(
+        f"{args.workload}: {args.rounds} rounds of {args.chunks} pieces of ~{args.piece_us:g} us; medians per piece, us"
+    )
     res = run(args.workload, args.rounds, args.chunks, args.piece_us, conditions)
     res["machine"] = machine_info()
     if args.json:

@@ -37,20 +37,36 @@ def main() -> int:
 
     view = memoryview(typed)
     res = {
-        "pickle": {"bytes": len(pickled), "encode_us": best_us(lambda: pickle.dumps(obj, protocol=5)),
-                   "decode_us": best_us(lambda: pickle.loads(pickled))},
-        "typed": {"bytes": len(typed), "encode_us": best_us(lambda: codec.encode(obj, 0)),
-                  "decode_us": best_us(lambda: codec.decode(view, 1, 1))},
+        "pickle": {
+            "bytes": len(pickled),
+            "encode_us": best_us(lambda: pickle.dumps(obj, protocol=5)),
+            "decode_us": best_us(lambda: pickle.loads(pickled)),
+        },
+        "typed": {
+            "bytes": len(typed),
+            "encode_us": best_us(lambda: codec.encode(obj, 0)),
+            "decode_us": best_us(lambda: codec.decode(view, 1, 1)),
+        },
     }
     for name, r in res.items():
         r["total_us"] = r["encode_us"] + r["decode_us"]
-        print(f"{name:7s} {r['bytes']:6d} B  encode {r['encode_us']:6.1f} us  decode {r['decode_us']:6.1f} us  "
-              f"total {r['total_us']:6.1f} us")
+        print(
+            f"{name:7s} {r['bytes']:6d} B  encode {r['encode_us']:6.1f} us  decode {r['decode_us']:6.1f} us  "
+            f"total {r['total_us']:6.1f} us"
+        )
     ratio = res["typed"]["total_us"] / res["pickle"]["total_us"]
     print(f"typed / pickle: {ratio:.2f}x")
-    path = write_result("object-codec", {"object": "bench._payloads.scheduler_step()", "number": args.number,
-                                         "repeat": args.repeat, "results": res, "typed_over_pickle": ratio},
-                        args.out)
+    path = write_result(
+        "object-codec",
+        {
+            "object": "bench._payloads.scheduler_step()",
+            "number": args.number,
+            "repeat": args.repeat,
+            "results": res,
+            "typed_over_pickle": ratio,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

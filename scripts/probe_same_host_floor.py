@@ -41,8 +41,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _summary(us: list[float]) -> dict:
-    return {"median_us": statistics.median(us), "p90_us": _pct(us, 0.9), "p99_us": _pct(us, 0.99),
-            "min_us": min(us), "n": len(us)}
+    return {
+        "median_us": statistics.median(us),
+        "p90_us": _pct(us, 0.9),
+        "p99_us": _pct(us, 0.99),
+        "min_us": min(us),
+        "n": len(us),
+    }
 
 
 def _producer(sock: socket.socket, q_in, q_out, device: str) -> None:
@@ -115,11 +120,19 @@ def main() -> None:
     b.close()
     torch.cuda.set_device(args.device)
     stream = torch.cuda.current_stream()
-    out: dict = {"machine": {"hostname": platform.node(), "python": platform.python_version(),
-                             "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                             "cpu_count": os.cpu_count(), "cuda_mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-                             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-                 "iters": args.iters, "sizes": {}}
+    out: dict = {
+        "machine": {
+            "hostname": platform.node(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(),
+            "cpu_count": os.cpu_count(),
+            "cuda_mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+        "iters": args.iters,
+        "sizes": {},
+    }
     for nbytes in args.sizes:
         q_in.put(("alloc", nbytes, None))
         theirs = q_out.get()  # the producer's buffer, IPC-mapped into this process
@@ -136,8 +149,12 @@ def main() -> None:
             stream.synchronize()
 
         # (row, what the producer writes: our buffer or its own, what we do after its answer)
-        for name, kind, after in (("control", "push", None), ("pull", "pull", pull_copy), ("push", "push", None),
-                                  ("push_then_use", "push", use)):
+        for name, kind, after in (
+            ("control", "push", None),
+            ("pull", "pull", pull_copy),
+            ("push", "push", None),
+            ("push_then_use", "push", use),
+        ):
             q_in.put((kind, nbytes, mine if kind == "push" else None))
             q_out.get()  # the producer is in its loop
             row[name] = _summary(_rounds(a, args, "control" if name == "control" else kind, mine, after))
@@ -150,8 +167,11 @@ def main() -> None:
                 d2d.append((time.perf_counter() - t0) * 1e6)
         row["d2d"] = _summary(d2d)
         out["sizes"][str(nbytes)] = row
-        print(f"{nbytes:>11} B  " + "  ".join(f"{k} {v['median_us']:7.1f} (p99 {v['p99_us']:7.1f})"
-                                             for k, v in row.items()), flush=True)
+        print(
+            f"{nbytes:>11} B  "
+            + "  ".join(f"{k} {v['median_us']:7.1f} (p99 {v['p99_us']:7.1f})" for k, v in row.items()),
+            flush=True,
+        )
         del theirs
     bad = _BAD[0]
     out["bad_checks"] = bad

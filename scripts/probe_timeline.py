@@ -134,8 +134,9 @@ def _encoder_main(device: str, rows: int, cols: int, q: Any, stop: Any, dump: st
             json.dump(EVENTS, f)
 
 
-def per_function(events: list[tuple[Any, ...]], windows: list[tuple[int, int]]
-                 ) -> tuple[list[float], list[tuple[float, str, float, int]]]:
+def per_function(
+    events: list[tuple[Any, ...]], windows: list[tuple[int, int]]
+) -> tuple[list[float], list[tuple[float, str, float, int]]]:
     """For ``windows`` (start, end ns): each one's length in us, and per function seen in at least half of them
     (the n-th call in a window is ``name#n``): (median start offset us, name, median duration us, count)."""
     per: dict[str, list[tuple[float, float]]] = {}
@@ -148,8 +149,11 @@ def per_function(events: list[tuple[Any, ...]], windows: list[tuple[int, int]]
                 seen[name] = seen.get(name, 0) + 1
                 key = name if seen[name] == 1 else f"{name}#{seen[name]}"
                 per.setdefault(key, []).append(((t0 - a) / 1e3, (t1 - t0) / 1e3))
-    out = [(statistics.median(x[0] for x in xs), key, statistics.median(x[1] for x in xs), len(xs))
-           for key, xs in per.items() if len(xs) >= len(windows) // 2]
+    out = [
+        (statistics.median(x[0] for x in xs), key, statistics.median(x[1] for x in xs), len(xs))
+        for key, xs in per.items()
+        if len(xs) >= len(windows) // 2
+    ]
     return totals, sorted(out)
 
 
@@ -160,8 +164,12 @@ def print_table(totals: list[float], rows: list[tuple[float, str, float, int]], 
         print(f"{key:{width}} {start:9.0f} {dur:8.0f} {n:4d}")
     q = statistics.quantiles(totals, n=10) if len(totals) > 1 else [totals[0]] * 9
     print(f"fetch p10 {q[0]:.0f} us, p90 {q[-1]:.0f} us")
-    return {"total_us": statistics.median(totals), "total_p10_us": q[0], "total_p90_us": q[-1],
-            "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in rows}}
+    return {
+        "total_us": statistics.median(totals),
+        "total_p10_us": q[0],
+        "total_p90_us": q[-1],
+        "functions": {k: {"start_us": s, "dur_us": d, "n": n} for s, k, d, n in rows},
+    }
 
 
 def main() -> int:
@@ -170,11 +178,19 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 13760])
     ap.add_argument("--json", default=None, help="also write the timelines here")
-    ap.add_argument("--channel", choices=["grpc", "local", "placed"], default="grpc",
-                    help="the control channel: the EncodeStream, or the same-host channel (issue 18) with the RDMA "
-                         "plane, or with placed outputs (receive buffers)")
-    ap.add_argument("--gap-ms", type=float, default=0.0,
-                    help="both processes idle this long between fetches (a fetch after a pause, not back to back)")
+    ap.add_argument(
+        "--channel",
+        choices=["grpc", "local", "placed"],
+        default="grpc",
+        help="the control channel: the EncodeStream, or the same-host channel (issue 18) with the RDMA "
+        "plane, or with placed outputs (receive buffers)",
+    )
+    ap.add_argument(
+        "--gap-ms",
+        type=float,
+        default=0.0,
+        help="both processes idle this long between fetches (a fetch after a pause, not back to back)",
+    )
     args = ap.parse_args()
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import torch
@@ -194,9 +210,12 @@ def main() -> int:
     try:
         port, ready = q.get(timeout=120)
         assert ready, "exporter not ready"
-        cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000,
-                              local_channel="off" if args.channel == "grpc" else "auto",
-                              local_placement_bytes=(1 << 30) if args.channel == "placed" else 0)
+        cfg = TransportConfig(
+            rdma=RdmaConfig(device=args.device),
+            rpc_timeout_margin_ms=5000,
+            local_channel="off" if args.channel == "grpc" else "auto",
+            local_placement_bytes=(1 << 30) if args.channel == "placed" else 0,
+        )
         plane = "placed" if args.channel == "placed" else "rdma"
         with RemoteOutputTransport(f"127.0.0.1:{port}", cfg) as t:
             assert t.wait_ready(60)
@@ -227,8 +246,10 @@ def main() -> int:
     print(f"device {args.device}, CUDA MPS {'on' if args.device != 'cpu' and cuda_mps_active() else 'off'}")
     for rows, wins in windows.items():
         totals, rows_out = per_function(events, wins)
-        print(f"\n== rows {rows} ({rows * 4096 * 2 / 1e6:.3f} MB), {len(wins)} fetches, total median "
-              f"{statistics.median(totals):.0f} us (synced)")
+        print(
+            f"\n== rows {rows} ({rows * 4096 * 2 / 1e6:.3f} MB), {len(wins)} fetches, total median "
+            f"{statistics.median(totals):.0f} us (synced)"
+        )
         report[str(rows)] = print_table(totals, rows_out, 58)
     if args.json:
         with open(args.json, "w") as f:

@@ -152,5 +152,4 @@ def follow_parent(pdeathsig: bool | None = None) -> bool:
     return True
 
 
-__all__ = ["ENV_FD", "EXIT_ORPHANED", "Lifeline", "arm_from_env", "follow_parent", "parent_lifeline",
-           "set_pdeathsig"]
+__all__ = ["ENV_FD", "EXIT_ORPHANED", "Lifeline", "arm_from_env", "follow_parent", "parent_lifeline", "set_pdeathsig"]

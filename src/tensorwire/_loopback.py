@@ -144,8 +144,13 @@ def _pooled() -> Iterator[socket.socket]:
 
 
 def _request(family: int, states: int, sport: int, dport: int, src: bytes, dst: bytes, dump: bool) -> bytes:
-    body = (_REQ.pack(family, socket.IPPROTO_TCP, 0, states) + _SOCKID_PORTS.pack(sport, dport) + src + dst
-            + _SOCKID_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE))
+    body = (
+        _REQ.pack(family, socket.IPPROTO_TCP, 0, states)
+        + _SOCKID_PORTS.pack(sport, dport)
+        + src
+        + dst
+        + _SOCKID_TAIL.pack(0, _NO_COOKIE, _NO_COOKIE)
+    )
     flags = _NLM_F_REQUEST | (_NLM_F_DUMP if dump else 0)
     return _NLMSG.pack(_NLMSG.size + len(body), _SOCK_DIAG_BY_FAMILY, flags, 1, 0) + body
 
@@ -186,8 +191,8 @@ def _netlink(req: bytes, dump: bool) -> list[_Entry]:
                 if kind == _SOCK_DIAG_BY_FAMILY and length >= _NLMSG.size + _MSG_BYTES:
                     family, state, _t, _r = _MSG_HEAD.unpack_from(data, body)
                     sport, dport = _SOCKID_PORTS.unpack_from(data, body + 4)
-                    src = bytes(data[body + 8:body + 24])
-                    dst = bytes(data[body + 24:body + 40])
+                    src = bytes(data[body + 8 : body + 24])
+                    dst = bytes(data[body + 24 : body + 40])
                     uid = _MSG_TAIL.unpack_from(data, body + 4 + 48)[3]
                     out.append(_Entry(family, state, sport, dport, src, dst, uid))
                 off += (length + 3) & ~3
@@ -220,7 +225,7 @@ def _proc_addr(text: str) -> tuple[bytes, int]:
     """``/proc/net/tcp``'s ``ADDR:PORT``: the address as 32-bit words in host order, padded to 16 bytes."""
     hexaddr, _, hexport = text.partition(":")
     raw = bytes.fromhex(hexaddr)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)) if len(raw) in (4, 16) else raw
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if len(raw) in (4, 16) else raw
     if socket.htonl(1) == 1:  # a big-endian host prints network order already
         words = raw
     return words + bytes(16 - len(words)), int(hexport, 16)
@@ -272,13 +277,18 @@ def connection_uid(peer_ip: str, peer_port: int, local_port: int, local_ips: tup
                 if fam != family or dst in tried:
                     continue
                 tried.add(dst)
-                uid = _match(_lookup(family, 1 << _TCP_ESTABLISHED, peer_port, local_port, src, dst, dump=False),
-                             src, peer_port, local_port)
+                uid = _match(
+                    _lookup(family, 1 << _TCP_ESTABLISHED, peer_port, local_port, src, dst, dump=False),
+                    src,
+                    peer_port,
+                    local_port,
+                )
                 if uid is not None:
                     return uid
     for family, src in forms:
-        uid = _match(_lookup(family, 1 << _TCP_ESTABLISHED, 0, 0, bytes(16), bytes(16), dump=True), src,
-                     peer_port, local_port)
+        uid = _match(
+            _lookup(family, 1 << _TCP_ESTABLISHED, 0, 0, bytes(16), bytes(16), dump=True), src, peer_port, local_port
+        )
         if uid is not None:
             return uid
     return None
@@ -345,5 +355,12 @@ def parse_peer(peer: str) -> tuple[str, int] | None:
         return None
 
 
-__all__ = ["ENV_TRUSTED_UIDS", "available", "connection_uid", "is_local_address", "listener_uids", "parse_peer",
-           "trusted_uids"]
+__all__ = [
+    "ENV_TRUSTED_UIDS",
+    "available",
+    "connection_uid",
+    "is_local_address",
+    "listener_uids",
+    "parse_peer",
+    "trusted_uids",
+]

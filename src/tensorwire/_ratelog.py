@@ -10,8 +10,9 @@ from typing import Any
 
 
 class RateLimitedLog:
-    def __init__(self, logger: logging.Logger, interval_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._log = logger
         self._interval_s = interval_s
         self._clock = clock

@@ -12,9 +12,13 @@ from hypothesis import HealthCheck, settings
 
 SCALE = max(1, int(os.environ.get("TENSORWIRE_FUZZ_EXAMPLES", "0") or 0))
 
-settings.register_profile("tensorwire-fuzz", deadline=None, derandomize=not bool(SCALE), print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                                 HealthCheck.function_scoped_fixture])
+settings.register_profile(
+    "tensorwire-fuzz",
+    deadline=None,
+    derandomize=not bool(SCALE),
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 settings.load_profile("tensorwire-fuzz")
 
 

@@ -43,30 +43,59 @@ def _mutated(seeds: list[bytes], cls: object = None) -> st.SearchStrategy[bytes]
     return mutation_seed.map(build)
 
 
-meta = st.builds(dpb.TensorMetaPB, shape=st.lists(st.one_of(small, i64), max_size=5),
-                 dtype=st.integers(-1, 12), offset=st.one_of(st.integers(0, 1 << 20), u64),
-                 nbytes=st.one_of(st.integers(0, 1 << 20), u64))
+meta = st.builds(
+    dpb.TensorMetaPB,
+    shape=st.lists(st.one_of(small, i64), max_size=5),
+    dtype=st.integers(-1, 12),
+    offset=st.one_of(st.integers(0, 1 << 20), u64),
+    nbytes=st.one_of(st.integers(0, 1 << 20), u64),
+)
 descriptor_msg = st.builds(
-    dpb.DescriptorPB, version=st.integers(0, 3),
-    owner=st.builds(dpb.OwnerPB, agent_name=st.text(max_size=8), host=st.sampled_from(["", "127.0.0.1", "::1", "h"]),
-                    port=st.integers(0, 70_000), registration_epoch=u64),
-    mem_type=st.integers(-1, 3), device_id=st.integers(0, 2**32 - 1), slot_addr=u64,
-    payload_bytes=st.one_of(st.integers(0, 1 << 22), u64), lease_id=st.text(max_size=8), generation=u64,
-    generation_addr=u64, manifest=st.lists(meta, max_size=4))
+    dpb.DescriptorPB,
+    version=st.integers(0, 3),
+    owner=st.builds(
+        dpb.OwnerPB,
+        agent_name=st.text(max_size=8),
+        host=st.sampled_from(["", "127.0.0.1", "::1", "h"]),
+        port=st.integers(0, 70_000),
+        registration_epoch=u64,
+    ),
+    mem_type=st.integers(-1, 3),
+    device_id=st.integers(0, 2**32 - 1),
+    slot_addr=u64,
+    payload_bytes=st.one_of(st.integers(0, 1 << 22), u64),
+    lease_id=st.text(max_size=8),
+    generation=u64,
+    generation_addr=u64,
+    manifest=st.lists(meta, max_size=4),
+)
 
 
 @settings(max_examples=examples(300))
-@given(st.one_of(st.binary(max_size=512), _mutated(DESC_SEEDS, dpb.DescriptorPB),
-                 descriptor_msg.map(lambda m: m.SerializeToString())))
+@given(
+    st.one_of(
+        st.binary(max_size=512),
+        _mutated(DESC_SEEDS, dpb.DescriptorPB),
+        descriptor_msg.map(lambda m: m.SerializeToString()),
+    )
+)
 def test_descriptor_bytes(data: bytes) -> None:
     assert T.target_descriptor(data).startswith(("ok", "typed:"))
 
 
 @settings(max_examples=examples(300))
-@given(st.one_of(
-    st.binary(max_size=512), _mutated(INLINE_SEEDS, pb.Tensor),
-    st.builds(pb.Tensor, dtype=st.integers(-1, 12), shape=st.lists(st.one_of(small, i64), max_size=5),
-              data=st.binary(max_size=256)).map(lambda m: m.SerializeToString())))
+@given(
+    st.one_of(
+        st.binary(max_size=512),
+        _mutated(INLINE_SEEDS, pb.Tensor),
+        st.builds(
+            pb.Tensor,
+            dtype=st.integers(-1, 12),
+            shape=st.lists(st.one_of(small, i64), max_size=5),
+            data=st.binary(max_size=256),
+        ).map(lambda m: m.SerializeToString()),
+    )
+)
 def test_inline_tensor_payload(data: bytes) -> None:
     assert T.target_inline_tensor(data).startswith(("ok", "typed:"))
 
@@ -79,18 +108,32 @@ def receipt_harness() -> T.ReceiptHarness:
 
 
 RECEIPT_SEEDS = T.seed_receipts(random.Random(1))
-slot = st.builds(pb.RdmaSlot, descriptor=st.one_of(st.sampled_from(DESC_SEEDS), _mutated(DESC_SEEDS, dpb.DescriptorPB)),
-                 roles=st.lists(st.integers(-1, 4), max_size=4))
-tensor = st.builds(pb.Tensor, dtype=st.integers(0, 11), shape=st.lists(st.integers(-1, 6), max_size=3),
-                   data=st.binary(max_size=96))
-receipt_msg = st.builds(pb.EncodeResponse, embedding=st.one_of(st.none(), tensor),
-                        position_ids=st.one_of(st.none(), tensor), extra_inputs=st.lists(tensor, max_size=2),
-                        split_sizes=st.lists(st.integers(-2, 8), max_size=3), rdma_slots=st.lists(slot, max_size=2))
+slot = st.builds(
+    pb.RdmaSlot,
+    descriptor=st.one_of(st.sampled_from(DESC_SEEDS), _mutated(DESC_SEEDS, dpb.DescriptorPB)),
+    roles=st.lists(st.integers(-1, 4), max_size=4),
+)
+tensor = st.builds(
+    pb.Tensor, dtype=st.integers(0, 11), shape=st.lists(st.integers(-1, 6), max_size=3), data=st.binary(max_size=96)
+)
+receipt_msg = st.builds(
+    pb.EncodeResponse,
+    embedding=st.one_of(st.none(), tensor),
+    position_ids=st.one_of(st.none(), tensor),
+    extra_inputs=st.lists(tensor, max_size=2),
+    split_sizes=st.lists(st.integers(-2, 8), max_size=3),
+    rdma_slots=st.lists(slot, max_size=2),
+)
 
 
 @settings(max_examples=examples(300))
-@given(st.one_of(st.binary(max_size=512), _mutated(RECEIPT_SEEDS, pb.EncodeResponse),
-                 receipt_msg.map(lambda m: m.SerializeToString())))
+@given(
+    st.one_of(
+        st.binary(max_size=512),
+        _mutated(RECEIPT_SEEDS, pb.EncodeResponse),
+        receipt_msg.map(lambda m: m.SerializeToString()),
+    )
+)
 def test_receipt_through_the_client(receipt_harness: T.ReceiptHarness, data: bytes) -> None:
     assert receipt_harness(data).startswith(("ok", "typed:"))
 
@@ -104,18 +147,31 @@ def _concat(parts: list[bytes]) -> bytes:
 
 
 @settings(max_examples=examples(300))
-@given(st.one_of(st.binary(max_size=512), _mutated(RECEIPT_SEEDS, pb.EncodeResponse),
-                 receipt_msg.map(lambda m: m.SerializeToString()),
-                 st.lists(st.one_of(st.sampled_from(RECEIPT_SEEDS), receipt_msg.map(lambda m: m.SerializeToString())),
-                          min_size=2, max_size=3).map(_concat)))
+@given(
+    st.one_of(
+        st.binary(max_size=512),
+        _mutated(RECEIPT_SEEDS, pb.EncodeResponse),
+        receipt_msg.map(lambda m: m.SerializeToString()),
+        st.lists(
+            st.one_of(st.sampled_from(RECEIPT_SEEDS), receipt_msg.map(lambda m: m.SerializeToString())),
+            min_size=2,
+            max_size=3,
+        ).map(_concat),
+    )
+)
 def test_receipt_walk_reads_what_protobuf_reads(data: bytes) -> None:
     assert T.target_receipt_wire(data).startswith(("ok", "typed:"))
 
 
 @settings(max_examples=examples(300))
-@given(st.one_of(st.binary(max_size=512), _mutated(STREAM_SEEDS, pb.StreamResponse),
-                 stream_msg.map(lambda m: m.SerializeToString()),
-                 st.lists(st.sampled_from(STREAM_SEEDS), min_size=2, max_size=3).map(_concat)))
+@given(
+    st.one_of(
+        st.binary(max_size=512),
+        _mutated(STREAM_SEEDS, pb.StreamResponse),
+        stream_msg.map(lambda m: m.SerializeToString()),
+        st.lists(st.sampled_from(STREAM_SEEDS), min_size=2, max_size=3).map(_concat),
+    )
+)
 def test_stream_answer_walk_reads_what_protobuf_reads(data: bytes) -> None:
     assert T.target_stream_wire(data).startswith(("ok", "typed:"))
 

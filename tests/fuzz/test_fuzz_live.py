@@ -45,8 +45,12 @@ def _image(seed: int) -> bytes:
     return rng.choice(IMAGES)
 
 
-item = st.tuples(st.integers(0, 2**32), st.sampled_from(["image", "video", ""]), st.integers(-5, 10_000),
-                 st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2))
+item = st.tuples(
+    st.integers(0, 2**32),
+    st.sampled_from(["image", "video", ""]),
+    st.integers(-5, 10_000),
+    st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+)
 
 
 def _request(items: list[tuple[int, str, int, dict[str, str]]], support_rdma: bool, excluded: list[str]) -> bytes:
@@ -67,8 +71,9 @@ def _mutated_request(s: int) -> bytes:
 
 
 requests = st.one_of(
-    st.builds(_request, st.lists(item, max_size=3), st.booleans(), st.lists(st.sampled_from(["fuzz-worker", "x"]),
-                                                                             max_size=2)),
+    st.builds(
+        _request, st.lists(item, max_size=3), st.booleans(), st.lists(st.sampled_from(["fuzz-worker", "x"]), max_size=2)
+    ),
     st.integers(0, 2**32).map(_mutated_request),
     st.binary(max_size=256),
 )
@@ -84,9 +89,14 @@ def test_encode_requests(server: LiveEncoder, data: bytes) -> None:
 
 @pytest.mark.timeout(240)
 @settings(max_examples=examples(30))
-@given(st.one_of(st.binary(max_size=256),
-                 st.lists(st.text(max_size=300), max_size=20).map(
-                     lambda ids: wire.ReleaseLeasesRequest(lease_ids=ids).SerializeToString())))
+@given(
+    st.one_of(
+        st.binary(max_size=256),
+        st.lists(st.text(max_size=300), max_size=20).map(
+            lambda ids: wire.ReleaseLeasesRequest(lease_ids=ids).SerializeToString()
+        ),
+    )
+)
 def test_release_requests(server: LiveEncoder, data: bytes) -> None:
     out = server.release(data)
     assert out == "ok" or out.startswith("typed:"), out
@@ -108,8 +118,12 @@ def test_server_still_serves_correct_answers_and_holds_no_leases(server: LiveEnc
 
 @pytest.mark.timeout(240)
 @settings(max_examples=examples(15))
-@given(st.one_of(st.binary(max_size=80),
-                 st.integers(0, 2**32).map(lambda s: mutate(random.Random(s).choice(seed_hellos()), random.Random(s)))))
+@given(
+    st.one_of(
+        st.binary(max_size=80),
+        st.integers(0, 2**32).map(lambda s: mutate(random.Random(s).choice(seed_hellos()), random.Random(s))),
+    )
+)
 def test_broadcaster_handshake_live(data: bytes) -> None:
     out = hello_live(data, 0.5)
     assert out.startswith("typed:"), out  # one fuzz peer can never complete a two-rank bootstrap

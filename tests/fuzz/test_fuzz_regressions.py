@@ -12,8 +12,11 @@ from tensorwire.soak._fuzz_targets import target_inline_tensor
 # Found by `python -m tensorwire.soak.fuzz --inputs 1000000` (84 of 150,000 inline-tensor inputs): a zero dim made
 # numel 0, so the size check passed for [0, 3, 2**63-1] and torch.empty raised RuntimeError("Stride calculation
 # overflowed"), an untyped exception out of RemoteOutputTransport.fetch on an inline receipt.
-CRASHERS = ["0805120b0003ffffffffffffffff7f", "0805120f00ffffffffffffffff7fffffffff07",
-            "0805121300ffffffffffffffff7fffffffffffffffff7f"]
+CRASHERS = [
+    "0805120b0003ffffffffffffffff7f",
+    "0805120f00ffffffffffffffff7fffffffff07",
+    "0805121300ffffffffffffffff7fffffffffffffffff7f",
+]
 
 
 @pytest.mark.parametrize("hex_input", CRASHERS)

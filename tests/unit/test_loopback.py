@@ -59,8 +59,9 @@ def test_trusted_uids_and_peer_strings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _loopback.is_local_address("127.0.0.1") and not _loopback.is_local_address("192.0.2.7")
 
 
-def test_a_client_sends_nothing_to_a_listener_it_does_not_trust(listener: socket.socket,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_client_sends_nothing_to_a_listener_it_does_not_trust(
+    listener: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(_loopback, "trusted_uids", lambda: frozenset({os.geteuid() + 12345}))
     port = listener.getsockname()[1]
     channel = secure_or_insecure_channel(f"127.0.0.1:{port}", TlsConfig(), [])
@@ -81,8 +82,9 @@ def test_a_client_sends_nothing_to_a_listener_it_does_not_trust(listener: socket
         listener.accept()  # no connection was ever made
 
 
-def test_a_listener_refuses_a_caller_it_does_not_trust(listener: socket.socket,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_listener_refuses_a_caller_it_does_not_trust(
+    listener: socket.socket, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = listener.getsockname()[1]
     with socket.create_connection(("127.0.0.1", port)) as client:
         conn, _ = listener.accept()

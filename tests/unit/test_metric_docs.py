@@ -104,11 +104,18 @@ def test_the_encoder_exports_its_leases_and_pool_as_gauges() -> None:
     from tensorwire.rdma import ExporterStats, PoolStats
 
     m = TransportMetrics(CollectorRegistry())
-    names = ("tensorwire_mm_encoder_leases", "tensorwire_mm_encoder_leased_bytes", "tensorwire_mm_encoder_pool_bytes",
-             "tensorwire_mm_encoder_pool_capacity_bytes")
+    names = (
+        "tensorwire_mm_encoder_leases",
+        "tensorwire_mm_encoder_leased_bytes",
+        "tensorwire_mm_encoder_pool_bytes",
+        "tensorwire_mm_encoder_pool_capacity_bytes",
+    )
     assert [m.registry.get_sample_value(n) for n in names] == [0.0] * 4
-    m.watch_exporter(lambda: ExporterStats(live_leases=3, pool=PoolStats(pool_bytes=8 << 20, pool_cap_bytes=1 << 30,
-                                                                          busy_bytes=6 << 20)))
+    m.watch_exporter(
+        lambda: ExporterStats(
+            live_leases=3, pool=PoolStats(pool_bytes=8 << 20, pool_cap_bytes=1 << 30, busy_bytes=6 << 20)
+        )
+    )
     assert [m.registry.get_sample_value(n) for n in names] == [3.0, float(6 << 20), float(8 << 20), float(1 << 30)]
 
     def broken() -> ExporterStats:

@@ -34,7 +34,11 @@ def test_no_module_outside_bench_imports_tensorwire_bench() -> None:
 
 
 def test_the_walk_sees_every_import_form() -> None:
-    for source in ("import tensorwire.bench._common", "from tensorwire.bench import _common",
-                   "from tensorwire import bench", "def f():\n    from tensorwire.bench._e2e import measure\n"):
+    for source in (
+        "import tensorwire.bench._common",
+        "from tensorwire.bench import _common",
+        "from tensorwire import bench",
+        "def f():\n    from tensorwire.bench._e2e import measure\n",
+    ):
         assert _imports_bench(ast.parse(source)), source
     assert not _imports_bench(ast.parse("from tensorwire.benchmarks import x\nimport tensorwire.cli"))

@@ -174,8 +174,10 @@ def test_default_runtime_dir_uses_a_private_xdg_runtime_dir_and_not_someone_else
     xdg.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     assert _unix.default_runtime_dir() == os.path.join(str(xdg), "tensorwire")
-    assert _unix.xdg_runtime_dir(uid=os.geteuid() + 1) == (None, f"owned by uid {os.geteuid()}, not by us "
-                                                                 f"(uid {os.geteuid() + 1})")
+    assert _unix.xdg_runtime_dir(uid=os.geteuid() + 1) == (
+        None,
+        f"owned by uid {os.geteuid()}, not by us (uid {os.geteuid() + 1})",
+    )
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert _unix.xdg_runtime_dir() == (None, "")
 

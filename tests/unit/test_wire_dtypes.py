@@ -21,13 +21,29 @@ from tensorwire.rdma._proto import descriptor_pb2 as dpb
 # The descriptor numbering of every release before the one numbering (frozen here on purpose: it is what old
 # readers decode field 2 with and what old owners write there).
 OLD_DESCRIPTOR_NUMBERING = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int8: 5, torch.uint8: 6,
-    torch.int16: 7, torch.int32: 8, torch.int64: 9, torch.bool: 10,
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int8: 5,
+    torch.uint8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
 }
 # The inline numbering (encoder.proto), which every release used and which became the one numbering.
 ONE_NUMBERING = {
-    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4, torch.int64: 5, torch.int32: 6,
-    torch.int16: 7, torch.int8: 8, torch.uint8: 9, torch.bool: 10,
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.int16: 7,
+    torch.int8: 8,
+    torch.uint8: 9,
+    torch.bool: 10,
 }
 
 
@@ -55,9 +71,17 @@ def _descriptor() -> Descriptor:
     for dt in SUPPORTED_DTYPES:
         entries.append(TensorMeta((3,), dt, off, 3 * dt.itemsize))
         off += 4096
-    return Descriptor(owner=Owner("tw-a", "127.0.0.1", 4242, 1), mem_type="DRAM", device_id=0,
-                      slot_addr=0x7F0000000000, payload_bytes=off, lease_id="l-1", generation=1,
-                      generation_addr=0x7E0000000008, manifest=tuple(entries))
+    return Descriptor(
+        owner=Owner("tw-a", "127.0.0.1", 4242, 1),
+        mem_type="DRAM",
+        device_id=0,
+        slot_addr=0x7F0000000000,
+        payload_bytes=off,
+        lease_id="l-1",
+        generation=1,
+        generation_addr=0x7E0000000008,
+        manifest=tuple(entries),
+    )
 
 
 def test_new_descriptor_carries_both_numberings_for_old_readers() -> None:

@@ -36,9 +36,12 @@ from typing import Any
 
 
 def _connector_config(role: str, module: str, cls: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {"ec_connector": cls, "ec_connector_module_path": module,
-            "ec_role": "ec_producer" if role == "producer" else "ec_consumer",
-            "ec_connector_extra_config": extra}
+    return {
+        "ec_connector": cls,
+        "ec_connector_module_path": module,
+        "ec_role": "ec_producer" if role == "producer" else "ec_consumer",
+        "ec_connector_extra_config": extra,
+    }
 
 
 def _metrics() -> dict[str, float]:
@@ -79,16 +82,24 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    kw: dict[str, Any] = dict(model=args.model, enforce_eager=True, max_model_len=256, max_num_seqs=4,
-                              limit_mm_per_prompt={"image": 2}, dtype="float32", tensor_parallel_size=args.tp,
-                              seed=0)
+    kw: dict[str, Any] = dict(
+        model=args.model,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        limit_mm_per_prompt={"image": 2},
+        dtype="float32",
+        tensor_parallel_size=args.tp,
+        seed=0,
+    )
     if args.no_mm_cache:
         kw["mm_processor_cache_gb"] = 0
     if args.enable_mm_embeds:
         kw["enable_mm_embeds"] = True
     if args.role != "baseline":
-        kw["ec_transfer_config"] = _connector_config(args.role, args.connector_module, args.connector_class,
-                                                  json.loads(args.extra))
+        kw["ec_transfer_config"] = _connector_config(
+            args.role, args.connector_module, args.connector_class, json.loads(args.extra)
+        )
     t0 = time.monotonic()
     llm = LLM(**kw)
     print(f"[instance {args.role}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
@@ -112,11 +123,12 @@ def main() -> int:
         from vllm.inputs.engine import mm_input
         from vllm.multimodal.inputs import MultiModalKwargsItems, PlaceholderRange
 
-        engine_input = mm_input(prompt_token_ids=list(req["prompt_token_ids"]),
-                                mm_kwargs=MultiModalKwargsItems({"image": [None]}),
-                                mm_hashes={"image": [req["mm_hash"]]},
-                                mm_placeholders={"image": [PlaceholderRange(offset=req["offset"],
-                                                                            length=req["length"])]})
+        engine_input = mm_input(
+            prompt_token_ids=list(req["prompt_token_ids"]),
+            mm_kwargs=MultiModalKwargsItems({"image": [None]}),
+            mm_hashes={"image": [req["mm_hash"]]},
+            mm_placeholders={"image": [PlaceholderRange(offset=req["offset"], length=req["length"])]},
+        )
         extra = {"ec_transfer_params": req["params"]} if req.get("params") else None
         sp = SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, logprobs=3, extra_args=extra)
         engine = llm.llm_engine
@@ -132,12 +144,22 @@ def main() -> int:
 
     def _result(res: Any, seconds: float) -> dict[str, Any]:
         if res is None:
-            return {"token_ids": [], "logprobs": [], "finish_reason": None, "ec_transfer_params": None,
-                    "seconds": seconds}
+            return {
+                "token_ids": [],
+                "logprobs": [],
+                "finish_reason": None,
+                "ec_transfer_params": None,
+                "seconds": seconds,
+            }
         out = res.outputs[0]
-        return {"token_ids": list(out.token_ids), "logprobs": _logprobs(out), "finish_reason": out.finish_reason,
-                "ec_transfer_params": res.ec_transfer_params, "seconds": seconds,
-                "prompt_token_ids": list(res.prompt_token_ids or [])}
+        return {
+            "token_ids": list(out.token_ids),
+            "logprobs": _logprobs(out),
+            "finish_reason": out.finish_reason,
+            "ec_transfer_params": res.ec_transfer_params,
+            "seconds": seconds,
+            "prompt_token_ids": list(res.prompt_token_ids or []),
+        }
 
     authkey = os.environ["TW_TEST_AUTHKEY"].encode()
     with Listener(args.socket, family="AF_UNIX", authkey=authkey) as listener:

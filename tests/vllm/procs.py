@@ -18,8 +18,7 @@ class Spawned:
         self.role = name
         self.log_path = log_path
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def check_alive(self) -> None:
         if self.proc.poll() is not None:
@@ -53,6 +52,8 @@ def wait_ready(procs: Sequence[Spawned], ready: Callable[[Spawned], bool], poll_
             p.check_alive()
         starting = [p for p in starting if not ready(p)]
         if starting and time.monotonic() > deadline:
-            raise TimeoutError(f"{[p.role for p in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
-                               + "\n".join(p.tail() for p in starting))
+            raise TimeoutError(
+                f"{[p.role for p in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
+                + "\n".join(p.tail() for p in starting)
+            )
         time.sleep(poll_s)

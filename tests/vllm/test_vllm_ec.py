@@ -42,22 +42,35 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 # vLLM applies this in every process it starts (EngineCore, workers): its own logs at WARNING, tensorwire's at
 # INFO, into the instance's log file.
 LOGGING = {
-    "version": 1, "disable_existing_loggers": False,
+    "version": 1,
+    "disable_existing_loggers": False,
     "formatters": {"f": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
-    "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-                "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False}},
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+        "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False},
+    },
 }
 
 
 # name -> (prompt, image seeds). Every name gets fresh images, so the encoder instance encodes each of them
 # (its save_caches path) unless a test repeats one on purpose.
 REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "a": (SINGLE, (10,)), "b": (SINGLE, (11,)), "c": (SINGLE, (12,)), "two": (DOUBLE, (13, 14)),
-    "zero": (SINGLE, (20,)), "swap": (DOUBLE, (21, 22)),
-    "released": (SINGLE, (30,)), "refused": (SINGLE, (31,)), "blackhole": (SINGLE, (32,)),
-    "tokens_ok": (SINGLE, (40,)), "tokens_gone": (SINGLE, (41,)), "tp2": (SINGLE, (45,)), "killed": (SINGLE, (50,)),
-    "incompatible": (SINGLE, (60,)), "untrusted": (SINGLE, (61,)),
+    "a": (SINGLE, (10,)),
+    "b": (SINGLE, (11,)),
+    "c": (SINGLE, (12,)),
+    "two": (DOUBLE, (13, 14)),
+    "zero": (SINGLE, (20,)),
+    "swap": (DOUBLE, (21, 22)),
+    "released": (SINGLE, (30,)),
+    "refused": (SINGLE, (31,)),
+    "blackhole": (SINGLE, (32,)),
+    "tokens_ok": (SINGLE, (40,)),
+    "tokens_gone": (SINGLE, (41,)),
+    "tp2": (SINGLE, (45,)),
+    "killed": (SINGLE, (50,)),
+    "incompatible": (SINGLE, (60,)),
+    "untrusted": (SINGLE, (61,)),
 }
 # The first LLM instance trusts the producer's address only (any port): 127.0.0.2 stands for another host.
 TRUSTED = "127.0.0.1"
@@ -71,9 +84,17 @@ def request(name: str, params: Any = None) -> dict[str, Any]:
 class Instance(Spawned):
     """A running instance.py; ``call`` sends one message and waits for the answer (bounded)."""
 
-    def __init__(self, name: str, workdir: Path, model: Path, *, role: str | None = None,
-                 extra: dict[str, Any] | None = None, args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        workdir: Path,
+        model: Path,
+        *,
+        role: str | None = None,
+        extra: dict[str, Any] | None = None,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         role = role or name
         self.sock = str(workdir / f"{name}.sock")
         prom = workdir / f"{name}-prom"
@@ -82,11 +103,28 @@ class Instance(Spawned):
         logging_config = workdir / "logging.json"
         if not logging_config.exists():
             logging_config.write_text(json.dumps(LOGGING))
-        full_env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{HERE}", PROMETHEUS_MULTIPROC_DIR=str(prom),
-                        TW_TEST_AUTHKEY=self.authkey, VLLM_CPU_KVCACHE_SPACE="1",
-                        VLLM_LOGGING_CONFIG_PATH=str(logging_config), **(env or {}))
-        cmd = [sys.executable, str(HERE / "instance.py"), "--role", role, "--model", str(model),
-               "--socket", self.sock, "--extra", json.dumps(extra or {}), *args]
+        full_env = dict(
+            os.environ,
+            PYTHONPATH=f"{SRC}{os.pathsep}{HERE}",
+            PROMETHEUS_MULTIPROC_DIR=str(prom),
+            TW_TEST_AUTHKEY=self.authkey,
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_LOGGING_CONFIG_PATH=str(logging_config),
+            **(env or {}),
+        )
+        cmd = [
+            sys.executable,
+            str(HERE / "instance.py"),
+            "--role",
+            role,
+            "--model",
+            str(model),
+            "--socket",
+            self.sock,
+            "--extra",
+            json.dumps(extra or {}),
+            *args,
+        ]
         super().__init__(name, cmd, workdir / f"{name}.log", full_env)
         self._conn: Any = None
 
@@ -103,8 +141,7 @@ class Instance(Spawned):
     def call(self, msg: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
         self._conn.send(msg)
         if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"{self.role} did not answer {msg.get('op')} within {timeout_s:.0f} s:\n"
-                               f"{self.tail()}")
+            raise TimeoutError(f"{self.role} did not answer {msg.get('op')} within {timeout_s:.0f} s:\n{self.tail()}")
         answer = self._conn.recv()
         if "error" in answer:
             raise RuntimeError(f"{self.role}: {answer['error']}\n{answer.get('traceback', '')}")
@@ -140,8 +177,10 @@ def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
-    assert same(got, want), (f"{name}: LLM instance {got['token_ids']} {got['logprobs'][:2]} != baseline "
-                             f"{want['token_ids']} {want['logprobs'][:2]}")
+    assert same(got, want), (
+        f"{name}: LLM instance {got['token_ids']} {got['logprobs'][:2]} != baseline "
+        f"{want['token_ids']} {want['logprobs'][:2]}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +203,33 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     insts = {
         # The baseline runs as the first LLM instance does (one process: vLLM starts no EngineCore or worker).
         "baseline": Instance("baseline", work, model, env={**cpu, **uniproc}),
-        "producer": Instance("producer", work, model, extra=dict(common, lease_ttl_ms=120000),
-                             args=("--connector-module", "tampering", "--connector-class", "TamperingECConnector"),
-                             env={**cpu, "TW_TAMPER_FILE": str(tamper)}),
+        "producer": Instance(
+            "producer",
+            work,
+            model,
+            extra=dict(common, lease_ttl_ms=120000),
+            args=("--connector-module", "tampering", "--connector-class", "TamperingECConnector"),
+            env={**cpu, "TW_TAMPER_FILE": str(tamper)},
+        ),
         # No processor cache on the LLM instance: a request without its image (metadata only) must reach the
         # scheduler as such instead of missing in the engine's receiver cache.
-        "consumer": Instance("consumer", work, model, extra=dict(common, trusted_producers=TRUSTED,
-                                                                **CONSUMER_BUDGETS),
-                             args=("--no-mm-cache",), env={**cpu, **uniproc}),
-        "consumer_tp2": Instance("consumer_tp2", work, model, role="consumer",
-                                 extra=dict(common, **CONSUMER_BUDGETS), args=("--tp", "2", "--enable-mm-embeds"),
-                                 env=cpu),
+        "consumer": Instance(
+            "consumer",
+            work,
+            model,
+            extra=dict(common, trusted_producers=TRUSTED, **CONSUMER_BUDGETS),
+            args=("--no-mm-cache",),
+            env={**cpu, **uniproc},
+        ),
+        "consumer_tp2": Instance(
+            "consumer_tp2",
+            work,
+            model,
+            role="consumer",
+            extra=dict(common, **CONSUMER_BUDGETS),
+            args=("--tp", "2", "--enable-mm-embeds"),
+            env=cpu,
+        ),
     }
     try:
         wait_ready(list(insts.values()), lambda i: i.try_connect())
@@ -223,15 +278,18 @@ def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
     for n, g in zip(names, got, strict=True):
         assert_same(g, cluster["base"][n], n)
     delivered = metric(after, "tensorwire_vllm_ec_delivered_total", plane="rdma") - metric(
-        before, "tensorwire_vllm_ec_delivered_total", plane="rdma")
-    assert delivered == 5, (f"expected the RDMA plane to deliver 5 items, it delivered {delivered}; "
-                            f"{diff(before, after)}")
+        before, "tensorwire_vllm_ec_delivered_total", plane="rdma"
+    )
+    assert delivered == 5, (
+        f"expected the RDMA plane to deliver 5 items, it delivered {delivered}; {diff(before, after)}"
+    )
     assert metric(after, "tensorwire_vllm_ec_fallbacks_total") == metric(before, "tensorwire_vllm_ec_fallbacks_total")
     assert metric(after, "tensorwire_vllm_ec_placed_total") - metric(before, "tensorwire_vllm_ec_placed_total") == 5
     assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
     # Once the same-host socket to the encoder instance is known, fetches run on the scheduler's thread.
     assert metric(after, "tensorwire_vllm_ec_fetch_paths_total", path="inline") > metric(
-        before, "tensorwire_vllm_ec_fetch_paths_total", path="inline"), diff(before, after)
+        before, "tensorwire_vllm_ec_fetch_paths_total", path="inline"
+    ), diff(before, after)
     wait_nothing_held(cluster)
     # The same image again: the encoder instance has it in its encoder cache and does not encode it again, so
     # it is exported from there (start_save_caches) under a new grant.
@@ -338,8 +396,11 @@ def test_lease_released_early_falls_back_to_local_encode(cluster: Any) -> None:
     (g,) = consumer.generate([request("released", params)])
     after = consumer.metrics()
     assert_same(g, cluster["base"]["released"], "released")
-    assert metric(after, "tensorwire_vllm_ec_fallbacks_total", reason="not_held") - metric(
-        before, "tensorwire_vllm_ec_fallbacks_total", reason="not_held") == 1
+    assert (
+        metric(after, "tensorwire_vllm_ec_fallbacks_total", reason="not_held")
+        - metric(before, "tensorwire_vllm_ec_fallbacks_total", reason="not_held")
+        == 1
+    )
     wait_nothing_held(cluster)
 
 
@@ -354,9 +415,12 @@ def test_unreachable_endpoint_falls_back_without_hanging(cluster: Any) -> None:
         try:
             before = consumer.metrics()
             t0 = time.monotonic()
-            g1, g2 = consumer.generate([
-                request("refused", _with_endpoint(refused, f"127.0.0.1:{_closed_port()}")),
-                request("blackhole", _with_endpoint(blackhole, f"127.0.0.1:{mute.getsockname()[1]}"))])
+            g1, g2 = consumer.generate(
+                [
+                    request("refused", _with_endpoint(refused, f"127.0.0.1:{_closed_port()}")),
+                    request("blackhole", _with_endpoint(blackhole, f"127.0.0.1:{mute.getsockname()[1]}")),
+                ]
+            )
             elapsed = time.monotonic() - t0
             after = consumer.metrics()
         finally:
@@ -378,8 +442,14 @@ def _metadata_only(name: str, params: dict[str, Any], base: dict[str, Any]) -> d
     ids = base[name]["prompt_token_ids"]
     offset = ids.index(IMAGE_TOKEN_ID)
     length = ids.count(IMAGE_TOKEN_ID)
-    return {"prompt_token_ids": ids, "mm_hash": next(iter(params)), "offset": offset, "length": length,
-            "params": params, "max_tokens": 8}
+    return {
+        "prompt_token_ids": ids,
+        "mm_hash": next(iter(params)),
+        "offset": offset,
+        "length": length,
+        "params": params,
+        "max_tokens": 8,
+    }
 
 
 def test_request_without_media_uses_the_item_or_fails_cleanly(cluster: Any) -> None:
@@ -388,15 +458,19 @@ def test_request_without_media_uses_the_item_or_fails_cleanly(cluster: Any) -> N
     gone = produce(cluster, "tokens_gone")
     assert _release(gone) == 1
     before = consumer.metrics()
-    g_ok, g_gone = consumer.generate([_metadata_only("tokens_ok", ok, base), _metadata_only("tokens_gone", gone, base)],
-                                     op="generate_tokens")
+    g_ok, g_gone = consumer.generate(
+        [_metadata_only("tokens_ok", ok, base), _metadata_only("tokens_gone", gone, base)], op="generate_tokens"
+    )
     after = consumer.metrics()
     # The LLM instance never saw the first image, and answers exactly as the baseline that encoded it.
     assert_same(g_ok, base["tokens_ok"], "tokens_ok")
     # The second item is gone and there is no image to encode: vLLM fails that request, the engine lives on.
     assert g_gone["finish_reason"] == "error" and g_gone["token_ids"] == [], g_gone
-    assert metric(after, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held") - metric(
-        before, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held") == 1
+    assert (
+        metric(after, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held")
+        - metric(before, "tensorwire_vllm_ec_unavailable_requests_total", reason="not_held")
+        == 1
+    )
     (g,) = consumer.generate([request("a", produce(cluster, "a"))])
     assert_same(g, base["a"], "a after a failed request")
     wait_nothing_held(cluster)

@@ -24,10 +24,27 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 def test_quick_run_writes_a_complete_json(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    env = dict(os.environ, PYTHONPATH=str(SRC) + (os.pathsep + os.environ["PYTHONPATH"]
-                                                  if os.environ.get("PYTHONPATH") else ""))
-    cmd = [sys.executable, "-m", "tensorwire.bench", "vllm_engine", "--quick", "--rounds", "2", "--warmup", "1",
-           "--model-dir", str(tmp_path / "models"), "--workdir", str(tmp_path / "work"), "--out", str(out)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(SRC) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorwire.bench",
+        "vllm_engine",
+        "--quick",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--model-dir",
+        str(tmp_path / "models"),
+        "--workdir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1100)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (tmp_path / "work").rglob("*.log"))
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}\n{logs}"

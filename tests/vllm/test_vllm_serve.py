@@ -32,9 +32,11 @@ from procs import Spawned, wait_ready
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 CALL_TIMEOUT_S = 180.0
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}USER: {{ m['content'] }} {% else %}"
-                 "ASSISTANT: {{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:"
-                 "{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: {{ m['content'] }} {% else %}"
+    "ASSISTANT: {{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:"
+    "{% endif %}"
+)
 BUDGETS = {"fetch_timeout_ms": 90000, "lookup_timeout_ms": 20000, "release_timeout_ms": 10000}
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -50,8 +52,9 @@ def _png_b64(seed: int) -> str:
     return base64.b64encode(png(seed)).decode()
 
 
-def _http(port: int, method: str, path: str, body: Any = None,
-          timeout_s: float = CALL_TIMEOUT_S) -> tuple[int, dict[str, str], bytes]:
+def _http(
+    port: int, method: str, path: str, body: Any = None, timeout_s: float = CALL_TIMEOUT_S
+) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         data = json.dumps(body).encode() if body is not None else None
@@ -85,23 +88,54 @@ class Proc(Spawned):
         self.close()
 
 
-def _vllm_serve(name: str, model: Path, template: Path, workdir: Path, role: str,
-                extra: dict[str, Any]) -> Proc:
+def _vllm_serve(name: str, model: Path, template: Path, workdir: Path, role: str, extra: dict[str, Any]) -> Proc:
     port = _free_port()
-    ec = {"ec_connector": "TensorwireECConnector", "ec_connector_module_path": "tensorwire.integrations.vllm",
-          "ec_role": role, "ec_connector_extra_config": extra}
-    cmd = [sys.executable, str(HERE / "vllm_cli.py"), "serve", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "4",
-           "--dtype", "float32", "--seed", "0", "--limit-mm-per-prompt", json.dumps({"image": 2}),
-           "--chat-template", str(template), "--chat-template-content-format", "string",
-           "--ec-transfer-config", json.dumps(ec)]
+    ec = {
+        "ec_connector": "TensorwireECConnector",
+        "ec_connector_module_path": "tensorwire.integrations.vllm",
+        "ec_role": role,
+        "ec_connector_extra_config": extra,
+    }
+    cmd = [
+        sys.executable,
+        str(HERE / "vllm_cli.py"),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 2}),
+        "--chat-template",
+        str(template),
+        "--chat-template-content-format",
+        "string",
+        "--ec-transfer-config",
+        json.dumps(ec),
+    ]
     # As in test_vllm_ec: unpinned, one OpenMP thread per instance on this 2-core box (bit-identical kernels).
     # vllm serve (one API server) collects the other processes' metrics (the connector lives in the EngineCore
     # and worker processes) on /metrics only in prometheus_client's multiprocess mode: a fresh directory each.
     prom = workdir / f"{name}-prom"
     prom.mkdir()
-    env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{HERE}", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1", PROMETHEUS_MULTIPROC_DIR=str(prom))
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{SRC}{os.pathsep}{HERE}",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        OMP_NUM_THREADS="1",
+        PROMETHEUS_MULTIPROC_DIR=str(prom),
+    )
     return Proc(name, cmd, workdir, env, port)
 
 
@@ -121,18 +155,38 @@ def serving(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     llm = _vllm_serve("llm", model, template, work, "ec_consumer", dict(common, **BUDGETS))
     dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there: the router must skip it
     router_port = _free_port()
-    router = Proc("router", [sys.executable, "-m", "tensorwire.integrations.vllm_router", "--port", str(router_port),
-                             "--encoder", dead, "--encoder", f"http://127.0.0.1:{encoder.port}",
-                             "--llm", f"http://127.0.0.1:{llm.port}", "--encoder-timeout-s", "120",
-                             "--fallback", "fail"],
-                  work, dict(os.environ, PYTHONPATH=str(SRC)), router_port)
+    router = Proc(
+        "router",
+        [
+            sys.executable,
+            "-m",
+            "tensorwire.integrations.vllm_router",
+            "--port",
+            str(router_port),
+            "--encoder",
+            dead,
+            "--encoder",
+            f"http://127.0.0.1:{encoder.port}",
+            "--llm",
+            f"http://127.0.0.1:{llm.port}",
+            "--encoder-timeout-s",
+            "120",
+            "--fallback",
+            "fail",
+        ],
+        work,
+        dict(os.environ, PYTHONPATH=str(SRC)),
+        router_port,
+    )
     procs = [encoder, llm, router]
     try:
         wait_ready(procs, lambda p: p.ready(), poll_s=1.0)
         # The router probes /health every 2 s: the instances it saw starting are back in rotation after a probe.
         deadline = time.monotonic() + 60
-        while any(_metrics(router_port).get(f"tensorwire_vllm_router_upstream_up{{role={role},upstream={name}}}") != 1
-                  for role, name in (("encoder", "encoder-1"), ("llm", "llm-0"))):
+        while any(
+            _metrics(router_port).get(f"tensorwire_vllm_router_upstream_up{{role={role},upstream={name}}}") != 1
+            for role, name in (("encoder", "encoder-1"), ("llm", "llm-0"))
+        ):
             assert time.monotonic() < deadline, "the router did not take the instances into rotation within 60 s"
             time.sleep(0.5)
         print(f"vllm serve instances and router ready in {time.monotonic() - t0:.0f} s", flush=True)
@@ -146,9 +200,14 @@ def _chat(model: str, seed: int, uuid: str | None = None, stream: bool = False) 
     image: dict[str, Any] = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_png_b64(seed)}"}}
     if uuid is not None:
         image["uuid"] = uuid
-    body: dict[str, Any] = {"model": model, "max_tokens": 8, "temperature": 0.0, "logprobs": True,
-                            "top_logprobs": 3, "messages": [
-                                {"role": "user", "content": [image, {"type": "text", "text": "describe the image"}]}]}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "messages": [{"role": "user", "content": [image, {"type": "text", "text": "describe the image"}]}],
+    }
     if stream:
         body["stream"] = True
     return body
@@ -170,7 +229,7 @@ def _streamed(raw: bytes) -> tuple[str, list[Any]]:
     return text, logprobs
 
 
-_SAMPLE = re.compile(r'^(tensorwire_[a-z_]+)(?:\{([^}]*)\})? ([0-9.e+-]+)$')
+_SAMPLE = re.compile(r"^(tensorwire_[a-z_]+)(?:\{([^}]*)\})? ([0-9.e+-]+)$")
 
 
 def _metrics(port: int) -> dict[str, float]:
@@ -180,8 +239,9 @@ def _metrics(port: int) -> dict[str, float]:
     for line in raw.decode().splitlines():
         m = _SAMPLE.match(line)
         if m:
-            labels = ",".join(sorted(x.replace('"', "") for x in (m.group(2) or "").split(",")
-                                     if x and not x.startswith("pid=")))
+            labels = ",".join(
+                sorted(x.replace('"', "") for x in (m.group(2) or "").split(",") if x and not x.startswith("pid="))
+            )
             key = f"{m.group(1)}{{{labels}}}"
             out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
@@ -219,8 +279,7 @@ def test_chat_with_an_image_through_the_router_matches_the_llm_instance_alone(se
     assert len(got[1]) == 8 and all(len(step["top_logprobs"]) == 3 for step in got[1])
     assert _delta(before, after, "tensorwire_vllm_ec_delivered_total{plane=rdma}") == 1, (before, after)
     assert _delta(before, after, "tensorwire_vllm_ec_placed_total{}") == 1
-    assert not any(k.startswith("tensorwire_vllm_ec_fallbacks_total") and _delta(before, after, k)
-                   for k in after)
+    assert not any(k.startswith("tensorwire_vllm_ec_fallbacks_total") and _delta(before, after, k) for k in after)
     rm = _metrics(router.port)
     # The dead one is out after its first failure (its start-up /health probe, or one call), never asked again.
     assert rm.get("tensorwire_vllm_router_encoder_calls_total{encoder=encoder-0,outcome=unavailable}", 0.0) <= 1

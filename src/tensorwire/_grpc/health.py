@@ -68,15 +68,22 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
     # -- grpc.health.v1.Health
 
-    def Check(self, request: health_pb2.HealthCheckRequest,  # the proto's method name
-              context: grpc.ServicerContext) -> health_pb2.HealthCheckResponse:
+    def Check(
+        self,
+        request: health_pb2.HealthCheckRequest,  # the proto's method name
+        context: grpc.ServicerContext,
+    ) -> health_pb2.HealthCheckResponse:
         status = self.status(request.service)
         if status is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return health_pb2.HealthCheckResponse(status=status)
 
-    def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,
-              send_response_callback: _Send | None = None) -> None:
+    def Watch(
+        self,
+        request: health_pb2.HealthCheckRequest,
+        context: grpc.ServicerContext,
+        send_response_callback: _Send | None = None,
+    ) -> None:
         assert send_response_callback is not None  # experimental_non_blocking is set below
         send = send_response_callback
         name = request.service

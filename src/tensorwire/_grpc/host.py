@@ -238,13 +238,24 @@ def health_service(servicer: HealthService) -> Service:
         while (response := sent.get()) is not None:
             yield response
 
-    return Service(HEALTH_SERVICE, (
-        Method("Check", servicer.Check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
-               response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-        Method("Watch", watch, kind="unary_stream",
-               request_deserializer=health_pb2.HealthCheckRequest.FromString,
-               response_serializer=health_pb2.HealthCheckResponse.SerializeToString),
-    ))
+    return Service(
+        HEALTH_SERVICE,
+        (
+            Method(
+                "Check",
+                servicer.Check,
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+            Method(
+                "Watch",
+                watch,
+                kind="unary_stream",
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+            ),
+        ),
+    )
 
 
 class GrpcHost:
@@ -260,10 +271,20 @@ class GrpcHost:
     (SO_REUSEPORT); off by default. ``stop`` may be called from any thread, any number of times (the first stops).
     """
 
-    def __init__(self, what: str, services: Sequence[Service], *, work_slots: int, thread_prefix: str,
-                 limits: ServerLimits | None = None, tls: TlsConfig | None = None,
-                 serving: Sequence[str] = (), extra_options: Sequence[tuple[str, Any]] = (),
-                 on_refuse: Callable[[str], None] | None = None, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        what: str,
+        services: Sequence[Service],
+        *,
+        work_slots: int,
+        thread_prefix: str,
+        limits: ServerLimits | None = None,
+        tls: TlsConfig | None = None,
+        serving: Sequence[str] = (),
+        extra_options: Sequence[tuple[str, Any]] = (),
+        on_refuse: Callable[[str], None] | None = None,
+        reuse_port: bool = False,
+    ) -> None:
         if work_slots <= 0:
             raise ConfigError(f"{what}: work_slots={work_slots} must be > 0")
         self.what = what
@@ -279,12 +300,12 @@ class GrpcHost:
         self._watchdog = DeadlineWatchdog(f"{thread_prefix}-guard")
         n = self.limits.max_inflight_calls
         # One thread per admissible call: a call waiting for its request or a slot never delays another's start.
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=thread_prefix),
-                                   options=[*self.limits.server_options(),
-                                            ("grpc.so_reuseport", 1 if reuse_port else 0), *extra_options],
-                                   maximum_concurrent_rpcs=n)
-        self._server.add_generic_rpc_handlers(tuple(self._handler(s) for s in (*services,
-                                                                             health_service(self.health))))
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=n, thread_name_prefix=thread_prefix),
+            options=[*self.limits.server_options(), ("grpc.so_reuseport", 1 if reuse_port else 0), *extra_options],
+            maximum_concurrent_rpcs=n,
+        )
+        self._server.add_generic_rpc_handlers(tuple(self._handler(s) for s in (*services, health_service(self.health))))
         self._lock = threading.Lock()
         self.state = HostState.NEW
         self._stopping = False
@@ -310,7 +331,8 @@ class GrpcHost:
                     f"refusing a plaintext {self.what} listener on {address!r}, which is not a loopback address: "
                     "anyone who can reach it could call it and read its answers. Give it a certificate "
                     "(--tls-cert, --tls-key, --tls-ca; see docs/security.md) or pass --insecure on a network you "
-                    "trust")
+                    "trust"
+                )
             port = self._bind(address)
             self.host = host or "127.0.0.1"
             self.port = port
@@ -329,8 +351,9 @@ class GrpcHost:
         except RuntimeError:  # newer grpcio raises instead of returning 0
             port = 0
         if port == 0:
-            raise ConfigError(f"cannot listen on {address} for the {self.what}: {_why_not(address)}",
-                              reason=Reason.BIND_FAILED)
+            raise ConfigError(
+                f"cannot listen on {address} for the {self.what}: {_why_not(address)}", reason=Reason.BIND_FAILED
+            )
         return int(port)
 
     def start(self, serving: bool = True) -> None:
@@ -340,8 +363,13 @@ class GrpcHost:
                 raise ClosedError(f"{self.what} server is {self.state.value}; start() needs a bound, unstarted server")
             self._server.start()
             self.state = HostState.SERVING
-        log.info("%s on %s: %s, limits %s", self.what, self.address,
-                 self.tls.describe() if self.tls else "plaintext", self.limits)
+        log.info(
+            "%s on %s: %s, limits %s",
+            self.what,
+            self.address,
+            self.tls.describe() if self.tls else "plaintext",
+            self.limits,
+        )
         if serving:
             self.set_serving(True)
 
@@ -352,8 +380,15 @@ class GrpcHost:
                 return
             self.health.set_all(SERVING if serving else NOT_SERVING)
 
-    def stop(self, grace_s: float | None, drain: Callable[[], None] | None = None, *, drain_s: float = 0.0,
-             quiesce: Callable[[], None] | None = None, settle: Settle | None = None) -> None:
+    def stop(
+        self,
+        grace_s: float | None,
+        drain: Callable[[], None] | None = None,
+        *,
+        drain_s: float = 0.0,
+        quiesce: Callable[[], None] | None = None,
+        settle: Settle | None = None,
+    ) -> None:
         """The stop sequence of the module docstring. Idempotent; the callbacks run only on the first call, and
         only when the server was serving. ``grace_s`` None: no limit for in-flight calls."""
         with self._lock:
@@ -364,8 +399,9 @@ class GrpcHost:
             self.health.set_all(NOT_SERVING)
             if was is HostState.SERVING:
                 if drain_s > 0:
-                    log.info("%s on %s: NOT_SERVING for %.1f s before it stops taking work", self.what,
-                             self.address, drain_s)
+                    log.info(
+                        "%s on %s: NOT_SERVING for %.1f s before it stops taking work", self.what, self.address, drain_s
+                    )
                     time.sleep(drain_s)
                 deadline = None if grace_s is None else time.monotonic() + grace_s
                 if quiesce is not None:
@@ -380,8 +416,9 @@ class GrpcHost:
                 drain()
             self.health.end_watches()
             if not stopped.wait(None if grace_left is None else grace_left + STOP_SLACK_S):
-                log.warning("%s server on %s had not terminated %.1f s after its grace", self.what, self.address,
-                            STOP_SLACK_S)
+                log.warning(
+                    "%s server on %s had not terminated %.1f s after its grace", self.what, self.address, STOP_SLACK_S
+                )
         finally:
             self._watchdog.close()
 
@@ -411,10 +448,12 @@ class GrpcHost:
         for m in service.methods:
             if m.kind == "unary":
                 handlers[m.name] = grpc.stream_unary_rpc_method_handler(
-                    self._guard_unary(m, check), response_serializer=m.response_serializer)
+                    self._guard_unary(m, check), response_serializer=m.response_serializer
+                )
             else:
                 handlers[m.name] = grpc.stream_stream_rpc_method_handler(
-                    self._guard_streaming(m, check), response_serializer=m.response_serializer)
+                    self._guard_streaming(m, check), response_serializer=m.response_serializer
+                )
         return grpc.method_handlers_generic_handler(service.name, handlers)
 
     def _peer(self, context: grpc.ServicerContext) -> Peer:
@@ -433,12 +472,12 @@ class GrpcHost:
             why = self._callers.allowed(str(context.peer() or ""))
             if why is not None:
                 self._count("untrusted_callers", "untrusted_caller")
-                self._rl.log(logging.WARNING, "untrusted", "%s on %s refused a call: %s", self.what, self.address,
-                             why)
+                self._rl.log(logging.WARNING, "untrusted", "%s on %s refused a call: %s", self.what, self.address, why)
                 context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.PERMISSION_DENIED.value),))
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"this plaintext {self.what} listener answers only its own user's processes on this "
-                              "host")
+                context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"this plaintext {self.what} listener answers only its own user's processes on this host",
+                )
         peer = self._peer(context)
         why = self._admission.enter(peer.key, stream)
         if why is not None:
@@ -448,13 +487,16 @@ class GrpcHost:
             if stream:
                 metadata += (status.STREAM_REFUSED_METADATA,)  # the client sends that request over unary instead
             context.set_trailing_metadata(metadata)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.what}: this peer already has {limit} {'stream' if stream else 'call'}(s) in "
-                          f"flight ({'max_streams_per_peer' if stream else 'max_inflight_per_peer'})")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.what}: this peer already has {limit} {'stream' if stream else 'call'}(s) in "
+                f"flight ({'max_streams_per_peer' if stream else 'max_inflight_per_peer'})",
+            )
         return peer
 
-    def _next_message(self, requests: Iterator[bytes], context: grpc.ServicerContext, timeout_s: float,
-                      label: str) -> bytes | None:
+    def _next_message(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext, timeout_s: float, label: str
+    ) -> bytes | None:
         """The next request message within ``timeout_s``; None when the client half-closed. A message that does not
         come in time cancels the call (the RpcError the iterator raises then propagates)."""
         what = "request_timeouts" if label == "request_timeout" else "stream_idle_ends"
@@ -468,8 +510,7 @@ class GrpcHost:
         finally:
             wait.disarm()
 
-    def _first_request(self, requests: Iterator[bytes], context: grpc.ServicerContext,
-                       method: Method) -> Any:
+    def _first_request(self, requests: Iterator[bytes], context: grpc.ServicerContext, method: Method) -> Any:
         raw = self._next_message(requests, context, self.limits.request_timeout_ms / 1000.0, "request_timeout")
         if raw is None:
             context.set_trailing_metadata(((status.REASON_METADATA_KEY, Reason.INVALID_REQUEST.value),))
@@ -565,8 +606,12 @@ class _HostScope(CallScope):
         self._host = host
 
     def narrowed(self, budget_s: float) -> CallScope:
-        return _HostScope(self.peer, deadline=min(self.deadline, time.monotonic() + budget_s),
-                          is_active=self._is_active or (lambda: True), host=self._host)
+        return _HostScope(
+            self.peer,
+            deadline=min(self.deadline, time.monotonic() + budget_s),
+            is_active=self._is_active or (lambda: True),
+            host=self._host,
+        )
 
     def work_slot(self) -> AbstractContextManager[None]:
         return self._host._work_slot(self)
@@ -633,5 +678,15 @@ def _why_not(address: str) -> str:
     return "gRPC refused the address (see its log line above)"
 
 
-__all__ = ["Admission", "GrpcHost", "HostState", "HostStats", "Lane", "Method", "STOP_SLACK_S", "Service", "Settle",
-           "health_service"]
+__all__ = [
+    "Admission",
+    "GrpcHost",
+    "HostState",
+    "HostStats",
+    "Lane",
+    "Method",
+    "STOP_SLACK_S",
+    "Service",
+    "Settle",
+    "health_service",
+]

@@ -66,11 +66,15 @@ class ServerLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{f.name}={value!r} must be a positive integer")
         if self.max_inflight_per_peer > self.max_inflight_calls:
-            raise ConfigError(f"max_inflight_per_peer={self.max_inflight_per_peer} must be <= max_inflight_calls="
-                              f"{self.max_inflight_calls}")
+            raise ConfigError(
+                f"max_inflight_per_peer={self.max_inflight_per_peer} must be <= max_inflight_calls="
+                f"{self.max_inflight_calls}"
+            )
         if self.max_request_bytes > MAX_SEND_BYTES:
-            raise ConfigError(f"max_request_items x max_item_bytes = {self.max_request_bytes} bytes is over "
-                              f"protobuf's {MAX_SEND_BYTES}-byte message limit")
+            raise ConfigError(
+                f"max_request_items x max_item_bytes = {self.max_request_bytes} bytes is over "
+                f"protobuf's {MAX_SEND_BYTES}-byte message limit"
+            )
 
     @property
     def max_request_bytes(self) -> int:

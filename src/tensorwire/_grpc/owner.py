@@ -39,9 +39,11 @@ def _warn_unavailable(side: str) -> None:
     if side in _warned:
         return
     _warned.add(side)
-    log.warning("this host does not expose the owners of TCP sockets (no sock_diag, no /proc/net/tcp): plaintext "
-                "gRPC on loopback cannot check that the %s belongs to the same user; use TLS or a unix socket",
-                "caller" if side == "server" else "listener")
+    log.warning(
+        "this host does not expose the owners of TCP sockets (no sock_diag, no /proc/net/tcp): plaintext "
+        "gRPC on loopback cannot check that the %s belongs to the same user; use TLS or a unix socket",
+        "caller" if side == "server" else "listener",
+    )
 
 
 def _addresses(host: str) -> tuple[str, ...]:
@@ -154,8 +156,12 @@ class _Refused(grpc.RpcError, _Future, grpc.Call):
         return f"untrusted_listener: {self._details}"
 
 
-class _ListenerCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _ListenerCheck(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Checks the owner of the target's listener before every call (see the module docstring)."""
 
     def __init__(self, target: str, host: str, port: int) -> None:
@@ -169,13 +175,15 @@ class _ListenerCheck(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInt
             try:
                 uids = _loopback.listener_uids(ip, self.port)
             except (OSError, ValueError) as exc:
-                return _Refused(f"{self.target}: cannot tell who owns the listener on {ip}:{self.port} ({exc}); "
-                                "nothing was sent")
+                return _Refused(
+                    f"{self.target}: cannot tell who owns the listener on {ip}:{self.port} ({exc}); nothing was sent"
+                )
             for uid in uids - self.trusted:
                 return _Refused(
                     f"{self.target}: the port is held by a process of uid {uid}, not of a trusted user "
                     f"({sorted(self.trusted)}; {_loopback.ENV_TRUSTED_UIDS} adds more): nothing was sent. Another "
-                    "user may have bound the port after the worker stopped")
+                    "user may have bound the port after the worker stopped"
+                )
         return None
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:

@@ -85,8 +85,7 @@ def forwarded_peer(context: Any, via: Peer) -> Peer:
     """The caller a trusted forwarder names in its metadata, or ``via`` itself when it names none."""
     for key, value in context.invocation_metadata() or ():
         if key == FORWARDED_PEER_METADATA and value:
-            return Peer(key=str(value)[:MAX_PEER_KEY_CHARS], ip=via.ip, authenticated=via.authenticated,
-                        loopback=False)
+            return Peer(key=str(value)[:MAX_PEER_KEY_CHARS], ip=via.ip, authenticated=via.authenticated, loopback=False)
     return via
 
 
@@ -94,8 +93,14 @@ class CallScope:
     """One call as its handler sees it: ``peer``, ``deadline`` (``time.monotonic()``; inf: none) and whether the
     caller is still there (``active()``). ``check()`` raises when the work should stop. Thread-safe to read."""
 
-    def __init__(self, peer: Peer, *, deadline: float = math.inf, is_active: Callable[[], bool] | None = None,
-                 placement: Any = None) -> None:
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        deadline: float = math.inf,
+        is_active: Callable[[], bool] | None = None,
+        placement: Any = None,
+    ) -> None:
         self.peer = peer
         self.deadline = deadline
         self._is_active = is_active
@@ -118,13 +123,18 @@ class CallScope:
         if not self.active():
             raise PeerUnavailable(f"the caller cancelled {what}; work stopped", reason=Reason.CANCELLED)
         if self.expired():
-            raise DeadlineExceeded(f"the worker deadline of {what} passed; work stopped",
-                                   reason=Reason.DEADLINE_EXCEEDED)
+            raise DeadlineExceeded(
+                f"the worker deadline of {what} passed; work stopped", reason=Reason.DEADLINE_EXCEEDED
+            )
 
     def narrowed(self, budget_s: float) -> CallScope:
         """The same call with its deadline at most ``budget_s`` from now."""
-        return CallScope(self.peer, deadline=min(self.deadline, time.monotonic() + budget_s),
-                         is_active=self._is_active, placement=self.placement)
+        return CallScope(
+            self.peer,
+            deadline=min(self.deadline, time.monotonic() + budget_s),
+            is_active=self._is_active,
+            placement=self.placement,
+        )
 
     def work_slot(self) -> AbstractContextManager[None]:
         """Holds one of the server's work slots for the block (a stream takes one per Encode it runs); outside a
@@ -154,5 +164,15 @@ def call_scope(scope: CallScope) -> Iterator[CallScope]:
         _local.scope = outer
 
 
-__all__ = ["CallScope", "FORWARDED_PEER_METADATA", "LOCAL_PEER", "NO_CALL", "Peer", "call_scope", "current_call",
-           "forwarded_peer", "is_loopback_host", "peer_of"]
+__all__ = [
+    "CallScope",
+    "FORWARDED_PEER_METADATA",
+    "LOCAL_PEER",
+    "NO_CALL",
+    "Peer",
+    "call_scope",
+    "current_call",
+    "forwarded_peer",
+    "is_loopback_host",
+    "peer_of",
+]

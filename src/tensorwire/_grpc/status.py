@@ -139,8 +139,9 @@ def is_stream_refusal(exc: grpc.RpcError) -> bool:
         return False
 
 
-def error_from_status(code: grpc.StatusCode | None, details: str | None, reason: Reason | None,
-                      what: str) -> TensorwireError:
+def error_from_status(
+    code: grpc.StatusCode | None, details: str | None, reason: Reason | None, what: str
+) -> TensorwireError:
     """The tensorwire exception for a status code, its details and the server's reason (None: not sent)."""
     code = code if code is not None else grpc.StatusCode.UNKNOWN
     cls = _STATUS_TO_CLASS.get(code, ProtocolError if code == grpc.StatusCode.INTERNAL else ControlPlaneError)
@@ -154,5 +155,3 @@ def error_from_rpc(exc: grpc.RpcError, what: str) -> TensorwireError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
     return error_from_status(code, details, reason_from_rpc(exc), what)
-
-

@@ -154,11 +154,14 @@ def server_credentials(tls: TlsConfig) -> tuple[grpc.ServerCredentials, _ServerC
     if not tls.server_enabled:
         raise ConfigError("a TLS listener needs tls.cert and tls.key (--tls-cert, --tls-key)")
     if tls.client_auth and not tls.ca:
-        raise ConfigError("mTLS (tls.client_auth, the default) needs tls.ca (--tls-ca) to verify client "
-                          "certificates; pass --no-tls-client-auth for server-only TLS")
+        raise ConfigError(
+            "mTLS (tls.client_auth, the default) needs tls.ca (--tls-ca) to verify client "
+            "certificates; pass --no-tls-client-auth for server-only TLS"
+        )
     certs = _ServerCertificates(tls)
-    creds = grpc.dynamic_ssl_server_credentials(certs.initial, certs.fetch,
-                                                require_client_authentication=tls.client_auth)
+    creds = grpc.dynamic_ssl_server_credentials(
+        certs.initial, certs.fetch, require_client_authentication=tls.client_auth
+    )
     return creds, certs
 
 
@@ -203,9 +206,18 @@ def _warn_plaintext(target: str) -> None:
     if "plaintext" in _warned:
         return
     _warned.add("plaintext")
-    log.warning("plaintext gRPC channel to %s (not loopback): anyone on the path can read and change requests and "
-                "receipts; set --tls-ca (TENSORWIRE_MM_TLS_CA) to use TLS", target)
+    log.warning(
+        "plaintext gRPC channel to %s (not loopback): anyone on the path can read and change requests and "
+        "receipts; set --tls-ca (TENSORWIRE_MM_TLS_CA) to use TLS",
+        target,
+    )
 
 
-__all__ = ["ENV_TLS_PREFIX", "TlsConfig", "channel_credentials", "channel_options", "secure_or_insecure_channel",
-           "server_credentials"]
+__all__ = [
+    "ENV_TLS_PREFIX",
+    "TlsConfig",
+    "channel_credentials",
+    "channel_options",
+    "secure_or_insecure_channel",
+    "server_credentials",
+]

@@ -61,8 +61,17 @@ class UnixConnServer:
     the hello; return to end the connection; ``OSError`` is the client going away).
     """
 
-    def __init__(self, directory: str, *, prefix: str, magic: bytes, max_conns: int, thread_name: str,
-                 path: str = "", on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        prefix: str,
+        magic: bytes,
+        max_conns: int,
+        thread_name: str,
+        path: str = "",
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         self._magic = magic
         self._max_conns = max_conns
         self._thread_name = thread_name
@@ -115,8 +124,15 @@ class UnixConnServer:
         if uid != os.geteuid():
             self._on_event("refused_uid")  # counted before the peer can see the close: metrics never lag it
             sock.close()
-            self._rl.log(logging.WARNING, "uid", "%s: refused a connection from pid %d running as uid %d (we run "
-                         "as uid %d; SO_PEERCRED)", self._thread_name, pid, uid, os.geteuid())
+            self._rl.log(
+                logging.WARNING,
+                "uid",
+                "%s: refused a connection from pid %d running as uid %d (we run as uid %d; SO_PEERCRED)",
+                self._thread_name,
+                pid,
+                uid,
+                os.geteuid(),
+            )
             return
         conn = Conn(sock)
         with self._lock:
@@ -219,7 +235,7 @@ def connect(path: str, magic: bytes, timeout_s: float) -> socket.socket:
             hello = _unix.recv_frame(sock, deadline, 64)
         except (OSError, ValueError) as exc:
             raise ChannelBusy(f"no hello from {path}: {exc}") from exc
-        if hello is None or len(hello) != len(magic) + 1 or hello[:len(magic)] != magic:
+        if hello is None or len(hello) != len(magic) + 1 or hello[: len(magic)] != magic:
             raise ChannelBusy(f"{path} did not say hello")
         if hello[-1] != HELLO_OK:
             raise ChannelBusy(f"{path} refused the connection: it is full (its connection cap is reached)")

@@ -125,8 +125,12 @@ def fallback_runtime_dir(base: str, why: str = "") -> str:
             chosen = _first_private(base, prefix) or made
     finally:
         os.close(lock_fd)  # releases the lock
-    log.warning("the runtime directory %s cannot be used (%s); using %s instead",
-                os.path.join(base, f"tensorwire-{uid}"), why or "taken", chosen)
+    log.warning(
+        "the runtime directory %s cannot be used (%s); using %s instead",
+        os.path.join(base, f"tensorwire-{uid}"),
+        why or "taken",
+        chosen,
+    )
     _fallbacks[(base, uid)] = chosen
     return chosen
 
@@ -338,12 +342,15 @@ def wait_readable(sock: socket.socket, deadline: float) -> bool:
     return True
 
 
-def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None,
-               fds: Sequence[int] = ()) -> None:
+def send_frame(
+    sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline: float | None, fds: Sequence[int] = ()
+) -> None:
     """Writes one frame (header, then ``payload``: one buffer or pieces, sent without joining them). ``fds``:
     file descriptors passed with the frame's first byte (SCM_RIGHTS; the receiver needs ``recv_frame(fds=)``)."""
-    pieces: list[memoryview] = [memoryview(p).cast("B") for p in
-                                ((payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload)]
+    pieces: list[memoryview] = [
+        memoryview(p).cast("B")
+        for p in ((payload,) if isinstance(payload, (bytes, bytearray, memoryview)) else payload)
+    ]
     total = sum(len(p) for p in pieces)
     pieces.insert(0, memoryview(FRAME_HEADER.pack(total)))
     _blocking(sock)
@@ -372,8 +379,14 @@ def send_frame(sock: socket.socket, payload: Buffer | Sequence[Buffer], deadline
             pieces.pop(0)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None, started: bool,
-                expect_wait: bool = False, fds: list[int] | None = None) -> bool:
+def _recv_exact(
+    sock: socket.socket,
+    view: memoryview,
+    deadline: float | None,
+    started: bool,
+    expect_wait: bool = False,
+    fds: list[int] | None = None,
+) -> bool:
     """Fills ``view``; False on a clean EOF before its first byte when ``started`` is False. ``expect_wait``:
     the bytes are probably not there yet (an answer to a request just sent), so poll before the first read.
     ``fds``: collects the descriptors passed with these bytes (``_recv_into``)."""
@@ -410,7 +423,7 @@ def _recv_into(sock: socket.socket, view: memoryview, flags: int, fds: list[int]
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             passed = array.array("i")
-            passed.frombytes(data[:len(data) - len(data) % passed.itemsize])
+            passed.frombytes(data[: len(data) - len(data) % passed.itemsize])
             fds.extend(passed)
     if msg_flags & socket.MSG_CTRUNC or len(fds) > MAX_FDS:
         close_fds(fds)
@@ -427,8 +440,14 @@ def close_fds(fds: list[int]) -> None:
             pass
 
 
-def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
-               fds: list[int] | None = None, *, expect_wait: bool = True) -> bytearray | None:
+def recv_frame(
+    sock: socket.socket,
+    deadline: float | None,
+    max_bytes: int,
+    fds: list[int] | None = None,
+    *,
+    expect_wait: bool = True,
+) -> bytearray | None:
     """Reads one frame into fresh memory; None when the peer closed cleanly between frames. ``fds``: a list that
     receives the descriptors passed with the frame (the caller owns and closes them; without it none are
     accepted: the kernel closes any that arrive). ``expect_wait=False``: the caller knows bytes are there (it
@@ -447,7 +466,27 @@ def recv_frame(sock: socket.socket, deadline: float | None, max_bytes: int,
     return body
 
 
-__all__ = ["FRAME_HEADER", "MAX_FDS", "InsecurePath", "SUN_PATH_LIMIT", "check_private_dir", "check_socket_path",
-           "close_fds", "default_runtime_dir", "ensure_private_dir", "fallback_runtime_dir", "host_token", "is_gone",
-           "is_quiet", "listen", "open_private_dir", "peer_uid", "read_private_file", "recv_frame", "send_frame",
-           "wait_readable", "write_private_file", "xdg_runtime_dir"]
+__all__ = [
+    "FRAME_HEADER",
+    "MAX_FDS",
+    "InsecurePath",
+    "SUN_PATH_LIMIT",
+    "check_private_dir",
+    "check_socket_path",
+    "close_fds",
+    "default_runtime_dir",
+    "ensure_private_dir",
+    "fallback_runtime_dir",
+    "host_token",
+    "is_gone",
+    "is_quiet",
+    "listen",
+    "open_private_dir",
+    "peer_uid",
+    "read_private_file",
+    "recv_frame",
+    "send_frame",
+    "wait_readable",
+    "write_private_file",
+    "xdg_runtime_dir",
+]

@@ -36,8 +36,10 @@ def bench_tls(directory: str | Path) -> tuple[Any, Any]:
 
     pki = make_pki(directory, ["bench-encoder", "bench-llm"])
     server, client = pki["bench-encoder"], pki["bench-llm"]
-    return (TlsConfig(cert=str(server.cert), key=str(server.key), ca=str(pki.ca)),
-            TlsConfig(cert=str(client.cert), key=str(client.key), ca=str(pki.ca)))
+    return (
+        TlsConfig(cert=str(server.cert), key=str(server.key), ca=str(pki.ca)),
+        TlsConfig(cert=str(client.cert), key=str(client.key), ca=str(pki.ca)),
+    )
 
 
 __all__ = ["RESULTS_DIR", "bench_tls", "cuda_mps_active", "machine_info", "machine_tag", "summarize", "write_result"]

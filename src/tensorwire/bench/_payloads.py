@@ -80,16 +80,33 @@ def _req_id(i: int) -> str:
 
 
 def scheduler_step(n_running: int = 62, n_new: int = 2, prompt_len: int = 512) -> SchedulerStep:
-    new = [NewRequest(_req_id(1000 + k), [(k * 7919 + j * 104729) % 151936 for j in range(prompt_len)],
-                      list(range(k * 32, k * 32 + 32)),
-                      {"temperature": 0.7, "top_p": 0.95, "top_k": 50.0, "seed": float(k)}) for k in range(n_new)]
+    new = [
+        NewRequest(
+            _req_id(1000 + k),
+            [(k * 7919 + j * 104729) % 151936 for j in range(prompt_len)],
+            list(range(k * 32, k * 32 + 32)),
+            {"temperature": 0.7, "top_p": 0.95, "top_k": 50.0, "seed": float(k)},
+        )
+        for k in range(n_new)
+    ]
     ids = [_req_id(i) for i in range(n_running)]
-    cached = CachedRequests(ids, [[(i * 31337) % 151936] for i in range(n_running)],
-                            [[4096 + i] if i % 16 == 0 else None for i in range(n_running)],
-                            [700 + 13 * i for i in range(n_running)])
+    cached = CachedRequests(
+        ids,
+        [[(i * 31337) % 151936] for i in range(n_running)],
+        [[4096 + i] if i % 16 == 0 else None for i in range(n_running)],
+        [700 + 13 * i for i in range(n_running)],
+    )
     scheduled = {r.req_id: prompt_len for r in new} | {i: 1 for i in ids}
-    return SchedulerStep(0, new, cached, scheduled, sum(scheduled.values()), {}, {_req_id(5000), _req_id(5001)},
-                         [f"{k:064x}" for k in range(2)])
+    return SchedulerStep(
+        0,
+        new,
+        cached,
+        scheduled,
+        sum(scheduled.values()),
+        {},
+        {_req_id(5000), _req_id(5001)},
+        [f"{k:064x}" for k in range(2)],
+    )
 
 
 def tensor_dict() -> dict[str, Any]:
@@ -137,8 +154,11 @@ def matches(case: Case, got: Any, expected: Any) -> bool:
     if case.kind == "tensor":
         return isinstance(got, torch.Tensor) and got.dtype == expected.dtype and torch.equal(got, expected)
     if case.kind == "dict":
-        return (isinstance(got, dict) and list(got) == list(expected)
-                and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items()))
+        return (
+            isinstance(got, dict)
+            and list(got) == list(expected)
+            and all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+        )
     return bool(got == expected)
 
 

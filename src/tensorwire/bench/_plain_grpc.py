@@ -73,13 +73,17 @@ def serve(max_rows: int, cols: int, q: Any, stop: Any) -> None:
     def fetch_copy(request: bytes, ctx: grpc.ServicerContext) -> bytes:
         return _held(request, ctx)[1].numpy().tobytes()
 
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Prepare": grpc.unary_unary_rpc_method_handler(prepare),
-        "Fetch": grpc.unary_unary_rpc_method_handler(fetch),
-        "FetchCopy": grpc.unary_unary_rpc_method_handler(fetch_copy),
-    })
-    server = grpc.server(futures.ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="bench-plain"),
-                         options=CHANNEL_OPTIONS)
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Prepare": grpc.unary_unary_rpc_method_handler(prepare),
+            "Fetch": grpc.unary_unary_rpc_method_handler(fetch),
+            "FetchCopy": grpc.unary_unary_rpc_method_handler(fetch_copy),
+        },
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="bench-plain"), options=CHANNEL_OPTIONS
+    )
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -112,8 +116,9 @@ class PlainClient:
         self._nbytes = {rows: nbytes}
         return nbytes
 
-    def fetch(self, rows: int, device: str = "cpu", timeout_s: float = 600.0, *,
-              server_copy: bool = False) -> tuple[Any, dict[str, float]]:
+    def fetch(
+        self, rows: int, device: str = "cpu", timeout_s: float = 600.0, *, server_copy: bool = False
+    ) -> tuple[Any, dict[str, float]]:
         """One unary call (``server_copy``: ``FetchCopy``); returns the bf16 ``[rows, cols]`` tensor on ``device``
         and its stages in ms (``rpc``: the call; ``to_device``: the tensor view, plus on CUDA the synchronized copy
         to the device; ``total``)."""
@@ -124,8 +129,10 @@ class PlainClient:
         data = call(str(rows).encode(), timeout=timeout_s)
         t1 = time.perf_counter()
         if len(data) != self._nbytes.get(rows, -1):
-            raise RuntimeError(f"plain gRPC returned {len(data)} bytes for rows={rows}, expected "
-                               f"{self._nbytes.get(rows)} (prepare first)")
+            raise RuntimeError(
+                f"plain gRPC returned {len(data)} bytes for rows={rows}, expected "
+                f"{self._nbytes.get(rows)} (prepare first)"
+            )
         with warnings.catch_warnings():  # the response is immutable bytes; the view is only read
             warnings.simplefilter("ignore", UserWarning)
             out = torch.frombuffer(data, dtype=torch.bfloat16).view(rows, self.cols)

@@ -34,15 +34,23 @@ def plot_broadcast(doc: dict[str, Any], out: str | Path) -> Path | None:
     backends = [b for b in COLORS if any(r["backend"] == b for r in rows)]
     tps = doc["config"]["tp"]
     ratio = {(r["case"], r["tp"]): r["shm_over_vllm"] for r in doc.get("ratios", [])}
-    fig, axes = plt.subplots(len(gaps), len(payloads), figsize=(max(8.0, 3.2 * len(payloads)), 3.0 * len(gaps) + 1.0),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(gaps),
+        len(payloads),
+        figsize=(max(8.0, 3.2 * len(payloads)), 3.0 * len(gaps) + 1.0),
+        squeeze=False,
+        sharex=True,
+    )
     for gi, gap in enumerate(gaps):
         for pi, payload in enumerate(payloads):
             ax = axes[gi][pi]
             case = None
             for b in backends:
-                pts = sorted((r["tp"], r["median_ms"] * 1e3, r["p99_ms"] * 1e3, r["case"]) for r in rows
-                             if r["backend"] == b and r["payload"] == payload and r["gap_ms"] == gap)
+                pts = sorted(
+                    (r["tp"], r["median_ms"] * 1e3, r["p99_ms"] * 1e3, r["case"])
+                    for r in rows
+                    if r["backend"] == b and r["payload"] == payload and r["gap_ms"] == gap
+                )
                 if not pts:
                     continue
                 case = pts[0][3]
@@ -52,8 +60,15 @@ def plot_broadcast(doc: dict[str, Any], out: str | Path) -> Path | None:
             if case is not None:
                 qs = [f"TP{tp} {ratio[(case, tp)]:.2f}x" for tp in tps if ratio.get((case, tp)) is not None]
                 if qs:
-                    ax.text(0.02, 0.98, "shm/vLLM " + ", ".join(qs), transform=ax.transAxes, va="top", fontsize=7,
-                            color=COLORS["shm"])
+                    ax.text(
+                        0.02,
+                        0.98,
+                        "shm/vLLM " + ", ".join(qs),
+                        transform=ax.transAxes,
+                        va="top",
+                        fontsize=7,
+                        color=COLORS["shm"],
+                    )
             ax.set_yscale("log")
             ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -69,8 +84,11 @@ def plot_broadcast(doc: dict[str, Any], out: str | Path) -> Path | None:
     m = doc.get("machine", {})
     v = doc.get("vllm", {})
     vtxt = f"vLLM {v.get('version')} MessageQueue" if v.get("available") else "vLLM: not run"
-    fig.suptitle(f"latency to the last reader (median, p99 dashed): tensorwire vs {vtxt}\n{m.get('cpu_count')} CPUs "
-                 f"{m.get('cpu_model', '')}, {m.get('hostname', '')}, {m.get('date_utc', '')}", fontsize=9)
+    fig.suptitle(
+        f"latency to the last reader (median, p99 dashed): tensorwire vs {vtxt}\n{m.get('cpu_count')} CPUs "
+        f"{m.get('cpu_model', '')}, {m.get('hostname', '')}, {m.get('date_utc', '')}",
+        fontsize=9,
+    )
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels) or 1, fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 0.93))

@@ -55,8 +55,19 @@ def rounds_for(case: Case, base: int) -> int:
     return max(20, base // 4) if case.size_bytes > 64 * 1024 or case.gap_ms else base
 
 
-def _run(rank: int, world: int, backend: str, cases: list[Case], rounds: list[int], warmup: int, idle_s: float,
-         opts: backends.Options, store: str, times: Any, done: Any) -> dict[str, Any]:
+def _run(
+    rank: int,
+    world: int,
+    backend: str,
+    cases: list[Case],
+    rounds: list[int],
+    warmup: int,
+    idle_s: float,
+    opts: backends.Options,
+    store: str,
+    times: Any,
+    done: Any,
+) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -106,8 +117,7 @@ def _run(rank: int, world: int, backend: str, cases: list[Case], rounds: list[in
             _wait_done(done, world, counter, yield_only=False)
         else:
             settled: list[tuple[float, float]] = []
-            timer = threading.Timer(IDLE_SETTLE_S, lambda: settled.append((time.process_time(),
-                                                                            time.perf_counter())))
+            timer = threading.Timer(IDLE_SETTLE_S, lambda: settled.append((time.process_time(), time.perf_counter())))
             c0, w0 = time.process_time(), time.perf_counter()
             timer.start()
             ep.send("tensor", value)
@@ -159,10 +169,25 @@ def _wait_done(done: Any, world: int, counter: int, yield_only: bool, limit_s: f
                 raise TimeoutError(f"rank {r} did not report round {counter} within {limit_s:.0f} s")
 
 
-def run_group(world: int, backend: str, cases: list[Case], rounds: list[int], warmup: int, idle_s: float,
-              timeout_s: float, opts: backends.Options | None = None) -> list[dict[str, Any]]:
-    return run_ranks(world, _run, (backend, cases, rounds, warmup, idle_s, opts or backends.Options()),
-                     label=f"{backend} TP{world}", timeout_s=timeout_s, join_s=10.0, tmp_prefix="twb.")
+def run_group(
+    world: int,
+    backend: str,
+    cases: list[Case],
+    rounds: list[int],
+    warmup: int,
+    idle_s: float,
+    timeout_s: float,
+    opts: backends.Options | None = None,
+) -> list[dict[str, Any]]:
+    return run_ranks(
+        world,
+        _run,
+        (backend, cases, rounds, warmup, idle_s, opts or backends.Options()),
+        label=f"{backend} TP{world}",
+        timeout_s=timeout_s,
+        join_s=10.0,
+        tmp_prefix="twb.",
+    )
 
 
 def rows_of(backend: str, tp: int, cases: list[Case], res: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,10 +197,20 @@ def rows_of(backend: str, tp: int, cases: list[Case], res: list[dict[str, Any]])
         if case.name not in res[0]["lat"]:
             continue
         cpu = [r["cpu"][case.name] for r in res[1:]]
-        rows.append({"backend": backend, "tp": tp, "case": case.name, "payload": case.payload, "kind": case.kind,
-                     "gap_ms": case.gap_ms, **({"size_bytes": case.size_bytes} if case.kind == "tensor" else {}),
-                     **summarize(res[0]["lat"][case.name]),
-                     "reader_cpu_frac_mean": sum(cpu) / len(cpu), "reader_cpu_frac_max": max(cpu)})
+        rows.append(
+            {
+                "backend": backend,
+                "tp": tp,
+                "case": case.name,
+                "payload": case.payload,
+                "kind": case.kind,
+                "gap_ms": case.gap_ms,
+                **({"size_bytes": case.size_bytes} if case.kind == "tensor" else {}),
+                **summarize(res[0]["lat"][case.name]),
+                "reader_cpu_frac_mean": sum(cpu) / len(cpu),
+                "reader_cpu_frac_max": max(cpu),
+            }
+        )
     return rows
 
 
@@ -194,11 +229,17 @@ def combine_runs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(runs[0])
             continue
         row = {k: v for k, v in ok[0].items() if k not in ("rep", "mean_ms", "sd_ms")}
-        row.update(n=sum(r["n"] for r in ok), median_ms=statistics.median(r["median_ms"] for r in ok),
-                   p99_ms=statistics.median(r["p99_ms"] for r in ok), min_ms=min(r["min_ms"] for r in ok),
-                   max_ms=max(r["max_ms"] for r in ok), runs=len(ok), runs_median_ms=[r["median_ms"] for r in ok],
-                   reader_cpu_frac_mean=statistics.fmean(r["reader_cpu_frac_mean"] for r in ok),
-                   reader_cpu_frac_max=max(r["reader_cpu_frac_max"] for r in ok))
+        row.update(
+            n=sum(r["n"] for r in ok),
+            median_ms=statistics.median(r["median_ms"] for r in ok),
+            p99_ms=statistics.median(r["p99_ms"] for r in ok),
+            min_ms=min(r["min_ms"] for r in ok),
+            max_ms=max(r["max_ms"] for r in ok),
+            runs=len(ok),
+            runs_median_ms=[r["median_ms"] for r in ok],
+            reader_cpu_frac_mean=statistics.fmean(r["reader_cpu_frac_mean"] for r in ok),
+            reader_cpu_frac_max=max(r["reader_cpu_frac_max"] for r in ok),
+        )
         out.append(row)
     return out
 
@@ -212,10 +253,19 @@ def ratios_of(rows: list[dict[str, Any]], cases: list[Case], tps: list[int]) -> 
         x, y = med.get((a, tp, case)), med.get((b, tp, case))
         return x / y if x is not None and y else None
 
-    return [{"case": c.name, "tp": tp, "shm_over_vllm": ratio("shm", "vllm", tp, c.name),
-             "uds_over_vllm": ratio("uds", "vllm", tp, c.name), "gloo_over_shm": ratio("gloo", "shm", tp, c.name),
-             "gloo_over_uds": ratio("gloo", "uds", tp, c.name),
-             "shm_pickle_over_vllm": ratio("shm_pickle", "vllm", tp, c.name)} for c in cases for tp in tps]
+    return [
+        {
+            "case": c.name,
+            "tp": tp,
+            "shm_over_vllm": ratio("shm", "vllm", tp, c.name),
+            "uds_over_vllm": ratio("uds", "vllm", tp, c.name),
+            "gloo_over_shm": ratio("gloo", "shm", tp, c.name),
+            "gloo_over_uds": ratio("gloo", "uds", tp, c.name),
+            "shm_pickle_over_vllm": ratio("shm_pickle", "vllm", tp, c.name),
+        }
+        for c in cases
+        for tp in tps
+    ]
 
 
 def _csv(text: str, kind: type = str) -> list[Any]:
@@ -228,26 +278,55 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", default=",".join(map(str, TPS)), help="comma-separated TP sizes")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="tensor cases: comma-separated bytes")
     ap.add_argument("--objects", default=",".join(OBJECTS), help="other cases: dict, sched ('' for none)")
-    ap.add_argument("--gaps-ms", default=",".join(f"{g:g}" for g in GAPS_MS),
-                    help="message gaps to run every case at, ms (0: back to back)")
-    ap.add_argument("--backends", default=None,
-                    help=f"subset of {','.join(BACKENDS)} (default all; vllm is skipped when it cannot be loaded)")
-    ap.add_argument("--tensor-api", choices=("inplace", "fresh"), default="inplace",
-                    help="tensorwire's tensor cases: broadcast_ into the reader's tensor, or broadcast (new tensors)")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="run every backend's group this many times, interleaved (A B A B ...), and report the "
-                    "median over the groups' medians (each run's median is kept in the JSON)")
-    ap.add_argument("--pin", action="store_true",
-                    help="pin rank i of every group to the same CPU (one per physical core first), so the CPUs a "
-                    "backend's processes land on are not a variable between backends")
-    ap.add_argument("--object-codec", choices=("typed", "pickle"), default="typed",
-                    help="tensorwire's sched case: broadcast_object(obj, schema=SchedulerStep) (msgspec) or without "
-                    "a schema (pickle); the shm_pickle backend always pickles")
-    ap.add_argument("--vllm-shm-broadcast", default=os.environ.get("TENSORWIRE_BENCH_VLLM_SHM_BROADCAST"),
-                    metavar="PATH", help="vLLM's shm_broadcast.py or a vllm wheel holding it (default: an installed "
-                    "vllm, else .whl/*shm_broadcast*.py, else .whl/vllm*.whl; $TENSORWIRE_BENCH_VLLM_SHM_BROADCAST)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds per case (default 1000, --quick 200; 1 MiB "
-                    "and gap cases a quarter)")
+    ap.add_argument(
+        "--gaps-ms",
+        default=",".join(f"{g:g}" for g in GAPS_MS),
+        help="message gaps to run every case at, ms (0: back to back)",
+    )
+    ap.add_argument(
+        "--backends",
+        default=None,
+        help=f"subset of {','.join(BACKENDS)} (default all; vllm is skipped when it cannot be loaded)",
+    )
+    ap.add_argument(
+        "--tensor-api",
+        choices=("inplace", "fresh"),
+        default="inplace",
+        help="tensorwire's tensor cases: broadcast_ into the reader's tensor, or broadcast (new tensors)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every backend's group this many times, interleaved (A B A B ...), and report the "
+        "median over the groups' medians (each run's median is kept in the JSON)",
+    )
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin rank i of every group to the same CPU (one per physical core first), so the CPUs a "
+        "backend's processes land on are not a variable between backends",
+    )
+    ap.add_argument(
+        "--object-codec",
+        choices=("typed", "pickle"),
+        default="typed",
+        help="tensorwire's sched case: broadcast_object(obj, schema=SchedulerStep) (msgspec) or without "
+        "a schema (pickle); the shm_pickle backend always pickles",
+    )
+    ap.add_argument(
+        "--vllm-shm-broadcast",
+        default=os.environ.get("TENSORWIRE_BENCH_VLLM_SHM_BROADCAST"),
+        metavar="PATH",
+        help="vLLM's shm_broadcast.py or a vllm wheel holding it (default: an installed "
+        "vllm, else .whl/*shm_broadcast*.py, else .whl/vllm*.whl; $TENSORWIRE_BENCH_VLLM_SHM_BROADCAST)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per case (default 1000, --quick 200; 1 MiB and gap cases a quarter)",
+    )
     ap.add_argument("--warmup", type=int, default=20, help="untimed rounds before each case")
     ap.add_argument("--idle-s", type=float, default=None, help="idle phase length (default 3, --quick 2)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/broadcast-<machine>.json)")
@@ -271,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import msgspec  # noqa: F401 - only whether it is there
         except ImportError:
-            ap.error("the sched case's typed codec needs msgspec (pip install 'tensorwire[typed]'); or pass "
-                     "--object-codec pickle")
+            ap.error(
+                "the sched case's typed codec needs msgspec (pip install 'tensorwire[typed]'); or pass "
+                "--object-codec pickle"
+            )
     if args.repeat < 1:
         ap.error("--repeat must be at least 1")
     base_rounds = args.rounds or (200 if args.quick else 1000)
@@ -284,9 +365,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{b} backend unavailable on this machine (no shm fence); skipping it", file=sys.stderr)
             chosen.remove(b)
     tp_config = dataclasses.asdict(BroadcastConfig.from_env())
-    print("tensorwire BroadcastConfig (from the environment): " + ", ".join(
-        f"{k}={tp_config[k]}" for k in ("spin_s", "spin_max_s", "spin_gap_factor", "futex", "wait_poll_s")),
-        file=sys.stderr)
+    print(
+        "tensorwire BroadcastConfig (from the environment): "
+        + ", ".join(f"{k}={tp_config[k]}" for k in ("spin_s", "spin_max_s", "spin_gap_factor", "futex", "wait_poll_s")),
+        file=sys.stderr,
+    )
     vllm_info, opts = _vllm_setup(chosen, args)
     if vllm_info.get("reason") and args.backends is not None:
         print(f"vllm: {vllm_info['reason']}", file=sys.stderr)
@@ -303,8 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.pin and pin is None:
             print(f"  --pin: fewer CPUs than TP{tp} ranks; not pinning", file=sys.stderr)
         try:
-            res = run_group(tp, backend, mine, [rounds_for(c, base_rounds) for c in mine], args.warmup, idle_s,
-                            timeout_s=600, opts=dataclasses.replace(opts, pin=pin))
+            res = run_group(
+                tp,
+                backend,
+                mine,
+                [rounds_for(c, base_rounds) for c in mine],
+                args.warmup,
+                idle_s,
+                timeout_s=600,
+                opts=dataclasses.replace(opts, pin=pin),
+            )
         except (TimeoutError, RuntimeError) as exc:
             print(f"  {backend:8s} TP{tp}: FAILED {exc}", file=sys.stderr)
             rows.append({"backend": backend, "tp": tp, "rep": rep, "error": str(exc)})
@@ -312,36 +403,65 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend({**r, "rep": rep} for r in rows_of(backend, tp, mine, res))
         fr = [r["idle_cpu_frac"] for r in res[1:]]
         settled = [r["idle_cpu_frac_after_settle"] for r in res[1:] if "idle_cpu_frac_after_settle" in r]
-        idle.append({"backend": backend, "tp": tp, "rep": rep, "idle_s": idle_s,
-                     "reader_cpu_frac_mean": sum(fr) / len(fr), "reader_cpu_frac_max": max(fr),
-                     "settle_s": IDLE_SETTLE_S,
-                     "after_settle_reader_cpu_frac_max": max(settled) if settled else None})
-        print(f"  {backend:8s} TP{tp}: done in {time.monotonic() - t0:.1f} s"
-              + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else ""), file=sys.stderr)
+        idle.append(
+            {
+                "backend": backend,
+                "tp": tp,
+                "rep": rep,
+                "idle_s": idle_s,
+                "reader_cpu_frac_mean": sum(fr) / len(fr),
+                "reader_cpu_frac_max": max(fr),
+                "settle_s": IDLE_SETTLE_S,
+                "after_settle_reader_cpu_frac_max": max(settled) if settled else None,
+            }
+        )
+        print(
+            f"  {backend:8s} TP{tp}: done in {time.monotonic() - t0:.1f} s"
+            + (f" (run {rep + 1} of {args.repeat})" if args.repeat > 1 else ""),
+            file=sys.stderr,
+        )
 
     per_run = rows
     rows = combine_runs(per_run) if args.repeat > 1 else [{k: v for k, v in r.items() if k != "rep"} for r in rows]
     ratios = ratios_of(rows, cases, tps)
     _print_tables(rows, ratios, idle, cases, tps, chosen)
     targets = _targets(rows, ratios, idle)
-    path = write_result("broadcast", {
-        "config": {"tp": tps, "cases": [c.name for c in cases], "backends": chosen, "rounds": base_rounds,
-                   "warmup": args.warmup, "idle_s": idle_s, "quick": args.quick, "tensor_api": args.tensor_api,
-                   "object_codec": args.object_codec,
-                   "pin": {tp: pin_plan(tp) for tp in tps} if args.pin else None,
-                   "api": "CpuTpBroadcaster.broadcast_ (in place)" if args.tensor_api == "inplace"
-                   else "CpuTpBroadcaster.broadcast (new tensors)",
-                   "tp_config": tp_config,
-                   "shm_variants": {b: backends.SHM_VARIANTS[b] for b in chosen if b in backends.SHM_VARIANTS},
-                   "vllm_mq": {"max_chunk_bytes": opts.vllm_chunk_bytes, "max_chunks": opts.vllm_chunks},
-                   "payload_bytes": {c.payload: payload_bytes(c) for c in cases},
-                   "latency": "max over readers of (perf_counter after the receive returned the value) - "
-                              "(perf_counter before rank 0's send); rounds never overlap",
-                   "wall_s": round(time.monotonic() - t_start, 1), "loadavg_start": load_start,
-                   "loadavg_end": os.getloadavg()},
-        "vllm": vllm_info, "results": rows, "ratios": ratios, "idle_cpu": idle, "targets": targets,
-        **({"repeat": args.repeat, "results_per_run": per_run} if args.repeat > 1 else {}),
-    }, args.out)
+    path = write_result(
+        "broadcast",
+        {
+            "config": {
+                "tp": tps,
+                "cases": [c.name for c in cases],
+                "backends": chosen,
+                "rounds": base_rounds,
+                "warmup": args.warmup,
+                "idle_s": idle_s,
+                "quick": args.quick,
+                "tensor_api": args.tensor_api,
+                "object_codec": args.object_codec,
+                "pin": {tp: pin_plan(tp) for tp in tps} if args.pin else None,
+                "api": "CpuTpBroadcaster.broadcast_ (in place)"
+                if args.tensor_api == "inplace"
+                else "CpuTpBroadcaster.broadcast (new tensors)",
+                "tp_config": tp_config,
+                "shm_variants": {b: backends.SHM_VARIANTS[b] for b in chosen if b in backends.SHM_VARIANTS},
+                "vllm_mq": {"max_chunk_bytes": opts.vllm_chunk_bytes, "max_chunks": opts.vllm_chunks},
+                "payload_bytes": {c.payload: payload_bytes(c) for c in cases},
+                "latency": "max over readers of (perf_counter after the receive returned the value) - "
+                "(perf_counter before rank 0's send); rounds never overlap",
+                "wall_s": round(time.monotonic() - t_start, 1),
+                "loadavg_start": load_start,
+                "loadavg_end": os.getloadavg(),
+            },
+            "vllm": vllm_info,
+            "results": rows,
+            "ratios": ratios,
+            "idle_cpu": idle,
+            "targets": targets,
+            **({"repeat": args.repeat, "results_per_run": per_run} if args.repeat > 1 else {}),
+        },
+        args.out,
+    )
     print(f"\nwrote {path}")
     from tensorwire.bench._plot import plot_broadcast_file
 
@@ -362,9 +482,11 @@ def _vllm_setup(chosen: list[str], args: argparse.Namespace) -> tuple[dict[str, 
         print(f"vllm backend skipped: {exc.reason}", file=sys.stderr)
         chosen.remove("vllm")
         return {"available": False, "reason": exc.reason}, opts
-    print(f"vllm backend: {info['source']} (version {info['version']}, sha256 {info['sha256'][:12]}, "
-          f"{'stand-ins for ' + str(len(info['shims'])) + ' vllm modules' if info['shims'] else 'real vllm'})",
-          file=sys.stderr)
+    print(
+        f"vllm backend: {info['source']} (version {info['version']}, sha256 {info['sha256'][:12]}, "
+        f"{'stand-ins for ' + str(len(info['shims'])) + ' vllm modules' if info['shims'] else 'real vllm'})",
+        file=sys.stderr,
+    )
     return {"available": True, "reason": None, **info}, dataclasses.replace(opts, vllm_source=source)
 
 
@@ -379,18 +501,31 @@ def _x(v: float | None) -> str:
     return f"{v:8.2f}x" if v is not None else f"{'-':>9s}"
 
 
-def _print_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: list[dict[str, Any]],
-                  cases: list[Case], tps: list[int], chosen: list[str]) -> None:
+def _print_tables(
+    rows: list[dict[str, Any]],
+    ratios: list[dict[str, Any]],
+    idle: list[dict[str, Any]],
+    cases: list[Case],
+    tps: list[int],
+    chosen: list[str],
+) -> None:
     print(f"\nlatency to the last reader, median / p99 in us ({os.cpu_count()} CPUs)")
-    print(f"{'case':>12s} {'TP':>3s} " + " ".join(f"{b:>17s}" for b in chosen)
-          + "   shm/vllm  uds/vllm  gloo/shm" + ("  shm_pickle/vllm" if "shm_pickle" in chosen else ""))
+    print(
+        f"{'case':>12s} {'TP':>3s} "
+        + " ".join(f"{b:>17s}" for b in chosen)
+        + "   shm/vllm  uds/vllm  gloo/shm"
+        + ("  shm_pickle/vllm" if "shm_pickle" in chosen else "")
+    )
     by = {(r["case"], r["tp"]): r for r in ratios}
     for c in cases:
         for tp in tps:
             r = by[(c.name, tp)]
-            print(f"{c.name:>12s} {tp:3d} " + " ".join(_cell(rows, b, tp, c.name) for b in chosen)
-                  + f"  {_x(r['shm_over_vllm'])} {_x(r['uds_over_vllm'])} {_x(r['gloo_over_shm'])}"
-                  + (f"  {_x(r['shm_pickle_over_vllm'])}" if "shm_pickle" in chosen else ""))
+            print(
+                f"{c.name:>12s} {tp:3d} "
+                + " ".join(_cell(rows, b, tp, c.name) for b in chosen)
+                + f"  {_x(r['shm_over_vllm'])} {_x(r['uds_over_vllm'])} {_x(r['gloo_over_shm'])}"
+                + (f"  {_x(r['shm_pickle_over_vllm'])}" if "shm_pickle" in chosen else "")
+            )
     print("\nreader CPU while the rounds ran (fraction of one core, max over readers)")
     print(f"{'case':>12s} {'TP':>3s} " + " ".join(f"{b:>9s}" for b in chosen))
     cpu = {(r["backend"], r["tp"], r["case"]): r["reader_cpu_frac_max"] for r in rows if "case" in r}
@@ -401,8 +536,10 @@ def _print_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle
     print("\nidle reader CPU (fraction of one core while waiting; after the first second in brackets)")
     for d in idle:
         after = d["after_settle_reader_cpu_frac_max"]
-        print(f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  "
-              f"max {d['reader_cpu_frac_max']:.3f}" + (f"  ({after:.3f})" if after is not None else ""))
+        print(
+            f"  {d['backend']:8s} TP{d['tp']}: mean {d['reader_cpu_frac_mean']:.3f}  "
+            f"max {d['reader_cpu_frac_max']:.3f}" + (f"  ({after:.3f})" if after is not None else "")
+        )
 
 
 def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: list[dict[str, Any]]) -> dict[str, Any]:
@@ -416,8 +553,11 @@ def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: lis
         return next((r[key] for r in ratios if r["tp"] == tp and r["case"] == case), None)
 
     shm_vllm = [r["shm_over_vllm"] for r in ratios if r["shm_over_vllm"] is not None]
-    pickled = [(r["shm_pickle_over_vllm"], r["case"], r["tp"]) for r in ratios
-               if r["shm_pickle_over_vllm"] is not None and r["case"].startswith("sched")]
+    pickled = [
+        (r["shm_pickle_over_vllm"], r["case"], r["tp"])
+        for r in ratios
+        if r["shm_pickle_over_vllm"] is not None and r["case"].startswith("sched")
+    ]
     return {
         "shm_1KiB_tp8_median_us<=10": med_us("shm", 8, "1KiB"),
         "uds_1KiB_tp8_median_us<=40": med_us("uds", 8, "1KiB"),
@@ -426,12 +566,16 @@ def _targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], idle: lis
         "idle_reader_cpu_frac_max<0.05": {f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"] for d in idle},
         # Target: every case at most 1.0x vLLM's MessageQueue, idle reader at most 10% of a core.
         "shm_over_vllm_max<=1.0": max(shm_vllm) if shm_vllm else None,
-        "shm_over_vllm_worst_case": max(((r["shm_over_vllm"], r["case"], r["tp"]) for r in ratios
-                                         if r["shm_over_vllm"] is not None), default=None),
+        "shm_over_vllm_worst_case": max(
+            ((r["shm_over_vllm"], r["case"], r["tp"]) for r in ratios if r["shm_over_vllm"] is not None), default=None
+        ),
         # The object case without a schema (pickle on both sides), reported next to it; not the default path.
         "shm_pickle_over_vllm_sched_worst_case": max(pickled, default=None),
-        "idle_reader_cpu_frac_max<=0.10": {f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"] for d in idle
-                                           if d["backend"] in ("shm", "uds", "vllm")},
+        "idle_reader_cpu_frac_max<=0.10": {
+            f"{d['backend']}_tp{d['tp']}": d["reader_cpu_frac_max"]
+            for d in idle
+            if d["backend"] in ("shm", "uds", "vllm")
+        },
     }
 
 

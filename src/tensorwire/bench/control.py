@@ -43,10 +43,13 @@ def _echo_server(q: Any, tls: Any = None) -> None:
     def bidi(requests: Any, ctx: Any) -> Any:
         yield from requests
 
-    handler = grpc.method_handlers_generic_handler(_ECHO_SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        "Stream": grpc.stream_stream_rpc_method_handler(bidi),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        _ECHO_SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(bidi),
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(8))
     server.add_generic_rpc_handlers((handler,))
     if tls is not None:
@@ -68,8 +71,7 @@ def _encoder(q: Any, tls: Any = None) -> None:
 
     out = EncoderOutput(embeddings=torch.ones(8, 64, dtype=torch.bfloat16), split_sizes=[8])
     cfg = TransportConfig(mode="grpc", worker_id="bench-control")
-    server = serve_encoder(lambda inputs: out, cfg if tls is None else dataclasses.replace(cfg, tls=tls),
-                           "127.0.0.1:0")
+    server = serve_encoder(lambda inputs: out, cfg if tls is None else dataclasses.replace(cfg, tls=tls), "127.0.0.1:0")
     q.put(server.port)
     server.wait()
 
@@ -175,9 +177,11 @@ def _fetch(port: int, n: int, gaps: list[float], tls: Any = None) -> dict[str, A
     inputs = [MultimodalInput(b"image")]
     out: dict[str, Any] = {"unary": {}, "stream": {}, "local": {}}
     address = f"127.0.0.1:{port}"
-    with RemoteOutputTransport(address, dataclasses.replace(cfg, control_stream=False)) as unary, \
-            RemoteOutputTransport(address, cfg) as stream, \
-            RemoteOutputTransport(address, dataclasses.replace(cfg, local_channel="auto")) as local:
+    with (
+        RemoteOutputTransport(address, dataclasses.replace(cfg, control_stream=False)) as unary,
+        RemoteOutputTransport(address, cfg) as stream,
+        RemoteOutputTransport(address, dataclasses.replace(cfg, local_channel="auto")) as local,
+    ):
         for t in (unary, stream, local):
             if t.fetch(inputs).plane is not Plane.INLINE:
                 raise SystemExit("expected the inline plane")
@@ -235,17 +239,34 @@ def main(argv: list[str] | None = None) -> int:
         for path in ("unary", "stream", "local"):
             cells = "".join(f"{v['median_ms']:>11.3f} / {v['p99_ms']:6.3f}" for v in table[path].values())
             print(f"{name + ' ' + path:28}{cells}")
-    ratios = {f"{name}_unary_over_stream_gap_{k}": table["unary"][k]["median_ms"] / table["stream"][k]["median_ms"]
-              for name, table in (("echo", echo), ("fetch", fetch)) for k in table["unary"]}
-    ratios.update({f"{name}_stream_over_local_gap_{k}": table["stream"][k]["median_ms"] / table["local"][k]["median_ms"]
-                   for name, table in (("echo", echo), ("fetch", fetch)) for k in table["stream"]})
+    ratios = {
+        f"{name}_unary_over_stream_gap_{k}": table["unary"][k]["median_ms"] / table["stream"][k]["median_ms"]
+        for name, table in (("echo", echo), ("fetch", fetch))
+        for k in table["unary"]
+    }
+    ratios.update(
+        {
+            f"{name}_stream_over_local_gap_{k}": table["stream"][k]["median_ms"] / table["local"][k]["median_ms"]
+            for name, table in (("echo", echo), ("fetch", fetch))
+            for k in table["stream"]
+        }
+    )
     print("ratios:", {k: round(v, 2) for k, v in ratios.items()})
     load = os.getloadavg()
     print(f"load average at the end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
-    written = write_result("control-tls" if args.tls else "control",
-                           {"n": args.n, "loadavg": list(load), "gaps_ms": [g * 1e3 for g in gaps],
-                            "tls": "mtls" if args.tls else "plaintext", "echo": echo, "fetch": fetch,
-                            "ratios": ratios}, args.out)
+    written = write_result(
+        "control-tls" if args.tls else "control",
+        {
+            "n": args.n,
+            "loadavg": list(load),
+            "gaps_ms": [g * 1e3 for g in gaps],
+            "tls": "mtls" if args.tls else "plaintext",
+            "echo": echo,
+            "fetch": fetch,
+            "ratios": ratios,
+        },
+        args.out,
+    )
     print(f"wrote {written}")
     return 0
 

@@ -36,8 +36,15 @@ from typing import Any
 HOLD_PAST_DRAIN_S = 0.5
 
 
-def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, warm: int = 4,
-             log_dir: Path | None = None, startup_timeout_s: float = 120.0) -> dict[str, Any]:
+def run_once(
+    *,
+    threads: int = 3,
+    drain_s: float = 2.0,
+    grace_s: float = 10.0,
+    warm: int = 4,
+    log_dir: Path | None = None,
+    startup_timeout_s: float = 120.0,
+) -> dict[str, Any]:
     """One SIGTERM-during-fetches run (module docstring); returns its record."""
     import grpc
     from grpc_health.v1 import health_pb2
@@ -49,8 +56,17 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
     from tensorwire.service._child import Child
 
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="tensorwire-drain-"))
-    argv = ["serve-encoder", "--port", "0", "--metrics-port", "-1", "--wait-exporter-s", "30",
-            "--grace-s", str(grace_s)]
+    argv = [
+        "serve-encoder",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--wait-exporter-s",
+        "30",
+        "--grace-s",
+        str(grace_s),
+    ]
     if drain_s > 0:
         argv += ["--drain-s", str(drain_s)]
     server = Child("encoder", argv, log_dir)
@@ -71,8 +87,9 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
                 at_read.set()
                 go.wait(drain_s + grace_s + 30.0)
 
-        cfg = dataclasses.replace(TransportConfig.from_env(os.environ), mode="auto",
-                                  local_placement_bytes=0)  # held leases are what a drain must wait for
+        cfg = dataclasses.replace(
+            TransportConfig.from_env(os.environ), mode="auto", local_placement_bytes=0
+        )  # held leases are what a drain must wait for
         client = RemoteOutputTransport(endpoint, cfg, observer=observer, metrics=metrics_for(CollectorRegistry()))
         record["rdma_ready"] = client.wait_ready(30.0)
 
@@ -81,8 +98,9 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
             row: dict[str, Any] = {"tag": tag, "t0": t0}
             try:
                 out = client.fetch([MultimodalInput(image)], timeout_ms=30_000)
-                row.update(ok=True, plane=out.plane.value,
-                           fallback=out.fallback_reason.value if out.fallback_reason else None)
+                row.update(
+                    ok=True, plane=out.plane.value, fallback=out.fallback_reason.value if out.fallback_reason else None
+                )
             except TensorwireError as exc:
                 row.update(ok=False, error=f"{type(exc).__name__}:{exc.reason.value}", message=str(exc)[:300])
             row["t1"] = time.monotonic()
@@ -112,13 +130,16 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
 
         channel = grpc.insecure_channel(endpoint)
         request = health_pb2.HealthCheckRequest(service=wire.SERVICE_NAME)
-        check = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        watch = channel.unary_stream("/grpc.health.v1.Health/Watch",
-                                     request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                     response_deserializer=health_pb2.HealthCheckResponse.FromString,
-                                     )(request, timeout=drain_s + grace_s + 30)
+        check = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
+        watch = channel.unary_stream(
+            "/grpc.health.v1.Health/Watch",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )(request, timeout=drain_s + grace_s + 30)
         watched: list[tuple[float, str]] = []
 
         def follow_watch() -> None:
@@ -168,8 +189,13 @@ def run_once(*, threads: int = 3, drain_s: float = 2.0, grace_s: float = 10.0, w
     return record
 
 
-def _judge(fetches: list[dict[str, Any]], t_sig: float, drain_s: float, checks: list[tuple[float, str]],
-           watched: list[tuple[float, str]]) -> dict[str, Any]:
+def _judge(
+    fetches: list[dict[str, Any]],
+    t_sig: float,
+    drain_s: float,
+    checks: list[tuple[float, str]],
+    watched: list[tuple[float, str]],
+) -> dict[str, Any]:
     in_flight = [f for f in fetches if f["t0"] < t_sig and f["tag"] != "warm"]
     failed = [f for f in in_flight if not f["ok"]]
     held = next((f for f in fetches if f["tag"] == "held"), None)
@@ -178,13 +204,17 @@ def _judge(fetches: list[dict[str, Any]], t_sig: float, drain_s: float, checks: 
     not_serving = next((t for t, s in checks if s == "NOT_SERVING"), None)
     ended = next((t for t, s in watched if s.startswith("ended")), None)
     return {
-        "in_flight": len(in_flight), "in_flight_failed": len(failed),
+        "in_flight": len(in_flight),
+        "in_flight_failed": len(failed),
         "in_flight_failures": [{k: f.get(k) for k in ("tag", "error", "message")} for f in failed][:5],
-        "held_ok": bool(held and held["ok"]), "held_plane": held.get("plane") if held else None,
+        "held_ok": bool(held and held["ok"]),
+        "held_plane": held.get("plane") if held else None,
         "in_flight_planes": dict(Counter(f.get("plane", "failed") for f in in_flight)),
-        "drain_started": len(during), "drain_served": sum(1 for f in during if f["ok"]),
+        "drain_started": len(during),
+        "drain_served": sum(1 for f in during if f["ok"]),
         "drain_failed": [f.get("error") for f in during if not f["ok"]][:5],
-        "after_drain": len(later), "refused": dict(Counter(f.get("error", "ok") for f in later)),
+        "after_drain": len(later),
+        "refused": dict(Counter(f.get("error", "ok") for f in later)),
         "not_serving_seen_s": None if not_serving is None else round(not_serving - t_sig, 3),
         "check_answers": dict(Counter(s for _, s in checks)),
         "watch": [s for _, s in watched],
@@ -196,11 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tensorwire.bench drain", description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--threads", type=int, default=3, help="closed-loop fetchers besides the held one")
-    parser.add_argument("--drain-s", type=float, default=2.0,
-                        help="the server's --drain-s (default: 2, as serve-encoder)")
+    parser.add_argument(
+        "--drain-s", type=float, default=2.0, help="the server's --drain-s (default: 2, as serve-encoder)"
+    )
     parser.add_argument("--grace-s", type=float, default=10.0)
-    parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
-                        help="write the JSON (default path: benchmarks/results/drain-<machine>.json)")
+    parser.add_argument(
+        "--save",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="write the JSON (default path: benchmarks/results/drain-<machine>.json)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     runs = []
@@ -211,10 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         with stdout_to_stderr():  # UCX prints its protocol tables to fd 1
             r = run_once(threads=args.threads, drain_s=args.drain_s, grace_s=args.grace_s)
         runs.append(r)
-        print(f"run {i + 1}/{args.runs}: in flight {r['in_flight']} (failed {r['in_flight_failed']}), held "
-              f"{r['held_plane'] if r['held_ok'] else 'FAILED'}, NOT_SERVING after {r['not_serving_seen_s']} s, "
-              f"watch ended after {r['watch_ended_s']} s, drain served {r['drain_served']}/{r['drain_started']}, "
-              f"refused {r['refused']}, exit {r['exit_code']} after {r['stop_s']} s", flush=True)
+        print(
+            f"run {i + 1}/{args.runs}: in flight {r['in_flight']} (failed {r['in_flight_failed']}), held "
+            f"{r['held_plane'] if r['held_ok'] else 'FAILED'}, NOT_SERVING after {r['not_serving_seen_s']} s, "
+            f"watch ended after {r['watch_ended_s']} s, drain served {r['drain_served']}/{r['drain_started']}, "
+            f"refused {r['refused']}, exit {r['exit_code']} after {r['stop_s']} s",
+            flush=True,
+        )
     summary = {
         "runs": len(runs),
         "in_flight_fetches": sum(r["in_flight"] for r in runs),

@@ -64,10 +64,18 @@ def _summary(lat_ms: list[float], ok: int, failed: Counter[str], planes: Counter
     import statistics
 
     n = ok + sum(failed.values())
-    return {"fetches": n, "ok": ok, "success_rate": ok / n if n else 0.0, "failures": dict(failed),
-            "planes": dict(planes), "median_ms": statistics.median(lat_ms) if lat_ms else float("nan"),
-            "p90_ms": _percentile(lat_ms, 0.90), "p99_ms": _percentile(lat_ms, 0.99),
-            "max_ms": max(lat_ms) if lat_ms else float("nan"), "latencies_ms": lat_ms}
+    return {
+        "fetches": n,
+        "ok": ok,
+        "success_rate": ok / n if n else 0.0,
+        "failures": dict(failed),
+        "planes": dict(planes),
+        "median_ms": statistics.median(lat_ms) if lat_ms else float("nan"),
+        "p90_ms": _percentile(lat_ms, 0.90),
+        "p99_ms": _percentile(lat_ms, 0.99),
+        "max_ms": max(lat_ms) if lat_ms else float("nan"),
+        "latencies_ms": lat_ms,
+    }
 
 
 def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,8 +87,9 @@ def _merge(parts: list[dict[str, Any]]) -> dict[str, Any]:
         planes.update(p["planes"])
     out = _summary(lat, sum(p["ok"] for p in parts), failed, planes)
     out["round_p99_ms"] = [p["p99_ms"] for p in parts]
-    out["slowest_stage_ms"] = sorted((s for p in parts for s in p["slowest_stage_ms"]),
-                                     key=lambda s: -s.get("total", 0.0))[:5]
+    out["slowest_stage_ms"] = sorted(
+        (s for p in parts for s in p["slowest_stage_ms"]), key=lambda s: -s.get("total", 0.0)
+    )[:5]
     del out["latencies_ms"]
     return out
 
@@ -112,8 +121,16 @@ def _fetch_loop(client: Any, image: bytes, n: int) -> dict[str, Any]:
 
 
 class _Actor(threading.Thread):
-    def __init__(self, kind: str, index: int, call: Callable[[], str], pace_s: float, stop: threading.Event,
-                 tally: Counter[str], lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        kind: str,
+        index: int,
+        call: Callable[[], str],
+        pace_s: float,
+        stop: threading.Event,
+        tally: Counter[str],
+        lock: threading.Lock,
+    ) -> None:
         super().__init__(name=f"hostile-{kind}-{index}", daemon=True)
         self.kind, self._call, self._pace_s, self._halt, self._tally, self._lock = kind, call, pace_s, stop, tally, lock
 
@@ -128,8 +145,18 @@ class _Actor(threading.Thread):
             self._halt.wait(self._pace_s)
 
 
-def _attackers(target: str, tls: Any, seen_id: str, endpoint: str, n: int, pace_s: float, hold_s: float,
-               big_bytes: int, commands: Any, out: Any) -> None:
+def _attackers(
+    target: str,
+    tls: Any,
+    seen_id: str,
+    endpoint: str,
+    n: int,
+    pace_s: float,
+    hold_s: float,
+    big_bytes: int,
+    commands: Any,
+    out: Any,
+) -> None:
     """The hostile actors, in a process of their own (nice 19). Commands: "on" starts every actor (answered
     "started"), "off" stops them and waits for their calls to end (answered "stopped"), "quit" answers
     (actors per kind, outcomes)."""
@@ -141,8 +168,9 @@ def _attackers(target: str, tls: Any, seen_id: str, endpoint: str, n: int, pace_
     lock = threading.Lock()
     bomb = hostile.pixel_bomb_png(8192)
     big = bytes(big_bytes)
-    release_msg = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD,
-                                    wire.ReleaseLeasesRequest(lease_ids=["x"]).SerializeToString())
+    release_msg = wire.stream_frame(
+        0, wire.STREAM_RELEASE_FIELD, wire.ReleaseLeasesRequest(lease_ids=["x"]).SerializeToString()
+    )
     per_kind = max(1, n // len(KINDS))
     channels = {(kind, i): hostile.channel(target, tls) for kind in KINDS for i in range(per_kind)}
     kinds: Counter[str] = Counter()
@@ -159,8 +187,11 @@ def _attackers(target: str, tls: Any, seen_id: str, endpoint: str, n: int, pace_
 
             def oversized() -> str:
                 flip[0] = not flip[0]
-                return hostile.oversized(ch, len(big), payload=big) if flip[0] else \
-                    "pixels:" + hostile.pixel_bomb(ch, bomb)
+                return (
+                    hostile.oversized(ch, len(big), payload=big)
+                    if flip[0]
+                    else "pixels:" + hostile.pixel_bomb(ch, bomb)
+                )
 
             return oversized
         return partial(hostile.metadata_flood, endpoint, hold_s=hold_s, stop=stop) if endpoint else None
@@ -224,12 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     argv_tls: list[str] = []
     if args.tls:
         pki = make_pki(tmp.name, ["worker", "llm", "attacker"])
-        argv_tls = ["--tls-cert", str(pki["worker"].cert), "--tls-key", str(pki["worker"].key), "--tls-ca",
-                    str(pki.ca)]
+        argv_tls = ["--tls-cert", str(pki["worker"].cert), "--tls-key", str(pki["worker"].key), "--tls-ca", str(pki.ca)]
         llm_tls = TlsConfig(cert=str(pki["llm"].cert), key=str(pki["llm"].key), ca=str(pki.ca))
         attacker_tls = TlsConfig(cert=str(pki["attacker"].cert), key=str(pki["attacker"].key), ca=str(pki.ca))
-    worker = Child("hostile-worker", ["serve-encoder", "--port", "0", "--metrics-port", "0", "--worker-id",
-                                      "bench-hostile", "--wait-exporter-s", "30", *argv_tls], Path(tmp.name))
+    worker = Child(
+        "hostile-worker",
+        [
+            "serve-encoder",
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--worker-id",
+            "bench-hostile",
+            "--wait-exporter-s",
+            "30",
+            *argv_tls,
+        ],
+        Path(tmp.name),
+    )
     attackers = None
     try:
         ready = worker.ready(180)
@@ -242,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             # What an attacker learns from fetches of its own: a lease id (to guess near) and the metadata endpoint.
             ach = hostile.channel(target, attacker_tls)
             encode: grpc.UnaryUnaryMultiCallable[bytes, bytes] = ach.unary_unary(wire.ENCODE_METHOD)
-            seen = wire.EncodeResponse.FromString(encode(hostile.encode_request([image], support_rdma=True),
-                                                         timeout=60))
+            seen = wire.EncodeResponse.FromString(
+                encode(hostile.encode_request([image], support_rdma=True), timeout=60)
+            )
             seen_id, endpoint = "", ""
             if seen.rdma_slots:
                 desc = Descriptor.from_bytes(seen.rdma_slots[0].descriptor)
@@ -253,9 +298,22 @@ def main(argv: list[str] | None = None) -> int:
 
             ctx = mp.get_context("spawn")
             commands, answers = ctx.Queue(), ctx.Queue()
-            attackers = ctx.Process(target=_attackers, daemon=True, args=(
-                target, attacker_tls, seen_id, endpoint, args.hostile, args.pace_ms / 1000.0, args.hold_s,
-                ServerLimits().max_request_bytes + (1 << 20), commands, answers))
+            attackers = ctx.Process(
+                target=_attackers,
+                daemon=True,
+                args=(
+                    target,
+                    attacker_tls,
+                    seen_id,
+                    endpoint,
+                    args.hostile,
+                    args.pace_ms / 1000.0,
+                    args.hold_s,
+                    ServerLimits().max_request_bytes + (1 << 20),
+                    commands,
+                    answers,
+                ),
+            )
             attackers.start()
             # Alternating rounds, so both phases see the same (shared, noisy) machine.
             per_round = max(1, args.fetches // args.rounds)
@@ -269,9 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                 phases["loaded"].append(_fetch_loop(client, image, per_round))
                 commands.put("off")
                 answers.get(timeout=300)
-                print(f"round {rnd + 1}/{args.rounds}: unloaded p99 {phases['unloaded'][-1]['p99_ms']:.1f} ms, "
-                      f"loaded p99 {phases['loaded'][-1]['p99_ms']:.1f} ms, loaded ok "
-                      f"{phases['loaded'][-1]['ok']}/{per_round}", flush=True)
+                print(
+                    f"round {rnd + 1}/{args.rounds}: unloaded p99 {phases['unloaded'][-1]['p99_ms']:.1f} ms, "
+                    f"loaded p99 {phases['loaded'][-1]['p99_ms']:.1f} ms, loaded ok "
+                    f"{phases['loaded'][-1]['ok']}/{per_round}",
+                    flush=True,
+                )
             commands.put("quit")
             actors, tally = answers.get(timeout=120)
             attackers.join(30)
@@ -281,9 +342,18 @@ def main(argv: list[str] | None = None) -> int:
         import urllib.request
 
         with urllib.request.urlopen(f"http://{ready['metrics']}/metrics", timeout=10) as resp:
-            scraped = [line for line in resp.read().decode().splitlines()
-                       if line.startswith(("tensorwire_mm_server_refused_total", "tensorwire_mm_encoder_released_total",
-                                           "tensorwire_mm_fallbacks_total", "tensorwire_mm_errors_total"))]
+            scraped = [
+                line
+                for line in resp.read().decode().splitlines()
+                if line.startswith(
+                    (
+                        "tensorwire_mm_server_refused_total",
+                        "tensorwire_mm_encoder_released_total",
+                        "tensorwire_mm_fallbacks_total",
+                        "tensorwire_mm_errors_total",
+                    )
+                )
+            ]
     finally:
         if attackers is not None and attackers.is_alive():
             attackers.kill()
@@ -291,19 +361,33 @@ def main(argv: list[str] | None = None) -> int:
         worker.terminate(grace_s=5)
         tmp.cleanup()
     ratio = loaded["p99_ms"] / unloaded["p99_ms"]
-    targets = {"success_rate_loaded": loaded["success_rate"], "p99_loaded_over_unloaded": ratio,
-               "meets_success": loaded["success_rate"] == 1.0, "meets_p99_2x": ratio <= 2.0}
+    targets = {
+        "success_rate_loaded": loaded["success_rate"],
+        "p99_loaded_over_unloaded": ratio,
+        "meets_success": loaded["success_rate"] == 1.0,
+        "meets_p99_2x": ratio <= 2.0,
+    }
     print("targets:", targets)
-    path = write_result("hostile-tls" if args.tls else "hostile", {
-        "what": "one serve-encoder (builtin ViT, default limits); a legitimate client fetching a 224x224 JPEG in a "
-                f"closed loop, alone and then with {sum(actors.values())} hostile actors in a process of their own at "
-                f"nice 19 (each one hostile call in flight, {args.pace_ms:g} ms between calls)",
-        "control_plane": "mtls (attackers with their own certificate)" if args.tls else
-                         "plaintext (attackers share the client's peer key ip:127.0.0.1)",
-        "actors": actors, "unloaded": unloaded, "loaded": loaded,
-        "hostile_outcomes": dict(sorted(tally.items())), "worker_metrics": scraped, "targets": targets,
-        "loadavg_start": list(load_start), "loadavg_end": list(os.getloadavg()),
-    }, args.out)
+    path = write_result(
+        "hostile-tls" if args.tls else "hostile",
+        {
+            "what": "one serve-encoder (builtin ViT, default limits); a legitimate client fetching a 224x224 JPEG in a "
+            f"closed loop, alone and then with {sum(actors.values())} hostile actors in a process of their own at "
+            f"nice 19 (each one hostile call in flight, {args.pace_ms:g} ms between calls)",
+            "control_plane": "mtls (attackers with their own certificate)"
+            if args.tls
+            else "plaintext (attackers share the client's peer key ip:127.0.0.1)",
+            "actors": actors,
+            "unloaded": unloaded,
+            "loaded": loaded,
+            "hostile_outcomes": dict(sorted(tally.items())),
+            "worker_metrics": scraped,
+            "targets": targets,
+            "loadavg_start": list(load_start),
+            "loadavg_end": list(os.getloadavg()),
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -51,6 +51,7 @@ DRY_RUN_ROWS = 1024  # 8 MiB: enough for the RDMA path's large-read branch on ho
 
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------------------
 
+
 def parse_pairs(spec: str, n_gpus: int) -> list[tuple[str, str]]:
     """``"0:1,1:0"`` -> ``[("cuda:0", "cuda:1"), ("cuda:1", "cuda:0")]``; each index must be < ``n_gpus``."""
     pairs: list[tuple[str, str]] = []
@@ -82,8 +83,11 @@ def foreign_allocations(own: str, mem: dict[str, dict[str, int]]) -> dict[str, i
 
     ``mem`` maps a device name to ``{"allocated": .., "max_allocated": ..}`` as recorded by ``_memory_by_device``.
     """
-    return {d: max(m.get("allocated", 0), m.get("max_allocated", 0)) for d, m in mem.items()
-            if d != own and max(m.get("allocated", 0), m.get("max_allocated", 0)) > 0}
+    return {
+        d: max(m.get("allocated", 0), m.get("max_allocated", 0))
+        for d, m in mem.items()
+        if d != own and max(m.get("allocated", 0), m.get("max_allocated", 0)) > 0
+    }
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -99,14 +103,17 @@ def result_tag(n_gpus: int, dry_run: bool) -> str:
 
 # -- per-process device bookkeeping -----------------------------------------------------------------------------
 
+
 def _memory_by_device(n_gpus: int) -> dict[str, dict[str, int]]:
     import torch
 
     out: dict[str, dict[str, int]] = {}
     for d in range(n_gpus):
         # Reading the allocator's counters creates no context on the device.
-        out[f"cuda:{d}"] = {"allocated": int(torch.cuda.memory_allocated(d)),
-                            "max_allocated": int(torch.cuda.max_memory_allocated(d))}
+        out[f"cuda:{d}"] = {
+            "allocated": int(torch.cuda.memory_allocated(d)),
+            "max_allocated": int(torch.cuda.max_memory_allocated(d)),
+        }
     return out
 
 
@@ -163,6 +170,7 @@ def _expected(rows: int, cols: int) -> Any:
 
 # -- processes --------------------------------------------------------------------------------------------------
 
+
 def _encoder_proc(device: str, rows: int, cols: int, n_gpus: int, q: Any, stop: Any, life_s: float) -> None:
     try:
         import torch
@@ -202,8 +210,9 @@ def _stage_row(s: dict[str, float], synced_total_ms: float, to_device_ms: float)
     return row
 
 
-def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str,
-               expected: Any) -> dict[str, Any]:
+def _run_plane(
+    transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str, expected: Any
+) -> dict[str, Any]:
     from tensorwire.mm import MultimodalInput
     from tensorwire.testing import same_bytes
 
@@ -245,8 +254,9 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
     }
 
 
-def _llm_proc(endpoint: str, device: str, rows_list: list[int], cols: int, iters: int, inline_iters: int,
-              n_gpus: int, q: Any) -> None:
+def _llm_proc(
+    endpoint: str, device: str, rows_list: list[int], cols: int, iters: int, inline_iters: int, n_gpus: int, q: Any
+) -> None:
     try:
         import torch
 
@@ -255,11 +265,14 @@ def _llm_proc(endpoint: str, device: str, rows_list: list[int], cols: int, iters
 
         before = _active_contexts(n_gpus)
         expected = _expected(max(rows_list), cols).to(device)
-        cfg = TransportConfig(rdma=RdmaConfig(device=device), rpc_timeout_margin_ms=5000,
-                              local_placement_bytes=0)  # the RDMA plane across GPUs (placed outputs: bench transfer)
+        cfg = TransportConfig(
+            rdma=RdmaConfig(device=device), rpc_timeout_margin_ms=5000, local_placement_bytes=0
+        )  # the RDMA plane across GPUs (placed outputs: bench transfer)
         report: dict[str, Any] = {"sizes": []}
-        with RemoteOutputTransport(endpoint, cfg) as rdma_t, \
-                RemoteOutputTransport(endpoint, cfg.with_mode("grpc")) as inline_t:
+        with (
+            RemoteOutputTransport(endpoint, cfg) as rdma_t,
+            RemoteOutputTransport(endpoint, cfg.with_mode("grpc")) as inline_t,
+        ):
             rdma_ready = rdma_t.wait_ready(60)
             report["rdma_ready"] = rdma_ready
             for rows in rows_list:
@@ -305,8 +318,9 @@ def _p2p_proc(src_dev: str, dst_dev: str, nbytes: int, iters: int, q: Any) -> No
 
         out: dict[str, Any] = {"src": src_dev, "dst": dst_dev, "bytes": nbytes}
         if src_dev.startswith("cuda") and dst_dev.startswith("cuda"):
-            out["can_access_peer"] = bool(torch.cuda.can_device_access_peer(torch.device(src_dev).index,
-                                                                            torch.device(dst_dev).index))
+            out["can_access_peer"] = bool(
+                torch.cuda.can_device_access_peer(torch.device(src_dev).index, torch.device(dst_dev).index)
+            )
         src = torch.ones(nbytes, dtype=torch.uint8, device=src_dev)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
         p2p = summarize(_copy_samples(src, dst, iters, sorted({src_dev, dst_dev})))
@@ -352,13 +366,23 @@ def _stop(procs: list[Any]) -> None:
             p.join(timeout=5)
 
 
-def run_pair(enc_dev: str, rd_dev: str, rows_list: list[int], cols: int, iters: int, inline_iters: int,
-             p2p_iters: int, n_gpus: int, timeout_s: float) -> dict[str, Any]:
+def run_pair(
+    enc_dev: str,
+    rd_dev: str,
+    rows_list: list[int],
+    cols: int,
+    iters: int,
+    inline_iters: int,
+    p2p_iters: int,
+    n_gpus: int,
+    timeout_s: float,
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     deadline = time.monotonic() + timeout_s
-    enc = ctx.Process(target=_encoder_proc, args=(enc_dev, max(rows_list), cols, n_gpus, q, stop, timeout_s),
-                      daemon=True)
+    enc = ctx.Process(
+        target=_encoder_proc, args=(enc_dev, max(rows_list), cols, n_gpus, q, stop, timeout_s), daemon=True
+    )
     procs = [enc]
     enc.start()
     result: dict[str, Any] = {"encoder_device": enc_dev, "reader_device": rd_dev}
@@ -366,8 +390,11 @@ def run_pair(enc_dev: str, rd_dev: str, rows_list: list[int], cols: int, iters: 
         col = _Collector(q, procs)
         port, exporter_ready = col.get("ready", deadline)
         result["exporter_ready"] = exporter_ready
-        llm = ctx.Process(target=_llm_proc, args=(f"127.0.0.1:{port}", rd_dev, rows_list, cols, iters, inline_iters,
-                                                  n_gpus, q), daemon=True)
+        llm = ctx.Process(
+            target=_llm_proc,
+            args=(f"127.0.0.1:{port}", rd_dev, rows_list, cols, iters, inline_iters, n_gpus, q),
+            daemon=True,
+        )
         procs.append(llm)
         llm.start()
         result["llm"] = col.get("llm", deadline)
@@ -396,11 +423,15 @@ def _judge(pair: dict[str, Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"rows": s["rows"], "bytes": s["bytes"]}
         if "stages" in r:
             rt, rr = r["stages"]["transfer"]["median_ms"], r["stages"]["read"]["median_ms"]
-            row.update({
-                "rdma_transfer_ms": rt, "rdma_read_ms": rr, "rdma_read_gbps": gbps(s["bytes"], rr),
-                "inline_delivered_ms": i["stages"]["delivered"]["median_ms"],
-                "inline_over_rdma_transfer": i["stages"]["delivered"]["median_ms"] / rt,
-            })
+            row.update(
+                {
+                    "rdma_transfer_ms": rt,
+                    "rdma_read_ms": rr,
+                    "rdma_read_gbps": gbps(s["bytes"], rr),
+                    "inline_delivered_ms": i["stages"]["delivered"]["median_ms"],
+                    "inline_over_rdma_transfer": i["stages"]["delivered"]["median_ms"] / rt,
+                }
+            )
             if s["bytes"] == full_bytes:  # the baseline copies the largest size
                 row["rdma_transfer_over_p2p_copy"] = rt / p2p_ms
                 row["rdma_read_over_p2p_copy"] = rr / p2p_ms
@@ -423,8 +454,11 @@ def _judge(pair: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench multigpu", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="0:1,1:0", help="ENC:READER GPU index pairs (default 0:1,1:0)")
-    ap.add_argument("--rows", default=None, help=f"comma-separated row counts x {SEED_SHAPE[1]} bf16 "
-                                                 f"(default {SEED_SHAPE[0]}; --dry-run {DRY_RUN_ROWS})")
+    ap.add_argument(
+        "--rows",
+        default=None,
+        help=f"comma-separated row counts x {SEED_SHAPE[1]} bf16 (default {SEED_SHAPE[0]}; --dry-run {DRY_RUN_ROWS})",
+    )
     ap.add_argument("--iters", type=int, default=20, help="timed RDMA fetches per size")
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--p2p-iters", type=int, default=20, help="timed P2P copies")
@@ -450,8 +484,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [("cpu", "cpu")]
     else:
         if n_gpus < 2:
-            print(f"multigpu: needs at least 2 CUDA devices, found {n_gpus}; nothing measured "
-                  f"(use --dry-run to check the plumbing on cpu)")
+            print(
+                f"multigpu: needs at least 2 CUDA devices, found {n_gpus}; nothing measured "
+                f"(use --dry-run to check the plumbing on cpu)"
+            )
             return 0
         try:
             pairs = parse_pairs(args.pairs, n_gpus)
@@ -464,24 +500,45 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or RESULTS_DIR / f"multigpu-{tag}.json"
 
     def save() -> Any:  # after every pair, so a run cut short still leaves what it measured
-        return write_result("multigpu", {
-            "config": {"pairs": [list(p) for p in pairs], "rows": rows_list, "cols": SEED_SHAPE[1],
-                       "dtype": "bfloat16", "iters": args.iters, "inline_iters": args.inline_iters,
-                       "p2p_iters": args.p2p_iters, "dry_run": args.dry_run, "n_gpus": n_gpus,
-                       "wall_s": round(time.monotonic() - t_start, 1),
-                       "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NCCL_", "CUDA_VISIBLE"))}},
-            "pairs": results,
-            "notes": "stage times are client wall clock (after a synchronize of the reader device); transfer = fetch "
-                     "total - encoder compute; inline 'delivered' adds the host-to-reader-device copy; the baseline "
-                     "is dst.copy_(src) encoder device -> reader device in a separate process, both devices "
-                     "synchronized",
-        }, out_path)
+        return write_result(
+            "multigpu",
+            {
+                "config": {
+                    "pairs": [list(p) for p in pairs],
+                    "rows": rows_list,
+                    "cols": SEED_SHAPE[1],
+                    "dtype": "bfloat16",
+                    "iters": args.iters,
+                    "inline_iters": args.inline_iters,
+                    "p2p_iters": args.p2p_iters,
+                    "dry_run": args.dry_run,
+                    "n_gpus": n_gpus,
+                    "wall_s": round(time.monotonic() - t_start, 1),
+                    "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NCCL_", "CUDA_VISIBLE"))},
+                },
+                "pairs": results,
+                "notes": "stage times are client wall clock (after a synchronize of the reader device); "
+                "transfer = fetch total - encoder compute; inline 'delivered' adds the host-to-reader-device copy; "
+                "the baseline is dst.copy_(src) encoder device -> reader device in a separate process, both devices "
+                "synchronized",
+            },
+            out_path,
+        )
 
     for enc_dev, rd_dev in pairs:
         t0 = time.monotonic()
         try:
-            pair = run_pair(enc_dev, rd_dev, rows_list, SEED_SHAPE[1], args.iters, args.inline_iters,
-                            args.p2p_iters, n_gpus, args.timeout_s)
+            pair = run_pair(
+                enc_dev,
+                rd_dev,
+                rows_list,
+                SEED_SHAPE[1],
+                args.iters,
+                args.inline_iters,
+                args.p2p_iters,
+                n_gpus,
+                args.timeout_s,
+            )
         except (RuntimeError, TimeoutError) as exc:
             print(f"{enc_dev} -> {rd_dev}: FAILED {exc}", file=sys.stderr)
             results.append({"encoder_device": enc_dev, "reader_device": rd_dev, "error": str(exc)})
@@ -491,26 +548,35 @@ def main(argv: list[str] | None = None) -> int:
         pair["summary"] = _judge(pair)
         results.append(pair)
         base = pair["baseline"]
-        print(f"{enc_dev} -> {rd_dev}  ({time.monotonic() - t0:.1f} s)  UCX transport: {pair['llm']['ucx_transport']}"
-              f"  P2P copy {base['p2p_copy']['median_ms']:.3f} ms ({base['p2p_copy']['gbps']:.1f} GB/s, peer access "
-              f"{base.get('can_access_peer', 'n/a')})  same-device copy {base['same_device_copy']['median_ms']:.3f} ms",
-              flush=True)
+        print(
+            f"{enc_dev} -> {rd_dev}  ({time.monotonic() - t0:.1f} s)  UCX transport: {pair['llm']['ucx_transport']}"
+            f"  P2P copy {base['p2p_copy']['median_ms']:.3f} ms ({base['p2p_copy']['gbps']:.1f} GB/s, peer access "
+            f"{base.get('can_access_peer', 'n/a')})  same-device copy {base['same_device_copy']['median_ms']:.3f} ms",
+            flush=True,
+        )
         for s in pair["summary"]["sizes"]:
             if "rdma_transfer_ms" not in s:
                 print(f"  {s['bytes'] / 1e6:9.3f} MB  rdma: not run")
                 continue
-            line = (f"  {s['bytes'] / 1e6:9.3f} MB  rdma transfer {s['rdma_transfer_ms']:8.3f} ms (read "
-                    f"{s['rdma_read_ms']:7.3f} ms, {s['rdma_read_gbps']:7.1f} GB/s)  inline+to_device "
-                    f"{s['inline_delivered_ms']:8.2f} ms  inline/rdma {s['inline_over_rdma_transfer']:7.1f}x")
+            line = (
+                f"  {s['bytes'] / 1e6:9.3f} MB  rdma transfer {s['rdma_transfer_ms']:8.3f} ms (read "
+                f"{s['rdma_read_ms']:7.3f} ms, {s['rdma_read_gbps']:7.1f} GB/s)  inline+to_device "
+                f"{s['inline_delivered_ms']:8.2f} ms  inline/rdma {s['inline_over_rdma_transfer']:7.1f}x"
+            )
             if "rdma_transfer_over_p2p_copy" in s:
-                line += (f"  rdma/p2p: transfer {s['rdma_transfer_over_p2p_copy']:5.2f}x, read "
-                         f"{s['rdma_read_over_p2p_copy']:5.2f}x")
+                line += (
+                    f"  rdma/p2p: transfer {s['rdma_transfer_over_p2p_copy']:5.2f}x, read "
+                    f"{s['rdma_read_over_p2p_copy']:5.2f}x"
+                )
             print(line, flush=True)
         checks = pair["summary"]["checks"]
         print(f"  checks: {checks}", flush=True)
         llm, enc = pair["llm"], pair["encoder"]
-        print(f"  contexts: encoder {enc['active_contexts']}, llm {llm['active_contexts']}; foreign torch "
-              f"allocations: encoder {enc['foreign_allocations']}, llm {llm['foreign_allocations']}", flush=True)
+        print(
+            f"  contexts: encoder {enc['active_contexts']}, llm {llm['active_contexts']}; foreign torch "
+            f"allocations: encoder {enc['foreign_allocations']}, llm {llm['foreign_allocations']}",
+            flush=True,
+        )
         failed = failed or not checks["all_ok"]
         save()
     path = save()

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = ("checked", "unchecked")
     planes = ("rdma", "inline", "inline_unary")
     samples: dict[str, dict[str, dict[int, list[float]]]] = {
-        v: {p: {r: [] for r in rows_list} for p in planes} for v in variants}
+        v: {p: {r: [] for r in rows_list} for p in planes} for v in variants
+    }
     clients: dict[str, dict[str, Any]] = {}
     try:
         base = TransportConfig(rdma=RdmaConfig(device=args.device), local_channel="off")
@@ -93,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rdma_t = RemoteOutputTransport(f"127.0.0.1:{port}", base)
                 inline_t = RemoteOutputTransport(f"127.0.0.1:{port}", base.with_mode("grpc"))
-                unary_t = RemoteOutputTransport(f"127.0.0.1:{port}",
-                                                dataclasses.replace(base.with_mode("grpc"), control_stream=False))
+                unary_t = RemoteOutputTransport(
+                    f"127.0.0.1:{port}", dataclasses.replace(base.with_mode("grpc"), control_stream=False)
+                )
             finally:
                 _owner.guard_channel = guard
             if not rdma_t.wait_ready(60):
@@ -129,17 +131,34 @@ def main(argv: list[str] | None = None) -> int:
         for plane in planes:
             c, u = samples["checked"][plane][rows], samples["unchecked"][plane][rows]
             pc, pu = statistics.median(c), statistics.median(u)
-            row[plane] = {"checked_p50_ms": pc, "unchecked_p50_ms": pu, "checked_p99_ms": _quantile(c, 0.99),
-                          "unchecked_p99_ms": _quantile(u, 0.99), "checked_over_unchecked": pc / pu,
-                          "cost_ms": pc - pu, "n": len(c)}
-            print(f"{rows * COLS * 2 / 1e6:9.3f} MB {plane:7} checked p50 {pc:7.3f} ms p99 {_quantile(c, 0.99):7.3f}"
-                  f" | unchecked p50 {pu:7.3f} ms p99 {_quantile(u, 0.99):7.3f} | ratio {pc / pu:5.3f}", flush=True)
+            row[plane] = {
+                "checked_p50_ms": pc,
+                "unchecked_p50_ms": pu,
+                "checked_p99_ms": _quantile(c, 0.99),
+                "unchecked_p99_ms": _quantile(u, 0.99),
+                "checked_over_unchecked": pc / pu,
+                "cost_ms": pc - pu,
+                "n": len(c),
+            }
+            print(
+                f"{rows * COLS * 2 / 1e6:9.3f} MB {plane:7} checked p50 {pc:7.3f} ms p99 {_quantile(c, 0.99):7.3f}"
+                f" | unchecked p50 {pu:7.3f} ms p99 {_quantile(u, 0.99):7.3f} | ratio {pc / pu:5.3f}",
+                flush=True,
+            )
         sizes.append(row)
-    path = write_result("owner", {
-        "device": args.device, "cols": COLS, "rounds": args.rounds, "iters": args.iters,
-        "what": "same-user fetch totals, ms, over the gRPC control plane on 127.0.0.1: caller and listener owner "
-                "checks on (as shipped) vs off (the code before them), alternating rounds in one run",
-        "sizes": sizes}, args.out)
+    path = write_result(
+        "owner",
+        {
+            "device": args.device,
+            "cols": COLS,
+            "rounds": args.rounds,
+            "iters": args.iters,
+            "what": "same-user fetch totals, ms, over the gRPC control plane on 127.0.0.1: caller and listener owner "
+            "checks on (as shipped) vs off (the code before them), alternating rounds in one run",
+            "sizes": sizes,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -97,8 +97,14 @@ def _batched(owner: Any, reader: Any, cfg: Any, nbytes: int, n: int, iters: int)
     r = summarize(read_s)
     read_gbps = n * nbytes / (r["median_ms"] / 1e3) / 1e9
     copy_gbps = n * nbytes / statistics.median(copy_s) / 1e9
-    return {"descriptors": n, "read": r, "copy": summarize(copy_s), "read_gbps": read_gbps, "copy_gbps": copy_gbps,
-            "read_vs_copy": read_gbps / copy_gbps}
+    return {
+        "descriptors": n,
+        "read": r,
+        "copy": summarize(copy_s),
+        "read_gbps": read_gbps,
+        "copy_gbps": copy_gbps,
+        "read_vs_copy": read_gbps / copy_gbps,
+    }
 
 
 def _self_cpu_fraction(seconds: float) -> float:
@@ -116,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--idle-s", type=float, default=3.0, help="idle window for the CPU measurement")
     parser.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N' (GPU machines)")
-    parser.add_argument("--batch", type=int, default=4,
-                        help="for sizes >= 64 MiB also read this many descriptors per read() call (throughput), "
-                             "against as many back-to-back copies; 1 turns it off")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=4,
+        help="for sizes >= 64 MiB also read this many descriptors per read() call (throughput), "
+        "against as many back-to-back copies; 1 turns it off",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/rdma-<machine>.json)")
     args = parser.parse_args(argv)
 
@@ -171,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                     huge_s.append(huge.once())
             del plain, huge
             owner.release([desc.lease_id])
-            batch = _batched(owner, reader, cfg, nbytes, args.batch, max(3, iters // 3)) \
-                if args.batch > 1 and nbytes >= 64 * MIB else None
+            batch = (
+                _batched(owner, reader, cfg, nbytes, args.batch, max(3, iters // 3))
+                if args.batch > 1 and nbytes >= 64 * MIB
+                else None
+            )
             transport = reader.transport(desc)
             r = summarize(read_s)
             memcpy = nbytes / statistics.median(plain_s) / 1e9
@@ -192,15 +205,20 @@ def main(argv: list[str] | None = None) -> int:
             if batch is not None:
                 row["batched"] = batch
             rows.append(row)
-            print(f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  "
-                  f"read {r['median_ms']:8.3f} ms (p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  "
-                  f"memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
-                  f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]",
-                  flush=True)
+            print(
+                f"{nbytes / MIB:7.0f} MiB  export {row['export']['median_ms']:8.3f} ms  "
+                f"read {r['median_ms']:8.3f} ms (p99 {r['p99_ms']:8.3f})  {gbps:6.2f} GB/s  "
+                f"memcpy {memcpy:6.2f} / huge {memcpy_huge:6.2f} GB/s  "
+                f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]",
+                flush=True,
+            )
             if batch is not None:
-                print(f"{'':12}batched x{batch['descriptors']}: read {batch['read']['median_ms']:8.3f} ms "
-                      f"{batch['read_gbps']:7.2f} GB/s vs {batch['descriptors']} back-to-back copies "
-                      f"{batch['copy_gbps']:7.2f} GB/s  ratio {batch['read_vs_copy']:5.2f}", flush=True)
+                print(
+                    f"{'':12}batched x{batch['descriptors']}: read {batch['read']['median_ms']:8.3f} ms "
+                    f"{batch['read_gbps']:7.2f} GB/s vs {batch['descriptors']} back-to-back copies "
+                    f"{batch['copy_gbps']:7.2f} GB/s  ratio {batch['read_vs_copy']:5.2f}",
+                    flush=True,
+                )
         owner_idle = owner.idle_cpu(args.idle_s)
         reader_idle = _self_cpu_fraction(args.idle_s)
         reader_stats = reader.stats().as_dict()
@@ -212,8 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio = by_size[256 * MIB]["read_vs_memcpy"]
         targets["read_256MiB_vs_memcpy"] = {"value": ratio, "target": ">= 0.80", "met": ratio >= 0.80}
         huge = by_size[256 * MIB]["read_vs_hugepage_memcpy"]
-        targets["read_256MiB_vs_hugepage_memcpy"] = {"value": huge, "target": ">= 0.80 (stricter, informational)",
-                                                     "met": huge >= 0.80}
+        targets["read_256MiB_vs_hugepage_memcpy"] = {
+            "value": huge,
+            "target": ">= 0.80 (stricter, informational)",
+            "met": huge >= 0.80,
+        }
     if MIB in by_size:
         med = by_size[MIB]["read"]["median_ms"]
         targets["read_1MiB_median_ms"] = {"value": med, "target": "< 1.0", "met": med < 1.0}
@@ -228,20 +249,32 @@ def main(argv: list[str] | None = None) -> int:
                 size = f"{row['bytes'] // MIB}MiB"
                 ratio = row["batched"]["read_vs_copy"]
                 targets[f"read_{size}_vs_d2d_copy_batched"] = {"value": ratio, "target": ">= 0.50", "met": ratio >= 0.5}
-                targets[f"read_{size}_vs_d2d_copy_single"] = {"value": row["read_vs_memcpy"],
-                                                              "target": "(informational)", "met": None}
+                targets[f"read_{size}_vs_d2d_copy_single"] = {
+                    "value": row["read_vs_memcpy"],
+                    "target": "(informational)",
+                    "met": None,
+                }
     for name, t in targets.items():
         verdict = "n/a" if t["met"] is None else ("met" if t["met"] else "MISSED")
         print(f"target {name}: {t['value']:.3f} {t['target']} -> {verdict}")
-    path = write_result("rdma", {
-        "config": {"device": cfg.device, "progress_delay_us": cfg.progress_delay_us, "iters": args.iters,
-                   "warmup": args.warmup, "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
-                   "load_avg_at_end": os.getloadavg()},
-        "transport": transport,
-        "sizes": rows,
-        "idle_cpu_fraction": {"owner": owner_idle, "reader": reader_idle},
-        "targets": targets,
-        "reader_stats": {k: v for k, v in reader_stats.items() if isinstance(v, (int, float, str))},
-    }, args.out)
+    path = write_result(
+        "rdma",
+        {
+            "config": {
+                "device": cfg.device,
+                "progress_delay_us": cfg.progress_delay_us,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "ucx_net_devices": os.environ.get("UCX_NET_DEVICES"),
+                "load_avg_at_end": os.getloadavg(),
+            },
+            "transport": transport,
+            "sizes": rows,
+            "idle_cpu_fraction": {"owner": owner_idle, "reader": reader_idle},
+            "targets": targets,
+            "reader_stats": {k: v for k, v in reader_stats.items() if isinstance(v, (int, float, str))},
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0

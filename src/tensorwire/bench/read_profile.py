@@ -49,8 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         calls: list[tuple[str, float]] = []
         inner = provider.read
 
-        def timed_read(owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
-                       remote: Sequence[Range], *, deadline: float) -> None:
+        def timed_read(
+            owner: Owner,
+            local_mem: str,
+            local: Sequence[Range],
+            remote_mem: str,
+            remote: Sequence[Range],
+            *,
+            deadline: float,
+        ) -> None:
             t0 = time.perf_counter()
             inner(owner, local_mem, local, remote_mem, remote, deadline=deadline)
             calls.append(("generation" if local[0][1] == 8 else "payload", time.perf_counter() - t0))
@@ -90,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
                 "profile_top": prof_text.splitlines()[:40],
             }
             med = result["sizes"][name]
-            print(f"{name:>8}: read() {med['read_total'].get('median_ms', 0):.3f} ms  payload READ "
-                  f"{med['provider_payload_read'].get('median_ms', 0):.3f} ms  generation READ "
-                  f"{med['provider_generation_read'].get('median_ms', 0):.3f} ms  transport {reader.transport()}")
+            print(
+                f"{name:>8}: read() {med['read_total'].get('median_ms', 0):.3f} ms  payload READ "
+                f"{med['provider_payload_read'].get('median_ms', 0):.3f} ms  generation READ "
+                f"{med['provider_generation_read'].get('median_ms', 0):.3f} ms  transport {reader.transport()}"
+            )
         result["transport"] = reader.transport()
     path = write_result("read_profile", result, args.out)
     print(f"wrote {path}")

@@ -54,12 +54,25 @@ SRC = Path(__file__).resolve().parents[2]
 
 def _chat(stream: bool) -> bytes:
     image = base64.b64encode(bytes(range(256)) * 6).decode()
-    body = {"model": "m", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-        {"type": "text", "text": "What is in the image?"}]}]}
+    body = {
+        "model": "m",
+        "max_tokens": 8,
+        "stream": stream,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                    {"type": "text", "text": "What is in the image?"},
+                ],
+            }
+        ],
+    }
     raw = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-            b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
+    )
 
 
 # -- processes -------------------------------------------------------------------------------------------------
@@ -106,8 +119,9 @@ class Proc:
 def _spawn(name: str, argv: list[str], src: Path = SRC, marker: str = "PORT ") -> Proc:
     env = dict(os.environ, PYTHONPATH=str(src))
     stderr = None if os.environ.get("BENCH_ROUTER_STDERR") else subprocess.DEVNULL  # 1: the proxies' logs show
-    popen = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-                             stdin=subprocess.DEVNULL)
+    popen = subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, stdin=subprocess.DEVNULL
+    )
     assert popen.stdout is not None
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -146,15 +160,56 @@ def _upstream(*extra: str) -> Proc:
 def _proxy(kind: str, encoders: list[int], llm: int, old_src: Path | None, *extra: str) -> Proc | None:
     enc = [a for p in encoders for a in ("--encoder", f"http://127.0.0.1:{p}")]
     if kind == "tensorwire":
-        return _wait_health(_spawn(kind, ["-m", "tensorwire.integrations.vllm_router", "--port", "0", *enc, "--llm",
-                             f"http://127.0.0.1:{llm}", "--log-level", "WARNING", *extra], marker="listening on"))
+        return _wait_health(
+            _spawn(
+                kind,
+                [
+                    "-m",
+                    "tensorwire.integrations.vllm_router",
+                    "--port",
+                    "0",
+                    *enc,
+                    "--llm",
+                    f"http://127.0.0.1:{llm}",
+                    "--log-level",
+                    "WARNING",
+                    *extra,
+                ],
+                marker="listening on",
+            )
+        )
     if kind == "fastapi":
-        return _wait_health(_spawn(kind, ["-m", "tensorwire.bench._router.fastapi_proxy", "--port", "0", *enc, "--llm",
-                                          f"http://127.0.0.1:{llm}"]))
+        return _wait_health(
+            _spawn(
+                kind,
+                [
+                    "-m",
+                    "tensorwire.bench._router.fastapi_proxy",
+                    "--port",
+                    "0",
+                    *enc,
+                    "--llm",
+                    f"http://127.0.0.1:{llm}",
+                ],
+            )
+        )
     if kind == "stdlib_old" and old_src is not None:
-        return _spawn(kind, ["-m", "tensorwire.integrations.vllm_router", "--port", "0", *enc, "--llm",
-                             f"http://127.0.0.1:{llm}", "--log-level", "WARNING"], src=old_src,
-                      marker="listening on")
+        return _spawn(
+            kind,
+            [
+                "-m",
+                "tensorwire.integrations.vllm_router",
+                "--port",
+                "0",
+                *enc,
+                "--llm",
+                f"http://127.0.0.1:{llm}",
+                "--log-level",
+                "WARNING",
+            ],
+            src=old_src,
+            marker="listening on",
+        )
     return None
 
 
@@ -189,12 +244,12 @@ class _Conn(asyncio.Protocol):
                 return
         if not self.first and len(self.buf) > self.head_end + 4:
             self.first = now
-        head = bytes(self.buf[:self.head_end]).lower()
+        head = bytes(self.buf[: self.head_end]).lower()
         body_len = len(self.buf) - self.head_end - 4
         done = False
         i = head.find(b"content-length:")
         if i >= 0:
-            n = int(head[i + 15:].split(b"\r\n", 1)[0])
+            n = int(head[i + 15 :].split(b"\r\n", 1)[0])
             done = body_len >= n
         elif b"chunked" in head:
             done = self.buf.endswith(b"0\r\n\r\n") and body_len >= 5
@@ -251,16 +306,24 @@ async def _worker(port: int, request: bytes, t_start: float, t_end: float, tally
         conn.transport.close()
 
 
-async def closed_loop(port: int, request: bytes, c: int, seconds: float, warmup_s: float = 0.5,
-                      timeout_s: float = 10.0) -> dict[str, Any]:
+async def closed_loop(
+    port: int, request: bytes, c: int, seconds: float, warmup_s: float = 0.5, timeout_s: float = 10.0
+) -> dict[str, Any]:
     tally = _Tally()
     t_start = time.perf_counter() + warmup_s
     t_end = t_start + seconds
     await asyncio.gather(*(_worker(port, request, t_start, t_end, tally, timeout_s) for _ in range(c)))
     lat, first = summarize(tally.latencies), summarize(tally.firsts)
-    return {"n": tally.done, "errors": tally.errors, "rps": tally.done / seconds,
-            "p50_ms": lat.get("median_ms"), "p99_ms": lat.get("p99_ms"), "max_ms": lat.get("max_ms"),
-            "first_byte_p50_ms": first.get("median_ms"), "first_byte_p99_ms": first.get("p99_ms")}
+    return {
+        "n": tally.done,
+        "errors": tally.errors,
+        "rps": tally.done / seconds,
+        "p50_ms": lat.get("median_ms"),
+        "p99_ms": lat.get("p99_ms"),
+        "max_ms": lat.get("max_ms"),
+        "first_byte_p50_ms": first.get("median_ms"),
+        "first_byte_p99_ms": first.get("p99_ms"),
+    }
 
 
 def _run(coro: Any) -> Any:
@@ -291,14 +354,18 @@ def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dic
                     # CPU the proxy spent per answer (warm-up included in both): robust on a busy box, where
                     # latency and throughput also measure the neighbours.
                     served = row["n"] * (args.seconds + args.warmup) / args.seconds
-                    row["proxy_cpu_ms_per_request"] = ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served \
-                        else None
+                    row["proxy_cpu_ms_per_request"] = (
+                        ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served else None
+                    )
                     row.update({"proxy": kind, "mode": mode, "c": c, **(proc.stats() if proc else {})})
                     rows.append(row)
-                    print(f"  {mode:6} c={c:<4} {kind:11} p50 {row['p50_ms'] or 0:8.2f} ms  p99 "
-                          f"{row['p99_ms'] or 0:8.2f} ms  {row['rps']:8.0f}/s  err {row['errors']:4}  cpu/req "
-                          f"{row['proxy_cpu_ms_per_request'] or 0:6.3f} ms  "
-                          f"threads {row.get('threads', '-')}  rss {row.get('rss_mb', 0):.0f} MB", flush=True)
+                    print(
+                        f"  {mode:6} c={c:<4} {kind:11} p50 {row['p50_ms'] or 0:8.2f} ms  p99 "
+                        f"{row['p99_ms'] or 0:8.2f} ms  {row['rps']:8.0f}/s  err {row['errors']:4}  cpu/req "
+                        f"{row['proxy_cpu_ms_per_request'] or 0:6.3f} ms  "
+                        f"threads {row.get('threads', '-')}  rss {row.get('rss_mb', 0):.0f} MB",
+                        flush=True,
+                    )
     finally:
         for p in (*procs.values(), enc, llm):
             if p is not None:
@@ -335,6 +402,7 @@ async def _count_closed(conns: list[Any], within_s: float) -> int:
             return True
         except (TimeoutError, OSError):
             return False
+
     results = await asyncio.gather(*(closed(r) for r, _ in conns))
     return sum(results)
 
@@ -352,8 +420,9 @@ async def _trickle(conns: list[Any], stop: asyncio.Event) -> None:
             pass
 
 
-async def _idle_loris_run(port: int, n: int, request: bytes, seconds: float, idle_s: float,
-                          proc: Proc) -> dict[str, Any]:
+async def _idle_loris_run(
+    port: int, n: int, request: bytes, seconds: float, idle_s: float, proc: Proc
+) -> dict[str, Any]:
     before = await closed_loop(port, request, 1, seconds)
     base = proc.stats()
     t_open = time.monotonic()
@@ -368,10 +437,16 @@ async def _idle_loris_run(port: int, n: int, request: bytes, seconds: float, idl
     await trickle
     for _, w in (*idle, *loris):
         w.transport.abort()
-    return {"connections": {"idle": len(idle), "slow_loris": len(loris)}, "unloaded": before, "loaded": during,
-            "p99_ratio_loaded_to_unloaded": (during["p99_ms"] or 0) / (before["p99_ms"] or 1),
-            "closed_within_idle_timeout_plus_5s": {"idle": idle_closed, "slow_loris": loris_closed},
-            "idle_timeout_s": idle_s, "proxy_before": base, "proxy_loaded": loaded}
+    return {
+        "connections": {"idle": len(idle), "slow_loris": len(loris)},
+        "unloaded": before,
+        "loaded": during,
+        "p99_ratio_loaded_to_unloaded": (during["p99_ms"] or 0) / (before["p99_ms"] or 1),
+        "closed_within_idle_timeout_plus_5s": {"idle": idle_closed, "slow_loris": loris_closed},
+        "idle_timeout_s": idle_s,
+        "proxy_before": base,
+        "proxy_loaded": loaded,
+    }
 
 
 def scenario_idle_loris(args: argparse.Namespace, kinds: list[str]) -> dict[str, Any]:
@@ -381,20 +456,25 @@ def scenario_idle_loris(args: argparse.Namespace, kinds: list[str]) -> dict[str,
             continue
         enc, llm = _upstream(), _upstream()
         idle_s = 5.0 if kind == "tensorwire" else 5.0  # uvicorn's keep-alive timeout is 5 s by default
-        proc = _proxy(kind, [enc.port], llm.port, None,
-                      *(("--idle-timeout-s", str(idle_s)) if kind == "tensorwire" else ()))
+        proc = _proxy(
+            kind, [enc.port], llm.port, None, *(("--idle-timeout-s", str(idle_s)) if kind == "tensorwire" else ())
+        )
         assert proc is not None
         try:
-            out[kind] = _run(_idle_loris_run(proc.port, args.idle_connections, _chat(False), args.seconds, idle_s,
-                                             proc))
+            out[kind] = _run(
+                _idle_loris_run(proc.port, args.idle_connections, _chat(False), args.seconds, idle_s, proc)
+            )
         finally:
             for p in (proc, enc, llm):
                 p.stop()
         r = out[kind]
-        print(f"  idle_loris {kind:10} p99 unloaded {r['unloaded']['p99_ms'] or 0:.2f} ms, loaded "
-              f"{r['loaded']['p99_ms'] or 0:.2f} ms ({r['p99_ratio_loaded_to_unloaded']:.2f}x); closed "
-              f"{r['closed_within_idle_timeout_plus_5s']}; threads {r['proxy_loaded'].get('threads')}, rss "
-              f"{r['proxy_before'].get('rss_mb', 0):.0f} -> {r['proxy_loaded'].get('rss_mb', 0):.0f} MB", flush=True)
+        print(
+            f"  idle_loris {kind:10} p99 unloaded {r['unloaded']['p99_ms'] or 0:.2f} ms, loaded "
+            f"{r['loaded']['p99_ms'] or 0:.2f} ms ({r['p99_ratio_loaded_to_unloaded']:.2f}x); closed "
+            f"{r['closed_within_idle_timeout_plus_5s']}; threads {r['proxy_loaded'].get('threads')}, rss "
+            f"{r['proxy_before'].get('rss_mb', 0):.0f} -> {r['proxy_loaded'].get('rss_mb', 0):.0f} MB",
+            flush=True,
+        )
     return out
 
 
@@ -434,8 +514,10 @@ def scenario_sigterm(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         enc.stop()
         llm.stop()
-    print(f"  sigterm: {len(codes)} SIGTERMs, {complete} streams complete, {cut} cut, exit codes "
-          f"{sorted(set(codes))}", flush=True)
+    print(
+        f"  sigterm: {len(codes)} SIGTERMs, {complete} streams complete, {cut} cut, exit codes {sorted(set(codes))}",
+        flush=True,
+    )
     return {"sigterms": len(codes), "streams_complete": complete, "streams_cut": cut, "exit_codes": codes}
 
 
@@ -446,9 +528,17 @@ def scenario_hung_encoder(args: argparse.Namespace, kinds: list[str]) -> dict[st
         if kind not in kinds:
             continue
         hung, good, llm = _upstream("--hang"), _upstream(), _upstream()
-        proc = _proxy(kind, [hung.port, good.port], llm.port, None,
-                      *(("--encoder-first-byte-timeout-s", str(first_byte_s), "--probe-timeout-s", "1")
-                        if kind == "tensorwire" else ()))
+        proc = _proxy(
+            kind,
+            [hung.port, good.port],
+            llm.port,
+            None,
+            *(
+                ("--encoder-first-byte-timeout-s", str(first_byte_s), "--probe-timeout-s", "1")
+                if kind == "tensorwire"
+                else ()
+            ),
+        )
         assert proc is not None
         try:
             row = _run(closed_loop(proc.port, _chat(False), 16, args.hung_seconds, timeout_s=10.0))
@@ -457,9 +547,11 @@ def scenario_hung_encoder(args: argparse.Namespace, kinds: list[str]) -> dict[st
                 p.stop()
         row["target_p99_ms"] = (first_byte_s + 1.0) * 1e3 if kind == "tensorwire" else None
         out[kind] = row
-        print(f"  hung_encoder {kind:10} p50 {row['p50_ms'] or 0:.2f} ms p99 {row['p99_ms'] or 0:.2f} ms max "
-              f"{row['max_ms'] or 0:.2f} ms, {row['rps']:.0f}/s, errors (10 s client timeout) {row['errors']}",
-              flush=True)
+        print(
+            f"  hung_encoder {kind:10} p50 {row['p50_ms'] or 0:.2f} ms p99 {row['p99_ms'] or 0:.2f} ms max "
+            f"{row['max_ms'] or 0:.2f} ms, {row['rps']:.0f}/s, errors (10 s client timeout) {row['errors']}",
+            flush=True,
+        )
     return out
 
 
@@ -487,11 +579,19 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench router", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=3.0, help="measured time per closed-loop cell (default 3)")
-    ap.add_argument("--warmup", type=float, default=1.0,
-                    help="seconds per closed-loop cell before measuring (connections open, pools fill; default 1)")
+    ap.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds per closed-loop cell before measuring (connections open, pools fill; default 1)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    ap.add_argument("--old-src", type=Path, default=None,
-                    help="src/ of a tensorwire tree with the http.server router (adds the stdlib_old column)")
+    ap.add_argument(
+        "--old-src",
+        type=Path,
+        default=None,
+        help="src/ of a tensorwire tree with the http.server router (adds the stdlib_old column)",
+    )
     ap.add_argument("--idle-connections", type=int, default=1000, help="idle and slow-loris connections, each")
     ap.add_argument("--sigterms", type=int, default=20)
     ap.add_argument("--hung-seconds", type=float, default=10.0)
@@ -508,9 +608,15 @@ def main(argv: list[str] | None = None) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         pass
-    result: dict[str, Any] = {"note": args.note, "python": sys.executable, "proxies": kinds,
-                              "seconds_per_cell": args.seconds, "warmup_s": args.warmup, "loop": _loop_name(),
-                              "load_average_before": os.getloadavg()}
+    result: dict[str, Any] = {
+        "note": args.note,
+        "python": sys.executable,
+        "proxies": kinds,
+        "seconds_per_cell": args.seconds,
+        "warmup_s": args.warmup,
+        "loop": _loop_name(),
+        "load_average_before": os.getloadavg(),
+    }
     t0 = time.monotonic()
     if "closed_loop" not in args.skip:
         print("closed loop (chat with an image: encoder stand-in, then LLM stand-in)", flush=True)

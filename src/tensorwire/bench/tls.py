@@ -43,8 +43,13 @@ def _start(ctx: Any, device: str, rows: int, tls: Any) -> tuple[Any, Any, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench tls", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N (both processes use it)")
-    ap.add_argument("--rows", type=int, nargs="+", default=[8, 1024, SEED_ROWS],
-                    help=f"output rows (x {COLS} bf16) to time; {SEED_ROWS} is a 112.7 MB ViT output")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[8, 1024, SEED_ROWS],
+        help=f"output rows (x {COLS} bf16) to time; {SEED_ROWS} is a 112.7 MB ViT output",
+    )
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     ap.add_argument("--iters", type=int, default=20, help="timed fetches per round, mode, size and plane")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/tls-<machine>.json)")
@@ -62,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[tuple[Any, Any]] = []
     samples: dict[str, dict[str, dict[int, list[float]]]] = {
         mode: {"rdma_zero_copy": {r: [] for r in rows_list}, "inline": {r: [] for r in rows_list}}
-        for mode in ("plaintext", "mtls")}
+        for mode in ("plaintext", "mtls")
+    }
     try:
         server_tls, client_tls = bench_tls(tmp.name)
         # Both on the gRPC control plane: a plaintext worker would also serve the same-host Unix socket,
@@ -109,10 +115,18 @@ def main(argv: list[str] | None = None) -> int:
             if not plain:
                 continue
             p, m = statistics.median(plain), statistics.median(mtls)
-            row[plane] = {"plaintext_ms": p, "mtls_ms": m, "tls_over_plaintext": m / p, "tls_cost_ms": m - p,
-                          "round_medians_ms": {"plaintext": plain, "mtls": mtls}}
-            print(f"{rows * COLS * 2 / 1e6:9.3f} MB {plane:15} plaintext {p:8.3f} ms  mtls {m:8.3f} ms  "
-                  f"ratio {m / p:5.3f}  cost {m - p:+7.3f} ms", flush=True)
+            row[plane] = {
+                "plaintext_ms": p,
+                "mtls_ms": m,
+                "tls_over_plaintext": m / p,
+                "tls_cost_ms": m - p,
+                "round_medians_ms": {"plaintext": plain, "mtls": mtls},
+            }
+            print(
+                f"{rows * COLS * 2 / 1e6:9.3f} MB {plane:15} plaintext {p:8.3f} ms  mtls {m:8.3f} ms  "
+                f"ratio {m / p:5.3f}  cost {m - p:+7.3f} ms",
+                flush=True,
+            )
         sizes.append(row)
     targets: dict[str, Any] = {"target_ratio_max": 1.10}
     seed = next((r for r in sizes if r["rows"] == SEED_ROWS), None)
@@ -120,10 +134,20 @@ def main(argv: list[str] | None = None) -> int:
         ratio = seed["rdma_zero_copy"]["tls_over_plaintext"]
         targets.update(seed_rdma_tls_over_plaintext=ratio, meets_seed_within_10pct=ratio <= 1.10)
     print("targets:", targets)
-    path = write_result("tls", {"device": args.device, "cols": COLS, "rounds": args.rounds, "iters": args.iters,
-                                "what": "fetch transfer medians (fetch total - encoder compute), ms, plaintext vs "
-                                        "mTLS control plane, alternating rounds in one run",
-                                "sizes": sizes, "targets": targets}, args.out)
+    path = write_result(
+        "tls",
+        {
+            "device": args.device,
+            "cols": COLS,
+            "rounds": args.rounds,
+            "iters": args.iters,
+            "what": "fetch transfer medians (fetch total - encoder compute), ms, plaintext vs "
+            "mTLS control plane, alternating rounds in one run",
+            "sizes": sizes,
+            "targets": targets,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

@@ -50,6 +50,7 @@ BUSY_BATCH = 4
 
 # -- pure helpers (unit-tested) ---------------------------------------------------------------------------------
 
+
 def parse_tp(spec: str | None, available: int) -> tuple[list[int], list[int]]:
     """TP sizes to run and the requested ones dropped because fewer than that many GPUs (or cores) are visible.
 
@@ -101,13 +102,21 @@ def ratio_rows(rows: list[dict[str, Any]], methods: Sequence[str]) -> list[dict[
         if method != base or (load, tp, size, other) not in index:
             continue
         o = index[(load, tp, size, other)]
-        out.append({"load": load, "tp": tp, "size_bytes": size, "ratio": f"{other}/{base}",
-                    "median": o["median_ms"] / r["median_ms"] if r["median_ms"] > 0 else None,
-                    "p99": o["p99_ms"] / r["p99_ms"] if r["p99_ms"] > 0 else None})
+        out.append(
+            {
+                "load": load,
+                "tp": tp,
+                "size_bytes": size,
+                "ratio": f"{other}/{base}",
+                "median": o["median_ms"] / r["median_ms"] if r["median_ms"] > 0 else None,
+                "p99": o["p99_ms"] / r["p99_ms"] if r["p99_ms"] > 0 else None,
+            }
+        )
     return sorted(out, key=lambda x: (x["load"], x["size_bytes"], x["tp"]))
 
 
 # -- ranks ------------------------------------------------------------------------------------------------------
+
 
 class _Busy:
     """Background matmuls on a side stream of one GPU; start()/stop() may be called once each per phase."""
@@ -156,9 +165,14 @@ class _Busy:
             self._thread = None
 
     def stats(self) -> dict[str, Any]:
-        flops = 2.0 * self.dim ** 3 * self.count
-        return {"matmuls": self.count, "busy_s": self.elapsed_s, "dim": self.dim,
-                "tflops": flops / self.elapsed_s / 1e12 if self.elapsed_s > 0 else 0.0, "error": self.error}
+        flops = 2.0 * self.dim**3 * self.count
+        return {
+            "matmuls": self.count,
+            "busy_s": self.elapsed_s,
+            "dim": self.dim,
+            "tflops": flops / self.elapsed_s / 1e12 if self.elapsed_s > 0 else 0.0,
+            "error": self.error,
+        }
 
 
 def _wait_all(done: Any, world: int, counter: int, limit_s: float) -> None:
@@ -256,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench tp_nccl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", default=None, help="comma-separated TP sizes (default 2,4,8 up to the GPU count)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="payload sizes in bytes")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per load/size/method (default 500; "
-                                                             "--dry-run 30)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds per load/size/method (default 500; --dry-run 30)"
+    )
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--loads", default=",".join(LOADS), help="busy and/or idle (--dry-run: idle only)")
     ap.add_argument("--busy-dim", type=int, default=8192, help="square bf16 matmul size of the busy workload")
@@ -283,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     available = min(os.cpu_count() or 2, 8) if args.dry_run else n_gpus
     if not args.dry_run and n_gpus < 2:
-        print(f"tp_nccl: needs at least 2 CUDA devices, found {n_gpus}; nothing measured "
-              f"(use --dry-run to check the plumbing with gloo on cpu)")
+        print(
+            f"tp_nccl: needs at least 2 CUDA devices, found {n_gpus}; nothing measured "
+            f"(use --dry-run to check the plumbing with gloo on cpu)"
+        )
         return 0
     try:
         tps, dropped = parse_tp(args.tp if args.tp is not None or not args.dry_run else "2", max(available, 2))
@@ -293,8 +310,16 @@ def main(argv: list[str] | None = None) -> int:
     if dropped:
         print(f"tp_nccl: skipping TP {dropped}: only {available} {'cores' if args.dry_run else 'GPUs'} visible")
     methods = ["broadcast_cpu", "gloo" if args.dry_run else "nccl"]
-    cfg = {"dry_run": args.dry_run, "sizes": sizes, "rounds": rounds, "warmup": args.warmup, "loads": loads,
-           "busy_dim": args.busy_dim, "methods": methods, "round_limit_s": 60.0}
+    cfg = {
+        "dry_run": args.dry_run,
+        "sizes": sizes,
+        "rounds": rounds,
+        "warmup": args.warmup,
+        "loads": loads,
+        "busy_dim": args.busy_dim,
+        "methods": methods,
+        "round_limit_s": 60.0,
+    }
     rows: list[dict[str, Any]] = []
     busy: list[dict[str, Any]] = []
     failed = False
@@ -303,18 +328,34 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or RESULTS_DIR / f"tp_nccl-{tag}.json"
 
     def save() -> Any:  # after every TP group, so a run cut short still leaves what it measured
-        return write_result("tp_nccl", {
-            "config": {"tp": tps, "tp_dropped": dropped, "sizes": sizes, "rounds": rounds, "warmup": args.warmup,
-                       "loads": loads, "busy_dim": args.busy_dim, "busy_batch": BUSY_BATCH, "methods": methods,
-                       "dry_run": args.dry_run, "n_gpus": n_gpus, "wall_s": round(time.monotonic() - t_start, 1),
-                       "env": {k: v for k, v in os.environ.items()
-                               if k.startswith(("NCCL_", "TENSORWIRE_", "CUDA_VIS"))}},
-            "method": "rank 0 perf_counter before its call; each reader's perf_counter after its payload is on the "
-                      "host and checked, in a shared array; latency = max(reader times) - t0 (to the last rank); "
-                      "rounds back to back, rank 0 waits for every reader's round counter; no barrier on the timed "
-                      "path",
-            "results": rows, "ratios": ratio_rows(rows, methods), "busy": busy,
-        }, out_path)
+        return write_result(
+            "tp_nccl",
+            {
+                "config": {
+                    "tp": tps,
+                    "tp_dropped": dropped,
+                    "sizes": sizes,
+                    "rounds": rounds,
+                    "warmup": args.warmup,
+                    "loads": loads,
+                    "busy_dim": args.busy_dim,
+                    "busy_batch": BUSY_BATCH,
+                    "methods": methods,
+                    "dry_run": args.dry_run,
+                    "n_gpus": n_gpus,
+                    "wall_s": round(time.monotonic() - t_start, 1),
+                    "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TENSORWIRE_", "CUDA_VIS"))},
+                },
+                "method": "rank 0 perf_counter before its call; each reader's perf_counter after its payload is on the "
+                "host and checked, in a shared array; latency = max(reader times) - t0 (to the last rank); "
+                "rounds back to back, rank 0 waits for every reader's round counter; no barrier on the timed "
+                "path",
+                "results": rows,
+                "ratios": ratio_rows(rows, methods),
+                "busy": busy,
+            },
+            out_path,
+        )
 
     for tp in tps:
         t0 = time.monotonic()
@@ -334,19 +375,33 @@ def main(argv: list[str] | None = None) -> int:
         save()
     ratios = ratio_rows(rows, methods)
     print(f"\nlatency to the last rank, median / p99 in us ({n_gpus} GPUs, {os.cpu_count()} CPUs)")
-    print(f"{'load':>5s} {'size':>8s} {'TP':>3s} " + " ".join(f"{m:>19s}" for m in methods)
-          + f"   {methods[1]}/{methods[0]} median  p99")
+    print(
+        f"{'load':>5s} {'size':>8s} {'TP':>3s} "
+        + " ".join(f"{m:>19s}" for m in methods)
+        + f"   {methods[1]}/{methods[0]} median  p99"
+    )
     for rt in ratios:
         cells = []
         for m in methods:
-            r = next(x for x in rows if x.get("method") == m and x["tp"] == rt["tp"]
-                     and x["size_bytes"] == rt["size_bytes"] and x["load"] == rt["load"])
+            r = next(
+                x
+                for x in rows
+                if x.get("method") == m
+                and x["tp"] == rt["tp"]
+                and x["size_bytes"] == rt["size_bytes"]
+                and x["load"] == rt["load"]
+            )
             cells.append(f"{r['median_ms'] * 1e3:9.1f} /{r['p99_ms'] * 1e3:8.1f}")
-        print(f"{rt['load']:>5s} {rt['size_bytes']:8d} {rt['tp']:3d} " + " ".join(cells)
-              + f"   {rt['median'] or 0:12.2f}x {rt['p99'] or 0:5.2f}x")
+        print(
+            f"{rt['load']:>5s} {rt['size_bytes']:8d} {rt['tp']:3d} "
+            + " ".join(cells)
+            + f"   {rt['median'] or 0:12.2f}x {rt['p99'] or 0:5.2f}x"
+        )
     for b in busy:
-        print(f"busy workload TP{b['tp']} rank {b['rank']}: {b['tflops']:.0f} TFLOP/s bf16 over {b['busy_s']:.1f} s"
-              + (f"  ERROR {b['error']}" if b.get("error") else ""))
+        print(
+            f"busy workload TP{b['tp']} rank {b['rank']}: {b['tflops']:.0f} TFLOP/s bf16 over {b['busy_s']:.1f} s"
+            + (f"  ERROR {b['error']}" if b.get("error") else "")
+        )
     path = save()
     print(f"wrote {path}")
     return 1 if failed else 0

@@ -140,7 +140,10 @@ def stage_row(s: dict[str, float], synced_total_ms: float) -> dict[str, float]:
         "encode_compute": compute,
         "transfer": total - compute,
         "control_overhead": total - read,
-        "control_overhead_excl_export": total - read - s.get("encoder.export", 0.0) - s.get("encoder.allocate", 0.0)
+        "control_overhead_excl_export": total
+        - read
+        - s.get("encoder.export", 0.0)
+        - s.get("encoder.allocate", 0.0)
         - compute,
     }
 
@@ -174,8 +177,17 @@ def _inputs(rows: int, zero_copy: bool = False) -> list[Any]:
 
 
 def _stats(stages: dict[str, list[float]]) -> dict[str, Any]:
-    return {k: {"median_ms": _median(v), "p90_ms": _quantile(v, 0.9), "p99_ms": _quantile(v, 0.99), "min_ms": min(v),
-                "max_ms": max(v), "n": len(v)} for k, v in stages.items()}
+    return {
+        k: {
+            "median_ms": _median(v),
+            "p90_ms": _quantile(v, 0.9),
+            "p99_ms": _quantile(v, 0.99),
+            "min_ms": min(v),
+            "max_ms": max(v),
+            "n": len(v),
+        }
+        for k, v in stages.items()
+    }
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -188,8 +200,9 @@ def _add(stages: dict[str, list[float]], row: dict[str, float]) -> None:
         stages.setdefault(k, []).append(v)
 
 
-def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str,
-               zero_copy: bool = False) -> dict[str, Any]:
+def _run_plane(
+    transport: Any, rows: int, iters: int, warmup: int, plane: str, device: str, zero_copy: bool = False
+) -> dict[str, Any]:
     inputs = _inputs(rows, zero_copy)
     stages: dict[str, list[float]] = {}
     for i in range(warmup + iters):
@@ -199,8 +212,16 @@ def _run_plane(transport: Any, rows: int, iters: int, warmup: int, plane: str, d
     return _stats(stages)
 
 
-def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, plane: str | list[str],
-                     device: str, zero_copy: bool = False, block: int = 1) -> list[dict[str, Any]]:
+def _run_alternating(
+    transports: list[Any],
+    rows: int,
+    iters: int,
+    warmup: int,
+    plane: str | list[str],
+    device: str,
+    zero_copy: bool = False,
+    block: int = 1,
+) -> list[dict[str, Any]]:
     """``_run_plane`` for several transports in turn, ``block`` fetches each (1: fetch by fetch), so that their
     ratios share one machine state (this machine may be shared; load drifts within a run). ``plane``: every timed
     fetch's plane (one for all, or one per transport); warm-up fetches may take another (a placed transport's
@@ -221,8 +242,9 @@ def _run_alternating(transports: list[Any], rows: int, iters: int, warmup: int, 
     return [_stats(st) for st in stages]
 
 
-def _run_inline_and_plain(inline_t: Any, plain: Any, rows: int, iters: int, warmup: int,
-                          device: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _run_inline_and_plain(
+    inline_t: Any, plain: Any, rows: int, iters: int, warmup: int, device: str
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The inline plane and both plain gRPC variants (bytes held ready; a copy into bytes per call), alternating
     fetch by fetch, so that their ratios see one machine state (the inline plane's fetches take up to seconds;
     load from other jobs drifts in between)."""
@@ -249,8 +271,10 @@ def _check_same_bytes(rdma_t: Any, plain: Any, rows: int, device: str) -> None:
     ref = rdma_t.fetch(_inputs(rows)).embeddings[0]
     got, _ = plain.fetch(rows, device)
     if ref.shape != got.shape or ref.dtype != got.dtype or not torch.equal(ref, got):
-        raise RuntimeError(f"plain gRPC baseline and tensorwire disagree at rows={rows}: {tuple(got.shape)} "
-                           f"{got.dtype} vs {tuple(ref.shape)} {ref.dtype}")
+        raise RuntimeError(
+            f"plain gRPC baseline and tensorwire disagree at rows={rows}: {tuple(got.shape)} "
+            f"{got.dtype} vs {tuple(ref.shape)} {ref.dtype}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,11 +283,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed RDMA fetches per size")
     ap.add_argument("--inline-iters", type=int, default=5, help="timed inline fetches per size")
     ap.add_argument("--quick", action="store_true", help="small sweep, few iterations (smoke run)")
-    ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; a ViT output is {SEED_SHAPE[0]}) "
-                    "instead of the sweep")
-    ap.add_argument("--block", type=int, default=1,
-                    help="RDMA and placed rows: fetches per transport in turn (1: alternate fetch by fetch)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"embedding rows to run (x {SEED_SHAPE[1]} bf16; a ViT output is {SEED_SHAPE[0]}) instead of the sweep",
+    )
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="RDMA and placed rows: fetches per transport in turn (1: alternate fetch by fetch)",
+    )
     ap.add_argument("--tls", action="store_true", help="the control plane over mTLS (certificates made at run time)")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/transfer[-tls]-<machine>.json)")
     args = ap.parse_args(argv)
@@ -308,8 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         endpoint = f"127.0.0.1:{port}"
         plain_endpoint = f"127.0.0.1:{plain_q.get(timeout=120)}"
-        rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000,
-                                   local_channel="off")
+        rdma_cfg = TransportConfig(rdma=RdmaConfig(device=args.device), rpc_timeout_margin_ms=5000, local_channel="off")
         if client_tls is not None:
             rdma_cfg = dataclasses.replace(rdma_cfg, tls=client_tls)
         # Control over a Unix socket (no TLS): the RDMA plane there, and the placed outputs (receive buffers)
@@ -318,13 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         local_reg = CollectorRegistry()  # its own: the local channel's counters prove it was used
         local_metrics = TransportMetrics(local_reg)
         control = GrpcControlChannel(endpoint, rdma_cfg)  # held here for the release round trip below
-        with RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t, \
-                RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t, \
-                RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t, \
-                RemoteOutputTransport(endpoint, local_cfg, metrics=local_metrics) as local_t, \
-                RemoteOutputTransport(endpoint, local_cfg.with_mode("grpc")) as inline_local_t, \
-                RemoteOutputTransport(endpoint, placed_cfg, metrics=local_metrics) as placed_t, \
-                plain_grpc.PlainClient(plain_endpoint, cols) as plain:
+        with (
+            RemoteOutputTransport(endpoint, rdma_cfg, channel=control) as rdma_t,
+            RemoteOutputTransport(endpoint, dataclasses.replace(rdma_cfg, control_stream=False)) as unary_t,
+            RemoteOutputTransport(endpoint, rdma_cfg.with_mode("grpc")) as inline_t,
+            RemoteOutputTransport(endpoint, local_cfg, metrics=local_metrics) as local_t,
+            RemoteOutputTransport(endpoint, local_cfg.with_mode("grpc")) as inline_local_t,
+            RemoteOutputTransport(endpoint, placed_cfg, metrics=local_metrics) as placed_t,
+            plain_grpc.PlainClient(plain_endpoint, cols) as plain,
+        ):
             if not rdma_t.wait_ready(60) or not unary_t.wait_ready(60) or not local_t.wait_ready(60):
                 print("RDMA reader did not become ready", file=sys.stderr)
                 return 1
@@ -335,30 +368,57 @@ def main(argv: list[str] | None = None) -> int:
                 release_rtt.append((time.perf_counter() - t) * 1e3)
             for rows in rows_list:
                 nbytes = rows * cols * 2
-                r, rl, pl = _run_alternating([rdma_t, local_t, placed_t], rows, iters, 2, ["rdma", "rdma", "placed"],
-                                             args.device, block=args.block)
-                z, zu, zl, zpl = _run_alternating([rdma_t, unary_t, local_t, placed_t], rows, iters, 2,
-                                                  ["rdma", "rdma", "rdma", "placed"], args.device, zero_copy=True,
-                                                  block=args.block)
+                r, rl, pl = _run_alternating(
+                    [rdma_t, local_t, placed_t],
+                    rows,
+                    iters,
+                    2,
+                    ["rdma", "rdma", "placed"],
+                    args.device,
+                    block=args.block,
+                )
+                z, zu, zl, zpl = _run_alternating(
+                    [rdma_t, unary_t, local_t, placed_t],
+                    rows,
+                    iters,
+                    2,
+                    ["rdma", "rdma", "rdma", "placed"],
+                    args.device,
+                    zero_copy=True,
+                    block=args.block,
+                )
                 slow = nbytes >= SLOW_INLINE_BYTES
                 if plain.prepare(rows) != nbytes:
                     raise RuntimeError(f"plain gRPC server prepared a payload of the wrong size for rows={rows}")
                 _check_same_bytes(rdma_t, plain, rows, args.device)
-                i, p, pc = _run_inline_and_plain(inline_t, plain, rows, 1 if slow else inline_iters,
-                                                 0 if slow else 1, args.device)
-                il = _run_plane(inline_local_t, rows, 1 if slow else inline_iters, 0 if slow else 1, "inline",
-                                args.device)
+                i, p, pc = _run_inline_and_plain(
+                    inline_t, plain, rows, 1 if slow else inline_iters, 0 if slow else 1, args.device
+                )
+                il = _run_plane(
+                    inline_local_t, rows, 1 if slow else inline_iters, 0 if slow else 1, "inline", args.device
+                )
                 mc = _memcpy_ms(nbytes, args.device, 10)
                 mc1 = _memcpy_ms(nbytes, args.device, 10, threads=1) if args.device == "cpu" else mc
                 res = {
-                    "rows": rows, "cols": cols, "dtype": "bfloat16", "bytes": nbytes, "memcpy_ms": mc,
+                    "rows": rows,
+                    "cols": cols,
+                    "dtype": "bfloat16",
+                    "bytes": nbytes,
+                    "memcpy_ms": mc,
                     "memcpy_1thread_ms": mc1,
                     "ratio_rdma_transfer_over_memcpy_1thread": r["transfer"]["median_ms"] / mc1,
                     "ratio_rdma_read_over_memcpy_1thread": r["read"]["median_ms"] / mc1,
-                    "rdma": r, "rdma_zero_copy": z, "rdma_zero_copy_unary_control": zu, "inline": i,
-                    "plain_grpc": p, "plain_grpc_server_copy": pc,
-                    "rdma_local": rl, "rdma_zero_copy_local": zl, "inline_local": il,
-                    "placed_local": pl, "placed_zero_copy_local": zpl,
+                    "rdma": r,
+                    "rdma_zero_copy": z,
+                    "rdma_zero_copy_unary_control": zu,
+                    "inline": i,
+                    "plain_grpc": p,
+                    "plain_grpc_server_copy": pc,
+                    "rdma_local": rl,
+                    "rdma_zero_copy_local": zl,
+                    "inline_local": il,
+                    "placed_local": pl,
+                    "placed_zero_copy_local": zpl,
                     "ratio_placed_local_over_grpc_total": pl["total"]["median_ms"] / r["total"]["median_ms"],
                     "ratio_placed_zero_copy_local_over_memcpy": zpl["total"]["median_ms"] / mc,
                     "ratio_rdma_local_over_grpc_total": rl["total"]["median_ms"] / r["total"]["median_ms"],
@@ -377,41 +437,56 @@ def main(argv: list[str] | None = None) -> int:
                     "rdma_read_gbps": nbytes / (r["read"]["median_ms"] / 1e3) / 1e9,
                 }
                 results.append(res)
-                print(f"{nbytes / 1e6:9.3f} MB | rdma transfer {r['transfer']['median_ms']:8.2f} ms "
-                      f"(export {r['export']['median_ms']:6.2f}, control {r['control']['median_ms']:6.2f}, "
-                      f"read {r['read']['median_ms']:6.2f}, release {r['release']['median_ms']:5.3f}) | "
-                      f"inline {i['transfer']['median_ms']:8.2f} ms | inline/rdma "
-                      f"{res['ratio_inline_over_rdma_transfer']:6.1f}x | memcpy {mc:6.2f} ms | "
-                      f"rdma/memcpy {res['ratio_rdma_transfer_over_memcpy']:4.2f}x (read "
-                      f"{res['ratio_rdma_read_over_memcpy']:4.2f}x; 1-thread memcpy {mc1:6.2f} ms) | ctrl overhead "
-                      f"{r['control_overhead']['median_ms']:6.2f} ms (excl export "
-                      f"{r['control_overhead_excl_export']['median_ms']:5.2f})", flush=True)
-                print(f"{'':9}    | zero-copy output (allocate_output): "
-                      f"rdma transfer {z['transfer']['median_ms']:8.2f} ms "
-                      f"(export {z['export']['median_ms']:6.2f}, read {z['read']['median_ms']:6.2f}) | rdma/memcpy "
-                      f"{res['ratio_rdma_zero_copy_transfer_over_memcpy']:4.2f}x (1-thread "
-                      f"{res['ratio_rdma_zero_copy_transfer_over_memcpy_1thread']:4.2f}x) | ctrl overhead "
-                      f"{z['control_overhead']['median_ms']:6.2f} ms | same over unary Encode RPCs: transfer "
-                      f"{zu['transfer']['median_ms']:6.2f} ms (control {zu['control']['median_ms']:5.2f} vs stream "
-                      f"{z['control']['median_ms']:5.2f})", flush=True)
-                print(f"{'':9}    | same-host control channel: rdma fetch {rl['total']['median_ms']:7.3f} ms "
-                      f"(p99 {rl['total']['p99_ms']:7.3f}, control {rl['control']['median_ms']:6.3f}) vs gRPC stream "
-                      f"{r['total']['median_ms']:7.3f} ms | zero-copy {zl['total']['median_ms']:7.3f} ms (p99 "
-                      f"{zl['total']['p99_ms']:7.3f}) vs {z['total']['median_ms']:7.3f} ms | inline "
-                      f"{il['total']['median_ms']:8.2f} ms vs {i['total']['median_ms']:8.2f} ms", flush=True)
-                print(f"{'':9}    | placed outputs (same-host, receive buffers): fetch "
-                      f"{pl['total']['median_ms']:7.3f} ms (p99 {pl['total']['p99_ms']:7.3f}) | zero-copy "
-                      f"{zpl['total']['median_ms']:7.3f} ms (p99 {zpl['total']['p99_ms']:7.3f}) | /memcpy "
-                      f"{res['ratio_placed_zero_copy_local_over_memcpy']:6.1f}x | /gRPC-stream rdma "
-                      f"{res['ratio_placed_local_over_grpc_total']:5.2f}x", flush=True)
-                print(f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
-                      f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
-                      f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
-                      f"{res['ratio_inline_over_plain_grpc']:5.2f}x | "
-                      f"rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
-                      f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
-                      f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
-                      f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x", flush=True)
+                print(
+                    f"{nbytes / 1e6:9.3f} MB | rdma transfer {r['transfer']['median_ms']:8.2f} ms "
+                    f"(export {r['export']['median_ms']:6.2f}, control {r['control']['median_ms']:6.2f}, "
+                    f"read {r['read']['median_ms']:6.2f}, release {r['release']['median_ms']:5.3f}) | "
+                    f"inline {i['transfer']['median_ms']:8.2f} ms | inline/rdma "
+                    f"{res['ratio_inline_over_rdma_transfer']:6.1f}x | memcpy {mc:6.2f} ms | "
+                    f"rdma/memcpy {res['ratio_rdma_transfer_over_memcpy']:4.2f}x (read "
+                    f"{res['ratio_rdma_read_over_memcpy']:4.2f}x; 1-thread memcpy {mc1:6.2f} ms) | ctrl overhead "
+                    f"{r['control_overhead']['median_ms']:6.2f} ms (excl export "
+                    f"{r['control_overhead_excl_export']['median_ms']:5.2f})",
+                    flush=True,
+                )
+                print(
+                    f"{'':9}    | zero-copy output (allocate_output): "
+                    f"rdma transfer {z['transfer']['median_ms']:8.2f} ms "
+                    f"(export {z['export']['median_ms']:6.2f}, read {z['read']['median_ms']:6.2f}) | rdma/memcpy "
+                    f"{res['ratio_rdma_zero_copy_transfer_over_memcpy']:4.2f}x (1-thread "
+                    f"{res['ratio_rdma_zero_copy_transfer_over_memcpy_1thread']:4.2f}x) | ctrl overhead "
+                    f"{z['control_overhead']['median_ms']:6.2f} ms | same over unary Encode RPCs: transfer "
+                    f"{zu['transfer']['median_ms']:6.2f} ms (control {zu['control']['median_ms']:5.2f} vs stream "
+                    f"{z['control']['median_ms']:5.2f})",
+                    flush=True,
+                )
+                print(
+                    f"{'':9}    | same-host control channel: rdma fetch {rl['total']['median_ms']:7.3f} ms "
+                    f"(p99 {rl['total']['p99_ms']:7.3f}, control {rl['control']['median_ms']:6.3f}) vs gRPC stream "
+                    f"{r['total']['median_ms']:7.3f} ms | zero-copy {zl['total']['median_ms']:7.3f} ms (p99 "
+                    f"{zl['total']['p99_ms']:7.3f}) vs {z['total']['median_ms']:7.3f} ms | inline "
+                    f"{il['total']['median_ms']:8.2f} ms vs {i['total']['median_ms']:8.2f} ms",
+                    flush=True,
+                )
+                print(
+                    f"{'':9}    | placed outputs (same-host, receive buffers): fetch "
+                    f"{pl['total']['median_ms']:7.3f} ms (p99 {pl['total']['p99_ms']:7.3f}) | zero-copy "
+                    f"{zpl['total']['median_ms']:7.3f} ms (p99 {zpl['total']['p99_ms']:7.3f}) | /memcpy "
+                    f"{res['ratio_placed_zero_copy_local_over_memcpy']:6.1f}x | /gRPC-stream rdma "
+                    f"{res['ratio_placed_local_over_grpc_total']:5.2f}x",
+                    flush=True,
+                )
+                print(
+                    f"{'':9}    | plain gRPC (one unary call{' + copy to ' + args.device if cuda else ''}): "
+                    f"{p['total']['median_ms']:8.2f} ms (rpc {p['rpc']['median_ms']:8.2f}, to device "
+                    f"{p['to_device']['median_ms']:6.2f}) | inline/plain "
+                    f"{res['ratio_inline_over_plain_grpc']:5.2f}x | "
+                    f"rdma/plain {res['ratio_rdma_over_plain_grpc']:6.3f}x "
+                    f"(zero-copy {res['ratio_rdma_zero_copy_over_plain_grpc']:6.3f}x) | server copying into bytes "
+                    f"per call: {pc['total']['median_ms']:8.2f} ms, inline/that "
+                    f"{res['ratio_inline_over_plain_grpc_server_copy']:5.2f}x",
+                    flush=True,
+                )
     finally:
         stop.set()
         for pr in (proc, plain_proc):
@@ -460,33 +535,38 @@ def main(argv: list[str] | None = None) -> int:
     if not local_reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "local"}):
         raise RuntimeError("the same-host transports never used the local channel (was it discovered?)")
     one_mib = next((r for r in results if r["bytes"] == 1 << 20), None)
-    targets.update({
-        # Target (one H200, two processes): the 112.7 MB fetch p50 <= 0.8 ms, p99 <= 1.5 ms; 1 MiB p50 <= 0.3 ms.
-        "local_rdma_fetch_p50_ms_seed": seed["rdma_local"]["total"]["median_ms"],
-        "local_rdma_fetch_p99_ms_seed": seed["rdma_local"]["total"]["p99_ms"],
-        "local_rdma_zero_copy_fetch_p50_ms_seed": seed["rdma_zero_copy_local"]["total"]["median_ms"],
-        "local_rdma_zero_copy_fetch_p99_ms_seed": seed["rdma_zero_copy_local"]["total"]["p99_ms"],
-        "grpc_rdma_fetch_p50_ms_seed": seed["rdma"]["total"]["median_ms"],
-        "meets_local_seed_p50_0.8ms": seed["rdma_local"]["total"]["median_ms"] <= 0.8,
-        "meets_local_seed_p99_1.5ms": seed["rdma_local"]["total"]["p99_ms"] <= 1.5,
-    })
+    targets.update(
+        {
+            # Target (one H200, two processes): the 112.7 MB fetch p50 <= 0.8 ms, p99 <= 1.5 ms; 1 MiB p50 <= 0.3 ms.
+            "local_rdma_fetch_p50_ms_seed": seed["rdma_local"]["total"]["median_ms"],
+            "local_rdma_fetch_p99_ms_seed": seed["rdma_local"]["total"]["p99_ms"],
+            "local_rdma_zero_copy_fetch_p50_ms_seed": seed["rdma_zero_copy_local"]["total"]["median_ms"],
+            "local_rdma_zero_copy_fetch_p99_ms_seed": seed["rdma_zero_copy_local"]["total"]["p99_ms"],
+            "grpc_rdma_fetch_p50_ms_seed": seed["rdma"]["total"]["median_ms"],
+            "meets_local_seed_p50_0.8ms": seed["rdma_local"]["total"]["median_ms"] <= 0.8,
+            "meets_local_seed_p99_1.5ms": seed["rdma_local"]["total"]["p99_ms"] <= 1.5,
+        }
+    )
     best = min(("placed_local", "placed_zero_copy_local"), key=lambda k: seed[k]["total"]["median_ms"])
-    targets.update({
-        # The same-host default since placed outputs: the encoder writes into the LLM's receive buffer.
-        "local_placed_fetch_p50_ms_seed": seed["placed_local"]["total"]["median_ms"],
-        "local_placed_fetch_p99_ms_seed": seed["placed_local"]["total"]["p99_ms"],
-        "local_placed_zero_copy_fetch_p50_ms_seed": seed["placed_zero_copy_local"]["total"]["median_ms"],
-        "local_placed_zero_copy_fetch_p99_ms_seed": seed["placed_zero_copy_local"]["total"]["p99_ms"],
-        "meets_placed_seed_p50_0.8ms": seed[best]["total"]["median_ms"] <= 0.8,
-        "meets_placed_seed_p99_1.5ms": seed[best]["total"]["p99_ms"] <= 1.5,
-    })
+    targets.update(
+        {
+            # The same-host default since placed outputs: the encoder writes into the LLM's receive buffer.
+            "local_placed_fetch_p50_ms_seed": seed["placed_local"]["total"]["median_ms"],
+            "local_placed_fetch_p99_ms_seed": seed["placed_local"]["total"]["p99_ms"],
+            "local_placed_zero_copy_fetch_p50_ms_seed": seed["placed_zero_copy_local"]["total"]["median_ms"],
+            "local_placed_zero_copy_fetch_p99_ms_seed": seed["placed_zero_copy_local"]["total"]["p99_ms"],
+            "meets_placed_seed_p50_0.8ms": seed[best]["total"]["median_ms"] <= 0.8,
+            "meets_placed_seed_p99_1.5ms": seed[best]["total"]["p99_ms"] <= 1.5,
+        }
+    )
     if one_mib is not None:
         targets["local_rdma_fetch_p50_ms_1mib"] = one_mib["rdma_local"]["total"]["median_ms"]
         targets["meets_local_1mib_p50_0.3ms"] = one_mib["rdma_local"]["total"]["median_ms"] <= 0.3
         for k in ("placed_local", "placed_zero_copy_local"):
             targets[f"local_{k.removesuffix('_local')}_fetch_p50_ms_1mib"] = one_mib[k]["total"]["median_ms"]
-        targets["meets_placed_1mib_p50_0.3ms"] = min(one_mib[k]["total"]["median_ms"] for k in
-                                                     ("placed_local", "placed_zero_copy_local")) <= 0.3
+        targets["meets_placed_1mib_p50_0.3ms"] = (
+            min(one_mib[k]["total"]["median_ms"] for k in ("placed_local", "placed_zero_copy_local")) <= 0.3
+        )
     if args.device.startswith("cuda"):
         # Target (one H200, two processes): the 112.7 MB transfer stage <= 1.0 ms and >= 300x the inline plane.
         for name, plane in (("copy_export", seed["rdma"]), ("zero_copy", seed["rdma_zero_copy"])):
@@ -506,12 +586,12 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": results,
         "targets": targets,
         "notes": "stage times are client wall clock medians; export is measured on the encoder; transfer = fetch "
-                 "total - encoder compute; control overhead = fetch total - read (contains the export copy); "
-                 "plain_grpc = one unary gRPC call to a separate server process holding the payload ready as "
-                 "host bytes, the response viewed as a tensor (plus, on CUDA, the synchronized copy to the "
-                 "device), alternating fetch by fetch with the inline plane; plain_grpc_server_copy: the same "
-                 "server turning its held tensor into bytes in every call (one host copy); "
-                 "ratio_*_over_plain_grpc[_server_copy] divide the plane's transfer by that call's total",
+        "total - encoder compute; control overhead = fetch total - read (contains the export copy); "
+        "plain_grpc = one unary gRPC call to a separate server process holding the payload ready as "
+        "host bytes, the response viewed as a tensor (plus, on CUDA, the synchronized copy to the "
+        "device), alternating fetch by fetch with the inline plane; plain_grpc_server_copy: the same "
+        "server turning its held tensor into bytes in every call (one host copy); "
+        "ratio_*_over_plain_grpc[_server_copy] divide the plane's transfer by that call's total",
         "torch_threads": torch.get_num_threads(),
         "load_avg_1_5_15m": {"start": list(load_start), "end": list(os.getloadavg())},
     }

@@ -56,8 +56,11 @@ from typing import Any
 PATHS = ("tensorwire", "file_tmpfs", "file_disk")
 # Stages of every path, then each path's own split of "consume" (see the module docstring).
 STAGES = ("total", "produce", "notify", "consume", "cleanup")
-SPLIT = {"tensorwire": ("lookup", "stage", "check", "answer", "staged"), "file_tmpfs": ("load", "check"),
-         "file_disk": ("load", "check")}
+SPLIT = {
+    "tensorwire": ("lookup", "stage", "check", "answer", "staged"),
+    "file_tmpfs": ("load", "check"),
+    "file_disk": ("load", "check"),
+}
 DEFAULT_ROWS = [128, 1280, 12800]  # x 4096 x bf16: 1.05 MB, 10.5 MB, 105 MB
 COLS = 4096
 BIG_BYTES = 64 << 20  # from here on a third of --iters (the file path takes ~0.3 s per item on CPU)
@@ -73,8 +76,14 @@ def stats_of(samples: Sequence[float]) -> dict[str, float]:
     """Median, p90, p99, min, max and n of durations in ms."""
     if not samples:
         return {"n": 0}
-    return {"n": len(samples), "median_ms": statistics.median(samples), "p90_ms": _pct(samples, 0.9),
-            "p99_ms": _pct(samples, 0.99), "min_ms": min(samples), "max_ms": max(samples)}
+    return {
+        "n": len(samples),
+        "median_ms": statistics.median(samples),
+        "p90_ms": _pct(samples, 0.9),
+        "p99_ms": _pct(samples, 0.99),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+    }
 
 
 def flatness(totals: Sequence[float], window: int = 100) -> dict[str, float]:
@@ -106,8 +115,9 @@ def nearest(sizes: Sequence[dict[str, Any]], nbytes: int) -> dict[str, Any] | No
     return min(close, key=lambda s: abs(s["bytes"] - nbytes)) if close else None
 
 
-def targets_of(sizes: Sequence[dict[str, Any]], series: dict[str, Any], leftovers: dict[str, Any],
-               cuda: bool) -> dict[str, Any]:
+def targets_of(
+    sizes: Sequence[dict[str, Any]], series: dict[str, Any], leftovers: dict[str, Any], cuda: bool
+) -> dict[str, Any]:
     """The targets against the file path on tmpfs (the faster of the two) in the same run.
 
     A ratio comes from the largest sample at that size: the series (``--series`` items per path, interleaved as
@@ -186,16 +196,27 @@ class _Run:
         self.paths = [p for p in PATHS if p == "tensorwire" or p in roots]
         max_rows = max([*args.rows, args.series_rows])
         self.base = embedding(max_rows, self.cols).to(self.device)
-        cfg_kwargs = {"host": "127.0.0.1", "runtime_dir": work, "device": self.device,
-                      "rdma_provider": args.rdma_provider, "fetch_timeout_ms": 60_000, "lookup_timeout_ms": 10_000,
-                      "release_timeout_ms": 10_000, "fetch_threads": 1}
+        cfg_kwargs = {
+            "host": "127.0.0.1",
+            "runtime_dir": work,
+            "device": self.device,
+            "rdma_provider": args.rdma_provider,
+            "fetch_timeout_ms": 60_000,
+            "lookup_timeout_ms": 10_000,
+            "release_timeout_ms": 10_000,
+            "fetch_threads": 1,
+        }
         self.cfg = ECConfig(**cfg_kwargs)
         self.registry = CollectorRegistry()
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.conn, child = ctx.Pipe()
-        prod = ctx.Process(target=run_producer, args=(max_rows, self.cols, self.device, cfg_kwargs, roots, run_id,
-                                                      child), daemon=True, name="bench-encoder-instance")
+        prod = ctx.Process(
+            target=run_producer,
+            args=(max_rows, self.cols, self.device, cfg_kwargs, roots, run_id, child),
+            daemon=True,
+            name="bench-encoder-instance",
+        )
         prod.start()
         self.procs.append(prod)
         self.stage_conn: Any = None
@@ -204,14 +225,18 @@ class _Run:
         if args.stager == "remote":
             address = staging_address(self.cfg, CONSUMER_NAME, 0)
             self.stage_conn, child2 = ctx.Pipe()
-            worker = ctx.Process(target=serve_staging, args=(max_rows, self.cols, self.device, args.rdma_provider,
-                                                             address, child2), daemon=True,
-                                 name="bench-llm-worker")
+            worker = ctx.Process(
+                target=serve_staging,
+                args=(max_rows, self.cols, self.device, args.rdma_provider, address, child2),
+                daemon=True,
+                name="bench-llm-worker",
+            )
             worker.start()
             self.procs.append(worker)
             self._recv(self.stage_conn, "the LLM worker process")
-            stager = RemoteStager(address, "tp0", local_path=staging_local_path(address),
-                                  metrics=metrics_for(self.registry))
+            stager = RemoteStager(
+                address, "tp0", local_path=staging_local_path(address), metrics=metrics_for(self.registry)
+            )
         else:
             self.area = CheckedArea(self.base, self.device, args.rdma_provider)
             self.area.warm_up()
@@ -219,8 +244,9 @@ class _Run:
         ready = self._recv(self.conn, "the encoder process")
         self.endpoint, self.producer_plane = ready[1], ready[2]
         self.stager = TimedStager(stager)
-        self.fetcher = Fetcher(self.cfg, [self.stager], metrics_for(self.registry),
-                               support_rdma=args.rdma_provider != "none")
+        self.fetcher = Fetcher(
+            self.cfg, [self.stager], metrics_for(self.registry), support_rdma=args.rdma_provider != "none"
+        )
         self.failures: list[str] = []
         self.planes: dict[str, int] = {}
 
@@ -254,8 +280,12 @@ class _Run:
             t_held = time.monotonic_ns()
             st = self.stager
             check_ns = self.area.last_check_ns if self.area is not None else 0
-            split = {"lookup": (st.started_ns - t_recv) * ms, "stage": (st.ended_ns - st.started_ns) * ms,
-                     "answer": (t_held - st.ended_ns) * ms, "staged": (st.ended_ns - t0) * ms}
+            split = {
+                "lookup": (st.started_ns - t_recv) * ms,
+                "stage": (st.ended_ns - st.started_ns) * ms,
+                "answer": (t_held - st.ended_ns) * ms,
+                "staged": (st.ended_ns - t0) * ms,
+            }
             if self.area is not None:  # a remote area checks in its own process (inside "stage" either way)
                 split["check"] = check_ns * ms
             self.stager.drop([key])
@@ -276,11 +306,18 @@ class _Run:
         if not ok:
             self.failures.append(f"{path} rows={rows} item {index}: {why}")
             return None
-        return {"total": (t_held - t0) * ms, "produce": (t_saved - t0) * ms, "notify": (t_recv - t_saved) * ms,
-                "consume": (t_held - t_recv) * ms, "cleanup": (t_clean - t_held) * ms, **split}
+        return {
+            "total": (t_held - t0) * ms,
+            "produce": (t_saved - t0) * ms,
+            "notify": (t_recv - t_saved) * ms,
+            "consume": (t_held - t_recv) * ms,
+            "cleanup": (t_clean - t_held) * ms,
+            **split,
+        }
 
-    def rounds(self, rows: int, n: int, warmup: int, first_index: int,
-               progress_every: int = 0) -> dict[str, list[dict[str, float]]]:
+    def rounds(
+        self, rows: int, n: int, warmup: int, first_index: int, progress_every: int = 0
+    ) -> dict[str, list[dict[str, float]]]:
         """``warmup + n`` rounds, one item per path each, the path order rotating; the timed rows per path."""
         out: dict[str, list[dict[str, float]]] = {p: [] for p in self.paths}
         t_start = time.monotonic()
@@ -292,10 +329,16 @@ class _Run:
                     out[path].append(row)
             done = r + 1 - warmup
             if progress_every and done > 0 and done % progress_every == 0:
-                meds = "  ".join(f"{p} {statistics.median(x['total'] for x in out[p][-progress_every:]):7.2f} ms"
-                                 for p in self.paths if out[p])
-                print(f"  series {done:5d}/{n} ({time.monotonic() - t_start:5.0f} s) | last {progress_every} "
-                      f"medians: {meds} | load {os.getloadavg()[0]:.1f}", flush=True)
+                meds = "  ".join(
+                    f"{p} {statistics.median(x['total'] for x in out[p][-progress_every:]):7.2f} ms"
+                    for p in self.paths
+                    if out[p]
+                )
+                print(
+                    f"  series {done:5d}/{n} ({time.monotonic() - t_start:5.0f} s) | last {progress_every} "
+                    f"medians: {meds} | load {os.getloadavg()[0]:.1f}",
+                    flush=True,
+                )
         return out
 
     def leftovers(self) -> dict[str, Any]:
@@ -313,19 +356,41 @@ class _Run:
             consumer = self.area.leftovers()
         files = {p: files_left(root) for p, root in self.roots.items()}
         dirs = {p: sum(len(d) for _, d, _ in os.walk(root)) for p, root in self.roots.items()}
-        releases = {o: self.registry.get_sample_value("tensorwire_vllm_ec_releases_total", {"outcome": o}) or 0.0
-                    for o in ("ok", "unknown", "failed")}
-        calls = {f"{m}/{ch}": v for m in ("Lookup", "Release", "Stage", "Drop")
-                 for ch in ("local", "grpc", "local_fallback")
-                 if (v := self.registry.get_sample_value("tensorwire_vllm_ec_control_calls_total",
-                                                         {"method": m, "channel": ch}))}
-        held = {k: producer.get(k, 0) for k in ("held_items", "grants", "pending_grants", "exporter_live_leases",
-                                                "pool_busy_slots")}
-        clean = (not any(files.values()) and not any(dirs.values()) and not any(held.values())
-                 and consumer.get("staged_items", 0) == 0 and consumer.get("reader_loaned_slots", 0) == 0)
-        return {"clean": clean, "files_left": files, "dirs_left": dirs, "encoder_store": producer,
-                "llm_staging": consumer, "releases": releases, "control_calls": calls,
-                "failures": len(self.failures)}
+        releases = {
+            o: self.registry.get_sample_value("tensorwire_vllm_ec_releases_total", {"outcome": o}) or 0.0
+            for o in ("ok", "unknown", "failed")
+        }
+        calls = {
+            f"{m}/{ch}": v
+            for m in ("Lookup", "Release", "Stage", "Drop")
+            for ch in ("local", "grpc", "local_fallback")
+            if (
+                v := self.registry.get_sample_value(
+                    "tensorwire_vllm_ec_control_calls_total", {"method": m, "channel": ch}
+                )
+            )
+        }
+        held = {
+            k: producer.get(k, 0)
+            for k in ("held_items", "grants", "pending_grants", "exporter_live_leases", "pool_busy_slots")
+        }
+        clean = (
+            not any(files.values())
+            and not any(dirs.values())
+            and not any(held.values())
+            and consumer.get("staged_items", 0) == 0
+            and consumer.get("reader_loaned_slots", 0) == 0
+        )
+        return {
+            "clean": clean,
+            "files_left": files,
+            "dirs_left": dirs,
+            "encoder_store": producer,
+            "llm_staging": consumer,
+            "releases": releases,
+            "control_calls": calls,
+            "failures": len(self.failures),
+        }
 
     def close(self) -> dict[str, Any]:
         """Stops the other processes; the encoder's final counters (after its store and exporter closed)."""
@@ -352,17 +417,22 @@ def _stage_stats(path: str, rows: Sequence[dict[str, float]]) -> dict[str, dict[
     return {s: stats_of([x[s] for x in rows if s in x]) for s in (*STAGES, *SPLIT.get(path, ()))}
 
 
-def _table_line(rows: int, nbytes: int, by_path: dict[str, dict[str, dict[str, float]]],
-                ratios: dict[str, float]) -> str:
+def _table_line(
+    rows: int, nbytes: int, by_path: dict[str, dict[str, dict[str, float]]], ratios: dict[str, float]
+) -> str:
     cells = []
     for p, st in by_path.items():
         t = st.get("total", {})
         if t.get("n"):
-            parts = ", ".join(f"{k} {st[k]['median_ms']:.2f}" for k in ("produce", *SPLIT.get(p, ()))
-                              if st.get(k, {}).get("n"))
+            parts = ", ".join(
+                f"{k} {st[k]['median_ms']:.2f}" for k in ("produce", *SPLIT.get(p, ())) if st.get(k, {}).get("n")
+            )
             cells.append(f"{p} {t['median_ms']:8.2f} ms (p90 {t['p90_ms']:8.2f}; {parts})")
-    rs = "  ".join(f"{k.split('_over_')[0]}/tw {v:5.2f}x (staged {ratios.get(k + '_staged', 0):5.2f}x)"
-                   for k, v in ratios.items() if not k.endswith("_staged"))
+    rs = "  ".join(
+        f"{k.split('_over_')[0]}/tw {v:5.2f}x (staged {ratios.get(k + '_staged', 0):5.2f}x)"
+        for k, v in ratios.items()
+        if not k.endswith("_staged")
+    )
     return f"{nbytes / 1e6:8.2f} MB ({rows} rows) | " + " | ".join(cells) + f" | {rs}"
 
 
@@ -370,16 +440,25 @@ def main(argv: list[str] | None = None) -> int:
     doc = __doc__ or ""
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench vllm_ec", description=doc.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda:N: where both instances hold the tensors")
-    ap.add_argument("--rows", type=int, nargs="+", default=None,
-                    help=f"embedding rows per size (x --cols bf16; default {DEFAULT_ROWS}: ~1, 10, 100 MB)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"embedding rows per size (x --cols bf16; default {DEFAULT_ROWS}: ~1, 10, 100 MB)",
+    )
     ap.add_argument("--cols", type=int, default=COLS, help="embedding width (bf16 elements)")
     ap.add_argument("--iters", type=int, default=30, help="timed items per path and size (a third from 64 MiB)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed items per path before each size")
     ap.add_argument("--series", type=int, default=1000, help="items in a row per path at --series-rows (0: skip)")
     ap.add_argument("--series-rows", type=int, default=1280, help="rows of the series' items (~10 MB)")
-    ap.add_argument("--stager", choices=("local", "remote"), default="local",
-                    help="LLM side: staging area in this process (vLLM uniproc executor) or in a worker process "
-                    "behind a unix socket (multiprocess executor)")
+    ap.add_argument(
+        "--stager",
+        choices=("local", "remote"),
+        default="local",
+        help="LLM side: staging area in this process (vLLM uniproc executor) or in a worker process "
+        "behind a unix socket (multiprocess executor)",
+    )
     ap.add_argument("--tmpfs-dir", default="/dev/shm", help="tmpfs directory for file_tmpfs ('' skips the path)")
     ap.add_argument("--disk-dir", default="/var/tmp", help="local-disk directory for file_disk ('' skips the path)")
     ap.add_argument("--rdma-provider", default="auto", help="auto, nixl, or none (inline over gRPC)")
@@ -433,9 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run = _Run(args, run_id, roots, work)
         dirs = ", ".join(f"{p}={i['dir']} ({i['fs']})" for p, i in fs.items())
-        print(f"vllm_ec: device {args.device}, stager {args.stager}, encoder store on {run.endpoint} "
-              f"({run.producer_plane}), paths {', '.join(run.paths)}; "
-              f"file dirs {dirs}", flush=True)
+        print(
+            f"vllm_ec: device {args.device}, stager {args.stager}, encoder store on {run.endpoint} "
+            f"({run.producer_plane}), paths {', '.join(run.paths)}; "
+            f"file dirs {dirs}",
+            flush=True,
+        )
         index = 0
         for rows in sorted(set(args.rows)):
             nbytes = rows * args.cols * 2
@@ -445,8 +527,18 @@ def main(argv: list[str] | None = None) -> int:
             index += args.warmup + n
             by_path = {p: _stage_stats(p, xs) for p, xs in got.items()}
             ratios = ratios_of(by_path)
-            sizes.append({"rows": rows, "cols": args.cols, "dtype": "bfloat16", "bytes": nbytes, "items": n,
-                          "paths": by_path, "ratios": ratios, "loadavg_before": load})
+            sizes.append(
+                {
+                    "rows": rows,
+                    "cols": args.cols,
+                    "dtype": "bfloat16",
+                    "bytes": nbytes,
+                    "items": n,
+                    "paths": by_path,
+                    "ratios": ratios,
+                    "loadavg_before": load,
+                }
+            )
             print(_table_line(rows, nbytes, by_path, ratios), flush=True)
         if args.series:
             rows = args.series_rows
@@ -456,18 +548,32 @@ def main(argv: list[str] | None = None) -> int:
             paths: dict[str, Any] = {}
             for p, xs in got.items():
                 totals = [x["total"] for x in xs]
-                paths[p] = {**_stage_stats(p, xs), "flatness": flatness(totals),
-                            "totals_ms": [round(t, 4) for t in totals],
-                            # every item's stages (ms, in order), to see which stage moves when the total does
-                            "items_ms": {s: [round(x.get(s, float("nan")), 3) for x in xs]
-                                         for s in (*STAGES[1:], *SPLIT.get(p, ()))}}
-            series = {"rows": rows, "bytes": rows * args.cols * 2, "items": args.series, "paths": paths,
-                      "ratios": ratios_of(paths), "loadavg_before": load, "loadavg_after": os.getloadavg()}
+                paths[p] = {
+                    **_stage_stats(p, xs),
+                    "flatness": flatness(totals),
+                    "totals_ms": [round(t, 4) for t in totals],
+                    # every item's stages (ms, in order), to see which stage moves when the total does
+                    "items_ms": {
+                        s: [round(x.get(s, float("nan")), 3) for x in xs] for s in (*STAGES[1:], *SPLIT.get(p, ()))
+                    },
+                }
+            series = {
+                "rows": rows,
+                "bytes": rows * args.cols * 2,
+                "items": args.series,
+                "paths": paths,
+                "ratios": ratios_of(paths),
+                "loadavg_before": load,
+                "loadavg_after": os.getloadavg(),
+            }
             for p, d in paths.items():
                 f = d["flatness"]
                 if f:
-                    print(f"  {p}: p90 first {f['window']} {f['p90_first_ms']:.2f} ms, last {f['window']} "
-                          f"{f['p90_last_ms']:.2f} ms: {f['ratio_last_over_first']:.2f}x", flush=True)
+                    print(
+                        f"  {p}: p90 first {f['window']} {f['p90_first_ms']:.2f} ms, last {f['window']} "
+                        f"{f['p90_last_ms']:.2f} ms: {f['ratio_last_over_first']:.2f}x",
+                        flush=True,
+                    )
         leftovers = run.leftovers()
         leftovers["planes"] = dict(run.planes)
         failures = list(run.failures)
@@ -479,30 +585,51 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     leftovers["encoder_store_after_close"] = final
     targets = targets_of(sizes, series, leftovers, cuda)
-    print("left at the end:", json.dumps({k: leftovers[k] for k in ("clean", "files_left", "dirs_left")}),
-          "| encoder:", {k: leftovers["encoder_store"].get(k) for k in
-                         ("held_items", "grants", "pending_grants", "exporter_live_leases", "pool_busy_slots")},
-          "| llm:", {k: leftovers["llm_staging"].get(k) for k in ("staged_items", "reader_loaned_slots")},
-          "| releases:", leftovers["releases"], "| planes:", leftovers["planes"], "| control calls:",
-          leftovers["control_calls"], flush=True)
+    print(
+        "left at the end:",
+        json.dumps({k: leftovers[k] for k in ("clean", "files_left", "dirs_left")}),
+        "| encoder:",
+        {
+            k: leftovers["encoder_store"].get(k)
+            for k in ("held_items", "grants", "pending_grants", "exporter_live_leases", "pool_busy_slots")
+        },
+        "| llm:",
+        {k: leftovers["llm_staging"].get(k) for k in ("staged_items", "reader_loaned_slots")},
+        "| releases:",
+        leftovers["releases"],
+        "| planes:",
+        leftovers["planes"],
+        "| control calls:",
+        leftovers["control_calls"],
+        flush=True,
+    )
     print("targets:", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in targets.items()}, flush=True)
     for f in failures[:10]:
         print("FAILED:", f, file=sys.stderr)
     payload = {
-        "device": args.device, "stager": args.stager, "rdma_provider": args.rdma_provider,
-        "producer_plane": run.producer_plane if run else "", "file_dirs": fs, "skipped_paths": skipped,
-        "sizes": sizes, "series": series,
-        "leftovers": leftovers, "failures": failures[:50], "targets": targets,
-        "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "wall_s": round(time.monotonic() - t_start, 1),
+        "device": args.device,
+        "stager": args.stager,
+        "rdma_provider": args.rdma_provider,
+        "producer_plane": run.producer_plane if run else "",
+        "file_dirs": fs,
+        "skipped_paths": skipped,
+        "sizes": sizes,
+        "series": series,
+        "leftovers": leftovers,
+        "failures": failures[:50],
+        "targets": targets,
+        "loadavg_start": load_start,
+        "loadavg_end": os.getloadavg(),
+        "wall_s": round(time.monotonic() - t_start, 1),
         "torch_threads": torch.get_num_threads(),
         "notes": "per item, from the encoder's output tensor existing (t0, in the encoder process) to an equal "
-                 "tensor in the LLM process (after the element-wise check), CLOCK_MONOTONIC across processes; "
-                 "medians over items; paths alternate item by item, each round starting with another path; "
-                 "tensorwire runs the connector's ProducerScheduler/ProducerWorker/ProducerRuntime and Fetcher "
-                 "(the fetch answers once staged; the Release RPC goes out after, off the critical path); the "
-                 "file paths make ECExampleConnector's safetensors "
-                 "and os calls; cleanup (drop / delete) is timed apart and not in total; ratios: file median "
-                 "total over tensorwire's",
+        "tensor in the LLM process (after the element-wise check), CLOCK_MONOTONIC across processes; "
+        "medians over items; paths alternate item by item, each round starting with another path; "
+        "tensorwire runs the connector's ProducerScheduler/ProducerWorker/ProducerRuntime and Fetcher "
+        "(the fetch answers once staged; the Release RPC goes out after, off the critical path); the "
+        "file paths make ECExampleConnector's safetensors "
+        "and os calls; cleanup (drop / delete) is timed apart and not in total; ratios: file median "
+        "total over tensorwire's",
     }
     written = write_result("vllm-ec", payload, args.out)
     print(f"wrote {written}")

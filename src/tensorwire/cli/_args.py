@@ -35,8 +35,9 @@ def metrics_port(text: str) -> int:
     """``port``, or -1 for no /metrics endpoint."""
     value = _int(text, "a port number")
     if not -1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: give 1..65535, 0 to let the OS pick one, "
-                                         "or -1 for no /metrics")
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a port: give 1..65535, 0 to let the OS pick one, or -1 for no /metrics"
+        )
     return value
 
 

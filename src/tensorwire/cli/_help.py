@@ -22,7 +22,7 @@ LIMITS = {
     "handshake_timeout_ms": "a connection whose TLS handshake takes longer is dropped",
     "max_streams_per_connection": "concurrent HTTP/2 streams (gRPC calls) on one connection",
     "trusted_forwarders": "comma list of peer keys (cn:NAME or ip:ADDR, e.g. a proxy) whose forwarded caller "
-                          "identity is believed for the per-peer limits",
+    "identity is believed for the per-peer limits",
 }
 
 TRANSPORT = {
@@ -35,25 +35,25 @@ TRANSPORT = {
     "server_threads": "Encode calls that run at once; the rest wait within their deadline",
     "server_stream_cap": "EncodeStream calls open at once; 0: 64, at most half of --max-inflight-calls",
     "peer_leased_bytes": "bytes of exported slots one peer may hold leased; over it its outputs come inline; "
-                         "0: half of --rdma-pool-cap-bytes",
+    "0: half of --rdma-pool-cap-bytes",
     "worker_id": "this worker's id in receipts and logs ('' = HOSTNAME-PID)",
     "local_channel": "same-host Unix-socket channel: auto (unless mTLS), on, off",
     "local_channel_dir": "directory of the same-host socket ('' = $XDG_RUNTIME_DIR/tensorwire, else a private "
-                         "directory under $TMPDIR or /tmp)",
+    "directory under $TMPDIR or /tmp)",
     "local_channel_conns": "same-host connections open at once (each holds a thread); one more is refused",
     "local_channel_idle_ms": "a same-host connection without a request for this long is closed",
     "local_placement_bytes": "bytes of client receive buffers one same-host connection may map (placed outputs); "
-                             "0: off",
+    "0: off",
 }
 
 RDMA = {
     "port": "RDMA metadata listener port; 0 lets the OS pick. Behind a proxy every worker on a host needs its "
-            "own port (the proxy refuses a shared fixed port at start-up)",
+    "own port (the proxy refuses a shared fixed port at start-up)",
     "device": "device of the exported slots (default: --device)",
     "bind_ip": "RDMA metadata listener address; '' follows --host (a wildcard --host: this host's detected "
-               "address); 0.0.0.0 listens on all interfaces (docs/deployment.md, Addresses)",
+    "address); 0.0.0.0 listens on all interfaces (docs/deployment.md, Addresses)",
     "advertise_host": "host written into descriptors, which readers connect to; '' = the listener's address, "
-                      "else --host, else this host's detected address",
+    "else --host, else this host's detected address",
     "provider": "auto | nixl | none",
     "qp_count": "transfer concurrency of the provider (NIXL: UCX workers of the agent)",
     "connect_timeout_ms": "how long a reader may take to connect to this exporter's metadata listener",

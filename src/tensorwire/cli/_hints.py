@@ -19,21 +19,35 @@ def tls_hint(message: str, tls: Any) -> str | None:
     text = message.lower()
     uses_tls = bool(getattr(tls, "client_enabled", False) or getattr(tls, "ca", ""))
     has_cert = bool(getattr(tls, "cert", ""))
-    if "wrong_version_number" in text or ("handshake" in text and "tls" in text and "certificate" not in text
-                                          and "verify" not in text):
-        return ("TLS mismatch: this side speaks TLS but the server answered in plaintext; drop --tls-* here "
-                "(and TENSORWIRE_MM_TLS_*), or start the server with --tls-cert/--tls-key")
-    if any(k in text for k in ("certificate_verify_failed", "certificate verify failed", "bad_certificate",
-                               "verification check failed")):
-        return ("TLS: a certificate was refused; the server's must be signed by --tls-ca and name the host you "
-                "connect to (or --tls-server-name), and under mTLS this side's --tls-cert must be signed by the "
-                "server's CA")
+    if "wrong_version_number" in text or (
+        "handshake" in text and "tls" in text and "certificate" not in text and "verify" not in text
+    ):
+        return (
+            "TLS mismatch: this side speaks TLS but the server answered in plaintext; drop --tls-* here "
+            "(and TENSORWIRE_MM_TLS_*), or start the server with --tls-cert/--tls-key"
+        )
+    if any(
+        k in text
+        for k in (
+            "certificate_verify_failed",
+            "certificate verify failed",
+            "bad_certificate",
+            "verification check failed",
+        )
+    ):
+        return (
+            "TLS: a certificate was refused; the server's must be signed by --tls-ca and name the host you "
+            "connect to (or --tls-server-name), and under mTLS this side's --tls-cert must be signed by the "
+            "server's CA"
+        )
     if "socket closed" in text or "connection reset" in text or "end of file" in text:
         if not uses_tls:
-            return ("the server closed the connection during set-up: it probably requires TLS; give " + _FLAGS_CLIENT)
+            return "the server closed the connection during set-up: it probably requires TLS; give " + _FLAGS_CLIENT
         if not has_cert:
-            return ("the server closed the TLS connection during set-up: it probably requires a client "
-                    "certificate (mTLS); give --tls-cert and --tls-key signed by its CA")
+            return (
+                "the server closed the TLS connection during set-up: it probably requires a client "
+                "certificate (mTLS); give --tls-cert and --tls-key signed by its CA"
+            )
     return None
 
 

@@ -46,8 +46,7 @@ FETCH_JSON_HELP = f"""\
 
 def fetch_document(result: dict[str, Any], endpoint: str) -> dict[str, Any]:
     """:func:`fetch_result` inside the ``--json`` envelope (``FETCH_JSON_HELP``)."""
-    return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": True, "endpoint": endpoint,
-            **result}
+    return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": True, "endpoint": endpoint, **result}
 
 
 def fetch_error_document(exc: BaseException, exit_code: int, endpoint: str) -> dict[str, Any]:
@@ -63,9 +62,13 @@ def fetch_error_document(exc: BaseException, exit_code: int, endpoint: str) -> d
     message = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
     if isinstance(exc, OSError) and exc.filename:
         message = f"{exc.filename}: {message}"
-    return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": False, "endpoint": endpoint,
-            "error": {"type": type(exc).__name__, "reason": reason.value, "message": message,
-                      "exit_code": exit_code}}
+    return {
+        "schema": FETCH_SCHEMA,
+        "schema_version": FETCH_SCHEMA_VERSION,
+        "ok": False,
+        "endpoint": endpoint,
+        "error": {"type": type(exc).__name__, "reason": reason.value, "message": message, "exit_code": exit_code},
+    }
 
 
 def stage_split_ms(stage_ms: Mapping[str, float]) -> tuple[float, float, float]:
@@ -81,8 +84,12 @@ def fetch_result(out: MultimodalOutput, names: list[str]) -> dict[str, Any]:
     encoder_ms, transfer_ms, total_ms = stage_split_ms(stage)
     items = []
     for i, emb in enumerate(out.embeddings):
-        item: dict[str, Any] = {"image": names[i] if i < len(names) else str(i), "shape": list(emb.shape),
-                                "dtype": str(emb.dtype).replace("torch.", ""), "device": str(emb.device)}
+        item: dict[str, Any] = {
+            "image": names[i] if i < len(names) else str(i),
+            "shape": list(emb.shape),
+            "dtype": str(emb.dtype).replace("torch.", ""),
+            "device": str(emb.device),
+        }
         if out.position_ids is not None:
             item["position_ids_shape"] = list(out.position_ids[i].shape)
         items.append(item)
@@ -106,17 +113,22 @@ def fetch_lines(result: dict[str, Any]) -> list[str]:
         pos = f"  position_ids {item['position_ids_shape']}" if "position_ids_shape" in item else ""
         lines.append(f"{item['image']}: embedding {item['shape']} {item['dtype']} on {item['device']}{pos}")
     fb = f" (fallback: {result['fallback_reason']})" if result["fallback_reason"] else ""
-    lines.append(f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  "
-                 f"payload: {result['payload_bytes'] / 1e6:.2f} MB")
+    lines.append(
+        f"plane: {result['plane']}{fb}  worker: {result['worker_id']}  payload: {result['payload_bytes'] / 1e6:.2f} MB"
+    )
     stages = "  ".join(f"{k}={v:.2f}" for k, v in sorted(result["stage_ms"].items()))
-    lines.append(f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
-                 f"total {result['total_ms']:.2f} ms")
+    lines.append(
+        f"encoder {result['encoder_ms']:.2f} ms  transfer {result['transfer_ms']:.2f} ms  "
+        f"total {result['total_ms']:.2f} ms"
+    )
     lines.append(f"stages (ms): {stages}")
     wall = result.get("wall_ms")
     if wall:
-        lines.append(f"wall time {wall['total'] / 1e3:.2f} s = start-up {wall['start_up'] / 1e3:.2f} s (imports, "
-                     f"channel, RDMA reader) + fetch {wall['fetch'] / 1e3:.2f} s (the stages above) + releases and "
-                     f"close {wall['release_and_close'] / 1e3:.2f} s")
+        lines.append(
+            f"wall time {wall['total'] / 1e3:.2f} s = start-up {wall['start_up'] / 1e3:.2f} s (imports, "
+            f"channel, RDMA reader) + fetch {wall['fetch'] / 1e3:.2f} s (the stages above) + releases and "
+            f"close {wall['release_and_close'] / 1e3:.2f} s"
+        )
     return lines
 
 
@@ -133,8 +145,9 @@ class Progress:
             return
         filled = int(self.width * self.done / max(1, self.total))
         elapsed = time.monotonic() - self._start
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} "
-                         f"{elapsed:5.1f}s {label:<32.32}")
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:5.1f}s {label:<32.32}"
+        )
         sys.stderr.flush()
 
     def finish(self) -> None:
@@ -146,9 +159,14 @@ class Progress:
 def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"n": 0}
-    return {"n": len(values), "mean_ms": statistics.fmean(values),
-            "sd_ms": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "median_ms": statistics.median(values), "min_ms": min(values), "max_ms": max(values)}
+    return {
+        "n": len(values),
+        "mean_ms": statistics.fmean(values),
+        "sd_ms": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "median_ms": statistics.median(values),
+        "min_ms": min(values),
+        "max_ms": max(values),
+    }
 
 
 def _fmt(s: dict[str, float]) -> str:
@@ -189,19 +207,23 @@ def _difference(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> dict[
     return out
 
 
-def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool,
-            device: str = "cpu") -> dict[str, Any]:
+def measure(
+    proxy: str, images: list[Path], rounds: int, warmup: int, progress: bool, device: str = "cpu"
+) -> dict[str, Any]:
     """Fetches every image through ``proxy`` once per plane per round (``warmup`` rounds unmeasured) and returns
     per-image, per-plane stage statistics, which plane delivered, and whether both planes gave the same tensors."""
     from tensorwire.mm import MultimodalInput, RemoteOutputTransport, TransportConfig
     from tensorwire.service._runtime import drain_releases
 
     base = TransportConfig.from_env(os.environ)
-    planes = {"rdma": dataclasses.replace(base, mode="auto", rdma=base.rdma.replace(device=device)),
-              "inline": dataclasses.replace(base, mode="grpc")}
+    planes = {
+        "rdma": dataclasses.replace(base, mode="auto", rdma=base.rdma.replace(device=device)),
+        "inline": dataclasses.replace(base, mode="grpc"),
+    }
     data = {p.name: p.read_bytes() for p in images}
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
-        plane: {name: {"encoder": [], "transfer": [], "total": []} for name in data} for plane in planes}
+        plane: {name: {"encoder": [], "transfer": [], "total": []} for name in data} for plane in planes
+    }
     delivered: dict[str, dict[str, int]] = {plane: {} for plane in planes}
     devices: dict[str, str] = {}
     fallbacks: dict[str, int] = {}
@@ -233,28 +255,43 @@ def measure(proxy: str, images: list[Path], rounds: int, warmup: int, progress: 
                     payload[name] = out.payload_bytes
                     devices[plane] = str(out.embeddings[0].device)
                 a, b = outs["rdma"], outs["inline"]
-                same = (_same_tensors(a.embeddings, b.embeddings)
-                        and _same_tensors(a.position_ids or [], b.position_ids or []))
+                same = _same_tensors(a.embeddings, b.embeddings) and _same_tensors(
+                    a.position_ids or [], b.position_ids or []
+                )
                 if not same and name not in mismatches:
                     mismatches.append(name)
                 if not same and len(details) < MAX_MISMATCH_DETAILS:
-                    details.append({"image": name, "round": r, "planes": [a.plane.value, b.plane.value],
-                                    "workers": [a.worker_id, b.worker_id],
-                                    "embeddings": _difference(a.embeddings, b.embeddings),
-                                    "position_ids": _difference(a.position_ids or [], b.position_ids or [])})
+                    details.append(
+                        {
+                            "image": name,
+                            "round": r,
+                            "planes": [a.plane.value, b.plane.value],
+                            "workers": [a.worker_id, b.worker_id],
+                            "embeddings": _difference(a.embeddings, b.embeddings),
+                            "position_ids": _difference(a.position_ids or [], b.position_ids or []),
+                        }
+                    )
         for client in clients.values():
             drain_releases(client, 2.0)
     finally:
         bar.finish()
         for client in clients.values():
             client.close()
-    result: dict[str, Any] = {"rdma_reader_ready": rdma_ready, "delivered_by": delivered,
-                              "delivered_to_device": devices, "fallbacks": fallbacks,
-                              "outputs_match": not mismatches, "mismatched_images": mismatches,
-                              "mismatch_details": details, "images": {}}
+    result: dict[str, Any] = {
+        "rdma_reader_ready": rdma_ready,
+        "delivered_by": delivered,
+        "delivered_to_device": devices,
+        "fallbacks": fallbacks,
+        "outputs_match": not mismatches,
+        "mismatched_images": mismatches,
+        "mismatch_details": details,
+        "images": {},
+    }
     for name in data:
-        result["images"][name] = {"payload_bytes": payload.get(name, 0), "planes": {
-            plane: {k: _stats(v) for k, v in samples[plane][name].items()} for plane in planes}}
+        result["images"][name] = {
+            "payload_bytes": payload.get(name, 0),
+            "planes": {plane: {k: _stats(v) for k, v in samples[plane][name].items()} for plane in planes},
+        }
     return result
 
 
@@ -264,8 +301,10 @@ def table(result: dict[str, Any]) -> str:
     seed = result["images"].get(SEED_IMAGE) or next(iter(result["images"].values()))
     name = SEED_IMAGE if SEED_IMAGE in result["images"] else next(iter(result["images"]))
     mb = seed["payload_bytes"] / 1e6
-    lines.append(f"End-to-end, one {name} per request ({mb:.1f} MB encoder output), "
-                 f"{result['workers']} workers on {result['device']} behind a proxy, {result['rounds']} rounds:")
+    lines.append(
+        f"End-to-end, one {name} per request ({mb:.1f} MB encoder output), "
+        f"{result['workers']} workers on {result['device']} behind a proxy, {result['rounds']} rounds:"
+    )
     lines.append("")
     rows = [("Stage", "RDMA", "gRPC inline")]
     for label, key in (("Encoder compute", "encoder"), ("Output transfer", "transfer"), ("Total", "total")):
@@ -281,24 +320,35 @@ def table(result: dict[str, Any]) -> str:
     tot_i = seed["planes"]["inline"]["total"].get("mean_ms")
     if t_r and t_i and tot_r and tot_i:
         lines.append("")
-        lines.append(f"Output transfer {t_i:.3f} -> {t_r:.3f} ms ({(t_r - t_i) / t_i * 100:+.1f}%, "
-                     f"{t_i / t_r:.1f}x); total {tot_i:.3f} -> {tot_r:.3f} ms ({(tot_r - tot_i) / tot_i * 100:+.1f}%).")
+        lines.append(
+            f"Output transfer {t_i:.3f} -> {t_r:.3f} ms ({(t_r - t_i) / t_i * 100:+.1f}%, "
+            f"{t_i / t_r:.1f}x); total {tot_i:.3f} -> {tot_r:.3f} ms ({(tot_r - tot_i) / tot_i * 100:+.1f}%)."
+        )
     others = [n for n in result["images"] if n != name]
     if others:
         lines.append("")
         lines.append("Other samples (total, mean ± sd):")
         for n in others:
             img = result["images"][n]
-            lines.append(f"  {n:<24} {img['payload_bytes'] / 1e6:6.2f} MB   rdma {_fmt(img['planes']['rdma']['total'])}"
-                         f"   inline {_fmt(img['planes']['inline']['total'])}")
+            lines.append(
+                f"  {n:<24} {img['payload_bytes'] / 1e6:6.2f} MB   rdma {_fmt(img['planes']['rdma']['total'])}"
+                f"   inline {_fmt(img['planes']['inline']['total'])}"
+            )
     lines.append("")
     dev = result.get("delivered_to_device", {})
-    lines.append(f"Planes that delivered: rdma client {result['delivered_by']['rdma']} to {dev.get('rdma', '?')}, "
-                 f"inline client {result['delivered_by']['inline']} to {dev.get('inline', '?')}"
-                 + (f"; fallbacks {result['fallbacks']}" if result["fallbacks"] else ""))
-    lines.append("Both planes delivered identical tensors." if result["outputs_match"]
-                 else f"MISMATCH between planes for {result['mismatched_images']}")
+    lines.append(
+        f"Planes that delivered: rdma client {result['delivered_by']['rdma']} to {dev.get('rdma', '?')}, "
+        f"inline client {result['delivered_by']['inline']} to {dev.get('inline', '?')}"
+        + (f"; fallbacks {result['fallbacks']}" if result["fallbacks"] else "")
+    )
+    lines.append(
+        "Both planes delivered identical tensors."
+        if result["outputs_match"]
+        else f"MISMATCH between planes for {result['mismatched_images']}"
+    )
     for d in result.get("mismatch_details", []):
-        lines.append(f"  {d['image']} round {d['round']}: planes {d['planes']}, workers {d['workers']}, "
-                     f"embeddings {d['embeddings']}")
+        lines.append(
+            f"  {d['image']} round {d['round']}: planes {d['planes']}, workers {d['workers']}, "
+            f"embeddings {d['embeddings']}"
+        )
     return "\n".join(lines)

@@ -29,16 +29,20 @@ def rdma_demo(cfg: RdmaConfig, rows: int, hidden: int, iters: int, say: Callable
         say(f"reader pid {os.getpid()}: device {cfg.device}")
         raw, export_s = owner.export(specs)
         desc = Descriptor.from_bytes(raw)
-        say(f"exported lease {desc.lease_id} ({len(raw)}-byte descriptor, payload {desc.payload_bytes} bytes) "
-            f"in {export_s * 1e3:.2f} ms")
+        say(
+            f"exported lease {desc.lease_id} ({len(raw)}-byte descriptor, payload {desc.payload_bytes} bytes) "
+            f"in {export_s * 1e3:.2f} ms"
+        )
         t0 = time.perf_counter()
         out = reader.read([raw])
         first_s = time.perf_counter() - t0
         for name, t, (shape, dtype, seed) in zip(names, out, specs, strict=True):
             ok = same_bytes(t.cpu(), make_tensor(shape, dtype, seed))
             nbytes = t.numel() * t.element_size()
-            say(f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {nbytes:>11d} bytes "
-                f"{'match' if ok else 'DIFFER'}")
+            say(
+                f"  {name:13s} {str(tuple(t.shape)):16s} {str(t.dtype):15s} {nbytes:>11d} bytes "
+                f"{'match' if ok else 'DIFFER'}"
+            )
             if not ok:
                 return False
         del out
@@ -52,10 +56,14 @@ def rdma_demo(cfg: RdmaConfig, rows: int, hidden: int, iters: int, say: Callable
         owner.release([desc.lease_id])
         stats = owner.stats()
         med = statistics.median(times) if times else first_s
-        say(f"read: first {first_s * 1e3:.2f} ms (includes metadata fetch and UCX wire-up), "
-            f"median of {len(times)} {med * 1e3:.3f} ms = {desc.nbytes / med / 1e9:.2f} GB/s")
+        say(
+            f"read: first {first_s * 1e3:.2f} ms (includes metadata fetch and UCX wire-up), "
+            f"median of {len(times)} {med * 1e3:.3f} ms = {desc.nbytes / med / 1e9:.2f} GB/s"
+        )
         say(f"UCX transport of the READs: {reader.transport(desc)}")
-        say(f"released: owner has {stats.live_leases} live lease(s), {stats.pool.busy_slots} busy slot(s), "
-            f"{stats.pool.idle_slots} idle slot(s) kept registered for reuse")
+        say(
+            f"released: owner has {stats.live_leases} live lease(s), {stats.pool.busy_slots} busy slot(s), "
+            f"{stats.pool.idle_slots} idle slot(s) kept registered for reuse"
+        )
     say(f"done in {time.perf_counter() - t_start:.2f} s")
     return True

@@ -29,18 +29,37 @@ HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.cli._args import device
+
     parser.add_argument("--rounds", type=int, default=8, help="measured rounds over all images (default: 8)")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured rounds first (default: 2)")
     parser.add_argument("--workers", type=int, default=2, help="encoder workers behind the proxy (default: 2)")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="encoder device of the workers and where RDMA reads land: cpu or cuda:N (default: cpu)")
-    parser.add_argument("--images", nargs="*", default=None, help="image files to send through the proxy "
-                        "(default: the sample images shipped in the package)")
+    parser.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="encoder device of the workers and where RDMA reads land: cpu or cuda:N (default: cpu)",
+    )
+    parser.add_argument(
+        "--images",
+        nargs="*",
+        default=None,
+        help="image files to send through the proxy (default: the sample images shipped in the package)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
-                        help="also write the JSON result (default path: benchmarks/results/demo-<machine>.json)")
-    parser.add_argument("--startup-timeout-s", type=float, default=90.0,
-                        help="how long each child may take to print READY (default: 90)")
+    parser.add_argument(
+        "--save",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="also write the JSON result (default path: benchmarks/results/demo-<machine>.json)",
+    )
+    parser.add_argument(
+        "--startup-timeout-s",
+        type=float,
+        default=90.0,
+        help="how long each child may take to print READY (default: 90)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -84,13 +103,22 @@ def run(args: argparse.Namespace) -> int:
         say(f"starting {args.workers} encoder workers and a proxy (logs in {log_dir}) ...")
         deployment.start(args.startup_timeout_s)
         startup_s = time.monotonic() - t_start
-        say(f"ready after {startup_s:.1f} s: proxy {deployment.proxy_address} -> workers "
-            f"{', '.join(deployment.worker_addresses)} (pids {' '.join(str(c.proc.pid) for c in deployment.children)})")
+        say(
+            f"ready after {startup_s:.1f} s: proxy {deployment.proxy_address} -> workers "
+            f"{', '.join(deployment.worker_addresses)} (pids {' '.join(str(c.proc.pid) for c in deployment.children)})"
+        )
         with stdout_to_stderr():
-            result = measure(deployment.proxy_address, images, args.rounds, args.warmup,
-                             progress=not args.no_progress and not args.json, device=args.device)
-        result.update(workers=args.workers, rounds=args.rounds, warmup=args.warmup, startup_s=startup_s,
-                      device=args.device)
+            result = measure(
+                deployment.proxy_address,
+                images,
+                args.rounds,
+                args.warmup,
+                progress=not args.no_progress and not args.json,
+                device=args.device,
+            )
+        result.update(
+            workers=args.workers, rounds=args.rounds, warmup=args.warmup, startup_s=startup_s, device=args.device
+        )
     except KeyboardInterrupt:
         say("interrupted; stopping children")
         return 130

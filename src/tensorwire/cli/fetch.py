@@ -31,34 +31,58 @@ from tensorwire.cli._measure import FETCH_JSON_HELP
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 EPILOG = FETCH_JSON_HELP + (
     "exit codes: 0 ok, 1 the fetch failed (unreachable, refused, timed out), 2 bad arguments, unreadable files or\n"
-    "  a device this process lacks, 130 interrupted (Ctrl-C); 3 (port in use) is only the serve commands'\n")
+    "  a device this process lacks, 130 interrupted (Ctrl-C); 3 (port in use) is only the serve commands'\n"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.cli._args import device
     from tensorwire.mm import MODES
 
-    parser.add_argument("--endpoint", required=True,
-                        help="HOST:PORT of a serve-encoder or serve-proxy (the port is required)")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON object instead of text, also on failure (keys below)")
-    parser.add_argument("--mode", choices=MODES, default=None,
-                        help="auto (RDMA when possible) or grpc (inline only); default: MM_TRANSPORT_MODE or auto")
-    parser.add_argument("--device", type=device, default=None,
-                        help="where the embeddings land (RDMA reads write there): cpu or cuda:N; a device this "
-                             "process lacks is an error (default: cpu, or TENSORWIRE_MM_RDMA_DEVICE)")
-    parser.add_argument("--timeout-ms", type=int, default=None,
-                        help="give up on the request after this many ms (default: the worker's budget for the "
-                             "images plus a margin, from TransportConfig)")
-    parser.add_argument("--wait-reader-s", type=float, default=10.0,
-                        help="with --mode auto, wait up to this long for the RDMA reader to start before sending "
-                             "the request (else it goes inline) (default: 10)")
+    parser.add_argument(
+        "--endpoint", required=True, help="HOST:PORT of a serve-encoder or serve-proxy (the port is required)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of text, also on failure (keys below)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="auto (RDMA when possible) or grpc (inline only); default: MM_TRANSPORT_MODE or auto",
+    )
+    parser.add_argument(
+        "--device",
+        type=device,
+        default=None,
+        help="where the embeddings land (RDMA reads write there): cpu or cuda:N; a device this "
+        "process lacks is an error (default: cpu, or TENSORWIRE_MM_RDMA_DEVICE)",
+    )
+    parser.add_argument(
+        "--timeout-ms",
+        type=int,
+        default=None,
+        help="give up on the request after this many ms (default: the worker's budget for the "
+        "images plus a margin, from TransportConfig)",
+    )
+    parser.add_argument(
+        "--wait-reader-s",
+        type=float,
+        default=10.0,
+        help="with --mode auto, wait up to this long for the RDMA reader to start before sending "
+        "the request (else it goes inline) (default: 10)",
+    )
     from tensorwire._grpc.tls import TlsConfig
     from tensorwire.cli import _help
     from tensorwire.service._flags import add_flags
 
-    add_flags(parser.add_argument_group("TLS (TlsConfig; docs/security.md)"), TlsConfig, prefix="tls_",
-              skip=("client_auth",), help_extra=_help.TLS)
+    add_flags(
+        parser.add_argument_group("TLS (TlsConfig; docs/security.md)"),
+        TlsConfig,
+        prefix="tls_",
+        skip=("client_auth",),
+        help_extra=_help.TLS,
+    )
     parser.add_argument("images", nargs="+", metavar="IMAGE", help="image files (JPEG, PNG, ...)")
 
 
@@ -110,16 +134,22 @@ def run(args: argparse.Namespace) -> int:
     what = f"{len(data)} image{'s' if len(data) != 1 else ''}"
     times: dict[str, float] = {}
     try:
-        with (Ticker(on_terminal() and not args.json) as ticker, stdout_to_stderr(),
-              RemoteOutputTransport(endpoint, cfg) as transport):
+        with (
+            Ticker(on_terminal() and not args.json) as ticker,
+            stdout_to_stderr(),
+            RemoteOutputTransport(endpoint, cfg) as transport,
+        ):
             if cfg.mode == "auto":
                 ticker.phase(f"starting the RDMA reader (up to {args.wait_reader_s:g} s)")
                 t_wait = time.monotonic()
                 if not transport.wait_ready(args.wait_reader_s):
                     waited = time.monotonic() - t_wait
                     why = getattr(getattr(transport, "_reader", None), "last_error", None)
-                    ticker.say(f"warning: RDMA reader not ready after {waited:.1f} s"
-                               + (f" ({why})" if why is not None else "") + "; fetching inline")
+                    ticker.say(
+                        f"warning: RDMA reader not ready after {waited:.1f} s"
+                        + (f" ({why})" if why is not None else "")
+                        + "; fetching inline"
+                    )
             ticker.phase(f"fetching {what} from {endpoint}")
             times["fetch_start"] = time.monotonic()
             out = transport.fetch([MultimodalInput(d) for d in data], timeout_ms=args.timeout_ms)
@@ -130,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         return _error(args, exc, 1, tls_hint(str(exc), cfg.tls))
     result = fetch_result(out, names)
     end = time.monotonic()
-    result["wall_ms"] = {"total": (end - STARTED) * 1e3, "start_up": (times["fetch_start"] - STARTED) * 1e3,
-                         "fetch": (times["fetch_end"] - times["fetch_start"]) * 1e3,
-                         "release_and_close": (end - times["fetch_end"]) * 1e3}
+    result["wall_ms"] = {
+        "total": (end - STARTED) * 1e3,
+        "start_up": (times["fetch_start"] - STARTED) * 1e3,
+        "fetch": (times["fetch_end"] - times["fetch_start"]) * 1e3,
+        "release_and_close": (end - times["fetch_end"]) * 1e3,
+    }
     print(json.dumps(fetch_document(result, endpoint)) if args.json else "\n".join(fetch_lines(result)))
     return 0

@@ -52,9 +52,14 @@ def _available() -> dict[str, str]:
 def _log_level_flag(parser: argparse.ArgumentParser, default: str | None) -> None:
     from tensorwire.cli._args import log_level
 
-    parser.add_argument("--log-level", type=log_level, default=argparse.SUPPRESS if default is None else default,
-                        metavar="LEVEL", help="tensorwire's logging level on stderr: DEBUG, INFO, WARNING, ERROR "
-                        "(default: WARNING or env TENSORWIRE_LOG_LEVEL); DEBUG also shows gRPC's own log lines")
+    parser.add_argument(
+        "--log-level",
+        type=log_level,
+        default=argparse.SUPPRESS if default is None else default,
+        metavar="LEVEL",
+        help="tensorwire's logging level on stderr: DEBUG, INFO, WARNING, ERROR "
+        "(default: WARNING or env TENSORWIRE_LOG_LEVEL); DEBUG also shows gRPC's own log lines",
+    )
 
 
 def _command_in(argv: Sequence[str]) -> str | None:
@@ -75,8 +80,13 @@ def build_parser(*commands: str) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd, mod in _available().items():
         module = importlib.import_module(f"tensorwire.cli.{mod}")
-        p = sub.add_parser(cmd, help=getattr(module, "HELP", ""), description=getattr(module, "HELP", ""),
-                           epilog=getattr(module, "EPILOG", None), formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            cmd,
+            help=getattr(module, "HELP", ""),
+            description=getattr(module, "HELP", ""),
+            epilog=getattr(module, "EPILOG", None),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         if cmd in commands:
             _log_level_flag(p, None)  # also after the command: ``tensorwire fetch --log-level INFO ...``
             module.add_arguments(p)

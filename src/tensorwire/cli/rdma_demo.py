@@ -15,13 +15,21 @@ HELP = "two-process export -> read -> release demo of the rdma layer (NIXL/UCX)"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.cli._args import device
+
     parser.add_argument("--rows", type=int, default=4096, help="rows of the embedding tensor (default 4096)")
     parser.add_argument("--hidden", type=int, default=4096, help="hidden size (default 4096: 32 MiB of bf16)")
     parser.add_argument("--iters", type=int, default=5, help="timed reads after the first (default 5)")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="where both processes keep the tensors: cpu or cuda:N (default: cpu)")
-    parser.add_argument("--ucx-net-devices", default="lo",
-                        help="UCX_NET_DEVICES for both processes unless already set (default lo: keep UCX on loopback)")
+    parser.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="where both processes keep the tensors: cpu or cuda:N (default: cpu)",
+    )
+    parser.add_argument(
+        "--ucx-net-devices",
+        default="lo",
+        help="UCX_NET_DEVICES for both processes unless already set (default lo: keep UCX on loopback)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

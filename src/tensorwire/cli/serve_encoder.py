@@ -35,10 +35,19 @@ FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (s
 log = logging.getLogger(__name__)
 
 # TransportConfig fields only the LLM side reads; an encoder flag for them would do nothing.
-_CLIENT_ONLY = ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "release_timeout_ms",
-                "release_queue_max", "release_shutdown_ms", "failures_to_open", "open_seconds", "control_stream",
-                "control_stream_pool", "local_channel_wait_ms")
-
+_CLIENT_ONLY = (
+    "rpc_timeout_margin_ms",
+    "fallback_reserve_ms",
+    "min_fallback_ms",
+    "release_timeout_ms",
+    "release_queue_max",
+    "release_shutdown_ms",
+    "failures_to_open",
+    "open_seconds",
+    "control_stream",
+    "control_stream_pool",
+    "local_channel_wait_ms",
+)
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,10 +58,11 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
 
     tls = parser.add_argument_group("TLS (TlsConfig; docs/security.md)")
     add_flags(tls, TlsConfig, prefix="tls_", help_extra=_help.TLS)
-    tls.add_argument("--insecure", action="store_true",
-                     help="allow a plaintext listener on a non-loopback address (a network you trust)")
-
-
+    tls.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a plaintext listener on a non-loopback address (a network you trust)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,29 +76,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all)")
     parser.add_argument("--port", type=port, default=0, help="gRPC port; 0 picks a free one (default: 0)")
-    parser.add_argument("--metrics-port", type=metrics_port, default=0,
-                        help="Prometheus /metrics port; 0 picks a free one, -1 disables (default: 0)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
-    parser.add_argument("--device", type=device, default="cpu",
-                        help="where the encoder runs and its output is exported from: cpu or cuda:N (default: cpu)")
-    parser.add_argument("--model", default="builtin",
-                        help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
-                             "weights and its preprocessor_config.json, never downloaded (default: builtin)")
+    parser.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=0,
+        help="Prometheus /metrics port; 0 picks a free one, -1 disables (default: 0)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)",
+    )
+    parser.add_argument(
+        "--device",
+        type=device,
+        default="cpu",
+        help="where the encoder runs and its output is exported from: cpu or cuda:N (default: cpu)",
+    )
+    parser.add_argument(
+        "--model",
+        default="builtin",
+        help="'builtin' (seeded small ViT) or a local Hugging Face model directory: safetensors "
+        "weights and its preprocessor_config.json, never downloaded (default: builtin)",
+    )
     add_stop_flags(parser)
-    parser.add_argument("--wait-exporter-s", type=float, default=0.0,
-                        help="before READY, wait this long for the RDMA exporter (default: 0, build in background)")
+    parser.add_argument(
+        "--wait-exporter-s",
+        type=float,
+        default=0.0,
+        help="before READY, wait this long for the RDMA exporter (default: 0, build in background)",
+    )
     add_security_arguments(parser)
     limits = parser.add_argument_group("limits (ServerLimits, ImageLimits)")
     add_flags(limits, ServerLimits, help_extra=_help.LIMITS)
     add_flags(limits, ImageLimits, help_extra=_help.IMAGES)
     transport = parser.add_argument_group("transport (TransportConfig)")
-    add_flags(transport, TransportConfig, skip=("rdma", *_CLIENT_ONLY), choices={"mode": MODES},
-              help_extra=_help.TRANSPORT)
+    add_flags(
+        transport, TransportConfig, skip=("rdma", *_CLIENT_ONLY), choices={"mode": MODES}, help_extra=_help.TRANSPORT
+    )
     rdma = parser.add_argument_group("RDMA data plane (RdmaConfig)")
     # control_host is not a flag: the worker sets it to --host (where the metadata endpoint follows).
-    add_flags(rdma, RdmaConfig, prefix="rdma_", skip=("control_host",), help_extra=_help.RDMA,
-              types={"port": port, "device": device})
+    add_flags(
+        rdma,
+        RdmaConfig,
+        prefix="rdma_",
+        skip=("control_host",),
+        help_extra=_help.RDMA,
+        types={"port": port, "device": device},
+    )
 
 
 def build_config(args: argparse.Namespace) -> TransportConfig:
@@ -107,9 +142,13 @@ def build_config(args: argparse.Namespace) -> TransportConfig:
     transport_flags = flag_values(args, TransportConfig)
     for name in NESTED:
         transport_flags.pop(name, None)
-    return dataclasses.replace(base, **transport_flags, rdma=base.rdma.replace(**rdma_flags),
-                               tls=dataclasses.replace(base.tls, **flag_values(args, TlsConfig, prefix="tls_")),
-                               limits=dataclasses.replace(base.limits, **flag_values(args, ServerLimits)))
+    return dataclasses.replace(
+        base,
+        **transport_flags,
+        rdma=base.rdma.replace(**rdma_flags),
+        tls=dataclasses.replace(base.tls, **flag_values(args, TlsConfig, prefix="tls_")),
+        limits=dataclasses.replace(base.limits, **flag_values(args, ServerLimits)),
+    )
 
 
 def build_image_limits(args: argparse.Namespace) -> ImageLimits:
@@ -156,9 +195,14 @@ def run(args: argparse.Namespace) -> int:
         endpoint_log.setLevel(logging.INFO)
     metrics: MetricsServer | None = None
     served = False  # the drain period is for peers that saw us SERVING; a failed start has none
-    worker = EncoderWorker.loading(lambda: load_encoder(args.model, device=args.device), config,
-                                   device=args.device, model=args.model, reuse_port=args.reuse_port,
-                                   image_limits=image_limits)
+    worker = EncoderWorker.loading(
+        lambda: load_encoder(args.model, device=args.device),
+        config,
+        device=args.device,
+        model=args.model,
+        reuse_port=args.reuse_port,
+        image_limits=image_limits,
+    )
     try:
         try:
             worker.start(f"{args.host}:{args.port}", insecure=args.insecure)
@@ -170,8 +214,14 @@ def run(args: argparse.Namespace) -> int:
             return fail(str(exc), exit_code_for(exc))
         if args.wait_exporter_s > 0 and not worker.wait_ready(args.wait_exporter_s):
             log.warning("RDMA exporter not ready after %.1f s; serving inline until it is", args.wait_exporter_s)
-        print_ready(grpc=worker.address, metrics=metrics.address if metrics else "off",
-                    worker_id=worker.worker_id, mode=config.mode, model=args.model, tls=config.tls.describe())
+        print_ready(
+            grpc=worker.address,
+            metrics=metrics.address if metrics else "off",
+            worker_id=worker.worker_id,
+            mode=config.mode,
+            model=args.model,
+            tls=config.tls.describe(),
+        )
         served = True
         got = wait_for_signal()
         log.info("%s: stopping (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)

@@ -38,15 +38,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tensorwire.service._flags import add_flags, add_stop_flags
     from tensorwire.service._proxy_config import ProxyConfig
 
-    parser.add_argument("--worker", action="append", required=True, metavar="HOST:PORT",
-                        help="an encoder worker (repeat for each); each needs its own RDMA port, or port 0")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all, then TLS or --insecure)")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        required=True,
+        metavar="HOST:PORT",
+        help="an encoder worker (repeat for each); each needs its own RDMA port, or port 0",
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="gRPC bind address (default: 127.0.0.1; 0.0.0.0 for all, then TLS or --insecure)",
+    )
     parser.add_argument("--port", type=port, default=0, help="gRPC port; 0 picks a free one (default: 0)")
-    parser.add_argument("--metrics-port", type=metrics_port, default=0,
-                        help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)")
+    parser.add_argument(
+        "--metrics-port",
+        type=metrics_port,
+        default=0,
+        help="Prometheus /metrics port; 0 picks one, -1 disables (default: 0)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="/metrics bind address (default: 127.0.0.1; elsewhere it needs TLS or --insecure)",
+    )
     from tensorwire._grpc.limits import ServerLimits
     from tensorwire.cli.serve_encoder import add_security_arguments
 
@@ -67,10 +82,12 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     from tensorwire.service._flags import flag_values
     from tensorwire.service._proxy_config import ProxyConfig
 
-    tls = dataclasses.replace(dataclass_from_env(TlsConfig, ENV_TLS_PREFIX, os.environ),
-                              **flag_values(args, TlsConfig, prefix="tls_"))
-    limits = dataclasses.replace(dataclass_from_env(ServerLimits, ENV_LIMITS_PREFIX, os.environ),
-                                 **flag_values(args, ServerLimits))
+    tls = dataclasses.replace(
+        dataclass_from_env(TlsConfig, ENV_TLS_PREFIX, os.environ), **flag_values(args, TlsConfig, prefix="tls_")
+    )
+    limits = dataclasses.replace(
+        dataclass_from_env(ServerLimits, ENV_LIMITS_PREFIX, os.environ), **flag_values(args, ServerLimits)
+    )
     return ProxyConfig(workers=tuple(args.worker), tls=tls, limits=limits, **flag_values(args, ProxyConfig))
 
 
@@ -102,15 +119,21 @@ def run(args: argparse.Namespace) -> int:
         try:
             with Ticker(on_terminal()) as ticker:
                 if config.check_workers:
-                    ticker.phase(f"waiting for {len(config.workers)} worker(s) to answer WorkerInfo "
-                                 f"(up to {config.worker_wait_s:g} s each: {', '.join(config.workers)})")
+                    ticker.phase(
+                        f"waiting for {len(config.workers)} worker(s) to answer WorkerInfo "
+                        f"(up to {config.worker_wait_s:g} s each: {', '.join(config.workers)})"
+                    )
                 proxy.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
                 metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
         except (TensorwireError, OSError) as exc:
             return fail(str(exc), exit_code_for(exc))
-        print_ready(grpc=f"{args.host}:{proxy.port}", metrics=metrics.address if metrics else "off",
-                    workers=len(config.workers), tls=config.tls.describe())
+        print_ready(
+            grpc=f"{args.host}:{proxy.port}",
+            metrics=metrics.address if metrics else "off",
+            workers=len(config.workers),
+            tls=config.tls.describe(),
+        )
         served = True
         got = wait_for_signal()
         log.info("%s: stopping proxy (drain %.1f s, grace %.1f s)", got, stop.drain_s, stop.grace_s)

@@ -17,25 +17,46 @@ HELP = "fault-injection soak / closed-loop load run on loopback; checks outputs 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of traffic (default: 60)")
     parser.add_argument("--concurrency", type=int, default=8, help="fetch threads in total (default: 8)")
-    parser.add_argument("--client-processes", type=int, default=0,
-                        help="client processes (default: min(4, concurrency))")
-    parser.add_argument("--faults", default="all",
-                        help="all, none, or a comma list of reader_kill, worker_restart, release_drop, release_delay, "
-                             "unavailable, pool, corrupt (default: all)")
+    parser.add_argument(
+        "--client-processes", type=int, default=0, help="client processes (default: min(4, concurrency))"
+    )
+    parser.add_argument(
+        "--faults",
+        default="all",
+        help="all, none, or a comma list of reader_kill, worker_restart, release_drop, release_delay, "
+        "unavailable, pool, corrupt (default: all)",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the fault schedule and the inputs (default: 1)")
-    parser.add_argument("--load", action="store_true",
-                        help="closed-loop load run: no faults, clients split over the rdma and inline planes")
-    parser.add_argument("--planes", default=None,
-                        help="client modes, comma list of auto, grpc (default: auto; with --load: auto,grpc)")
-    parser.add_argument("--gc-timeout-ms", type=int, default=3000,
-                        help="how long the workers keep an unreleased lease before reclaiming it "
-                             "(their --rdma-slot-gc-timeout-ms) (default: 3000)")
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="closed-loop load run: no faults, clients split over the rdma and inline planes",
+    )
+    parser.add_argument(
+        "--planes", default=None, help="client modes, comma list of auto, grpc (default: auto; with --load: auto,grpc)"
+    )
+    parser.add_argument(
+        "--gc-timeout-ms",
+        type=int,
+        default=3000,
+        help="how long the workers keep an unreleased lease before reclaiming it "
+        "(their --rdma-slot-gc-timeout-ms) (default: 3000)",
+    )
     parser.add_argument("--progress-s", type=float, default=5.0, help="progress line period (default: 5)")
-    parser.add_argument("--verbose", action="store_true",
-                        help="keep tensorwire's warnings (every fallback, GC reclaim, relay fault) on stderr")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep tensorwire's warnings (every fallback, GC reclaim, relay fault) on stderr",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    parser.add_argument("--save", nargs="?", const="", default=None, metavar="PATH",
-                        help="also write the JSON under benchmarks/results/ (soak-<machine>.json or load-...)")
+    parser.add_argument(
+        "--save",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="also write the JSON under benchmarks/results/ (soak-<machine>.json or load-...)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,9 +69,16 @@ def run(args: argparse.Namespace) -> int:
         faults = () if args.load else parse_faults(args.faults)
         planes_text = args.planes or ("auto,grpc" if args.load else "auto")
         planes = tuple(p.strip() for p in planes_text.split(",") if p.strip())
-        cfg = SoakConfig(duration_s=args.duration, concurrency=args.concurrency,
-                         client_processes=args.client_processes, faults=faults, seed=args.seed, planes=planes,
-                         slot_gc_timeout_ms=args.gc_timeout_ms, progress_s=args.progress_s)
+        cfg = SoakConfig(
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            client_processes=args.client_processes,
+            faults=faults,
+            seed=args.seed,
+            planes=planes,
+            slot_gc_timeout_ms=args.gc_timeout_ms,
+            progress_s=args.progress_s,
+        )
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,8 +21,9 @@ from tensorwire.encoder._preprocess import decode_image, grid_position_ids, smar
 SAMPLES_DIR = Path(__file__).with_name("samples")
 
 
-def load_encoder(model: str = "builtin", *, device: str = "cpu",
-                 preprocess: PreprocessConfig | None = None) -> VisionEncoder:
+def load_encoder(
+    model: str = "builtin", *, device: str = "cpu", preprocess: PreprocessConfig | None = None
+) -> VisionEncoder:
     """``"builtin"`` or a local model directory; raises ``ConfigError`` for anything else."""
     if model == "builtin":
         return BuiltinEncoder(device=device, preprocess=preprocess)

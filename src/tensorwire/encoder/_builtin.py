@@ -38,8 +38,13 @@ class BuiltinViT(nn.Module):
         self.patch_embed = nn.Linear(3 * p * p, cfg.hidden)
         self.merge = nn.Linear(cfg.hidden * cfg.merge_size**2, cfg.hidden)
         layer = nn.TransformerEncoderLayer(
-            cfg.hidden, cfg.heads, cfg.hidden * cfg.mlp_ratio, dropout=0.0, activation="gelu",
-            batch_first=True, norm_first=True,
+            cfg.hidden,
+            cfg.heads,
+            cfg.hidden * cfg.mlp_ratio,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
         )
         self.blocks = nn.TransformerEncoder(layer, cfg.depth, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(cfg.hidden)
@@ -66,8 +71,14 @@ class BuiltinViT(nn.Module):
 class BuiltinEncoder(VisionEncoder):
     """``--model builtin``: the ``BuiltinViT`` with seeded weights, float32 on CPU (bfloat16 on CUDA)."""
 
-    def __init__(self, *, device: str = "cpu", preprocess: PreprocessConfig | None = None,
-                 vit: BuiltinViTConfig | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        device: str = "cpu",
+        preprocess: PreprocessConfig | None = None,
+        vit: BuiltinViTConfig | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(name="builtin", device=device, preprocess=preprocess or PreprocessConfig())
         self.vit_config = vit or BuiltinViTConfig()
         with torch.random.fork_rng(devices=[]):
@@ -94,6 +105,7 @@ class BuiltinEncoder(VisionEncoder):
             pos = grid_position_ids(*prep.grid).to(self.device)
             pixels = prep.pixels.to(device=self.device, dtype=self._dtype)
             emb = self.model(pixels, pos).contiguous()
-            out.append(ImageEmbedding(embedding=emb, position_ids=pos, grid=prep.grid,
-                                      original_size=prep.original_size))
+            out.append(
+                ImageEmbedding(embedding=emb, position_ids=pos, grid=prep.grid, original_size=prep.original_size)
+            )
         return out

@@ -42,7 +42,7 @@ _QWEN_TYPES = ("qwen2_vl", "qwen2_vl_vision")
 # Weight files that torch.load would unpickle; listed so the refusal can name what it found.
 _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 _CONVERT_HINT = (
-    "convert them once, in an environment you trust: python -c \"import transformers as t; "
+    'convert them once, in an environment you trust: python -c "import transformers as t; '
     "t.AutoModel.from_pretrained('{root}', use_safetensors=False).save_pretrained('{root}')\" "
     "(writes model.safetensors), then delete {names}"
 )
@@ -98,8 +98,14 @@ class HFVisionEncoder(VisionEncoder):
     normalization come from the directory's image processor (``self.image_processor``), not from it.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, device: str = "cpu",
-                 preprocess: PreprocessConfig | None = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        preprocess: PreprocessConfig | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         root = Path(path)
         if not (root / "config.json").is_file():
             raise ConfigError(f"--model {root}: no config.json there; pass 'builtin' or a saved model directory")
@@ -148,8 +154,9 @@ class HFVisionEncoder(VisionEncoder):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
         if model_type == "qwen2_vl_vision":
-            return Qwen2VisionTransformerPretrainedModel.from_pretrained(root, local_files_only=True,
-                                                                         use_safetensors=True)
+            return Qwen2VisionTransformerPretrainedModel.from_pretrained(
+                root, local_files_only=True, use_safetensors=True
+            )
         # A full Qwen2-VL checkpoint: build only the tower and take its weights from the state dict.
         from safetensors.torch import load_file
 
@@ -163,7 +170,7 @@ class HFVisionEncoder(VisionEncoder):
             for key, value in load_file(str(f)).items():
                 for prefix in ("model.visual.", "visual."):
                     if key.startswith(prefix):
-                        state[key[len(prefix):]] = value
+                        state[key[len(prefix) :]] = value
         missing, unexpected = tower.load_state_dict(state, strict=False)
         if missing:
             raise ConfigError(f"--model {root}: {len(missing)} vision tower weights missing, e.g. {missing[:3]}")
@@ -184,11 +191,15 @@ class HFVisionEncoder(VisionEncoder):
             width = 3 * int(self.model.config.temporal_patch_size) * p * p
             rows, cols = grids[0]
             if pixels.dim() != 2 or pixels.shape[1] != width or pixels.shape[0] != rows * cols * m * m:
-                raise ConfigError(f"--model {root}: image processor {name} gives patches {tuple(pixels.shape)}, "
-                                  f"the Qwen2-VL tower takes [n, {width}] in {m}x{m} merge units")
+                raise ConfigError(
+                    f"--model {root}: image processor {name} gives patches {tuple(pixels.shape)}, "
+                    f"the Qwen2-VL tower takes [n, {width}] in {m}x{m} merge units"
+                )
         elif pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, self._image_size, self._image_size):
-            raise ConfigError(f"--model {root}: image processor {name} gives pixels {tuple(pixels.shape)}, the "
-                              f"tower takes [n, 3, {self._image_size}, {self._image_size}]")
+            raise ConfigError(
+                f"--model {root}: image processor {name} gives pixels {tuple(pixels.shape)}, the "
+                f"tower takes [n, 3, {self._image_size}, {self._image_size}]"
+            )
 
     def _process(self, images: list[Any]) -> tuple[Any, list[tuple[int, int]]]:
         """The processor's output (``pixel_values``, Qwen2-VL also ``image_grid_thw``) and each token grid."""
@@ -227,16 +238,28 @@ class HFVisionEncoder(VisionEncoder):
         hidden = self.model(pixel_values=pixels).last_hidden_state
         if self._drop_cls:
             hidden = hidden[:, 1:]
-        return [ImageEmbedding(embedding=hidden[i].contiguous().clone(),
-                               position_ids=grid_position_ids(*grids[i]).to(self.device), grid=grids[i],
-                               original_size=sizes[i]) for i in range(len(decoded))]
+        return [
+            ImageEmbedding(
+                embedding=hidden[i].contiguous().clone(),
+                position_ids=grid_position_ids(*grids[i]).to(self.device),
+                grid=grids[i],
+                original_size=sizes[i],
+            )
+            for i in range(len(decoded))
+        ]
 
     def _encode_qwen(self, image: Any, size: tuple[int, int]) -> ImageEmbedding:
         # The processor's patch order and grid_thw go to the tower as they are: both define the layout.
         out, [grid] = self._process([image])
-        emb = self.model(out["pixel_values"].to(device=self.device, dtype=self._dtype),
-                         grid_thw=out["image_grid_thw"].to(self.device))
+        emb = self.model(
+            out["pixel_values"].to(device=self.device, dtype=self._dtype),
+            grid_thw=out["image_grid_thw"].to(self.device),
+        )
         if not isinstance(emb, torch.Tensor):  # transformers 5 returns a model output; the merged tokens are pooled
             emb = emb.pooler_output if getattr(emb, "pooler_output", None) is not None else emb.last_hidden_state
-        return ImageEmbedding(embedding=emb.contiguous(), position_ids=grid_position_ids(*grid).to(self.device),
-                              grid=grid, original_size=size)
+        return ImageEmbedding(
+            embedding=emb.contiguous(),
+            position_ids=grid_position_ids(*grid).to(self.device),
+            grid=grid,
+            original_size=size,
+        )

@@ -74,17 +74,19 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         ec = vllm_config.ec_transfer_config
         assert ec is not None  # the base class raised otherwise
         if self.is_producer and self.is_consumer:
-            raise ConfigError("TensorwireECConnector does not support ec_role 'ec_both'; run an ec_producer "
-                              "(encoder) instance and an ec_consumer (LLM) instance")
+            raise ConfigError(
+                "TensorwireECConnector does not support ec_role 'ec_both'; run an ec_producer "
+                "(encoder) instance and an ec_consumer (LLM) instance"
+            )
         self._cfg = ECConfig.from_extra(ec.ec_connector_extra_config)
         pc = vllm_config.parallel_config
         backend = pc.distributed_executor_backend
         if backend not in _SUPPORTED_BACKENDS:
-            raise ConfigError(f"TensorwireECConnector supports the {_SUPPORTED_BACKENDS} executors, not "
-                              f"{backend!r}")
+            raise ConfigError(f"TensorwireECConnector supports the {_SUPPORTED_BACKENDS} executors, not {backend!r}")
         if pc.pipeline_parallel_size > 1 or getattr(pc, "prefill_context_parallel_size", 1) > 1:
-            raise ConfigError("TensorwireECConnector is tested with pipeline_parallel_size=1 and "
-                              "prefill_context_parallel_size=1 only")
+            raise ConfigError(
+                "TensorwireECConnector is tested with pipeline_parallel_size=1 and prefill_context_parallel_size=1 only"
+            )
         if getattr(pc, "nnodes", 1) > 1:
             raise ConfigError("TensorwireECConnector needs every tensor-parallel rank on one host (nnodes=1)")
         self._in_process = backend in _IN_PROCESS_BACKENDS
@@ -115,17 +117,24 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
                 exporting = self._rank == 0 and get_pp_group().is_first_rank
                 store = None
                 if exporting:
-                    store = rt.producer_runtime(self._cfg, self._name, device, on_change=self._held_changed,
-                                                compat=self._compat_hash()).store
+                    store = rt.producer_runtime(
+                        self._cfg, self._name, device, on_change=self._held_changed, compat=self._compat_hash()
+                    ).store
                 self._producer_worker = ProducerWorker(store, self._metrics)
             elif self._host_stages(device):
                 self._consumer_worker = ConsumerWorker(None, self._metrics)  # maps the host's segments
             else:
-                area = rt.staging_runtime(self._cfg, self._name, self._rank, device,
-                                          serve=not self._in_process).area
+                area = rt.staging_runtime(self._cfg, self._name, self._rank, device, serve=not self._in_process).area
                 self._consumer_worker = ConsumerWorker(area, self._metrics)
-        log.info("TensorwireECConnector %s/%s for %s (vLLM %s, executor %s, tp %d)", role.name,
-                 "producer" if self.is_producer else "consumer", self._name, VLLM_VERSION, backend, self._tp)
+        log.info(
+            "TensorwireECConnector %s/%s for %s (vLLM %s, executor %s, tp %d)",
+            role.name,
+            "producer" if self.is_producer else "consumer",
+            self._name,
+            VLLM_VERSION,
+            backend,
+            self._tp,
+        )
 
     # -- construction helpers --
 
@@ -138,16 +147,25 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         assert ec is not None
         widths = ec.mm_encoder_output_widths
         self._producer_sched = ProducerScheduler(
-            lambda: rt.producer_endpoint(self._cfg, self._name), self._metrics,
-            dtype=self._model_config.dtype, width=lambda modality: widths.get(modality),
-            ttl_ms=self._cfg.lease_ttl_ms, item_metadata=self._vllm_item_metadata, compat=self._compat_hash())
+            lambda: rt.producer_endpoint(self._cfg, self._name),
+            self._metrics,
+            dtype=self._model_config.dtype,
+            width=lambda modality: widths.get(modality),
+            ttl_ms=self._cfg.lease_ttl_ms,
+            item_metadata=self._vllm_item_metadata,
+            compat=self._compat_hash(),
+        )
 
     def _compat_hash(self) -> str:
         """This instance's compatibility hash (``trust.compat_hash``), the same computation on both roles."""
         mc = self._model_config
-        return compat_hash(vllm_version=VLLM_VERSION, model=self._cfg.model_identity or str(mc.model),
-                           revision=getattr(mc, "revision", None), dtype=str(mc.dtype),
-                           quantization=getattr(mc, "quantization", None))
+        return compat_hash(
+            vllm_version=VLLM_VERSION,
+            model=self._cfg.model_identity or str(mc.model),
+            revision=getattr(mc, "revision", None),
+            dtype=str(mc.dtype),
+            quantization=getattr(mc, "quantization", None),
+        )
 
     def _host_stages(self, device: str) -> bool:
         """Workers in other processes on host memory: the scheduler process reads each item once into a shared
@@ -163,16 +181,20 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             stagers = [rt.segment_stager(self._cfg)]
         else:
             addresses = [rt.staging_address(self._cfg, self._name, r) for r in range(self._tp)]
-            stagers = [RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)
-                       for r, a in enumerate(addresses)]
+            stagers = [
+                RemoteStager(a, f"tp{r}", local_path=rt.staging_local_path(a), metrics=self._metrics)
+                for r, a in enumerate(addresses)
+            ]
         compat = self._compat_hash()
-        fetcher = Fetcher(self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none",
-                          compat=compat)
+        fetcher = Fetcher(
+            self._cfg, stagers, self._metrics, support_rdma=self._cfg.rdma_provider != "none", compat=compat
+        )
         trust = ProducerTrust.from_config(self._cfg.trusted_producers, tls_ca=self._cfg.tls_ca)
         gate = ProducerGate(trust, compat)
         log.info("TensorwireECConnector %s reads from trusted producers: %s", self._name, trust.description)
-        self._consumer_sched = ConsumerScheduler(self._cfg, fetcher, self._metrics, has_media=self._has_media,
-                                                 gate=gate)
+        self._consumer_sched = ConsumerScheduler(
+            self._cfg, fetcher, self._metrics, has_media=self._has_media, gate=gate
+        )
 
     def _worker_device(self) -> str:
         if self._cfg.device != "auto":
@@ -217,8 +239,9 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
     def start_save_caches(self, **kwargs: Any) -> None:
         if self._producer_worker is not None:
             meta = self._meta()
-            self._producer_worker.start_save_caches(kwargs.get("encoder_cache"),
-                                                    ProducerStep(meta.grants, meta.revokes))
+            self._producer_worker.start_save_caches(
+                kwargs.get("encoder_cache"), ProducerStep(meta.grants, meta.revokes)
+            )
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         if self._producer_worker is not None:
@@ -253,8 +276,11 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         if self._producer_sched is not None:
             from vllm.v1.request import RequestStatus
 
-            ok = request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_IGNORED,
-                                        RequestStatus.FINISHED_ERROR)
+            ok = request.status not in (
+                RequestStatus.FINISHED_ABORTED,
+                RequestStatus.FINISHED_IGNORED,
+                RequestStatus.FINISHED_ERROR,
+            )
             return False, self._producer_sched.request_finished(request, finished_ok=ok)
         if self._consumer_sched is not None:
             self._consumer_sched.request_finished(request)

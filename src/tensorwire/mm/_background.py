@@ -44,10 +44,18 @@ class InitState(str, enum.Enum):
 
 
 class BackgroundInit(Generic[T]):
-    def __init__(self, what: str, factory: Callable[[], T], is_permanent: Callable[[BaseException], bool], *,
-                 backoff_s: float, backoff_max_s: float, on_ready: Callable[[T], None] | None = None,
-                 on_failure: Callable[[BaseException, bool], None] | None = None,
-                 close_obj: Callable[[T], None] | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        factory: Callable[[], T],
+        is_permanent: Callable[[BaseException], bool],
+        *,
+        backoff_s: float,
+        backoff_max_s: float,
+        on_ready: Callable[[T], None] | None = None,
+        on_failure: Callable[[BaseException, bool], None] | None = None,
+        close_obj: Callable[[T], None] | None = None,
+    ) -> None:
         self._what = what
         self._factory = factory
         self._is_permanent = is_permanent
@@ -95,11 +103,15 @@ class BackgroundInit(Generic[T]):
                     with self._lock:
                         if not self._closed():
                             self.state = InitState.DISABLED
-                    log.warning("RDMA %s unavailable (%s); encoder output uses inline bytes for the lifetime of "
-                                "this process", self._what, exc)
+                    log.warning(
+                        "RDMA %s unavailable (%s); encoder output uses inline bytes for the lifetime of this process",
+                        self._what,
+                        exc,
+                    )
                     return
-                log.warning("RDMA %s start failed (attempt %d: %r); retrying in %.1f s", self._what, self.attempts,
-                            exc, delay_s)
+                log.warning(
+                    "RDMA %s start failed (attempt %d: %r); retrying in %.1f s", self._what, self.attempts, exc, delay_s
+                )
                 if self._wake.wait(delay_s):
                     return
                 delay_s = min(delay_s * 2, self._backoff_max_s)

@@ -115,32 +115,55 @@ class TransportConfig:
         for name, (cls, _) in NESTED.items():
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
-        positive = ("worker_timeout_ms", "release_timeout_ms", "release_queue_max", "failures_to_open",
-                    "init_backoff_ms", "init_backoff_max_ms", "server_threads", "release_shutdown_ms",
-                    "control_stream_pool", "local_channel_conns", "local_channel_idle_ms", "local_channel_wait_ms")
+        positive = (
+            "worker_timeout_ms",
+            "release_timeout_ms",
+            "release_queue_max",
+            "failures_to_open",
+            "init_backoff_ms",
+            "init_backoff_max_ms",
+            "server_threads",
+            "release_shutdown_ms",
+            "control_stream_pool",
+            "local_channel_conns",
+            "local_channel_idle_ms",
+            "local_channel_wait_ms",
+        )
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        for name in ("rpc_timeout_margin_ms", "fallback_reserve_ms", "min_fallback_ms", "server_stream_cap",
-                     "peer_leased_bytes", "local_placement_bytes"):
+        for name in (
+            "rpc_timeout_margin_ms",
+            "fallback_reserve_ms",
+            "min_fallback_ms",
+            "server_stream_cap",
+            "peer_leased_bytes",
+            "local_placement_bytes",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r} must be a non-negative integer")
-        if not isinstance(self.open_seconds, (int, float)) or isinstance(self.open_seconds, bool) \
-                or self.open_seconds <= 0:
+        if (
+            not isinstance(self.open_seconds, (int, float))
+            or isinstance(self.open_seconds, bool)
+            or self.open_seconds <= 0
+        ):
             raise ConfigError(f"open_seconds={self.open_seconds!r} must be a positive number")
         if self.local_channel not in LOCAL_CHANNELS:
             raise ConfigError(f"local_channel={self.local_channel!r} is not one of {list(LOCAL_CHANNELS)}")
         if not isinstance(self.control_stream, bool):
             raise ConfigError(f"control_stream={self.control_stream!r} must be a bool")
         if self.server_stream_cap > self.limits.max_inflight_calls // 2:
-            raise ConfigError(f"server_stream_cap={self.server_stream_cap} must be <= half of max_inflight_calls="
-                              f"{self.limits.max_inflight_calls}: every open stream holds a server thread, and unary "
-                              "calls, releases and health need theirs")
+            raise ConfigError(
+                f"server_stream_cap={self.server_stream_cap} must be <= half of max_inflight_calls="
+                f"{self.limits.max_inflight_calls}: every open stream holds a server thread, and unary "
+                "calls, releases and health need theirs"
+            )
         if self.init_backoff_max_ms < self.init_backoff_ms:
-            raise ConfigError(f"init_backoff_max_ms={self.init_backoff_max_ms} must be >= "
-                              f"init_backoff_ms={self.init_backoff_ms}")
+            raise ConfigError(
+                f"init_backoff_max_ms={self.init_backoff_max_ms} must be >= init_backoff_ms={self.init_backoff_ms}"
+            )
 
     @property
     def default_rpc_timeout_ms(self) -> int:
@@ -184,8 +207,9 @@ class TransportConfig:
         return cls(**values)
 
 
-def dataclass_from_env(cls: type[Any], prefix: str, environ: Mapping[str, str] | None = None, *,
-                       base: Any = None) -> Any:
+def dataclass_from_env(
+    cls: type[Any], prefix: str, environ: Mapping[str, str] | None = None, *, base: Any = None
+) -> Any:
     """``base`` (default: ``cls()``) with every scalar field that ``<prefix><FIELD>`` sets in the environment."""
     env = os.environ if environ is None else environ
     base = base if base is not None else cls()
@@ -240,5 +264,13 @@ def fields_for_cli() -> list[tuple[str, Any, str]]:
     return out
 
 
-__all__ = ["TransportConfig", "MODES", "MODE_AUTO", "MODE_GRPC", "ENV_MODE", "NESTED", "dataclass_from_env",
-           "fields_for_cli"]
+__all__ = [
+    "TransportConfig",
+    "MODES",
+    "MODE_AUTO",
+    "MODE_GRPC",
+    "ENV_MODE",
+    "NESTED",
+    "dataclass_from_env",
+    "fields_for_cli",
+]

@@ -83,65 +83,125 @@ class TransportMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else REGISTRY
         self.registry = reg
-        self.requests = Counter("tensorwire_mm_requests_total",
-                                "Encoder outputs delivered, by side and plane", ["side", "plane"], registry=reg)
-        self.fallbacks = Counter("tensorwire_mm_fallbacks_total",
-                                 "Recoverable degrades from RDMA to inline, by side and reason (not errors)",
-                                 ["side", "reason"], registry=reg)
-        self.errors = Counter("tensorwire_mm_errors_total",
-                              "Requests that failed, by side and reason", ["side", "reason"], registry=reg)
-        self.bytes = Counter("tensorwire_mm_bytes_total", "Tensor payload bytes moved, by side, plane and role",
-                             ["side", "plane", "role"], registry=reg)
-        self.read_seconds = Histogram("tensorwire_mm_read_seconds", "RDMA batched read latency (client)",
-                                      buckets=_LATENCY_BUCKETS, registry=reg)
-        self.fetch_seconds = Histogram("tensorwire_mm_fetch_seconds", "fetch() latency by delivering plane",
-                                       ["plane"], buckets=_LATENCY_BUCKETS, registry=reg)
-        self.release_seconds = Histogram("tensorwire_mm_release_seconds", "ReleaseLeases RPC latency (client)",
-                                         ["mode"], buckets=_LATENCY_BUCKETS, registry=reg)
-        self.releases = Counter("tensorwire_mm_releases_total", "Lease ids by release mode and outcome",
-                                ["mode", "outcome"], registry=reg)
-        self.release_queue_dropped = Counter("tensorwire_mm_release_queue_dropped_total",
-                                             "Lease ids dropped by the async release queue (the owner's GC reclaims)",
-                                             ["reason"], registry=reg)
-        self.release_queue_pending = Gauge("tensorwire_mm_release_queue_pending",
-                                           "Lease ids waiting in async release queues", registry=reg)
-        self.exported_leases_released = Counter("tensorwire_mm_encoder_released_total",
-                                                "Lease ids released on the encoder by ReleaseLeases",
-                                                ["outcome"], registry=reg)
-        self.gc_reclaimed = _CountFromSource("tensorwire_mm_encoder_gc_reclaimed_leases",
-                                             "Leases the encoder's TTL GC reclaimed (never released by a reader)",
-                                             reg)  # exposed as ..._total
-        self.encoder_compute_seconds = Histogram("tensorwire_mm_encoder_compute_seconds",
-                                                 "The encoder's forward pass per Encode (encode_fn), on the encoder",
-                                                 buckets=_COMPUTE_BUCKETS, registry=reg)
-        self.encoder_request_seconds = Histogram("tensorwire_mm_encoder_request_seconds",
-                                                 "Encode on the encoder from the parsed request to the receipt "
-                                                 "(compute + export or serialization), by the receipt's plane",
-                                                 ["plane"], buckets=_COMPUTE_BUCKETS, registry=reg)
-        self.exporter_ready = Gauge("tensorwire_mm_encoder_exporter_ready",
-                                    "1 when the encoder's RDMA exporter is built", registry=reg)
-        self.breaker_open = Gauge("tensorwire_mm_breaker_open", "Circuit breakers not closed, by scope",
-                                  ["scope"], registry=reg)
-        self.breaker_transitions = Counter("tensorwire_mm_breaker_transitions_total",
-                                           "Circuit breaker transitions, by scope and new state",
-                                           ["scope", "state"], registry=reg)
-        self.staged_gpu_reads = Counter("tensorwire_mm_rdma_staged_gpu_reads_total",
-                                        "GPU RDMA reads that UCX staged through host memory or TCP instead of "
-                                        "cuda_ipc / an RDMA NIC (expect ~1000x lower bandwidth)", registry=reg)
-        self.control_rpcs = Counter("tensorwire_mm_control_rpcs_total",
-                                    "Encode requests the client sent, by control path (stream: a message on a pooled "
-                                    "EncodeStream; unary: one Encode RPC)", ["path"], registry=reg)
-        self.control_streams = Counter("tensorwire_mm_control_streams_total",
-                                       "EncodeStream lifecycle events by side: llm opened/closed/broken/deadline/"
-                                       "refused/unimplemented/protocol_error; encoder opened/ended/refused",
-                                       ["side", "event"], registry=reg)
-        self.encoder_streams_open = Gauge("tensorwire_mm_encoder_control_streams",
-                                          "EncodeStream calls open on the encoder (each holds a server thread)",
-                                          registry=reg)
-        self.server_refused = Counter("tensorwire_mm_server_refused_total",
-                                      "Calls an encoder server refused or ended before serving them, by reason: "
-                                      "peer_limit, request_timeout, stream_idle, work_wait, untrusted_caller",
-                                      ["reason"], registry=reg)
+        self.requests = Counter(
+            "tensorwire_mm_requests_total",
+            "Encoder outputs delivered, by side and plane",
+            ["side", "plane"],
+            registry=reg,
+        )
+        self.fallbacks = Counter(
+            "tensorwire_mm_fallbacks_total",
+            "Recoverable degrades from RDMA to inline, by side and reason (not errors)",
+            ["side", "reason"],
+            registry=reg,
+        )
+        self.errors = Counter(
+            "tensorwire_mm_errors_total", "Requests that failed, by side and reason", ["side", "reason"], registry=reg
+        )
+        self.bytes = Counter(
+            "tensorwire_mm_bytes_total",
+            "Tensor payload bytes moved, by side, plane and role",
+            ["side", "plane", "role"],
+            registry=reg,
+        )
+        self.read_seconds = Histogram(
+            "tensorwire_mm_read_seconds", "RDMA batched read latency (client)", buckets=_LATENCY_BUCKETS, registry=reg
+        )
+        self.fetch_seconds = Histogram(
+            "tensorwire_mm_fetch_seconds",
+            "fetch() latency by delivering plane",
+            ["plane"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.release_seconds = Histogram(
+            "tensorwire_mm_release_seconds",
+            "ReleaseLeases RPC latency (client)",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.releases = Counter(
+            "tensorwire_mm_releases_total", "Lease ids by release mode and outcome", ["mode", "outcome"], registry=reg
+        )
+        self.release_queue_dropped = Counter(
+            "tensorwire_mm_release_queue_dropped_total",
+            "Lease ids dropped by the async release queue (the owner's GC reclaims)",
+            ["reason"],
+            registry=reg,
+        )
+        self.release_queue_pending = Gauge(
+            "tensorwire_mm_release_queue_pending", "Lease ids waiting in async release queues", registry=reg
+        )
+        self.exported_leases_released = Counter(
+            "tensorwire_mm_encoder_released_total",
+            "Lease ids released on the encoder by ReleaseLeases",
+            ["outcome"],
+            registry=reg,
+        )
+        self.gc_reclaimed = _CountFromSource(
+            "tensorwire_mm_encoder_gc_reclaimed_leases",
+            "Leases the encoder's TTL GC reclaimed (never released by a reader)",
+            reg,
+        )  # exposed as ..._total
+        self.encoder_compute_seconds = Histogram(
+            "tensorwire_mm_encoder_compute_seconds",
+            "The encoder's forward pass per Encode (encode_fn), on the encoder",
+            buckets=_COMPUTE_BUCKETS,
+            registry=reg,
+        )
+        self.encoder_request_seconds = Histogram(
+            "tensorwire_mm_encoder_request_seconds",
+            "Encode on the encoder from the parsed request to the receipt "
+            "(compute + export or serialization), by the receipt's plane",
+            ["plane"],
+            buckets=_COMPUTE_BUCKETS,
+            registry=reg,
+        )
+        self.exporter_ready = Gauge(
+            "tensorwire_mm_encoder_exporter_ready", "1 when the encoder's RDMA exporter is built", registry=reg
+        )
+        self.breaker_open = Gauge(
+            "tensorwire_mm_breaker_open", "Circuit breakers not closed, by scope", ["scope"], registry=reg
+        )
+        self.breaker_transitions = Counter(
+            "tensorwire_mm_breaker_transitions_total",
+            "Circuit breaker transitions, by scope and new state",
+            ["scope", "state"],
+            registry=reg,
+        )
+        self.staged_gpu_reads = Counter(
+            "tensorwire_mm_rdma_staged_gpu_reads_total",
+            "GPU RDMA reads that UCX staged through host memory or TCP instead of "
+            "cuda_ipc / an RDMA NIC (expect ~1000x lower bandwidth)",
+            registry=reg,
+        )
+        self.control_rpcs = Counter(
+            "tensorwire_mm_control_rpcs_total",
+            "Encode requests the client sent, by control path (stream: a message on a pooled "
+            "EncodeStream; unary: one Encode RPC)",
+            ["path"],
+            registry=reg,
+        )
+        self.control_streams = Counter(
+            "tensorwire_mm_control_streams_total",
+            "EncodeStream lifecycle events by side: llm opened/closed/broken/deadline/"
+            "refused/unimplemented/protocol_error; encoder opened/ended/refused",
+            ["side", "event"],
+            registry=reg,
+        )
+        self.encoder_streams_open = Gauge(
+            "tensorwire_mm_encoder_control_streams",
+            "EncodeStream calls open on the encoder (each holds a server thread)",
+            registry=reg,
+        )
+        self.server_refused = Counter(
+            "tensorwire_mm_server_refused_total",
+            "Calls an encoder server refused or ended before serving them, by reason: "
+            "peer_limit, request_timeout, stream_idle, work_wait, untrusted_caller",
+            ["reason"],
+            registry=reg,
+        )
         self.exporter_gauges = _ExporterGauges(reg)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 

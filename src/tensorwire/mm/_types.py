@@ -56,31 +56,39 @@ class EncoderOutput:
         if isinstance(self.embeddings, torch.Tensor):
             emb = self.embeddings
             if emb.dim() < 1:
-                raise InvalidPayload("embedding must have at least one dimension (rows)",
-                                     reason=Reason.ASSEMBLY_MISMATCH)
+                raise InvalidPayload(
+                    "embedding must have at least one dimension (rows)", reason=Reason.ASSEMBLY_MISMATCH
+                )
             splits = [int(s) for s in self.split_sizes] if self.split_sizes is not None else [int(emb.shape[0])]
         else:
             items = list(self.embeddings)
             if not items:
                 if self.position_ids is not None and not _is_empty_seq(self.position_ids):
-                    raise InvalidPayload("position ids given for an output with no items",
-                                         reason=Reason.ASSEMBLY_MISMATCH)
+                    raise InvalidPayload(
+                        "position ids given for an output with no items", reason=Reason.ASSEMBLY_MISMATCH
+                    )
                 if self.extra_inputs:
-                    raise InvalidPayload("extra inputs given for an output with no items",
-                                         reason=Reason.ASSEMBLY_MISMATCH)
+                    raise InvalidPayload(
+                        "extra inputs given for an output with no items", reason=Reason.ASSEMBLY_MISMATCH
+                    )
                 return None, [], None, []
             for t in items:
                 if t.dim() < 1:
-                    raise InvalidPayload("every item's embedding needs a row dimension",
-                                         reason=Reason.ASSEMBLY_MISMATCH)
+                    raise InvalidPayload(
+                        "every item's embedding needs a row dimension", reason=Reason.ASSEMBLY_MISMATCH
+                    )
             splits = [int(t.shape[0]) for t in items]
             if self.split_sizes is not None and [int(s) for s in self.split_sizes] != splits:
-                raise InvalidPayload(f"split_sizes {list(self.split_sizes)} disagree with the item rows {splits}",
-                                     reason=Reason.ASSEMBLY_MISMATCH)
+                raise InvalidPayload(
+                    f"split_sizes {list(self.split_sizes)} disagree with the item rows {splits}",
+                    reason=Reason.ASSEMBLY_MISMATCH,
+                )
             emb = items[0] if len(items) == 1 else torch.cat(items, 0)
         if any(s < 0 for s in splits) or sum(splits) != emb.shape[0]:
-            raise InvalidPayload(f"split_sizes {splits} (sum {sum(splits)}) do not cover the {emb.shape[0]} "
-                                 "embedding rows", reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"split_sizes {splits} (sum {sum(splits)}) do not cover the {emb.shape[0]} embedding rows",
+                reason=Reason.ASSEMBLY_MISMATCH,
+            )
         pos: torch.Tensor | None
         if self.position_ids is None:
             pos = None
@@ -90,12 +98,15 @@ class EncoderOutput:
             parts = list(self.position_ids)
             pos = None if not parts else (parts[0] if len(parts) == 1 else torch.cat(parts, 0))
         if pos is not None and (pos.dim() < 1 or pos.shape[0] != sum(splits)):
-            raise InvalidPayload(f"position ids have {pos.shape[0] if pos.dim() else 0} rows; the embedding has "
-                                 f"{sum(splits)}", reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"position ids have {pos.shape[0] if pos.dim() else 0} rows; the embedding has {sum(splits)}",
+                reason=Reason.ASSEMBLY_MISMATCH,
+            )
         extras = list(self.extra_inputs)
         if extras and len(extras) != len(splits):
-            raise InvalidPayload(f"extra_input count {len(extras)} != item count {len(splits)}",
-                                 reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"extra_input count {len(extras)} != item count {len(splits)}", reason=Reason.ASSEMBLY_MISMATCH
+            )
         return emb, splits, pos, extras
 
 

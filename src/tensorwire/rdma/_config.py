@@ -128,5 +128,7 @@ def _check_ip(name: str, value: str) -> None:
     try:
         ipaddress.ip_address(value)
     except ValueError as exc:
-        raise ConfigError(f"RdmaConfig.{name}={value!r}: expected an IP address ('0.0.0.0' for all interfaces) "
-                          "or '' (follow the control plane)") from exc
+        raise ConfigError(
+            f"RdmaConfig.{name}={value!r}: expected an IP address ('0.0.0.0' for all interfaces) "
+            "or '' (follow the control plane)"
+        ) from exc

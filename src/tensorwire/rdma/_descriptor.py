@@ -121,8 +121,13 @@ class Descriptor:
         )
         add = msg.manifest.add
         for m in self.manifest:
-            add(shape=m.shape, dtype=_dtypes.to_wire(m.dtype), legacy_dtype=_dtypes.to_legacy(m.dtype),
-                offset=m.offset, nbytes=m.nbytes)
+            add(
+                shape=m.shape,
+                dtype=_dtypes.to_wire(m.dtype),
+                legacy_dtype=_dtypes.to_legacy(m.dtype),
+                offset=m.offset,
+                nbytes=m.nbytes,
+            )
         return _owner_field(self.owner) + msg.SerializeToString()
 
     @classmethod
@@ -198,9 +203,15 @@ class Descriptor:
 @functools.lru_cache(maxsize=64)
 def _owner_field(o: Owner) -> bytes:
     """``o`` as the serialized ``owner`` field of a DescriptorPB."""
-    return pb.DescriptorPB(owner=pb.OwnerPB(agent_name=o.agent_name, host=o.host, port=o.port,
-                                            registration_epoch=o.registration_epoch,
-                                            metadata_token=o.metadata_token)).SerializeToString()
+    return pb.DescriptorPB(
+        owner=pb.OwnerPB(
+            agent_name=o.agent_name,
+            host=o.host,
+            port=o.port,
+            registration_epoch=o.registration_epoch,
+            metadata_token=o.metadata_token,
+        )
+    ).SerializeToString()
 
 
 def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
@@ -257,8 +268,9 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         for dim in m.shape:
             nbytes *= dim
             if nbytes >= _INT63:
-                raise InvalidDescriptor(f"manifest[{i}]: shape {m.shape} overflows int64 bytes",
-                                        reason=Reason.SIZE_OVERFLOW)
+                raise InvalidDescriptor(
+                    f"manifest[{i}]: shape {m.shape} overflows int64 bytes", reason=Reason.SIZE_OVERFLOW
+                )
         if not _u64(m.nbytes) or not _u64(m.offset):
             raise InvalidDescriptor(f"manifest[{i}]: offset/nbytes are not uint64")
         if m.nbytes != nbytes:
@@ -287,8 +299,9 @@ def _u64(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < _UINT64
 
 
-def views(buf: torch.Tensor, manifest: Sequence[TensorMeta],
-          typed: dict[torch.dtype, torch.Tensor] | None = None) -> list[torch.Tensor]:
+def views(
+    buf: torch.Tensor, manifest: Sequence[TensorMeta], typed: dict[torch.dtype, torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """The manifest's tensors as views of ``buf`` (a contiguous 1-D uint8 tensor over a slot's payload).
 
     One ``as_strided`` per tensor on ``buf`` reinterpreted as its dtype, instead of a slice and two views: these
@@ -305,7 +318,7 @@ def views(buf: torch.Tensor, manifest: Sequence[TensorMeta],
             if typed is not None:
                 typed[m.dtype] = base
         if base is None or m.offset % size:
-            out.append(buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape))
+            out.append(buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape))
         else:
             out.append(base.as_strided(m.shape, _strides(m.shape), base.storage_offset() + m.offset // size))
     return out
@@ -327,18 +340,24 @@ def _manifest_dtype(i: int, e: pb.TensorMetaPB) -> torch.dtype:
         if dtype is None:
             raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
         if e.legacy_dtype and _dtypes.from_legacy(e.legacy_dtype) is not dtype:
-            raise InvalidDescriptor(f"manifest[{i}]: dtype {e.dtype} ({_dtypes.dtype_name(dtype)}) and legacy dtype "
-                                    f"{e.legacy_dtype} disagree", reason=Reason.UNSUPPORTED_DTYPE)
+            raise InvalidDescriptor(
+                f"manifest[{i}]: dtype {e.dtype} ({_dtypes.dtype_name(dtype)}) and legacy dtype "
+                f"{e.legacy_dtype} disagree",
+                reason=Reason.UNSUPPORTED_DTYPE,
+            )
         return dtype
     legacy = _dtypes.from_legacy(e.legacy_dtype)
     if legacy is None:
-        raise InvalidDescriptor(f"manifest[{i}]: unknown dtype value {e.legacy_dtype} (legacy field; field 5 unset)",
-                                reason=Reason.UNSUPPORTED_DTYPE)
+        raise InvalidDescriptor(
+            f"manifest[{i}]: unknown dtype value {e.legacy_dtype} (legacy field; field 5 unset)",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     return legacy
 
 
-def layout(shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
-           slot_align: int) -> tuple[list[TensorMeta], int]:
+def layout(
+    shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]], slot_align: int
+) -> tuple[list[TensorMeta], int]:
     """Manifest entries packed at ``slot_align`` offsets, in order, and the payload size (>= 1 byte)."""
     entries: list[TensorMeta] = []
     offset = 0

@@ -9,8 +9,15 @@ import torch
 # The CUDA array interface's type string of each dtype torch wraps directly. It has none for bfloat16: that is
 # wrapped as the integer of its size and reinterpreted (one more tensor op).
 _TYPESTR: dict[torch.dtype, str] = {
-    torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8", torch.bool: "|b1", torch.uint8: "|u1",
-    torch.int8: "|i1", torch.int16: "<i2", torch.int32: "<i4", torch.int64: "<i8",
+    torch.float16: "<f2",
+    torch.float32: "<f4",
+    torch.float64: "<f8",
+    torch.bool: "|b1",
+    torch.uint8: "|u1",
+    torch.int8: "|i1",
+    torch.int16: "<i2",
+    torch.int32: "<i4",
+    torch.int64: "<i8",
 }
 _WRAPPED_AS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
 
@@ -22,8 +29,13 @@ class DeviceMemory:
     __slots__ = ("__cuda_array_interface__", "__weakref__")
 
     def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str = "|u1") -> None:
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "strides": None,
-                                         "version": 2}
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr, False),
+            "strides": None,
+            "version": 2,
+        }
 
 
 def wrap_device(ptr: int, nbytes: int, device: torch.device) -> tuple[torch.Tensor, DeviceMemory]:
@@ -32,8 +44,9 @@ def wrap_device(ptr: int, nbytes: int, device: torch.device) -> tuple[torch.Tens
     return wrap_device_as(ptr, (nbytes,), torch.uint8, device)
 
 
-def wrap_device_as(ptr: int, shape: Sequence[int], dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, DeviceMemory]:
+def wrap_device_as(
+    ptr: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, DeviceMemory]:
     """(a contiguous tensor of ``shape`` and ``dtype`` over the device memory at ``ptr``, the object it holds):
     one tensor op (two for bfloat16), where a uint8 wrap sliced and viewed takes three or four. ``ptr`` is
     aligned for ``dtype`` and the shape is not empty (the caller's checks); ``RuntimeError`` when torch wrapped
@@ -46,8 +59,9 @@ def wrap_device_as(ptr: int, shape: Sequence[int], dtype: torch.dtype,
     mem = DeviceMemory(ptr, dims, typestr)
     t = torch.as_tensor(mem, device=device)
     if t.data_ptr() != ptr or t.dtype != wrapped or t.shape != dims:
-        raise RuntimeError(f"torch wrapped {tuple(t.shape)} {t.dtype} at {t.data_ptr():#x}, not {dims} {wrapped} "
-                           f"at {ptr:#x}")
+        raise RuntimeError(
+            f"torch wrapped {tuple(t.shape)} {t.dtype} at {t.data_ptr():#x}, not {dims} {wrapped} at {ptr:#x}"
+        )
     return (t if wrapped is dtype else t.view(dtype)), mem
 
 

@@ -181,8 +181,15 @@ def resolve(bind_ip: str, advertise_host: str, control_host: str) -> MetadataEnd
 
 def announce(ep: MetadataEndpoint, port: int, agent_name: str, control_host: str = "") -> list[str]:
     """Log where the endpoint listens and what it advertises; returns the warnings it logged (for tests)."""
-    log.info("rdma metadata endpoint of %s: listening on %s:%d (%s); descriptors advertise %s (%s)", agent_name,
-             ep.bind_ip, port, ep.bind_rule, ep.advertise_host, ep.advertise_rule)
+    log.info(
+        "rdma metadata endpoint of %s: listening on %s:%d (%s); descriptors advertise %s (%s)",
+        agent_name,
+        ep.bind_ip,
+        port,
+        ep.bind_rule,
+        ep.advertise_host,
+        ep.advertise_rule,
+    )
     warnings: list[str] = []
     serving = [h for h in (ep.bind_ip, control_host) if h and not is_loopback(h)]
     if is_loopback(ep.advertise_host) and serving:
@@ -190,17 +197,30 @@ def announce(ep: MetadataEndpoint, port: int, agent_name: str, control_host: str
             f"RDMA descriptors advertise the loopback address {ep.advertise_host} while this process serves "
             f"{', '.join(sorted(set(serving)))}: readers on other hosts cannot reach the metadata endpoint and fall "
             "back to the inline plane on every request. Set --rdma-advertise-host (TENSORWIRE_MM_RDMA_ADVERTISE_HOST) "
-            "to an address they reach, or bind the control plane to one")
+            "to an address they reach, or bind the control plane to one"
+        )
     devices = os.environ.get("UCX_NET_DEVICES", "")
     if devices and not is_loopback(ep.advertise_host) and {d.strip() for d in devices.split(",")} <= {"lo"}:
         warnings.append(
             f"UCX_NET_DEVICES={devices} keeps UCX on loopback while descriptors advertise {ep.advertise_host}: "
             "readers on other hosts fetch the metadata but cannot connect over UCX. Name this host's NICs in "
-            "UCX_NET_DEVICES (or unset it)")
+            "UCX_NET_DEVICES (or unset it)"
+        )
     for w in warnings:
         log.warning("%s", w)
     return warnings
 
 
-__all__ = ["MetadataEndpoint", "announce", "bare", "detect", "interface_addresses", "is_local", "is_loopback",
-           "is_wildcard", "resolve", "route_address", "to_ip"]
+__all__ = [
+    "MetadataEndpoint",
+    "announce",
+    "bare",
+    "detect",
+    "interface_addresses",
+    "is_local",
+    "is_loopback",
+    "is_wildcard",
+    "resolve",
+    "route_address",
+    "to_ip",
+]

@@ -99,8 +99,12 @@ class TensorExporter:
             raise
         log.info(
             "rdma exporter ready: provider=%s agent=%s endpoint=%s device=%s pool_cap=%d gc=%d ms",
-            self._provider.name, self._owner.agent_name, self._owner.endpoint, self._cfg.device,
-            self._cfg.pool_cap_bytes, self._cfg.slot_gc_timeout_ms,
+            self._provider.name,
+            self._owner.agent_name,
+            self._owner.endpoint,
+            self._cfg.device,
+            self._cfg.pool_cap_bytes,
+            self._cfg.slot_gc_timeout_ms,
         )
 
     # -- properties --
@@ -154,8 +158,10 @@ class TensorExporter:
             raise
         return done
 
-    def allocate(self, shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
-                 ) -> tuple[Lease, list[torch.Tensor]]:
+    def allocate(
+        self,
+        shapes_and_dtypes: Sequence[tuple[Sequence[int], torch.dtype]],
+    ) -> tuple[Lease, list[torch.Tensor]]:
         """A lease on a slot plus tensors living inside it, to be written in place and ``export_allocated``.
 
         The tensors are views of pooled memory: valid until the lease is released or reclaimed (after that the slot
@@ -188,8 +194,10 @@ class TensorExporter:
         with self._lock:
             current = self._leases.get(lease.lease_id)
         if current is not lease:
-            raise ExportError(f"lease {lease_ref(lease.lease_id)} is released, reclaimed or not from this exporter",
-                              reason=Reason.LEASE_EXPIRED)
+            raise ExportError(
+                f"lease {lease_ref(lease.lease_id)} is released, reclaimed or not from this exporter",
+                reason=Reason.LEASE_EXPIRED,
+            )
         if lease.exported:
             raise ExportError(f"lease {lease_ref(lease.lease_id)} is already exported")
         self._sync_device()
@@ -225,8 +233,11 @@ class TensorExporter:
         if reclaimed:
             with self._tally.locked() as c:
                 c.gc_reclaims += reclaimed
-            log.warning("rdma GC reclaimed %d lease(s) older than %d ms; are readers releasing?",
-                        reclaimed, self._cfg.slot_gc_timeout_ms)
+            log.warning(
+                "rdma GC reclaimed %d lease(s) older than %d ms; are readers releasing?",
+                reclaimed,
+                self._cfg.slot_gc_timeout_ms,
+            )
         return reclaimed
 
     def _gc_loop(self) -> None:
@@ -302,11 +313,14 @@ class TensorExporter:
             if not _dtypes.is_supported(t.dtype):
                 raise ExportError(f"input {i}: unsupported dtype {t.dtype}", reason=Reason.UNSUPPORTED_DTYPE)
             if t.device != tensors[0].device:
-                raise ExportError(f"input {i} is on {t.device}, input 0 on {tensors[0].device}",
-                                  reason=Reason.MIXED_DEVICES)
+                raise ExportError(
+                    f"input {i} is on {t.device}, input 0 on {tensors[0].device}", reason=Reason.MIXED_DEVICES
+                )
             if not _same_device(t.device, self._device):
-                raise ExportError(f"input {i} is on {t.device}, the exporter is configured for {self._device}",
-                                  reason=Reason.WRONG_DEVICE)
+                raise ExportError(
+                    f"input {i} is on {t.device}, the exporter is configured for {self._device}",
+                    reason=Reason.WRONG_DEVICE,
+                )
             if t.layout != torch.strided or t.is_sparse:
                 raise ExportError(f"input {i} has layout {t.layout}; only dense tensors", reason=Reason.NOT_CONTIGUOUS)
             out.append(t if t.is_contiguous() else t.contiguous())
@@ -317,7 +331,9 @@ class TensorExporter:
         if payload > self._cfg.max_slot_bytes:
             raise ExportError(
                 f"{len(specs)} tensor(s) need {payload} bytes (aligned to {self._cfg.slot_align}), over "
-                f"max_slot_bytes {self._cfg.max_slot_bytes}; split the export", reason=Reason.SLOT_TOO_LARGE)
+                f"max_slot_bytes {self._cfg.max_slot_bytes}; split the export",
+                reason=Reason.SLOT_TOO_LARGE,
+            )
         return tuple(manifest), payload
 
     def _new_lease(self, manifest: tuple[TensorMeta, ...], payload: int) -> Lease:
@@ -330,8 +346,9 @@ class TensorExporter:
             lease_id = new_lease_id()
             while lease_id in self._leases:  # 2**-128 per live lease: never in practice, but never a shared id
                 lease_id = new_lease_id()
-            lease = Lease(lease_id=lease_id, slot=slot, manifest=manifest,
-                          payload_bytes=payload, created_s=time.monotonic())
+            lease = Lease(
+                lease_id=lease_id, slot=slot, manifest=manifest, payload_bytes=payload, created_s=time.monotonic()
+            )
             self._leases[lease.lease_id] = lease
         return lease
 

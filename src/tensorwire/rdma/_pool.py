@@ -316,8 +316,9 @@ class SlotPool:
         except Exception as exc:
             if self._gens is not None:
                 self._gens.give_back(gen_index)
-            raise ExportError(f"registering a {size}-byte slot failed: {exc}",
-                              reason=Reason.REGISTRATION_FAILED) from exc
+            raise ExportError(
+                f"registering a {size}-byte slot failed: {exc}", reason=Reason.REGISTRATION_FAILED
+            ) from exc
         self._total_bytes += size
         with self._tally.locked() as c:
             c.slot_allocations += 1

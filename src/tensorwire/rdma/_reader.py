@@ -88,11 +88,12 @@ class _GenScratch:
     def take(self, n: int) -> list[int]:
         with self._lock:
             if len(self._free) < n:
-                raise ReadError(f"more than {_GEN_CELLS} descriptors in flight in one reader",
-                                reason=Reason.RDMA_READ_ERROR)
+                raise ReadError(
+                    f"more than {_GEN_CELLS} descriptors in flight in one reader", reason=Reason.RDMA_READ_ERROR
+                )
             # LIFO: the same few cells recur, so the provider can repost its prepared generation READs.
-            cells = self._free[len(self._free) - n:]
-            del self._free[len(self._free) - n:]
+            cells = self._free[len(self._free) - n :]
+            del self._free[len(self._free) - n :]
         for c in cells:
             self.values[c] = 0
         return cells
@@ -123,19 +124,33 @@ class TensorReader:
         try:
             self._device = torch.device(self._cfg.device)
             self._mem_type = "VRAM" if self._device.type == "cuda" else "DRAM"
-            if self._device.type == "cuda" and (not torch.cuda.is_available()
-                                                or self._cfg.device_index >= torch.cuda.device_count()):
+            if self._device.type == "cuda" and (
+                not torch.cuda.is_available() or self._cfg.device_index >= torch.cuda.device_count()
+            ):
                 raise ReadError(f"device {self._cfg.device} is not available", reason=Reason.PROVIDER_UNAVAILABLE)
             if self._device.type == "cuda":
                 torch.empty(1, device=self._device)  # CUDA context before the NIXL agent (nixl-on-cpu.md §6)
             self._provider = create_provider(self._cfg, role=ROLE_READER)
             self._pool = SlotPool(self._provider, self._cfg, generations=None)
-            self._loans = SlotPool(self._provider, self._cfg, generations=None, numpy_backed=True,
-                                   cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes))
+            self._loans = SlotPool(
+                self._provider,
+                self._cfg,
+                generations=None,
+                numpy_backed=True,
+                cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes),
+            )
             # A CUDA reader stages host-memory descriptors through registered host buffers (see _read_one).
-            self._staging = self._loans if self._device.type == "cpu" else SlotPool(
-                self._provider, self._cfg.replace(device="cpu"), generations=None, numpy_backed=True,
-                cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes))
+            self._staging = (
+                self._loans
+                if self._device.type == "cpu"
+                else SlotPool(
+                    self._provider,
+                    self._cfg.replace(device="cpu"),
+                    generations=None,
+                    numpy_backed=True,
+                    cap_bytes=max(int(self._cfg.pool_cap_bytes * _LOAN_SHARE), self._cfg.max_slot_bytes),
+                )
+            )
             self._scratch = _GenScratch(self._provider)
         except BaseException:
             self.close()
@@ -161,8 +176,13 @@ class TensorReader:
         local = "DRAM" if remote == "DRAM" else self._mem_type  # host descriptors are staged in host memory
         return self._provider.transport(local, remote)
 
-    def read(self, descriptors: Sequence[Descriptor | bytes], timeout_ms: int | None = None, *,
-             into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def read(
+        self,
+        descriptors: Sequence[Descriptor | bytes],
+        timeout_ms: int | None = None,
+        *,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Fetch every descriptor's tensors: flattened in descriptor order x manifest order.
 
         The tensors are on the reader's device, own their storage and outlive the reader and the remote lease.
@@ -181,10 +201,15 @@ class TensorReader:
             if len(into) != len(descs) or self._device.type != "cpu":
                 raise ValueError("into: one host destination per descriptor, on a host reader")
             for d, t in zip(descs, into, strict=True):
-                if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous() or \
-                        t.numel() < d.payload_bytes:
-                    raise ValueError(f"into: a contiguous uint8 host tensor of >= {d.payload_bytes} bytes per "
-                                     "descriptor")
+                if (
+                    t.device.type != "cpu"
+                    or t.dtype != torch.uint8
+                    or not t.is_contiguous()
+                    or t.numel() < d.payload_bytes
+                ):
+                    raise ValueError(
+                        f"into: a contiguous uint8 host tensor of >= {d.payload_bytes} bytes per descriptor"
+                    )
         if timeout <= 0:
             raise ReadTimeout(f"read budget {timeout} ms is already exhausted", reason=Reason.READ_TIMEOUT)
         self._drain_quarantine()
@@ -262,8 +287,9 @@ class TensorReader:
         try:
             for d in descriptors:
                 if isinstance(d, (bytes, bytearray, memoryview)):
-                    d = Descriptor.from_bytes(d, max_slot_bytes=self._cfg.max_slot_bytes,
-                                              slot_align=self._cfg.slot_align)
+                    d = Descriptor.from_bytes(
+                        d, max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align
+                    )
                 elif isinstance(d, Descriptor):
                     d.validate(max_slot_bytes=self._cfg.max_slot_bytes, slot_align=self._cfg.slot_align)
                 else:
@@ -277,8 +303,9 @@ class TensorReader:
             raise InvalidDescriptor("no descriptors to read", reason=Reason.EMPTY_MANIFEST)
         return out
 
-    def _read_batch(self, descs: list[Descriptor], deadline: float,
-                    into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _read_batch(
+        self, descs: list[Descriptor], deadline: float, into: Sequence[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """All descriptors in as few transfers as possible: one payload READ per (owner, memory pair), then, once
         every payload READ completed, one generation READ per owner (see _pool's module docstring)."""
         assert self._provider is not None and self._scratch is not None
@@ -292,17 +319,26 @@ class TensorReader:
             for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
                 local = [r for x in group for r in x.local]
                 if local:
-                    self._provider.read(owner, local_mem, local, remote_mem, [r for x in group for r in x.remote],
-                                        deadline=deadline)
+                    self._provider.read(
+                        owner, local_mem, local, remote_mem, [r for x in group for r in x.remote], deadline=deadline
+                    )
             for owner, _, _, group in _groups(dests, by_memory=False):
-                self._provider.read(owner, "DRAM", [(self._scratch.addr(x.cell), 8, 0) for x in group],
-                                    "DRAM", [(x.d.generation_addr, 8, 0) for x in group], deadline=deadline)
+                self._provider.read(
+                    owner,
+                    "DRAM",
+                    [(self._scratch.addr(x.cell), 8, 0) for x in group],
+                    "DRAM",
+                    [(x.d.generation_addr, 8, 0) for x in group],
+                    deadline=deadline,
+                )
             for x in dests:
                 current = int(self._scratch.values[x.cell])
                 if current != x.d.generation:
                     raise LeaseExpired(
                         f"lease {x.d.lease_id}: slot generation is {current}, descriptor has {x.d.generation}; the "
-                        "lease was released, reclaimed or the slot reused", reason=Reason.STALE_GENERATION)
+                        "lease was released, reclaimed or the slot reused",
+                        reason=Reason.STALE_GENERATION,
+                    )
             for x in dests:
                 if x.slot is not None:
                     srcs = views(x.slot.tensor, x.d.manifest, x.slot.typed)
@@ -321,10 +357,14 @@ class TensorReader:
                 # Which transfer is still writing is not worth tracking: every destination of the batch waits.
                 with self._tally.locked() as c:
                     c.quarantined += 1
-                q = _Quarantined(pending=pending,
-                                 slots=[(x.pool, x.slot) for x in dests if x.slot is not None and x.pool is not None],
-                                 regs=[r for x in dests for r in x.regs], cells=list(cells),
-                                 results=[t for x in dests for t in x.results], loans=[x.loan for x in dests])
+                q = _Quarantined(
+                    pending=pending,
+                    slots=[(x.pool, x.slot) for x in dests if x.slot is not None and x.pool is not None],
+                    regs=[r for x in dests for r in x.regs],
+                    cells=list(cells),
+                    results=[t for x in dests for t in x.results],
+                    loans=[x.loan for x in dests],
+                )
                 with self._lock:
                     self._quarantine.append(q)
                 for x in dests:
@@ -381,7 +421,7 @@ class TensorReader:
         """``d``'s payload lands in the caller's ``dest``, registered for this read."""
         assert self._provider is not None
         x = _Dest(d=d, cell=cell, staged=False, local_mem=self._mem_type)
-        x.results = views(dest[:d.payload_bytes], d.manifest)
+        x.results = views(dest[: d.payload_bytes], d.manifest)
         if d.payload_bytes:
             x.regs.append(self._provider.register(dest.data_ptr(), d.payload_bytes, self._mem_type, 0))
             x.local.append((dest.data_ptr(), d.payload_bytes, 0))
@@ -521,11 +561,16 @@ def _groups(dests: list[_Dest], *, by_memory: bool) -> list[_Group]:
     with the newest registration epoch, so the provider refreshes stale metadata once for the whole group."""
     groups: dict[_GroupKey, list[_Dest]] = {}
     for x in dests:
-        key = _GroupKey(x.d.owner.agent_name, x.local_mem, x.d.mem_type) if by_memory else \
-            _GroupKey(x.d.owner.agent_name, "", "")
+        key = (
+            _GroupKey(x.d.owner.agent_name, x.local_mem, x.d.mem_type)
+            if by_memory
+            else _GroupKey(x.d.owner.agent_name, "", "")
+        )
         groups.setdefault(key, []).append(x)
-    return [_Group(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k.local_mem, k.remote_mem, g)
-            for k, g in groups.items()]
+    return [
+        _Group(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k.local_mem, k.remote_mem, g)
+        for k, g in groups.items()
+    ]
 
 
 def _ready(pool: SlotPool, slot: Slot) -> Slot:
@@ -536,17 +581,22 @@ def _ready(pool: SlotPool, slot: Slot) -> Slot:
             slot.ready.synchronize()
         except Exception as exc:
             pool.release(slot)
-            raise ReadError(f"waiting for work queued on a receive buffer failed: {exc}",
-                            reason=Reason.RDMA_READ_ERROR) from exc
+            raise ReadError(
+                f"waiting for work queued on a receive buffer failed: {exc}", reason=Reason.RDMA_READ_ERROR
+            ) from exc
         slot.ready = None
     return slot
 
 
 def _check_results(d: Descriptor, results: list[torch.Tensor]) -> None:
     if len(results) != len(d.manifest):
-        raise ReadError(f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
-                        reason=Reason.RESULT_MISMATCH)
+        raise ReadError(
+            f"lease {d.lease_id}: {len(results)} tensors for {len(d.manifest)} manifest entries",
+            reason=Reason.RESULT_MISMATCH,
+        )
     for i, (t, m) in enumerate(zip(results, d.manifest, strict=True)):
         if tuple(t.shape) != m.shape or t.dtype != m.dtype or t.numel() * t.element_size() != m.nbytes:
-            raise ReadError(f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says "
-                            f"{m.shape}/{m.dtype}", reason=Reason.RESULT_MISMATCH)
+            raise ReadError(
+                f"lease {d.lease_id}: tensor {i} is {tuple(t.shape)}/{t.dtype}, manifest says {m.shape}/{m.dtype}",
+                reason=Reason.RESULT_MISMATCH,
+            )

@@ -63,8 +63,11 @@ class Tally(Generic[T]):
 
 def scalar_fields(stats: Any) -> dict[str, Any]:
     """The fields of a stats dataclass that are not themselves stats objects, in declaration order."""
-    return {f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)
-            if not dataclasses.is_dataclass(getattr(stats, f.name))}
+    return {
+        f.name: getattr(stats, f.name)
+        for f in dataclasses.fields(stats)
+        if not dataclasses.is_dataclass(getattr(stats, f.name))
+    }
 
 
 @dataclass

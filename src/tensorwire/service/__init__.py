@@ -33,4 +33,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-__getattr__ = lazy_exports('tensorwire.service', _LAZY, globals())
+__getattr__ = lazy_exports("tensorwire.service", _LAZY, globals())

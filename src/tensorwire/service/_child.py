@@ -32,8 +32,15 @@ class Child:
     ``prefix`` goes before the command (``ip netns exec NS``: tests run hosts as network namespaces); ``env``
     replaces this process's environment."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: Path, *, prefix: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: Path,
+        *,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # the child writes it until terminate() closes it
@@ -43,9 +50,14 @@ class Child:
         # start_new_session: the terminal's Ctrl-C reaches only the parent, which stops its children in order; the
         # lifeline kills them when the parent dies without that chance (SIGKILL). A prefix (``ip netns exec``)
         # execs the command in the same process, so the lifeline reaches it.
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
-                                     stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, **parent_lifeline().popen_kwargs(child_env))
+        self.proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "tensorwire.cli.main", *argv],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            **parent_lifeline().popen_kwargs(child_env),
+        )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, name=f"child-{name}-stdout", daemon=True).start()
 
@@ -139,14 +151,39 @@ class LoopbackDeployment:
         stop_flags = ["--drain-s", "0", "--grace-s", str(CHILD_GRACE_S)]
         encoders = []
         for i in range(self.workers):  # appended one by one: a failed start still stops what did start
-            encoders.append(Child(f"encoder-{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1",
-                                                   "--worker-id", f"{self.worker_id_prefix}-{i}",
-                                                   "--wait-exporter-s", "20", "--device", self.device, *stop_flags],
-                                  self.log_dir))
+            encoders.append(
+                Child(
+                    f"encoder-{i}",
+                    [
+                        "serve-encoder",
+                        "--port",
+                        "0",
+                        "--metrics-port",
+                        "-1",
+                        "--worker-id",
+                        f"{self.worker_id_prefix}-{i}",
+                        "--wait-exporter-s",
+                        "20",
+                        "--device",
+                        self.device,
+                        *stop_flags,
+                    ],
+                    self.log_dir,
+                )
+            )
             self.children.append(encoders[-1])
         self.worker_addresses = [c.ready(startup_timeout_s)["grpc"] for c in encoders]
-        proxy = Child("proxy", ["serve-proxy", "--metrics-port", "-1", *stop_flags,
-                                *[a for addr in self.worker_addresses for a in ("--worker", addr)]], self.log_dir)
+        proxy = Child(
+            "proxy",
+            [
+                "serve-proxy",
+                "--metrics-port",
+                "-1",
+                *stop_flags,
+                *[a for addr in self.worker_addresses for a in ("--worker", addr)],
+            ],
+            self.log_dir,
+        )
         self.children.append(proxy)
         self.proxy_address = proxy.ready(startup_timeout_s)["grpc"]
 

@@ -26,9 +26,16 @@ def _dest(prefix: str, name: str) -> str:
     return f"{prefix}{name}".replace("-", "_")
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, cls: type, prefix: str = "", *, skip: Iterable[str] = (),
-              help_extra: Mapping[str, str] | None = None, choices: Mapping[str, Iterable[str]] | None = None,
-              types: Mapping[str, Callable[[str], Any]] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | Any,
+    cls: type,
+    prefix: str = "",
+    *,
+    skip: Iterable[str] = (),
+    help_extra: Mapping[str, str] | None = None,
+    choices: Mapping[str, Iterable[str]] | None = None,
+    types: Mapping[str, Callable[[str], Any]] | None = None,
+) -> None:
     """Adds one flag per scalar (bool, int, float, str) field of dataclass ``cls``; ``types`` overrides a field's
     argparse type (e.g. a port check), ``choices`` limits its values."""
     skip = set(skip)
@@ -66,13 +73,20 @@ def add_stop_flags(parser: argparse.ArgumentParser | Any) -> None:
     """``--drain-s``, ``--grace-s`` (``StopConfig``) and ``--reuse-port`` for a serve command."""
     from tensorwire.service._runtime import StopConfig
 
-    add_flags(parser, StopConfig, help_extra={
-        "drain_s": "on SIGTERM, seconds health says NOT_SERVING before new requests are refused",
-        "grace_s": "then, seconds in-flight requests (and leases they exported) get to finish",
-    })
-    parser.add_argument("--reuse-port", action="store_true",
-                        help="let other processes listen on the same port (SO_REUSEPORT; they split the "
-                             "connections). Off: a port in use is an error (exit code 3)")
+    add_flags(
+        parser,
+        StopConfig,
+        help_extra={
+            "drain_s": "on SIGTERM, seconds health says NOT_SERVING before new requests are refused",
+            "grace_s": "then, seconds in-flight requests (and leases they exported) get to finish",
+        },
+    )
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="let other processes listen on the same port (SO_REUSEPORT; they split the "
+        "connections). Off: a port in use is an error (exit code 3)",
+    )
 
 
 def stop_config(args: argparse.Namespace) -> Any:

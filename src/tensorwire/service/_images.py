@@ -33,8 +33,9 @@ class ImageLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if self.max_item_pixels > self.max_request_pixels:
-            raise ConfigError(f"max_item_pixels={self.max_item_pixels} must be <= max_request_pixels="
-                              f"{self.max_request_pixels}")
+            raise ConfigError(
+                f"max_item_pixels={self.max_item_pixels} must be <= max_request_pixels={self.max_request_pixels}"
+            )
 
 
 def header_size(data: bytes, index: int) -> tuple[int, int]:
@@ -50,8 +51,9 @@ def header_size(data: bytes, index: int) -> tuple[int, int]:
                 width, height = img.size
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         # The reason the decoder gives a file it cannot decode (invalid_payload): the check only comes first.
-        raise InvalidPayload(f"image {index}: cannot decode the header of {len(data)} bytes as an image "
-                             f"({_no_repr(exc)})") from exc
+        raise InvalidPayload(
+            f"image {index}: cannot decode the header of {len(data)} bytes as an image ({_no_repr(exc)})"
+        ) from exc
     return int(width), int(height)
 
 
@@ -62,12 +64,17 @@ def check_pixels(images: Sequence[bytes], limits: ImageLimits) -> int:
         width, height = header_size(data, i)
         pixels = width * height
         if pixels > limits.max_item_pixels:
-            raise InvalidPayload(f"image {i}: {width}x{height} = {pixels} pixels > max_item_pixels="
-                                 f"{limits.max_item_pixels}; refused before decoding", reason=Reason.INVALID_REQUEST)
+            raise InvalidPayload(
+                f"image {i}: {width}x{height} = {pixels} pixels > max_item_pixels="
+                f"{limits.max_item_pixels}; refused before decoding",
+                reason=Reason.INVALID_REQUEST,
+            )
         total += pixels
         if total > limits.max_request_pixels:
-            raise InvalidPayload(f"images 0..{i}: {total} pixels > max_request_pixels={limits.max_request_pixels}; "
-                                 "split the request", reason=Reason.INVALID_REQUEST)
+            raise InvalidPayload(
+                f"images 0..{i}: {total} pixels > max_request_pixels={limits.max_request_pixels}; split the request",
+                reason=Reason.INVALID_REQUEST,
+            )
     return total
 
 

@@ -50,10 +50,21 @@ class WorkerInfo:
 
     @classmethod
     def from_pb(cls, address: str, msg: pb.WorkerInfoResponse) -> WorkerInfo:
-        return cls(address=address, worker_id=msg.worker_id, hostname=msg.hostname, pid=msg.pid, mode=msg.mode,
-                   rdma_provider=msg.rdma_provider, rdma_bind_ip=msg.rdma_bind_ip, rdma_port=msg.rdma_port,
-                   slot_gc_timeout_ms=msg.slot_gc_timeout_ms, model=msg.model, device=msg.device,
-                   hidden_size=msg.hidden_size, version=msg.version)
+        return cls(
+            address=address,
+            worker_id=msg.worker_id,
+            hostname=msg.hostname,
+            pid=msg.pid,
+            mode=msg.mode,
+            rdma_provider=msg.rdma_provider,
+            rdma_bind_ip=msg.rdma_bind_ip,
+            rdma_port=msg.rdma_port,
+            slot_gc_timeout_ms=msg.slot_gc_timeout_ms,
+            model=msg.model,
+            device=msg.device,
+            hidden_size=msg.hidden_size,
+            version=msg.version,
+        )
 
 
 def _answer(get_info: Callable[[], pb.WorkerInfoResponse]) -> Callable[..., pb.WorkerInfoResponse]:
@@ -61,8 +72,9 @@ def _answer(get_info: Callable[[], pb.WorkerInfoResponse]) -> Callable[..., pb.W
         peer = current_call().peer
         if not (peer.loopback or peer.authenticated):
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PERMISSION_DENIED.value),))
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "WorkerInfo answers loopback and mTLS-authenticated "
-                          "callers only")
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "WorkerInfo answers loopback and mTLS-authenticated callers only"
+            )
         return get_info()
 
     return get
@@ -70,43 +82,70 @@ def _answer(get_info: Callable[[], pb.WorkerInfoResponse]) -> Callable[..., pb.W
 
 def info_service(get_info: Callable[[], pb.WorkerInfoResponse]) -> Service:
     """``WorkerInfo/Get`` from ``get_info()`` as a ``GrpcHost`` service (loopback and mTLS callers only)."""
-    return Service(INFO_SERVICE, (Method("Get", _answer(get_info), request_deserializer=pb.WorkerInfoRequest.FromString,
-                                         response_serializer=pb.WorkerInfoResponse.SerializeToString),))
+    return Service(
+        INFO_SERVICE,
+        (
+            Method(
+                "Get",
+                _answer(get_info),
+                request_deserializer=pb.WorkerInfoRequest.FromString,
+                response_serializer=pb.WorkerInfoResponse.SerializeToString,
+            ),
+        ),
+    )
 
 
 def info_handler(get_info: Callable[[], pb.WorkerInfoResponse]) -> grpc.GenericRpcHandler:
     """The same method as a plain generic handler, for a server built without ``GrpcHost`` (test doubles)."""
-    return grpc.method_handlers_generic_handler(INFO_SERVICE, {
-        "Get": grpc.unary_unary_rpc_method_handler(
-            _answer(get_info), request_deserializer=pb.WorkerInfoRequest.FromString,
-            response_serializer=pb.WorkerInfoResponse.SerializeToString),
-    })
+    return grpc.method_handlers_generic_handler(
+        INFO_SERVICE,
+        {
+            "Get": grpc.unary_unary_rpc_method_handler(
+                _answer(get_info),
+                request_deserializer=pb.WorkerInfoRequest.FromString,
+                response_serializer=pb.WorkerInfoResponse.SerializeToString,
+            ),
+        },
+    )
 
 
-def make_info(*, worker_id: str, mode: str, rdma: Any, model: str, device: str,
-              hidden_size: int) -> pb.WorkerInfoResponse:
+def make_info(
+    *, worker_id: str, mode: str, rdma: Any, model: str, device: str, hidden_size: int
+) -> pb.WorkerInfoResponse:
     """The answer of a worker built from its ``RdmaConfig`` (``rdma``) and encoder."""
     import tensorwire
 
     return pb.WorkerInfoResponse(
-        worker_id=worker_id, hostname=socket.gethostname(), pid=os.getpid(), mode=mode,
-        rdma_provider=str(rdma.provider), rdma_bind_ip=str(rdma.bind_ip), rdma_port=int(rdma.port),
-        slot_gc_timeout_ms=int(rdma.slot_gc_timeout_ms), model=model, device=device, hidden_size=hidden_size,
+        worker_id=worker_id,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        mode=mode,
+        rdma_provider=str(rdma.provider),
+        rdma_bind_ip=str(rdma.bind_ip),
+        rdma_port=int(rdma.port),
+        slot_gc_timeout_ms=int(rdma.slot_gc_timeout_ms),
+        model=model,
+        device=device,
+        hidden_size=hidden_size,
         version=tensorwire.__version__,
     )
 
 
 def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float) -> WorkerInfo:
     """Ask one worker, waiting up to ``timeout_s`` for it to come up; raises ``PeerUnavailable``."""
-    call = channel.unary_unary(INFO_METHOD, request_serializer=pb.WorkerInfoRequest.SerializeToString,
-                               response_deserializer=pb.WorkerInfoResponse.FromString)
+    call = channel.unary_unary(
+        INFO_METHOD,
+        request_serializer=pb.WorkerInfoRequest.SerializeToString,
+        response_deserializer=pb.WorkerInfoResponse.FromString,
+    )
     try:
         msg = call(pb.WorkerInfoRequest(), timeout=timeout_s, wait_for_ready=True)
     except grpc.RpcError as exc:
         code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
         raise PeerUnavailable(
             f"worker {address} did not answer WorkerInfo within {timeout_s:.1f} s ({code}); is it a "
-            "`tensorwire serve-encoder` and is it up?") from exc
+            "`tensorwire serve-encoder` and is it up?"
+        ) from exc
     return WorkerInfo.from_pb(address, msg)
 
 
@@ -115,20 +154,31 @@ def check_workers(infos: Sequence[WorkerInfo]) -> None:
     seen_ids: dict[str, str] = {}
     for info in infos:
         if info.worker_id in seen_ids:
-            raise ConfigError(f"workers {seen_ids[info.worker_id]} and {info.address} report the same worker_id "
-                              f"{info.worker_id!r}; receipts could not tell their leases apart")
+            raise ConfigError(
+                f"workers {seen_ids[info.worker_id]} and {info.address} report the same worker_id "
+                f"{info.worker_id!r}; receipts could not tell their leases apart"
+            )
         seen_ids[info.worker_id] = info.address
     fixed = [i for i in infos if i.rdma_port != 0 and i.mode != "grpc" and i.rdma_provider != "none"]
     for a_idx, a in enumerate(fixed):
-        for b in fixed[a_idx + 1:]:
+        for b in fixed[a_idx + 1 :]:
             same_host = a.hostname == b.hostname
             overlapping_ip = not a.rdma_bind_ip or not b.rdma_bind_ip or a.rdma_bind_ip == b.rdma_bind_ip
             if same_host and overlapping_ip and a.rdma_port == b.rdma_port:
                 raise ConfigError(
                     f"workers {a.address} and {b.address} on host {a.hostname} both use the fixed RDMA port "
                     f"{a.rdma_port}; only one can bind it and the other would serve inline only. Give each "
-                    "worker its own --rdma-port, or use --rdma-port 0 (the default)")
+                    "worker its own --rdma-port, or use --rdma-port 0 (the default)"
+                )
 
 
-__all__ = ["INFO_METHOD", "INFO_SERVICE", "WorkerInfo", "check_workers", "fetch_info", "info_handler", "info_service",
-           "make_info"]
+__all__ = [
+    "INFO_METHOD",
+    "INFO_SERVICE",
+    "WorkerInfo",
+    "check_workers",
+    "fetch_info",
+    "info_handler",
+    "info_service",
+    "make_info",
+]

@@ -64,16 +64,27 @@ from tensorwire.service._workers import HealthProber, WorkerHealth, health_check
 log = logging.getLogger(__name__)
 
 # Failures that say nothing about the request itself: another worker may well succeed.
-RETRYABLE = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-})
+RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 # Failures after which the worker may have finished the forward and exported slots that nobody will release.
-MAY_HAVE_EXPORTED = frozenset({
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED,
-})
+MAY_HAVE_EXPORTED = frozenset(
+    {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.ABORTED,
+    }
+)
 
 
 def may_have_orphaned(code: grpc.StatusCode, support_rdma: bool) -> bool:
@@ -85,42 +96,89 @@ ROUND_PAUSE_S = 0.05  # between rounds, so that nothing spins when every worker 
 
 
 # The proxy adds well under a millisecond to a call on a LAN; a worker's compute can take seconds.
-_LATENCY_BUCKETS = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                    30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry, routes: RouteTable, workers: Sequence[str]) -> None:
-        self.requests = Counter("tensorwire_proxy_requests_total", "Encode requests by outcome",
-                                ["outcome"], registry=registry)
-        self.seconds = Histogram("tensorwire_proxy_request_seconds", "Encode latency through the proxy",
-                                 buckets=_LATENCY_BUCKETS, registry=registry)
-        self.worker_up = Gauge("tensorwire_proxy_worker_up",
-                               "1 while a worker is UP (probes and calls say it can serve), 0 while DOWN",
-                               ["worker"], registry=registry)
-        self.worker_downs = Counter("tensorwire_proxy_worker_down_total",
-                                    "Times a worker went from UP to DOWN (failed call, NOT_SERVING or unanswered "
-                                    "probes)", ["worker"], registry=registry)
-        self.worker_errors = Counter("tensorwire_proxy_worker_errors_total",
-                                     "Failed worker calls by worker address and gRPC status", ["worker", "code"],
-                                     registry=registry)
-        self.retries = Counter("tensorwire_proxy_retries_total", "Encode attempts retried on another worker",
-                               registry=registry)
-        self.orphaned = Counter("tensorwire_proxy_slots_possibly_orphaned_total",
-                                "Failed attempts that may have left exported slots on the worker (its GC reclaims)",
-                                ["worker"], registry=registry)
-        self.releases = Counter("tensorwire_proxy_release_leases_total",
-                                "Leases (lease ids) in ReleaseLeases by outcome (released, failed, unknown, "
-                                "poisoned)",
-                                ["outcome"], registry=registry)
-        self.owner_conflicts = Counter("tensorwire_proxy_rdma_owner_conflicts_total",
-                                       "Receipts whose RDMA owner endpoint another worker also used",
-                                       registry=registry)
-        self.bad_receipts = Counter("tensorwire_proxy_bad_receipts_total",
-                                    "Worker responses the proxy could not parse for lease ids", registry=registry)
-        self.refused = Counter("tensorwire_proxy_refused_total",
-                               "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
-                               "request_timeout, work_wait, untrusted_caller", ["reason"], registry=registry)
+        self.requests = Counter(
+            "tensorwire_proxy_requests_total", "Encode requests by outcome", ["outcome"], registry=registry
+        )
+        self.seconds = Histogram(
+            "tensorwire_proxy_request_seconds",
+            "Encode latency through the proxy",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.worker_up = Gauge(
+            "tensorwire_proxy_worker_up",
+            "1 while a worker is UP (probes and calls say it can serve), 0 while DOWN",
+            ["worker"],
+            registry=registry,
+        )
+        self.worker_downs = Counter(
+            "tensorwire_proxy_worker_down_total",
+            "Times a worker went from UP to DOWN (failed call, NOT_SERVING or unanswered probes)",
+            ["worker"],
+            registry=registry,
+        )
+        self.worker_errors = Counter(
+            "tensorwire_proxy_worker_errors_total",
+            "Failed worker calls by worker address and gRPC status",
+            ["worker", "code"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "tensorwire_proxy_retries_total", "Encode attempts retried on another worker", registry=registry
+        )
+        self.orphaned = Counter(
+            "tensorwire_proxy_slots_possibly_orphaned_total",
+            "Failed attempts that may have left exported slots on the worker (its GC reclaims)",
+            ["worker"],
+            registry=registry,
+        )
+        self.releases = Counter(
+            "tensorwire_proxy_release_leases_total",
+            "Leases (lease ids) in ReleaseLeases by outcome (released, failed, unknown, poisoned)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.owner_conflicts = Counter(
+            "tensorwire_proxy_rdma_owner_conflicts_total",
+            "Receipts whose RDMA owner endpoint another worker also used",
+            registry=registry,
+        )
+        self.bad_receipts = Counter(
+            "tensorwire_proxy_bad_receipts_total",
+            "Worker responses the proxy could not parse for lease ids",
+            registry=registry,
+        )
+        self.refused = Counter(
+            "tensorwire_proxy_refused_total",
+            "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
+            "request_timeout, work_wait, untrusted_caller",
+            ["reason"],
+            registry=registry,
+        )
         for address in workers:  # the --worker address as given: what an operator finds in the logs
             self.orphaned.labels(address)
             self.worker_downs.labels(address)
@@ -136,8 +194,11 @@ class _RouteCollector:
         s = self._routes.stats()
         yield GaugeMetricFamily("tensorwire_proxy_routes", "Live lease -> worker routes", value=s.routes)
         for name, value, doc in (
-            ("tensorwire_proxy_lease_collisions", s.collisions_total,
-             "Lease ids claimed by two workers (poisoned; both released)"),
+            (
+                "tensorwire_proxy_lease_collisions",
+                s.collisions_total,
+                "Lease ids claimed by two workers (poisoned; both released)",
+            ),
             ("tensorwire_proxy_routes_expired", s.expired_total, "Routes dropped by TTL without a release"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
@@ -177,36 +238,54 @@ class EncoderProxy:
     ``stop`` is idempotent and closes the worker channels after in-flight calls finished or the grace ran out.
     """
 
-    def __init__(self, config: ProxyConfig, *, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic, reuse_port: bool = False) -> None:
+    def __init__(
+        self,
+        config: ProxyConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        reuse_port: bool = False,
+    ) -> None:
         self.config = config
         self._clock = clock
         opts = config.limits.client_options()
         self._workers = []
         for i, address in enumerate(config.workers):
             ch = secure_or_insecure_channel(address, config.tls, opts)
-            self._workers.append(_Worker(
-                index=i, address=address, channel=ch,
-                encode=ch.unary_unary(wire.ENCODE_METHOD),  # bytes in, bytes out: forwarded unparsed
-                release=ch.unary_unary(wire.RELEASE_METHOD,
-                                       request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
-                                       response_deserializer=wire.ReleaseLeasesResponse.FromString),
-            ))
+            self._workers.append(
+                _Worker(
+                    index=i,
+                    address=address,
+                    channel=ch,
+                    encode=ch.unary_unary(wire.ENCODE_METHOD),  # bytes in, bytes out: forwarded unparsed
+                    release=ch.unary_unary(
+                        wire.RELEASE_METHOD,
+                        request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
+                        response_deserializer=wire.ReleaseLeasesResponse.FromString,
+                    ),
+                )
+            )
         self.routes = RouteTable(route_ttl_s(config.slot_gc_timeout_ms), clock=clock)
         self._registry = registry if registry is not None else REGISTRY
         self._metrics: _Metrics | None = None
         self._rr = itertools.count()
         self._owner_by_endpoint: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._pool = futures.ThreadPoolExecutor(max_workers=max(2, len(self._workers)),
-                                                thread_name_prefix="proxy-release")
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=max(2, len(self._workers)), thread_name_prefix="proxy-release"
+        )
         self._host: GrpcHost | None = None
         self._closed = False
         self._reuse_port = reuse_port
-        self.health = WorkerHealth(len(self._workers), probe_failures=config.probe_failures, clock=clock,
-                                   on_change=self._worker_changed)
-        self._prober = HealthProber([health_check(w.channel, wire.SERVICE_NAME) for w in self._workers],
-                                    self.health, interval_s=config.probe_interval_s, timeout_s=config.probe_timeout_s)
+        self.health = WorkerHealth(
+            len(self._workers), probe_failures=config.probe_failures, clock=clock, on_change=self._worker_changed
+        )
+        self._prober = HealthProber(
+            [health_check(w.channel, wire.SERVICE_NAME) for w in self._workers],
+            self.health,
+            interval_s=config.probe_interval_s,
+            timeout_s=config.probe_timeout_s,
+        )
         self._rl = RateLimitedLog(log)
         self._encodes = Admission()
         self.port: int | None = None
@@ -223,19 +302,37 @@ class EncoderProxy:
             ttl = route_ttl_s(max(i.slot_gc_timeout_ms for i in infos))
             self.routes = RouteTable(ttl, clock=self._clock)
         self._metrics = m = _Metrics(self._registry, self.routes, [w.address for w in self._workers])
-        host = GrpcHost("proxy", (Service(wire.SERVICE_NAME, (
-            Method("Encode", self._encode, lane=Lane.WORK),  # raw bytes both ways
-            Method("ReleaseLeases", self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
-                   response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
-        )),), work_slots=self.config.server_threads, thread_prefix="proxy", limits=self.config.limits,
-            tls=self.config.tls, serving=(wire.SERVICE_NAME,), on_refuse=lambda reason: m.refused.labels(reason).inc(),
-            reuse_port=self._reuse_port)
+        host = GrpcHost(
+            "proxy",
+            (
+                Service(
+                    wire.SERVICE_NAME,
+                    (
+                        Method("Encode", self._encode, lane=Lane.WORK),  # raw bytes both ways
+                        Method(
+                            "ReleaseLeases",
+                            self._release,
+                            request_deserializer=wire.ReleaseLeasesRequest.FromString,
+                            response_serializer=wire.ReleaseLeasesResponse.SerializeToString,
+                        ),
+                    ),
+                ),
+            ),
+            work_slots=self.config.server_threads,
+            thread_prefix="proxy",
+            limits=self.config.limits,
+            tls=self.config.tls,
+            serving=(wire.SERVICE_NAME,),
+            on_refuse=lambda reason: m.refused.labels(reason).inc(),
+            reuse_port=self._reuse_port,
+        )
         port = host.bind(address, insecure=insecure)
         self._host, self.port = host, port
         host.start(serving=self.health.any_up())
         self._prober.start()
-        log.info("proxy serving on port %d for %d workers (route TTL %.1f s)", port, len(self._workers),
-                 self.routes.ttl_s)
+        log.info(
+            "proxy serving on port %d for %d workers (route TTL %.1f s)", port, len(self._workers), self.routes.ttl_s
+        )
         return port
 
     def _worker_changed(self, index: int, up: bool) -> None:
@@ -256,8 +353,10 @@ class EncoderProxy:
                 log.error("no worker can serve: the proxy reports NOT_SERVING")
 
     def _ask_workers(self) -> list[WorkerInfo]:
-        pending = {self._pool.submit(fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s): w
-                   for w in self._workers}
+        pending = {
+            self._pool.submit(fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s): w
+            for w in self._workers
+        }
         infos = []
         for fut, w in pending.items():
             w.info = fut.result()  # raises PeerUnavailable naming the worker
@@ -292,8 +391,9 @@ class EncoderProxy:
         while len(self.routes) and time.monotonic() < deadline:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         if len(self.routes):
-            log.info("proxy stopping with %d lease route(s) not released; the workers' GC reclaims them",
-                     len(self.routes))
+            log.info(
+                "proxy stopping with %d lease route(s) not released; the workers' GC reclaims them", len(self.routes)
+            )
 
     close = stop
 
@@ -309,9 +409,11 @@ class EncoderProxy:
 
     # ---- Encode
     def _attempt_budget_s(self, request: Any) -> float:
-        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in request.inputs),
-                                       worker_timeout_ms=self.config.worker_timeout_ms,
-                                       margin_ms=self.config.rpc_timeout_margin_ms)
+        budget_ms = wire.rpc_budget_ms(
+            (i.timeout_ms for i in request.inputs),
+            worker_timeout_ms=self.config.worker_timeout_ms,
+            margin_ms=self.config.rpc_timeout_margin_ms,
+        )
         return budget_ms / 1000.0
 
     def _encode(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -373,8 +475,12 @@ class EncoderProxy:
                 tried.append(f"{worker.index}:{code.name}")
                 if may_have_orphaned(code, request.support_rdma):
                     m.orphaned.labels(worker.address).inc()
-                    log.warning("worker %s failed with %s after it may have exported RDMA slots; they are "
-                                "reclaimed by its GC (slot_gc_timeout_ms)", worker.address, code.name)
+                    log.warning(
+                        "worker %s failed with %s after it may have exported RDMA slots; they are "
+                        "reclaimed by its GC (slot_gc_timeout_ms)",
+                        worker.address,
+                        code.name,
+                    )
                 if code not in RETRYABLE:
                     break
                 log.info("worker %s failed with %s; trying another worker", worker.address, code.name)
@@ -433,9 +539,15 @@ class EncoderProxy:
         if problem is not None and not last:
             self._metrics.bad_receipts.inc()
             self._metrics.worker_errors.labels(worker.address, "BAD_RECEIPT").inc()
-            self._rl.log(logging.WARNING, f"bad-receipt-{worker.index}", "worker %s sent a receipt a reader would "
-                         "reject (%s); releasing its %d lease(s) there and asking another worker", worker.address,
-                         problem, len(ids))
+            self._rl.log(
+                logging.WARNING,
+                f"bad-receipt-{worker.index}",
+                "worker %s sent a receipt a reader would "
+                "reject (%s); releasing its %d lease(s) there and asking another worker",
+                worker.address,
+                problem,
+                len(ids),
+            )
             if ids:
                 self._pool.submit(self._release_on, worker, ids, self.config.release_timeout_ms / 1e3)
             return False
@@ -460,8 +572,10 @@ class EncoderProxy:
             self._check_owner(worker, desc.owner.endpoint)
         collided = self.routes.record(worker.address, lease_ids)
         if collided:
-            log.error("lease id collision between workers %s; the ids are poisoned and released on both",
-                      sorted({w for w, _ in collided}))
+            log.error(
+                "lease id collision between workers %s; the ids are poisoned and released on both",
+                sorted({w for w, _ in collided}),
+            )
             by_worker: dict[str, list[str]] = {}
             for w, lease in collided:
                 by_worker.setdefault(w, []).append(lease)
@@ -481,8 +595,12 @@ class EncoderProxy:
         if owner != worker.address:
             assert self._metrics is not None
             self._metrics.owner_conflicts.inc()
-            log.error("workers %s and %s both export from RDMA endpoint %s; give each worker its own --rdma-port",
-                      owner, worker.address, endpoint)
+            log.error(
+                "workers %s and %s both export from RDMA endpoint %s; give each worker its own --rdma-port",
+                owner,
+                worker.address,
+                endpoint,
+            )
 
     def _by_address(self, address: str) -> _Worker:
         return next(w for w in self._workers if w.address == address)
@@ -519,16 +637,19 @@ class EncoderProxy:
                 m.releases.labels("failed").inc(len(ids))
                 code = exc.code().name if isinstance(exc, grpc.RpcError) and hasattr(exc, "code") else "DEADLINE"
                 m.worker_errors.labels(address, code).inc()
-                log.warning("release of %d lease(s) on %s failed (%s); routes kept for a retry",
-                            len(ids), address, code)
+                log.warning(
+                    "release of %d lease(s) on %s failed (%s); routes kept for a retry", len(ids), address, code
+                )
                 continue
             self.routes.confirm_released(plan, address)
             m.releases.labels("released").inc(len(ids))
         if failed:
             context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.PEER_UNAVAILABLE.value),))
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"release failed on {len(failed)} of {len(plan.by_worker)} worker(s) {failed}; "
-                          "routes kept, retry the release")
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"release failed on {len(failed)} of {len(plan.by_worker)} worker(s) {failed}; "
+                "routes kept, retry the release",
+            )
         asked = len(set(request.lease_ids))
         return wire.ReleaseLeasesResponse(released=released, unknown=asked - released)
 

@@ -45,6 +45,7 @@ class StopConfig:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
+
 log = logging.getLogger(__name__)
 
 
@@ -64,8 +65,9 @@ class ServedMetrics:
 
         from tensorwire import __version__
 
-        info = GaugeMetricFamily("tensorwire_build_info", "The tensorwire version this process runs (always 1)",
-                                 labels=["version", "python"])
+        info = GaugeMetricFamily(
+            "tensorwire_build_info", "The tensorwire version this process runs (always 1)", labels=["version", "python"]
+        )
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
         for family in self._registry.collect():
@@ -97,8 +99,10 @@ class MetricsServer:
             self._server, self._thread = start_http_server(port, addr=host, registry=served, **kwargs)
         except OSError as exc:
             why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-            raise ConfigError(f"cannot listen on {host}:{port} for /metrics: {why} (pick another --metrics-port, "
-                              "or -1 for none)", reason=Reason.BIND_FAILED) from exc
+            raise ConfigError(
+                f"cannot listen on {host}:{port} for /metrics: {why} (pick another --metrics-port, or -1 for none)",
+                reason=Reason.BIND_FAILED,
+            ) from exc
         self.scheme = "https" if kwargs else "http"
         self.host = host
         self.port = int(self._server.server_address[1])
@@ -126,8 +130,10 @@ def serve_metrics(port: int, host: str, *, tls: Any, insecure: bool) -> MetricsS
     if is_loopback_host(host) or insecure:
         return MetricsServer(port, host)
     if tls is None or not tls.server_enabled:
-        raise ConfigError(f"refusing plaintext /metrics on {host!r} (not loopback): give the server a certificate "
-                          "(--tls-cert, --tls-key) or pass --insecure")
+        raise ConfigError(
+            f"refusing plaintext /metrics on {host!r} (not loopback): give the server a certificate "
+            "(--tls-cert, --tls-key) or pass --insecure"
+        )
     return MetricsServer(port, host, tls=tls)
 
 
@@ -219,6 +225,21 @@ def exit_code_for(exc: BaseException) -> int:
     return EXIT_FAILED
 
 
-__all__ = ["EXIT_BIND", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "MetricsServer", "ServedMetrics", "StopConfig",
-           "drain_releases", "exit_code_for", "exit_now", "fail", "parse_ready", "print_ready", "serve_metrics",
-           "stdout_to_stderr", "wait_for_signal"]
+__all__ = [
+    "EXIT_BIND",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "MetricsServer",
+    "ServedMetrics",
+    "StopConfig",
+    "drain_releases",
+    "exit_code_for",
+    "exit_now",
+    "fail",
+    "parse_ready",
+    "print_ready",
+    "serve_metrics",
+    "stdout_to_stderr",
+    "wait_for_signal",
+]

@@ -55,8 +55,10 @@ def make_encode_fn(encoder: VisionEncoder, limits: ImageLimits | None = None) ->
     def encode_fn(inputs: list[MultimodalInput]) -> EncoderOutput:
         for i, item in enumerate(inputs):
             if item.kind != "image":
-                raise InvalidPayload(f"input {i}: kind {item.kind!r} is not supported; this encoder takes 'image'",
-                                     reason=Reason.INVALID_REQUEST)
+                raise InvalidPayload(
+                    f"input {i}: kind {item.kind!r} is not supported; this encoder takes 'image'",
+                    reason=Reason.INVALID_REQUEST,
+                )
         images = [item.data for item in inputs]
         if not images or len(images) > encoder.preprocess.max_images:
             encoder.encode(images)  # raises the encoder's own refusal (empty, too many) before any decoding
@@ -66,8 +68,7 @@ def make_encode_fn(encoder: VisionEncoder, limits: ImageLimits | None = None) ->
         for i, data in enumerate(images):
             call.check(f"image {i} of {len(images)}")
             results.extend(encoder.encode([data]))
-        return EncoderOutput(embeddings=[r.embedding for r in results],
-                             position_ids=[r.position_ids for r in results])
+        return EncoderOutput(embeddings=[r.embedding for r in results], position_ids=[r.position_ids for r in results])
 
     return encode_fn
 
@@ -82,10 +83,18 @@ class EncoderWorker:
     thread) builds the encoder and then reports SERVING.
     """
 
-    def __init__(self, encoder: VisionEncoder | None, config: TransportConfig, *, model: str = "builtin",
-                 metrics: TransportMetrics | None = None, reuse_port: bool = False,
-                 load: Callable[[], VisionEncoder] | None = None, device: str = "cpu",
-                 image_limits: ImageLimits | None = None) -> None:
+    def __init__(
+        self,
+        encoder: VisionEncoder | None,
+        config: TransportConfig,
+        *,
+        model: str = "builtin",
+        metrics: TransportMetrics | None = None,
+        reuse_port: bool = False,
+        load: Callable[[], VisionEncoder] | None = None,
+        device: str = "cpu",
+        image_limits: ImageLimits | None = None,
+    ) -> None:
         if (encoder is None) == (load is None):
             raise ConfigError("EncoderWorker needs an encoder or a loader (EncoderWorker.loading), not both")
         self.encoder: VisionEncoder | None = encoder
@@ -104,8 +113,9 @@ class EncoderWorker:
         self.host = ""
 
     @classmethod
-    def loading(cls, load: Callable[[], VisionEncoder], config: TransportConfig, *, device: str = "cpu",
-                **kwargs: Any) -> EncoderWorker:
+    def loading(
+        cls, load: Callable[[], VisionEncoder], config: TransportConfig, *, device: str = "cpu", **kwargs: Any
+    ) -> EncoderWorker:
         """A worker whose encoder ``load()`` builds after ``start``; health says NOT_SERVING until then."""
         return cls(None, config, load=load, device=device, **kwargs)
 
@@ -124,15 +134,23 @@ class EncoderWorker:
     def _encode(self, inputs: list[MultimodalInput]) -> EncoderOutput:
         fn = self._encode_fn
         if fn is None:
-            raise PeerUnavailable(f"encoder {self.worker_id} is still loading its model; retry shortly or send the "
-                                  "request to another worker", reason=Reason.PEER_UNAVAILABLE)
+            raise PeerUnavailable(
+                f"encoder {self.worker_id} is still loading its model; retry shortly or send the "
+                "request to another worker",
+                reason=Reason.PEER_UNAVAILABLE,
+            )
         return fn(inputs)  # type: ignore[no-any-return]
 
     def _info(self) -> Any:
         enc = self.encoder
-        return make_info(worker_id=self.worker_id, mode=self.config.mode, rdma=self.config.rdma, model=self.model,
-                         device=str(enc.device) if enc is not None else self._device,
-                         hidden_size=enc.hidden_size if enc is not None else 0)
+        return make_info(
+            worker_id=self.worker_id,
+            mode=self.config.mode,
+            rdma=self.config.rdma,
+            model=self.model,
+            device=str(enc.device) if enc is not None else self._device,
+            hidden_size=enc.hidden_size if enc is not None else 0,
+        )
 
     def start(self, address: str = "127.0.0.1:0", *, insecure: bool = False) -> int:
         """Binds ``address`` (``ConfigError`` with reason ``BIND_FAILED`` when it cannot) and serves; SERVING when
@@ -140,8 +158,14 @@ class EncoderWorker:
         address needs ``insecure`` (``--insecure``)."""
         if self._host is not None:
             raise RuntimeError("worker already started")
-        host = encoder_host("encoder", (self.service.methods(), info_service(self._info)), self.config,
-                            self.transport.metrics, thread_prefix="tensorwire-encoder", reuse_port=self.reuse_port)
+        host = encoder_host(
+            "encoder",
+            (self.service.methods(), info_service(self._info)),
+            self.config,
+            self.transport.metrics,
+            thread_prefix="tensorwire-encoder",
+            reuse_port=self.reuse_port,
+        )
         try:
             port = host.bind(address, insecure=insecure)
         except ConfigError:
@@ -153,9 +177,14 @@ class EncoderWorker:
         self.service.start_local()  # the same-host control channel, unless local_channel is off
         host.start(serving=self.loaded)
         self._host = host
-        log.info("encoder worker %s on %s: %s, mode %s, rdma port %d", self.worker_id, self.address,
-                 self.encoder.describe() if self.encoder is not None else f"loading model {self.model}",
-                 self.config.mode, self.config.rdma.port)
+        log.info(
+            "encoder worker %s on %s: %s, mode %s, rdma port %d",
+            self.worker_id,
+            self.address,
+            self.encoder.describe() if self.encoder is not None else f"loading model {self.model}",
+            self.config.mode,
+            self.config.rdma.port,
+        )
         return port
 
     def load(self) -> VisionEncoder:
@@ -181,8 +210,13 @@ class EncoderWorker:
         until = time.monotonic() + drain_s + grace_s  # the same-host channel gets what is left of the grace
         try:
             if self._host is not None:
-                self._host.stop(grace_s, drain=self.service.close_streams, drain_s=drain_s,
-                                quiesce=self.service.quiesce, settle=self.service.settle)
+                self._host.stop(
+                    grace_s,
+                    drain=self.service.close_streams,
+                    drain_s=drain_s,
+                    quiesce=self.service.quiesce,
+                    settle=self.service.settle,
+                )
         finally:
             try:
                 self.service.close_local(max(0.0, until - time.monotonic()))

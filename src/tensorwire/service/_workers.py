@@ -47,8 +47,14 @@ class WorkerState:
 class WorkerHealth:
     """Per-worker UP/DOWN (module docstring). ``n`` workers, all UP at first (the proxy asked them at start-up)."""
 
-    def __init__(self, n: int, *, probe_failures: int = 2, clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[int, bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        *,
+        probe_failures: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int, bool], None] | None = None,
+    ) -> None:
         if n < 1 or probe_failures < 1:
             raise ValueError("WorkerHealth needs n >= 1 and probe_failures >= 1")
         self._clock = clock
@@ -122,9 +128,11 @@ Check = Callable[[float], int | None]
 
 def health_check(channel: grpc.Channel, service: str) -> Check:
     """A ``Check`` over ``channel`` asking for ``service``'s status."""
-    call = channel.unary_unary("/grpc.health.v1.Health/Check",
-                               request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                               response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    call = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
     request = health_pb2.HealthCheckRequest(service=service)
 
     def check(timeout_s: float) -> int | None:

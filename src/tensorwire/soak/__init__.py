@@ -25,4 +25,4 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-__getattr__ = lazy_exports('tensorwire.soak', _LAZY, globals())
+__getattr__ = lazy_exports("tensorwire.soak", _LAZY, globals())

@@ -64,8 +64,9 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             threading.Timer(random.uniform(0.0, 0.003), os.kill, (os.getpid(), signal.SIGKILL)).start()
 
     cfg = TransportConfig.from_env(os.environ)
-    cfg = dataclasses.replace(cfg, mode=spec["mode"], release_timeout_ms=spec["release_timeout_ms"],
-                              open_seconds=spec["breaker_open_s"])
+    cfg = dataclasses.replace(
+        cfg, mode=spec["mode"], release_timeout_ms=spec["release_timeout_ms"], open_seconds=spec["breaker_open_s"]
+    )
     images: list[bytes] = spec["images"]
     digests: dict[tuple[int, ...], str] = spec["digests"]
     keys = sorted(digests)
@@ -99,9 +100,13 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             else:
                 digest = output_digest(out.embeddings, out.position_ids)
                 ok = digest == digests[key]
-                res.update(outcome="ok" if ok else "wrong", plane=out.plane.value,
-                           fallback=out.fallback_reason.value if out.fallback_reason else None,
-                           worker=out.worker_id, nbytes=out.payload_bytes)
+                res.update(
+                    outcome="ok" if ok else "wrong",
+                    plane=out.plane.value,
+                    fallback=out.fallback_reason.value if out.fallback_reason else None,
+                    worker=out.worker_id,
+                    nbytes=out.payload_bytes,
+                )
             finally:
                 with inflight_lock:
                     inflight.pop(tid, None)
@@ -128,8 +133,10 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
                 if res["outcome"] != "ok":
                     time.sleep(ERROR_BACKOFF_S)
 
-        threads = [threading.Thread(target=loop, args=(i,), name=f"soak-client-{i}", daemon=True)
-                   for i in range(spec["threads"])]
+        threads = [
+            threading.Thread(target=loop, args=(i,), name=f"soak-client-{i}", daemon=True)
+            for i in range(spec["threads"])
+        ]
         for t in threads:
             t.start()
         while not stop.value:
@@ -151,9 +158,21 @@ def _child(conn: Any, counters: Any, slot: int, spec: dict[str, Any], stop: Any,
             drained = drain_releases(transport, 5.0)
         time.sleep(0.2)  # the last batch's RPC may still be in flight after pending reached 0
         end = sample()
-        send(("final", {"baseline": baseline, "baseline_t": baseline_t, "end": end, "hung_at_stop": len(hung),
-                        "drained": drained, "baseline_thread_names": baseline_names, "end_thread_names": thread_names(),
-                        "release_queue_dropped": _dropped(transport)}))
+        send(
+            (
+                "final",
+                {
+                    "baseline": baseline,
+                    "baseline_t": baseline_t,
+                    "end": end,
+                    "hung_at_stop": len(hung),
+                    "drained": drained,
+                    "baseline_thread_names": baseline_names,
+                    "end_thread_names": thread_names(),
+                    "release_queue_dropped": _dropped(transport),
+                },
+            )
+        )
     except (EOFError, BrokenPipeError):
         pass
     finally:

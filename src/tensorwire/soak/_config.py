@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from tensorwire.errors import ConfigError
 
 FAULT_KINDS: tuple[str, ...] = (
-    "reader_kill",      # a client process SIGKILLed while one of its RDMA reads is in flight (never client 0)
-    "worker_restart",   # an encoder worker SIGKILLed, a new one started, its relay pointed at it (never worker 0)
-    "release_drop",     # ReleaseLeases answered "released" by a relay without reaching the worker
-    "release_delay",    # ReleaseLeases held back by a relay for up to 1.5 s
-    "unavailable",      # a relay answers UNAVAILABLE to every call for 0.5-3 s (front or one worker)
-    "pool",             # worker 1 runs with a tiny pool_cap_bytes: exports fail with PoolExhausted
-    "corrupt",          # receipts rewritten by a relay (bad descriptors, roles, split sizes, inline fields)
+    "reader_kill",  # a client process SIGKILLed while one of its RDMA reads is in flight (never client 0)
+    "worker_restart",  # an encoder worker SIGKILLed, a new one started, its relay pointed at it (never worker 0)
+    "release_drop",  # ReleaseLeases answered "released" by a relay without reaching the worker
+    "release_delay",  # ReleaseLeases held back by a relay for up to 1.5 s
+    "unavailable",  # a relay answers UNAVAILABLE to every call for 0.5-3 s (front or one worker)
+    "pool",  # worker 1 runs with a tiny pool_cap_bytes: exports fail with PoolExhausted
+    "corrupt",  # receipts rewritten by a relay (bad descriptors, roles, split sizes, inline fields)
 )
 
 
@@ -49,18 +49,18 @@ class Topology:
 @dataclass(frozen=True)
 class SoakConfig:
     duration_s: float = 60.0
-    concurrency: int = 8           # fetcher threads over all client processes
-    client_processes: int = 0      # 0: min(4, concurrency)
+    concurrency: int = 8  # fetcher threads over all client processes
+    client_processes: int = 0  # 0: min(4, concurrency)
     faults: tuple[str, ...] = FAULT_KINDS
     seed: int = 1
     workers: int = 2
     # Short GC window so "no lease outstanding after the GC window" is checked within seconds.
     slot_gc_timeout_ms: int = 3_000
     tiny_pool_cap_bytes: int = 3 * 1024 * 1024  # the "pool" fault's worker: about two large outputs
-    budget_ms: int = 20_000        # each fetch's total budget
-    hang_grace_s: float = 10.0     # a fetch still running budget + grace after it started is hung
+    budget_ms: int = 20_000  # each fetch's total budget
+    hang_grace_s: float = 10.0  # a fetch still running budget + grace after it started is hung
     release_timeout_ms: int = 1_000
-    breaker_open_s: float = 2.0    # short, so an opened breaker is probed again within the soak
+    breaker_open_s: float = 2.0  # short, so an opened breaker is probed again within the soak
     fault_interval_s: tuple[float, float] = (0.5, 2.0)
     worker_restart_min_gap_s: float = 8.0
     # At most one worker faulted (restarting or cut off) at a time, so one healthy worker can always serve; the
@@ -73,8 +73,8 @@ class SoakConfig:
     progress_s: float = 5.0
     # A worker's start (model + RDMA exporter) and the clients' warm-up, each; minutes on a crowded 2-core host.
     startup_timeout_s: float = 600.0
-    sample_s: float = 1.0          # resource timeline period
-    warmup: int = 18               # fetches per client process before the baseline (all shapes, both workers)
+    sample_s: float = 1.0  # resource timeline period
+    warmup: int = 18  # fetches per client process before the baseline (all shapes, both workers)
     extra: dict[str, str] = field(default_factory=dict)
     topology: Topology | None = None  # None: every process on this host's loopback
 
@@ -87,7 +87,8 @@ class SoakConfig:
         if "pool" in self.faults and self.workers < 2:
             raise ConfigError("the pool fault needs two workers (one keeps a normal pool)")
         if self.topology is not None and not (
-                len(self.topology.worker_netns) == len(self.topology.worker_hosts) == self.workers):
+            len(self.topology.worker_netns) == len(self.topology.worker_hosts) == self.workers
+        ):
             raise ConfigError("topology needs one worker namespace and one worker host per worker")
         for p in self.planes:
             if p not in ("auto", "grpc"):

@@ -32,8 +32,13 @@ def _identity(data: bytes) -> bytes:
 
 
 class LiveEncoder:
-    def __init__(self, images: list[bytes], digests: dict[tuple[int, ...], str], env: dict[str, str] | None = None,
-                 timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        images: list[bytes],
+        digests: dict[tuple[int, ...], str],
+        env: dict[str, str] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
         import grpc
 
         from tensorwire.mm import TransportConfig, wire
@@ -44,10 +49,12 @@ class LiveEncoder:
         cfg = TransportConfig(mode="auto", worker_id="fuzz-worker", rdma=RdmaConfig(slot_gc_timeout_ms=2000))
         self.worker = WorkerProcess(cfg, dict(env or {}))
         self._channel = grpc.insecure_channel(self.worker.address, options=wire.channel_options())
-        self._encode = self._channel.unary_unary(wire.ENCODE_METHOD, request_serializer=_identity,
-                                                 response_deserializer=_identity)
-        self._release = self._channel.unary_unary(wire.RELEASE_METHOD, request_serializer=_identity,
-                                                  response_deserializer=_identity)
+        self._encode = self._channel.unary_unary(
+            wire.ENCODE_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
+        self._release = self._channel.unary_unary(
+            wire.RELEASE_METHOD, request_serializer=_identity, response_deserializer=_identity
+        )
         self._wire = wire
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable[bytes, bytes], data: bytes) -> tuple[str, bytes]:
@@ -133,8 +140,15 @@ def hello_live(data: bytes, timeout_s: float = 1.0) -> str:
 
     def rank0() -> None:
         try:
-            b = CpuTpBroadcaster(0, 2, session, backend="uds", base_dir=base, init_timeout_s=timeout_s,
-                                 config=BroadcastConfig(check_peer_uid=False))
+            b = CpuTpBroadcaster(
+                0,
+                2,
+                session,
+                backend="uds",
+                base_dir=base,
+                init_timeout_s=timeout_s,
+                config=BroadcastConfig(check_peer_uid=False),
+            )
             b.close()
             result["out"] = "ok"
         except TensorwireError as exc:

@@ -42,6 +42,7 @@ def _typed(exc: TensorwireError) -> str:
 
 # ---- descriptor
 
+
 def target_descriptor(data: bytes) -> str:
     from tensorwire.rdma import Descriptor
 
@@ -58,6 +59,7 @@ def target_descriptor(data: bytes) -> str:
 
 
 # ---- inline tensor
+
 
 def target_inline_tensor(data: bytes) -> str:
     from google.protobuf.message import DecodeError
@@ -79,6 +81,7 @@ def target_inline_tensor(data: bytes) -> str:
 
 
 # ---- the client's receipt parse against protobuf's
+
 
 def _protobuf_parse(cls: Any, data: bytes) -> Any:
     from google.protobuf.message import DecodeError
@@ -167,6 +170,7 @@ def _same_read(data: bytes, ref: Any) -> None:
 
 # ---- receipt through the real client
 
+
 class _MemReader:
     """Reads succeed with deterministic bytes of the manifest's shapes (the data plane itself is not fuzzed here)."""
 
@@ -227,15 +231,17 @@ class ReceiptHarness:
         from tensorwire.mm import RemoteOutputTransport, TransportConfig, TransportMetrics
         from tensorwire.mm.client._grpc import GrpcControlChannel
 
-        cfg = TransportConfig(mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9,
-                              control_stream=False)
+        cfg = TransportConfig(
+            mode="auto", fallback_reserve_ms=0, min_fallback_ms=0, failures_to_open=10**9, control_stream=False
+        )
         metrics = TransportMetrics(CollectorRegistry())
         self.responses: list[bytes] = []
         # Duck-typed: with control_stream off the control channel calls only unary_unary and close.
         stub = cast(grpc.Channel, _StubGrpcChannel(self.responses))
         channel = GrpcControlChannel("fuzz:1", cfg, metrics, grpc_channel=stub)
-        self.transport = RemoteOutputTransport("fuzz:1", cfg, channel=channel, reader_factory=lambda _c: _MemReader(),
-                                               metrics=metrics)
+        self.transport = RemoteOutputTransport(
+            "fuzz:1", cfg, channel=channel, reader_factory=lambda _c: _MemReader(), metrics=metrics
+        )
         assert self.transport.wait_ready(10.0)
 
     def __call__(self, data: bytes) -> str:
@@ -260,10 +266,11 @@ class ReceiptHarness:
 
 # ---- broadcaster frames
 
+
 def target_frame_header(data: bytes) -> str:
     from tensorwire.tp._frame import HEADER, decode_header
 
-    buf = (data + bytes(HEADER.size))[:HEADER.size]  # the link reads exactly HEADER.size bytes first
+    buf = (data + bytes(HEADER.size))[: HEADER.size]  # the link reads exactly HEADER.size bytes first
     try:
         decode_header(buf, 1)
     except TensorwireError as exc:
@@ -289,6 +296,7 @@ def target_frame_table(data: bytes) -> str:
 
 # ---- broadcaster handshake
 
+
 class HelloHarness:
     """Rank 0's handshake validation against arbitrary HELLO bytes (the reject goes to a socketpair)."""
 
@@ -305,7 +313,7 @@ class HelloHarness:
         from tensorwire.tp._link import Link
         from tensorwire.tp._star import HELLO
 
-        raw = (data + bytes(HELLO.size))[:HELLO.size]
+        raw = (data + bytes(HELLO.size))[: HELLO.size]
         a, b = socket.socketpair()
         a.setblocking(False)
         link = Link(a, 0, -1)
@@ -322,6 +330,7 @@ class HelloHarness:
 
 # ---- seeds
 
+
 def seed_descriptors(rng: random.Random, n: int = 8) -> list[bytes]:
     from tensorwire.rdma import Descriptor, Owner, TensorMeta
 
@@ -330,12 +339,20 @@ def seed_descriptors(rng: random.Random, n: int = 8) -> list[bytes]:
         rows = rng.randint(1, 64)
         emb_bytes = rows * 64 * 4
         pos_off = (emb_bytes + 4095) // 4096 * 4096
-        d = Descriptor(owner=Owner(f"tw-exporter-fuzz-{i}", "127.0.0.1", 40000 + i, rng.randint(0, 5)),
-                       mem_type="DRAM", device_id=0, slot_addr=0x7F0000000000 + 4096 * i,
-                       payload_bytes=pos_off + rows * 2 * 8, lease_id=f"{rng.getrandbits(64):016x}-{i}",
-                       generation=rng.randint(1, 1000), generation_addr=0x7E0000000000 + 8 * i,
-                       manifest=(TensorMeta((rows, 64), torch.float32, 0, emb_bytes),
-                                 TensorMeta((rows, 2), torch.int64, pos_off, rows * 16)))
+        d = Descriptor(
+            owner=Owner(f"tw-exporter-fuzz-{i}", "127.0.0.1", 40000 + i, rng.randint(0, 5)),
+            mem_type="DRAM",
+            device_id=0,
+            slot_addr=0x7F0000000000 + 4096 * i,
+            payload_bytes=pos_off + rows * 2 * 8,
+            lease_id=f"{rng.getrandbits(64):016x}-{i}",
+            generation=rng.randint(1, 1000),
+            generation_addr=0x7E0000000000 + 8 * i,
+            manifest=(
+                TensorMeta((rows, 64), torch.float32, 0, emb_bytes),
+                TensorMeta((rows, 2), torch.int64, pos_off, rows * 16),
+            ),
+        )
         out.append(d.to_bytes())
     return out
 
@@ -384,9 +401,9 @@ def seed_frames(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
         tensors = [torch.zeros(rng.randint(1, 4), dtype=torch.float32) for _ in range(rng.randint(1, 3))]
         keys = [f"k{i}" for i in range(len(tensors))]
         prefix, _offsets, payload = encode_prefix(1, rng.randint(0, 9), 2, keys, tensors, 64)
-        headers.append(bytes(prefix[:HEADER.size]))
+        headers.append(bytes(prefix[: HEADER.size]))
         # target_frame_table's framing: n, payload/64 (2 bytes), then the table
-        tables.append(bytes([len(tensors)]) + (payload // 64 + 1).to_bytes(2, "little") + bytes(prefix[HEADER.size:]))
+        tables.append(bytes([len(tensors)]) + (payload // 64 + 1).to_bytes(2, "little") + bytes(prefix[HEADER.size :]))
     return headers, tables
 
 
@@ -397,8 +414,10 @@ def seed_hellos() -> list[bytes]:
     from tensorwire.tp._star import BACKEND_CODES, HELLO, HELLO_MAGIC, PROTO_VERSION
 
     params = hashlib.blake2b(b"p", digest_size=16).digest()
-    return [HELLO.pack(HELLO_MAGIC, PROTO_VERSION, BACKEND_CODES["uds"], 0, r, 4, session_digest("fuzz"), params)
-            for r in (1, 2, 3)]
+    return [
+        HELLO.pack(HELLO_MAGIC, PROTO_VERSION, BACKEND_CODES["uds"], 0, r, 4, session_digest("fuzz"), params)
+        for r in (1, 2, 3)
+    ]
 
 
 def seed_stream_answers(rng: random.Random) -> list[bytes]:
@@ -413,6 +432,19 @@ def seed_stream_answers(rng: random.Random) -> list[bytes]:
     return out
 
 
-__all__ = ["ReceiptHarness", "HelloHarness", "target_descriptor", "target_inline_tensor", "target_receipt_wire",
-           "target_stream_wire", "target_frame_header", "target_frame_table", "seed_descriptors", "seed_receipts",
-           "seed_stream_answers", "seed_inline_tensors", "seed_frames", "seed_hellos"]
+__all__ = [
+    "ReceiptHarness",
+    "HelloHarness",
+    "target_descriptor",
+    "target_inline_tensor",
+    "target_receipt_wire",
+    "target_stream_wire",
+    "target_frame_header",
+    "target_frame_table",
+    "seed_descriptors",
+    "seed_receipts",
+    "seed_stream_answers",
+    "seed_inline_tensors",
+    "seed_frames",
+    "seed_hellos",
+]

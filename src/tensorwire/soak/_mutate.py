@@ -8,8 +8,16 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-INTERESTING = (b"\x00", b"\xff", b"\x7f", b"\x80", b"\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-               b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", b"\x08\x00", b"\x12\x00")
+INTERESTING = (
+    b"\x00",
+    b"\xff",
+    b"\x7f",
+    b"\x80",
+    b"\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+    b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+    b"\x08\x00",
+    b"\x12\x00",
+)
 
 
 def mutate(data: bytes, rng: random.Random, corpus: Sequence[bytes] = ()) -> bytes:
@@ -24,20 +32,20 @@ def mutate(data: bytes, rng: random.Random, corpus: Sequence[bytes] = ()) -> byt
         elif op == 1 and n:  # byte set
             buf[rng.randrange(n)] = rng.randrange(256)
         elif op == 2 and n:  # truncate
-            del buf[rng.randrange(n):]
+            del buf[rng.randrange(n) :]
         elif op == 3:  # insert an interesting run (varints, lengths)
             i = rng.randrange(n + 1)
             buf[i:i] = rng.choice(INTERESTING)
         elif op == 4 and n > 1:  # delete a range
             i = rng.randrange(n)
-            del buf[i:i + rng.randint(1, 16)]
+            del buf[i : i + rng.randint(1, 16)]
         elif op == 5 and corpus:  # splice with another seed
             other = rng.choice(corpus)
             i, j = rng.randrange(n + 1), rng.randrange(len(other) + 1)
             buf = buf[:i] + bytearray(other[j:])
         elif op == 6 and n:  # duplicate a chunk (repeated fields)
             i = rng.randrange(n)
-            buf[i:i] = buf[i:i + rng.randint(1, 32)]
+            buf[i:i] = buf[i : i + rng.randint(1, 32)]
         else:  # random bytes
             i = rng.randrange(n + 1)
             buf[i:i] = rng.randbytes(rng.randint(1, 16))
@@ -46,9 +54,6 @@ def mutate(data: bytes, rng: random.Random, corpus: Sequence[bytes] = ()) -> byt
 
 def random_bytes(rng: random.Random, max_len: int = 256) -> bytes:
     return rng.randbytes(rng.randint(0, max_len))
-
-
-
 
 
 _EDGE_INTS = (0, 1, -1, 2**31 - 1, -(2**31), 2**63 - 1, -(2**63), 4095, 4097, 2**40)
@@ -69,8 +74,11 @@ def mutate_message(msg: Any, rng: random.Random, depth: int = 0) -> bool:
     repeated = bool(f.is_repeated) if hasattr(f, "is_repeated") else f.label == F.LABEL_REPEATED
     if f.type == F.TYPE_MESSAGE:
         if f.message_type.GetOptions().map_entry:
-            getattr(msg, f.name)[rng.choice(("", "x" * 300, "k"))] = rng.choice(("", "v")) \
-                if f.message_type.fields_by_name["value"].type == F.TYPE_STRING else rng.choice(_EDGE_INTS)
+            getattr(msg, f.name)[rng.choice(("", "x" * 300, "k"))] = (
+                rng.choice(("", "v"))
+                if f.message_type.fields_by_name["value"].type == F.TYPE_STRING
+                else rng.choice(_EDGE_INTS)
+            )
             return True
         if repeated:
             items = getattr(msg, f.name)
@@ -122,4 +130,6 @@ def mutate_proto(data: bytes, cls: type[Message], rng: random.Random) -> bytes:
     for _ in range(rng.randint(1, 3)):
         mutate_message(msg, rng)
     return msg.SerializeToString()
+
+
 __all__ = ["mutate", "mutate_message", "mutate_proto", "random_bytes"]

@@ -52,8 +52,10 @@ class FaultRelay:
         self.counts: Counter[str] = Counter()
         self._closed = False
         self.retarget(target)
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"relay-{name}"),
-                                   options=wire.channel_options())
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"relay-{name}"),
+            options=wire.channel_options(),
+        )
         self._server.add_generic_rpc_handlers((_Handler(self),))
         self.port = self._server.add_insecure_port(f"{host}:0")
         self._server.start()
@@ -144,8 +146,11 @@ class FaultRelay:
 
 
 def _forwardable(context: grpc.ServicerContext) -> tuple[tuple[str, Any], ...]:
-    return tuple((k, v) for k, v in context.invocation_metadata()
-                 if not k.startswith(("grpc-", ":")) and k not in ("user-agent", "te", "content-type"))
+    return tuple(
+        (k, v)
+        for k, v in context.invocation_metadata()
+        if not k.startswith(("grpc-", ":")) and k not in ("user-agent", "te", "content-type")
+    )
 
 
 class _Handler(grpc.GenericRpcHandler):
@@ -162,8 +167,9 @@ class _Handler(grpc.GenericRpcHandler):
         def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
             return self._relay.forward(method, request, context)
 
-        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=_identity,
-                                                   response_serializer=_identity)
+        return grpc.unary_unary_rpc_method_handler(
+            handle, request_deserializer=_identity, response_serializer=_identity
+        )
 
 
 __all__ = ["FaultRelay"]

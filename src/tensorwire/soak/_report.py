@@ -38,28 +38,36 @@ def format_report(r: dict[str, Any]) -> str:
         f"  fds back              [{_mark(r['fds_back'])}]  threads back [{_mark(r['threads_back'])}]",
     ]
     for name, p in r["processes"].items():
-        lines.append(f"  {'*' if p.get('judged') else ' '} {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  "
-                     f"threads {p['threads'][0]} -> {p['threads'][1]}"
-                     f" (pool threads grown {p['pool_threads_grown']}, leaked {p['threads_leaked']})  "
-                     f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB"
-                     + (f"  fd growth {p['fd_growth_by_kind']}" if p.get('fd_growth_by_kind') else ""))
+        lines.append(
+            f"  {'*' if p.get('judged') else ' '} {name:<18} fds {p['fds'][0]} -> {p['fds'][1]}  "
+            f"threads {p['threads'][0]} -> {p['threads'][1]}"
+            f" (pool threads grown {p['pool_threads_grown']}, leaked {p['threads_leaked']})  "
+            f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB"
+            + (f"  fd growth {p['fd_growth_by_kind']}" if p.get("fd_growth_by_kind") else "")
+        )
     lines.append("    (* judged: this process and the sentinels worker0 / client0, which live through every fault)")
     av = r.get("availability")
     if av:
         out = av["outside_client_cuts"]
         rate = "n/a" if out["success_rate"] is None else f"{100 * out['success_rate']:.3f}%"
-        lines.append(f"  availability          {rate} of {out['requests']} requests outside client-side cuts succeeded "
-                     f"(target {100 * out['target']:.1f}%: {'met' if out['met'] else 'NOT met'})")
+        lines.append(
+            f"  availability          {rate} of {out['requests']} requests outside client-side cuts succeeded "
+            f"(target {100 * out['target']:.1f}%: {'met' if out['met'] else 'NOT met'})"
+        )
         for kind, row in av["by_fault"].items():
             rate = "n/a" if row["success_rate"] is None else f"{100 * row['success_rate']:.3f}%"
-            lines.append(f"    in {kind:<15} {row['requests']:>7} requests, {rate} ok"
-                         + (f"; failed: {_kv(row['failed_by_reason'])}" if row["failed"] else ""))
+            lines.append(
+                f"    in {kind:<15} {row['requests']:>7} requests, {rate} ok"
+                + (f"; failed: {_kv(row['failed_by_reason'])}" if row["failed"] else "")
+            )
     lines.append(f"  faults injected       {_kv(r['faults_injected'])}")
     lines.append(f"  relay events          {_kv(r['relay_events'])}")
     for plane, lat in r["latency_ms"].items():
         if lat.get("n"):
-            lines.append(f"  latency {plane:<7}       n {lat['n']}  p50 {lat['p50']} ms  p90 {lat['p90']} ms  "
-                         f"p99 {lat['p99']} ms  max {lat['max']} ms  ({r['throughput_rps'][plane]} req/s)")
+            lines.append(
+                f"  latency {plane:<7}       n {lat['n']}  p50 {lat['p50']} ms  p90 {lat['p90']} ms  "
+                f"p99 {lat['p99']} ms  max {lat['max']} ms  ({r['throughput_rps'][plane]} req/s)"
+            )
     if r["untyped_examples"]:
         lines.append("  untyped examples: " + "; ".join(r["untyped_examples"][:3]))
     if r["wrong_examples"]:

@@ -46,18 +46,30 @@ class _Client:
         ctx = mp.get_context("spawn")
         self.slot, self.mode, self.threads = slot, mode, threads
         self.conn, child = ctx.Pipe(duplex=False)
-        spec = {"endpoint": runner.front.address, "mode": mode, "threads": threads,
-                "seed": runner.cfg.seed * 100 + slot, "images": list(runner.corpus.images),
-                "digests": runner.corpus.digests,
-                "budget_ms": runner.cfg.budget_ms, "hang_grace_s": runner.cfg.hang_grace_s,
-                "release_timeout_ms": runner.cfg.release_timeout_ms, "breaker_open_s": runner.cfg.breaker_open_s,
-                "warmup": runner.cfg.warmup, "ramp_s": runner.ramp_s,
-                "netns": runner.cfg.topology.client_netns if runner.cfg.topology else ""}
+        spec = {
+            "endpoint": runner.front.address,
+            "mode": mode,
+            "threads": threads,
+            "seed": runner.cfg.seed * 100 + slot,
+            "images": list(runner.corpus.images),
+            "digests": runner.corpus.digests,
+            "budget_ms": runner.cfg.budget_ms,
+            "hang_grace_s": runner.cfg.hang_grace_s,
+            "release_timeout_ms": runner.cfg.release_timeout_ms,
+            "breaker_open_s": runner.cfg.breaker_open_s,
+            "warmup": runner.cfg.warmup,
+            "ramp_s": runner.ramp_s,
+            "netns": runner.cfg.topology.client_netns if runner.cfg.topology else "",
+        }
         from tensorwire._lifeline import parent_lifeline
 
         env = {**runner.env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
-        self.proc = ctx.Process(target=_client_proc._child, name=f"soak-client-{slot}", daemon=True,
-                                args=(child, runner.counters, slot, spec, runner.stop_flag, env))
+        self.proc = ctx.Process(
+            target=_client_proc._child,
+            name=f"soak-client-{slot}",
+            daemon=True,
+            args=(child, runner.counters, slot, spec, runner.stop_flag, env),
+        )
         self.proc.start()
         self.pid = self.proc.pid or 0  # kept: the Process object is closed once the client is found dead
         child.close()
@@ -73,10 +85,12 @@ class SoakRunner:
         self.cfg = cfg
         self.say = say
         self.rng = random.Random(cfg.seed)
-        self.env = {"UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
-                    "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
-                    "UCX_WARN_UNUSED_ENV_VARS": "n",
-                    "TENSORWIRE_SOAK_CHILD_LOG_LEVEL": os.environ.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR")}
+        self.env = {
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN"),
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "TENSORWIRE_SOAK_CHILD_LOG_LEVEL": os.environ.get("TENSORWIRE_SOAK_CHILD_LOG_LEVEL", "ERROR"),
+        }
         os.environ.update({k: v for k, v in self.env.items() if k not in os.environ})
         self.corpus: Corpus
         self.workers: list[WorkerProcess | None] = []
@@ -122,16 +136,22 @@ class SoakRunner:
         from tensorwire.rdma import RdmaConfig
 
         tiny = "pool" in self.cfg.faults and index == 1
-        rdma = RdmaConfig(slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
-                          max_slot_bytes=(1 << 20) if tiny else RdmaConfig().max_slot_bytes,
-                          pool_cap_bytes=self.cfg.tiny_pool_cap_bytes if tiny else RdmaConfig().pool_cap_bytes)
+        rdma = RdmaConfig(
+            slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
+            max_slot_bytes=(1 << 20) if tiny else RdmaConfig().max_slot_bytes,
+            pool_cap_bytes=self.cfg.tiny_pool_cap_bytes if tiny else RdmaConfig().pool_cap_bytes,
+        )
         return TransportConfig(mode="auto", worker_id=f"soak-w{index}-g{self.worker_gen[index]}", rdma=rdma)
 
     def _start_worker(self, index: int) -> WorkerProcess:
         topo = self.cfg.topology
-        w = WorkerProcess(self._worker_config(index), self.env, start_timeout_s=self.cfg.startup_timeout_s,
-                          netns=topo.worker_netns[index] if topo else "",
-                          host=topo.worker_hosts[index] if topo else "127.0.0.1")
+        w = WorkerProcess(
+            self._worker_config(index),
+            self.env,
+            start_timeout_s=self.cfg.startup_timeout_s,
+            netns=topo.worker_netns[index] if topo else "",
+            host=topo.worker_hosts[index] if topo else "127.0.0.1",
+        )
         if not w.rdma_ready:
             log.warning("worker %d: RDMA exporter not ready; it serves inline", index)
         return w
@@ -161,14 +181,23 @@ class SoakRunner:
 
         # Across hosts the workers see the relays' non-loopback addresses, and WorkerInfo answers only loopback or
         # mTLS callers: the proxy then takes the route TTL from the soak's GC window instead of asking.
-        self.proxy = EncoderProxy(ProxyConfig(workers=tuple(r.address for r in self.relays),
-                                              release_timeout_ms=self.cfg.release_timeout_ms,
-                                              slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
-                                              check_workers=self.cfg.topology is None,
-                                              worker_wait_s=30.0), registry=CollectorRegistry())
+        self.proxy = EncoderProxy(
+            ProxyConfig(
+                workers=tuple(r.address for r in self.relays),
+                release_timeout_ms=self.cfg.release_timeout_ms,
+                slot_gc_timeout_ms=self.cfg.slot_gc_timeout_ms,
+                check_workers=self.cfg.topology is None,
+                worker_wait_s=30.0,
+            ),
+            registry=CollectorRegistry(),
+        )
         proxy_port = self.proxy.start("127.0.0.1:0")
-        self.front = FaultRelay("front", f"127.0.0.1:{proxy_port}", seed=self.cfg.seed + 99,
-                                host=self.cfg.topology.front_host if self.cfg.topology else "127.0.0.1")
+        self.front = FaultRelay(
+            "front",
+            f"127.0.0.1:{proxy_port}",
+            seed=self.cfg.seed + 99,
+            host=self.cfg.topology.front_host if self.cfg.topology else "127.0.0.1",
+        )
         n = self.cfg.processes
         per = [self.cfg.concurrency // n + (1 if i < self.cfg.concurrency % n else 0) for i in range(n)]
         self.say(f"starting {n} client processes ({self.cfg.concurrency} fetch threads) ...")
@@ -184,8 +213,10 @@ class SoakRunner:
             _, warm = msg
             bad = [r for r in warm if r["outcome"] != "ok"]
             if bad:
-                raise RuntimeError(f"warm-up before any fault failed: {bad[:3]} (a 'wrong' here means this torch "
-                                   "build is not bit-reproducible across processes, not a transport error)")
+                raise RuntimeError(
+                    f"warm-up before any fault failed: {bad[:3]} (a 'wrong' here means this torch "
+                    "build is not bit-reproducible across processes, not a transport error)"
+                )
         self.setup_s = time.monotonic() - t0
 
     # ---- the run
@@ -255,8 +286,9 @@ class SoakRunner:
                 self._start_client(c.mode, c.threads)  # its replacement warms up and joins in
         else:
             self.results["client_crashed"] += 1
-            self.untyped.append(f"client {c.slot} exited with {exitcode} (not killed by a fault); "
-                                f"{lost} request(s) lost")
+            self.untyped.append(
+                f"client {c.slot} exited with {exitcode} (not killed by a fault); {lost} request(s) lost"
+            )
 
     def _faults_loop(self) -> None:
         cfg = self.cfg
@@ -273,8 +305,15 @@ class SoakRunner:
             try:
                 if kind == "reader_kill":
                     with self._lock:  # slot 0 is the sentinel: never killed, it lives through every fault
-                        live = [c for c in self.clients if not c.dead and c.ready is not None and c.mode == "auto"
-                                and not c.killed_by_fault and c.slot != 0]
+                        live = [
+                            c
+                            for c in self.clients
+                            if not c.dead
+                            and c.ready is not None
+                            and c.mode == "auto"
+                            and not c.killed_by_fault
+                            and c.slot != 0
+                        ]
                     if live:
                         c = self.rng.choice(live)
                         c.killed_by_fault = True
@@ -288,8 +327,9 @@ class SoakRunner:
                         self.faults["skipped_second_worker_fault"] += 1
                         continue
                     relay.unavailable_for(seconds)
-                    self.windows.add("client_cut" if relay is self.front else "worker_cut", relay.name, now,
-                                     now + seconds)
+                    self.windows.add(
+                        "client_cut" if relay is self.front else "worker_cut", relay.name, now, now + seconds
+                    )
                     self.faults[f"unavailable_{relay.name}"] += 1
                 elif kind == "worker_restart" and time.monotonic() - last_restart >= cfg.worker_restart_min_gap_s:
                     if self._worker_faulted(time.monotonic()):
@@ -328,13 +368,19 @@ class SoakRunner:
         done = sum(self.results.values())
         fb = sum(self.fallbacks.values())
         err = sum(self.errors.values())
-        self.say(f"[{elapsed:6.1f}s] requests {done}  ok {self.results['ok']}  fallbacks {fb}  errors {err}  "
-                 f"wrong {self.results['wrong']}  hung {self.hung_reports}  killed-in-flight {self.aborted_by_kill}"
-                 f"  faults {sum(self.faults.values())}")
+        self.say(
+            f"[{elapsed:6.1f}s] requests {done}  ok {self.results['ok']}  fallbacks {fb}  errors {err}  "
+            f"wrong {self.results['wrong']}  hung {self.hung_reports}  killed-in-flight {self.aborted_by_kill}"
+            f"  faults {sum(self.faults.values())}"
+        )
 
     def _sample_timeline(self, t_start: float) -> None:
-        point: dict[str, Any] = {"t_s": round(time.monotonic() - t_start, 2), "self": _brief(sample()),
-                                 "requests": sum(self.results.values()), "workers": {}}
+        point: dict[str, Any] = {
+            "t_s": round(time.monotonic() - t_start, 2),
+            "self": _brief(sample()),
+            "requests": sum(self.results.values()),
+            "workers": {},
+        }
         for i, w in enumerate(self.workers):
             if w is None or not w.alive():
                 continue
@@ -342,13 +388,18 @@ class SoakRunner:
                 st = w.stats(timeout_s=5.0)
             except Exception:  # the worker may be mid-restart
                 continue
-            if i not in self.worker_baseline and \
-                    time.monotonic() - max(self.worker_started[i], self.t_start) >= self.ramp_s:
+            if (
+                i not in self.worker_baseline
+                and time.monotonic() - max(self.worker_started[i], self.t_start) >= self.ramp_s
+            ):
                 self.worker_baseline[i] = st
-            point["workers"][str(i)] = {"live_leases": st["exporter"].get("live_leases"),
-                                        "busy_bytes": st["exporter"].get("busy_bytes"),
-                                        "pool_bytes": st["exporter"].get("pool_bytes"),
-                                        "gen": self.worker_gen[i], **_brief(st["process"])}
+            point["workers"][str(i)] = {
+                "live_leases": st["exporter"].get("live_leases"),
+                "busy_bytes": st["exporter"].get("busy_bytes"),
+                "pool_bytes": st["exporter"].get("pool_bytes"),
+                "gen": self.worker_gen[i],
+                **_brief(st["process"]),
+            }
         with self._lock:
             clients = [c for c in self.clients if not c.dead and c.final is None]
         # c.pid, not c.proc.pid: the pump thread closes a dead client's Process object (_client_died) while this
@@ -370,8 +421,7 @@ class SoakRunner:
         end_at = t_start + cfg.duration_s
         faults = threading.Thread(target=self._faults_loop, name="soak-faults", daemon=True)
         faults.start()
-        pump = threading.Thread(target=self._pump, args=(lambda: self.phase == "done",), name="soak-pump",
-                                daemon=True)
+        pump = threading.Thread(target=self._pump, args=(lambda: self.phase == "done",), name="soak-pump", daemon=True)
         pump.start()
         next_progress = t_start + cfg.progress_s
         next_sample = t_start
@@ -447,14 +497,19 @@ class SoakRunner:
                 unchecked.append(f"worker{key}")
             else:
                 procs[f"worker{key}" + (f"(restart {gen})" if gen else "")] = _delta(
-                    base["process"], st["process"], base["thread_names"], st["thread_names"],
-                    native_per_pool_thread=int(st["exporter"].get("torch_threads", 1)) - 1)
+                    base["process"],
+                    st["process"],
+                    base["thread_names"],
+                    st["thread_names"],
+                    native_per_pool_thread=int(st["exporter"].get("torch_threads", 1)) - 1,
+                )
         for c in self.clients:
             if c.final is not None and c.final["baseline"] is None:
                 unchecked.append(f"client{c.slot}")
             elif c.final is not None:
-                d = _delta(c.final["baseline"], c.final["end"], c.final["baseline_thread_names"],
-                           c.final["end_thread_names"])
+                d = _delta(
+                    c.final["baseline"], c.final["end"], c.final["baseline_thread_names"], c.final["end_thread_names"]
+                )
                 d["worker_restarts_after_baseline"] = sum(1 for t in self.restart_times if t > c.final["baseline_t"])
                 procs[f"client{c.slot}"] = d
         hung = self.hung_reports + sum(int(c.final["hung_at_stop"]) for c in self.clients if c.final is not None)
@@ -471,42 +526,66 @@ class SoakRunner:
         for r in [*self.relays, self.front]:
             relay_counts.update({f"{r.name}.{k}": v for k, v in r.counts.items()})
         report: dict[str, Any] = {
-            "config": {**{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
-                       "client_processes": cfg.processes},
+            "config": {
+                **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "extra"},
+                "client_processes": cfg.processes,
+            },
             # The host's 1/5/15-minute load averages at the end: on a shared machine they say how much CPU the
             # soak really had (its latencies and its worker restart times follow them).
             "load_average": [round(x, 1) for x in os.getloadavg()],
-            "duration_s": round(soak_s, 1), "setup_s": round(self.setup_s, 1),
+            "duration_s": round(soak_s, 1),
+            "setup_s": round(self.setup_s, 1),
             "requests": requests,
             "successes": self.results["ok"],
             "delivered_by_plane": dict(self.planes),
             "fallbacks_by_reason": dict(self.fallbacks),
             "errors_by_reason": dict(self.errors),
-            "untyped_errors": len(self.untyped), "untyped_examples": self.untyped[:10],
+            "untyped_errors": len(self.untyped),
+            "untyped_examples": self.untyped[:10],
             "aborted_by_reader_kill": self.aborted_by_kill,
-            "wrong_outputs": len(self.wrong), "wrong_examples": self.wrong[:5],
+            "wrong_outputs": len(self.wrong),
+            "wrong_examples": self.wrong[:5],
             "hung_requests": hung,
             "leases_outstanding_after_gc": leases_out,
             "busy_slots_after_gc": busy_slots,
             "pool_busy_bytes_after_gc": busy_bytes,
-            "pool_bytes": {i: {"start": self.worker_baseline.get(int(i), {}).get("exporter", {}).get("pool_bytes"),
-                               "end": s["exporter"].get("pool_bytes")} for i, s in workers.items()},
+            "pool_bytes": {
+                i: {
+                    "start": self.worker_baseline.get(int(i), {}).get("exporter", {}).get("pool_bytes"),
+                    "end": s["exporter"].get("pool_bytes"),
+                }
+                for i, s in workers.items()
+            },
             "gc_reclaimed": {i: s["exporter"].get("gc_reclaims", 0) for i, s in workers.items()},
-            "worker_exporter_end": {i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)}
-                                    for i, s in workers.items()},
-            "processes": procs, "processes_unchecked": unchecked, "ramp_s": self.ramp_s, "fds_back": fds_ok,
+            "worker_exporter_end": {
+                i: {k: v for k, v in s["exporter"].items() if not isinstance(v, dict)} for i, s in workers.items()
+            },
+            "processes": procs,
+            "processes_unchecked": unchecked,
+            "ramp_s": self.ramp_s,
+            "fds_back": fds_ok,
             "threads_back": threads_ok,
-            "client_release_queue_dropped": sum(float(c.final.get("release_queue_dropped", 0)) for c in self.clients
-                                                if c.final is not None),
-            "faults_injected": dict(self.faults), "relay_events": dict(relay_counts),
+            "client_release_queue_dropped": sum(
+                float(c.final.get("release_queue_dropped", 0)) for c in self.clients if c.final is not None
+            ),
+            "faults_injected": dict(self.faults),
+            "relay_events": dict(relay_counts),
             "availability": self.windows.summarize(self.outcomes, end=time.monotonic(), origin=self.t_start),
             "latency_ms": {plane: _percentiles(v) for plane, v in self.latency.items()},
             "throughput_rps": {plane: round(len(v) / soak_s, 2) for plane, v in self.latency.items()},
             "timeline_growth": _timeline_growth(self.timeline, self.ramp_s),
             "timeline": self.timeline,
         }
-        report["passed"] = (report["wrong_outputs"] == 0 and hung == 0 and leases_out == 0 and busy_slots == 0
-                            and report["untyped_errors"] == 0 and fds_ok and threads_ok and not stuck)
+        report["passed"] = (
+            report["wrong_outputs"] == 0
+            and hung == 0
+            and leases_out == 0
+            and busy_slots == 0
+            and report["untyped_errors"] == 0
+            and fds_ok
+            and threads_ok
+            and not stuck
+        )
         return report
 
     def teardown(self) -> None:
@@ -548,8 +627,13 @@ def _fds_back(name: str, p: dict[str, Any]) -> bool:
     return set(grown) <= {"socket"} and grown.get("socket", 0) <= allowed
 
 
-def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end_names: list[str],
-           native_per_pool_thread: int = 0) -> dict[str, Any]:
+def _delta(
+    base: dict[str, Any],
+    end: dict[str, Any],
+    base_names: list[str],
+    end_names: list[str],
+    native_per_pool_thread: int = 0,
+) -> dict[str, Any]:
     """fds/threads/rss at the baseline and the end; threads_leaked ignores on-demand pool threads (bounded).
 
     ``native_per_pool_thread``: native threads each new pool thread brings (a worker's executor thread that runs
@@ -564,13 +648,18 @@ def _delta(base: dict[str, Any], end: dict[str, Any], base_names: list[str], end
     fd_growth = {k: end.get("fd_kinds", {}).get(k, 0) - base.get("fd_kinds", {}).get(k, 0) for k in sorted(kinds)}
     nb, ne = base.get("native_threads", {}), end.get("native_threads", {})
     native_growth = {k: ne.get(k, 0) - nb.get(k, 0) for k in sorted(set(nb) | set(ne)) if ne.get(k, 0) != nb.get(k, 0)}
-    return {"fds": [base["fds"], end["fds"]], "fds_delta": int(end["fds"]) - int(base["fds"]),
-            "native_thread_growth": native_growth,
-            "fd_growth_by_kind": {k: v for k, v in fd_growth.items() if v},
-            "threads": [base["threads"], end["threads"]], "threads_delta": threads_delta,
-            "pool_threads_grown": pool_growth, "threads_leaked": max(0, threads_delta - pool_growth),
-            "new_thread_names": other,
-            "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)]}
+    return {
+        "fds": [base["fds"], end["fds"]],
+        "fds_delta": int(end["fds"]) - int(base["fds"]),
+        "native_thread_growth": native_growth,
+        "fd_growth_by_kind": {k: v for k, v in fd_growth.items() if v},
+        "threads": [base["threads"], end["threads"]],
+        "threads_delta": threads_delta,
+        "pool_threads_grown": pool_growth,
+        "threads_leaked": max(0, threads_delta - pool_growth),
+        "new_thread_names": other,
+        "rss_mb": [round(base["rss_bytes"] / 2**20, 1), round(end["rss_bytes"] / 2**20, 1)],
+    }
 
 
 def _brief(s: dict[str, Any]) -> dict[str, Any]:
@@ -586,11 +675,16 @@ def _timeline_growth(timeline: list[dict[str, Any]], ramp_s: float) -> dict[str,
     first, last = after[0], after[-1]
 
     def row(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-        return {"rss_mb": [round(a["rss_bytes"] / 2**20, 1), round(b["rss_bytes"] / 2**20, 1)],
-                "threads": [a["threads"], b["threads"]], "fds": [a["fds"], b["fds"]]}
+        return {
+            "rss_mb": [round(a["rss_bytes"] / 2**20, 1), round(b["rss_bytes"] / 2**20, 1)],
+            "threads": [a["threads"], b["threads"]],
+            "fds": [a["fds"], b["fds"]],
+        }
 
-    out: dict[str, Any] = {"window_s": [first["t_s"], last["t_s"]],
-                           "soak+proxy+relays": row(first["self"], last["self"])}
+    out: dict[str, Any] = {
+        "window_s": [first["t_s"], last["t_s"]],
+        "soak+proxy+relays": row(first["self"], last["self"]),
+    }
     for kind in ("workers", "clients"):
         for key, b in last[kind].items():
             a = first[kind].get(key)
@@ -610,8 +704,15 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     def q(p: float) -> float:
         return round(v[min(len(v) - 1, int(p * len(v)))], 2)
 
-    return {"n": len(v), "mean": round(statistics.fmean(v), 2), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99),
-            "p999": q(0.999), "max": round(v[-1], 2)}
+    return {
+        "n": len(v),
+        "mean": round(statistics.fmean(v), 2),
+        "p50": q(0.50),
+        "p90": q(0.90),
+        "p99": q(0.99),
+        "p999": q(0.999),
+        "max": round(v[-1], 2),
+    }
 
 
 def run_soak(cfg: SoakConfig, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:

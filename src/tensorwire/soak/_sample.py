@@ -10,8 +10,13 @@ from typing import Any
 def sample(pid: int | None = None) -> dict[str, Any]:
     """{"fds", "threads", "rss_bytes", "fd_kinds"}; -1 where /proc cannot be read."""
     pid = os.getpid() if pid is None else pid
-    out: dict[str, Any] = {"fds": -1, "threads": -1, "rss_bytes": -1, "fd_kinds": fd_kinds(pid),
-                           "native_threads": native_threads(pid)}
+    out: dict[str, Any] = {
+        "fds": -1,
+        "threads": -1,
+        "rss_bytes": -1,
+        "fd_kinds": fd_kinds(pid),
+        "native_threads": native_threads(pid),
+    }
     try:
         out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:

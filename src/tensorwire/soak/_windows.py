@@ -82,8 +82,9 @@ class FaultWindows:
         hit = {w.kind for w in (windows if windows is not None else self.snapshot()) if w.start <= t1 and t0 <= w.end}
         return next((k for k in PRIORITY if k in hit), "none")
 
-    def summarize(self, outcomes: Iterable[Outcome], end: float, origin: float = 0.0,
-                  max_listed: int = 100) -> dict[str, Any]:
+    def summarize(
+        self, outcomes: Iterable[Outcome], end: float, origin: float = 0.0, max_listed: int = 100
+    ) -> dict[str, Any]:
         """The attribution (module docstring); times in the listed windows and failures are relative to
         ``origin`` (the start of the soak)."""
         windows = self.snapshot()
@@ -92,8 +93,9 @@ class FaultWindows:
             w.end = min(w.end, end)
         by_start = sorted(windows, key=lambda w: w.start)
         starts = [w.start for w in by_start]
-        rows: dict[str, dict[str, Any]] = {k: {"requests": 0, "ok": 0, "failed": Counter(), "examples": []}
-                                           for k in (*PRIORITY, "none")}
+        rows: dict[str, dict[str, Any]] = {
+            k: {"requests": 0, "ok": 0, "failed": Counter(), "examples": []} for k in (*PRIORITY, "none")
+        }
         for o in outcomes:
             # Only windows that started before the request ended can overlap it.
             candidates = by_start[: bisect.bisect_right(starts, o.t1)]
@@ -106,26 +108,51 @@ class FaultWindows:
                 row["failed"][o.reason] += 1
                 if kind != "client_cut" and len(listed) < max_listed:
                     hit = [f"{w.kind}:{w.target}" for w in candidates if w.start <= o.t1 and o.t0 <= w.end]
-                    listed.append({"t0_s": round(o.t0 - origin, 3), "t1_s": round(o.t1 - origin, 3),
-                                   "windows": hit, "reason": o.reason, "message": o.message})
+                    listed.append(
+                        {
+                            "t0_s": round(o.t0 - origin, 3),
+                            "t1_s": round(o.t1 - origin, 3),
+                            "windows": hit,
+                            "reason": o.reason,
+                            "message": o.message,
+                        }
+                    )
                 if len(row["examples"]) < 5:
                     row["examples"].append(o.message)
-        out: dict[str, Any] = {"by_fault": {}, "windows": Counter(w.kind for w in windows),
-                               "window_seconds": {k: round(sum(w.end - w.start for w in windows if w.kind == k), 1)
-                                                  for k in PRIORITY}}
+        out: dict[str, Any] = {
+            "by_fault": {},
+            "windows": Counter(w.kind for w in windows),
+            "window_seconds": {k: round(sum(w.end - w.start for w in windows if w.kind == k), 1) for k in PRIORITY},
+        }
         for kind, row in rows.items():
-            out["by_fault"][kind] = {"requests": row["requests"], "ok": row["ok"],
-                                     "failed": sum(row["failed"].values()), "failed_by_reason": dict(row["failed"]),
-                                     "success_rate": _rate(row["ok"], row["requests"]),
-                                     "failure_examples": row["examples"]}
+            out["by_fault"][kind] = {
+                "requests": row["requests"],
+                "ok": row["ok"],
+                "failed": sum(row["failed"].values()),
+                "failed_by_reason": dict(row["failed"]),
+                "success_rate": _rate(row["ok"], row["requests"]),
+                "failure_examples": row["examples"],
+            }
         inside = [rows[k] for k in (*WORKER_KINDS, "none")]
         n, ok = sum(r["requests"] for r in inside), sum(r["ok"] for r in inside)
-        out["outside_client_cuts"] = {"requests": n, "ok": ok, "failed": n - ok, "success_rate": _rate(ok, n),
-                                      "target": AVAILABILITY_TARGET,
-                                      "met": n > 0 and ok / n >= AVAILABILITY_TARGET}
+        out["outside_client_cuts"] = {
+            "requests": n,
+            "ok": ok,
+            "failed": n - ok,
+            "success_rate": _rate(ok, n),
+            "target": AVAILABILITY_TARGET,
+            "met": n > 0 and ok / n >= AVAILABILITY_TARGET,
+        }
         out["windows"] = dict(out["windows"])
-        out["window_list"] = [{"kind": w.kind, "target": w.target, "start_s": round(w.start - origin, 3),
-                               "end_s": round(w.end - origin, 3)} for w in by_start[:500]]
+        out["window_list"] = [
+            {
+                "kind": w.kind,
+                "target": w.target,
+                "start_s": round(w.start - origin, 3),
+                "end_s": round(w.end - origin, 3),
+            }
+            for w in by_start[:500]
+        ]
         out["failures_outside_client_cuts"] = listed
         return out
 

@@ -66,15 +66,21 @@ class WorkerProcess:
 
     ``netns``/``host``: the child enters that network namespace and serves on ``host`` (default: loopback here)."""
 
-    def __init__(self, config: Any, env: dict[str, str], start_timeout_s: float = 90.0, *, netns: str = "",
-                 host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        config: Any,
+        env: dict[str, str],
+        start_timeout_s: float = 90.0,
+        *,
+        netns: str = "",
+        host: str = "127.0.0.1",
+    ) -> None:
         from tensorwire._lifeline import parent_lifeline
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         env = {**env, **parent_lifeline().child_env()}  # here: child_env asks which thread spawns
-        self.proc = ctx.Process(target=_child, args=(child, config, env, netns, host), daemon=True,
-                                name="soak-worker")
+        self.proc = ctx.Process(target=_child, args=(child, config, env, netns, host), daemon=True, name="soak-worker")
         self.proc.start()
         child.close()
         if not self._conn.poll(start_timeout_s):

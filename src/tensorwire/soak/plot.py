@@ -18,8 +18,11 @@ def _series(timeline: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[fl
     panels: dict[str, dict[str, list[tuple[float, float]]]] = {"RSS (MiB)": {}, "threads": {}, "live leases": {}}
     for p in timeline:
         t = p["t_s"]
-        procs = {"soak+proxy+relays": p["self"], **{f"worker{k}": v for k, v in p["workers"].items() if k == "0"},
-                 **{f"client{k}": v for k, v in p["clients"].items() if k == "0"}}
+        procs = {
+            "soak+proxy+relays": p["self"],
+            **{f"worker{k}": v for k, v in p["workers"].items() if k == "0"},
+            **{f"client{k}": v for k, v in p["clients"].items() if k == "0"},
+        }
         for name, s in procs.items():
             if s["rss_bytes"] < 0:  # the process was gone at this sample
                 continue
@@ -38,8 +41,12 @@ def draw(result: dict[str, Any], out: str) -> None:
     img = Image.new("RGB", (W, H * len(panels) + 40), "white")
     d = ImageDraw.Draw(img)
     cfg = result.get("config", {})
-    d.text((PAD_L, 8), f"tensorwire {result.get('mode', 'soak')}: concurrency {cfg.get('concurrency')}, faults "
-                       f"{','.join(cfg.get('faults', [])) or 'none'}, {result.get('duration_s')} s", fill="black")
+    d.text(
+        (PAD_L, 8),
+        f"tensorwire {result.get('mode', 'soak')}: concurrency {cfg.get('concurrency')}, faults "
+        f"{','.join(cfg.get('faults', [])) or 'none'}, {result.get('duration_s')} s",
+        fill="black",
+    )
     t_max = max((p["t_s"] for p in result["timeline"]), default=1.0) or 1.0
     for row, (title, lines) in enumerate(panels.items()):
         top = 40 + row * H

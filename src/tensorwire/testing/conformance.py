@@ -86,8 +86,10 @@ def check_round_trip_every_dtype(config: RdmaConfig) -> None:
 def check_ordering(config: RdmaConfig) -> None:
     """Results are flattened in descriptor order x manifest order, whatever the sizes."""
     _need(config)
-    groups = [[make_tensor((n,), "int32", 10 * g + j) for j, n in enumerate(sizes)]
-              for g, sizes in enumerate([(5, 5000, 3), (70000,), (1, 2, 3, 4)])]
+    groups = [
+        [make_tensor((n,), "int32", 10 * g + j) for j, n in enumerate(sizes)]
+        for g, sizes in enumerate([(5, 5000, 3), (70000,), (1, 2, 3, 4)])
+    ]
     with TensorExporter(config) as exp, TensorReader(config) as rd:
         descs = exp.export_batch(groups)
         out = rd.read(list(reversed(descs)))

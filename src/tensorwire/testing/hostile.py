@@ -58,8 +58,9 @@ def _held(done: threading.Event, hold_s: float, stop: threading.Event | None) ->
     return not done.is_set()
 
 
-def idle_stream(ch: grpc.Channel, *, first: bytes | None = None, hold_s: float = 30.0,
-                stop: threading.Event | None = None) -> str:
+def idle_stream(
+    ch: grpc.Channel, *, first: bytes | None = None, hold_s: float = 30.0, stop: threading.Event | None = None
+) -> str:
     """An EncodeStream that sends ``first`` (or nothing) and then nothing, held until the server ends it,
     ``hold_s`` passes or ``stop`` is set; returns the status name (``held`` when it was still open)."""
     release = threading.Event()
@@ -108,8 +109,11 @@ def guess_ids(seen: str = "", n: int = 64) -> list[str]:
 
 def guessed_release(ch: grpc.Channel, ids: list[str], *, timeout_s: float = 10.0) -> tuple[str, int, int]:
     """ReleaseLeases of ``ids``: (status name, released, unknown)."""
-    call = ch.unary_unary(wire.RELEASE_METHOD, request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
-                          response_deserializer=wire.ReleaseLeasesResponse.FromString)
+    call = ch.unary_unary(
+        wire.RELEASE_METHOD,
+        request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
+        response_deserializer=wire.ReleaseLeasesResponse.FromString,
+    )
     try:
         resp = call(wire.ReleaseLeasesRequest(lease_ids=ids), timeout=timeout_s)
     except grpc.RpcError as exc:
@@ -142,6 +146,7 @@ def oversized(ch: grpc.Channel, nbytes: int, *, timeout_s: float = 30.0, payload
 
 def pixel_bomb_png(side: int = 8192) -> bytes:
     """A valid PNG of ``side`` x ``side`` 8-bit grey pixels, all zero: a few hundred bytes per 1000 rows."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
 
@@ -190,5 +195,16 @@ def metadata_flood(endpoint: str, *, hold_s: float = 30.0, stop: threading.Event
         sock.close()
 
 
-__all__ = ["channel", "encode_image", "encode_request", "guess_ids", "guessed_release", "idle_stream", "metadata_flood",
-           "oversized", "pixel_bomb", "pixel_bomb_png", "unsent_body"]
+__all__ = [
+    "channel",
+    "encode_image",
+    "encode_request",
+    "guess_ids",
+    "guessed_release",
+    "idle_stream",
+    "metadata_flood",
+    "oversized",
+    "pixel_bomb",
+    "pixel_bomb_png",
+    "unsent_body",
+]

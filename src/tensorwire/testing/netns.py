@@ -168,16 +168,35 @@ class Host:
             env["UCX_TLS"] = ucx_tls
         return env
 
-    def run(self, argv: Sequence[str], *, timeout_s: float = 60.0,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self.exec_prefix, *argv], capture_output=True, text=True, timeout=timeout_s,
-                              env=None if env is None else dict(env), check=False)
+    def run(
+        self, argv: Sequence[str], *, timeout_s: float = 60.0, env: Mapping[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*self.exec_prefix, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=None if env is None else dict(env),
+            check=False,
+        )
 
-    def spawn(self, argv: Sequence[str], *, stdout: IO[bytes] | int | None = subprocess.PIPE,
-              stderr: IO[bytes] | int | None = None, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        stdout: IO[bytes] | int | None = subprocess.PIPE,
+        stderr: IO[bytes] | int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.Popen[bytes]:
         """Start ``argv`` in this host, in a session of its own; ``Fabric.close`` kills it if it is still running."""
-        proc = subprocess.Popen([*self.exec_prefix, *argv], stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-                                env=None if env is None else dict(env), start_new_session=True)
+        proc = subprocess.Popen(
+            [*self.exec_prefix, *argv],
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
+            start_new_session=True,
+        )
         self.fabric.track(proc)
         return proc
 
@@ -226,10 +245,21 @@ class Fabric:
         _ip("netns", "add", name)
         self._namespaces.append(name)
         # No IPv6 (no router solicitations or DAD on the bridge); failing to turn it off is harmless.
-        subprocess.run(["ip", "netns", "exec", name, "sh", "-c",
-                        "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
-                        "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6"],
-                       capture_output=True, timeout=_IP_TIMEOUT_S, check=False)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "sh",
+                "-c",
+                "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6; "
+                "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6",
+            ],
+            capture_output=True,
+            timeout=_IP_TIMEOUT_S,
+            check=False,
+        )
 
     def __getitem__(self, name: str) -> Host:
         return self.hosts[name]

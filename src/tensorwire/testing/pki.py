@@ -38,8 +38,9 @@ class Pki:
         return self.identities[name]
 
 
-def make_pki(directory: str | Path, names: Sequence[str], *, extra_sans: Sequence[str] = (),
-             ca_name: str = "tensorwire-test-ca") -> Pki:
+def make_pki(
+    directory: str | Path, names: Sequence[str], *, extra_sans: Sequence[str] = (), ca_name: str = "tensorwire-test-ca"
+) -> Pki:
     """A CA plus one identity per name under ``directory`` (created); files are PEM, keys mode 0600."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,8 +48,9 @@ def make_pki(directory: str | Path, names: Sequence[str], *, extra_sans: Sequenc
         import cryptography  # noqa: F401
     except ImportError:
         if shutil.which("openssl") is None:
-            raise PkiUnavailable("making test certificates needs the 'cryptography' package or the openssl tool") \
-                from None
+            raise PkiUnavailable(
+                "making test certificates needs the 'cryptography' package or the openssl tool"
+            ) from None
         return _with_openssl(out, names, extra_sans, ca_name)
     return _with_cryptography(out, names, extra_sans, ca_name)
 
@@ -72,17 +74,33 @@ def _run(*argv: str) -> None:
 def _with_openssl(out: Path, names: Sequence[str], extra_sans: Sequence[str], ca_name: str) -> Pki:
     ca, ca_key = out / "ca.pem", out / "ca.key"
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _run("openssl", "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2",
-         "-subj", f"/CN={ca_name}")
+    _run(
+        "openssl", "req", "-x509", *ec, "-keyout", str(ca_key), "-out", str(ca), "-days", "2", "-subj", f"/CN={ca_name}"
+    )
     ids = {}
     for name in names:
         key, csr, cert, ext = (out / f"{name}.key", out / f"{name}.csr", out / f"{name}.pem", out / f"{name}.ext")
         _run("openssl", "req", *ec, "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={name}")
         sans = ",".join(f"IP:{s}" if _is_ip(s) else f"DNS:{s}" for s in _sans(name, extra_sans))
-        ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\n"
-                       "basicConstraints=CA:FALSE\n")
-        _run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
-             "-out", str(cert), "-days", "2", "-extfile", str(ext))
+        ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n")
+        _run(
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            str(csr),
+            "-CA",
+            str(ca),
+            "-CAkey",
+            str(ca_key),
+            "-CAcreateserial",
+            "-out",
+            str(cert),
+            "-days",
+            "2",
+            "-extfile",
+            str(ext),
+        )
         key.chmod(0o600)
         ids[name] = Identity(name, cert, key)
     ca_key.chmod(0o600)
@@ -98,35 +116,51 @@ def _with_cryptography(out: Path, names: Sequence[str], extra_sans: Sequence[str
     now = datetime.datetime.now(datetime.UTC)
 
     def write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         path.chmod(0o600)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_name)])
-    ca_cert = (x509.CertificateBuilder().subject_name(ca_subject).issuer_name(ca_subject)
-               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=2))
-               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-               .sign(ca_key, hashes.SHA256()))
+    ca_cert = (
+        x509.CertificateBuilder()
+        .subject_name(ca_subject)
+        .issuer_name(ca_subject)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
     ca, ca_key_path = out / "ca.pem", out / "ca.key"
     ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     write_key(ca_key_path, ca_key)
     ids = {}
     for name in names:
         key = ec.generate_private_key(ec.SECP256R1())
-        sans = [x509.IPAddress(ipaddress.ip_address(s)) if _is_ip(s) else x509.DNSName(s)
-                for s in _sans(name, extra_sans)]
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(ca_subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=2))
-                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .sign(ca_key, hashes.SHA256()))
+        sans = [
+            x509.IPAddress(ipaddress.ip_address(s)) if _is_ip(s) else x509.DNSName(s) for s in _sans(name, extra_sans)
+        ]
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
         cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_key(key_path, key)

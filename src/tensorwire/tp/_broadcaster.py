@@ -102,9 +102,18 @@ class CpuTpBroadcaster:
       * ``close()`` is idempotent; afterwards calls raise ``ClosedError``.
     """
 
-    def __init__(self, rank: int, world_size: int, session: str, backend: str = "auto", base_dir: str | None = None,
-                 init_timeout_s: float | Unset = UNSET, timeout_s: float | None | Unset = UNSET, *,
-                 config: BroadcastConfig | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        session: str,
+        backend: str = "auto",
+        base_dir: str | None = None,
+        init_timeout_s: float | Unset = UNSET,
+        timeout_s: float | None | Unset = UNSET,
+        *,
+        config: BroadcastConfig | None = None,
+    ) -> None:
         self._state = State.OPENING
         self._state_lock = threading.Lock()  # guards transitions; the hot path only reads _state
         self._call_lock = threading.Lock()
@@ -136,9 +145,15 @@ class CpuTpBroadcaster:
             self._transport = open_transport(rank, world_size, session, self.backend, base_dir, self.config)
             self.endpoint = self._transport.endpoint
             self._align = self._transport.align
-            log.info("broadcaster rank %d/%d up: backend=%s endpoint=%s session=%s (%.1f ms)", rank, world_size,
-                     self.backend, self.endpoint.display if self.endpoint else None, session,
-                     (time.monotonic() - t0) * 1e3)
+            log.info(
+                "broadcaster rank %d/%d up: backend=%s endpoint=%s session=%s (%.1f ms)",
+                rank,
+                world_size,
+                self.backend,
+                self.endpoint.display if self.endpoint else None,
+                session,
+                (time.monotonic() - t0) * 1e3,
+            )
         self._state = State.OPEN
 
     # -- public API ------------------------------------------------------------------------------------------------
@@ -159,9 +174,11 @@ class CpuTpBroadcaster:
                 self._send(structure, keys, tensors)
             return value
         if value is not None:
-            raise BroadcastError(f"rank {self.rank}: broadcast(value) takes None on ranks other than 0, got "
-                                 f"{type(value).__name__}; use broadcast_(tensor) to fill a tensor in place",
-                                 reason=Reason.INVALID_CONFIG)
+            raise BroadcastError(
+                f"rank {self.rank}: broadcast(value) takes None on ranks other than 0, got "
+                f"{type(value).__name__}; use broadcast_(tensor) to fill a tensor in place",
+                reason=Reason.INVALID_CONFIG,
+            )
         return self._recv_new()
 
     def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -171,8 +188,11 @@ class CpuTpBroadcaster:
         try:
             transport = self._transport
             # dtype is checked by _send_one (rank 0) and against the frame (readers); world 1 checks it here.
-            if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or (transport is None
-                                                                              and tensor.dtype not in CODE_OF):
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or not tensor.is_cpu
+                or (transport is None and tensor.dtype not in CODE_OF)
+            ):
                 flatten(tensor, self.rank)  # raises the precise error
                 raise BroadcastError(f"rank {self.rank}: broadcast_ takes one tensor", reason=Reason.INVALID_CONFIG)
             if transport is None:
@@ -240,21 +260,27 @@ class CpuTpBroadcaster:
                 try:
                     data, structure = pickle.dumps(obj, protocol=5), S_OBJECT
                 except Exception as exc:  # pickling runs arbitrary __reduce__ code; anything can come out
-                    raise BroadcastError(f"rank 0: broadcast_object cannot pickle the {type(obj).__name__}: {exc}",
-                                         reason=Reason.INVALID_CONFIG) from exc
+                    raise BroadcastError(
+                        f"rank 0: broadcast_object cannot pickle the {type(obj).__name__}: {exc}",
+                        reason=Reason.INVALID_CONFIG,
+                    ) from exc
             if transport is not None:
                 seq = self._seq + 1
-                transport.send(seq, encode_object_prefix(seq, len(data), structure), (memoryview(data),), (0,),
-                               len(data))
+                transport.send(
+                    seq, encode_object_prefix(seq, len(data), structure), (memoryview(data),), (0,), len(data)
+                )
                 self._seq = seq
             return obj
         if obj is not None:
-            raise BroadcastError(f"rank {self.rank}: broadcast_object(obj) takes None on ranks other than 0, got "
-                                 f"{type(obj).__name__}", reason=Reason.INVALID_CONFIG)
+            raise BroadcastError(
+                f"rank {self.rank}: broadcast_object(obj) takes None on ranks other than 0, got {type(obj).__name__}",
+                reason=Reason.INVALID_CONFIG,
+            )
         assert transport is not None  # world_size 1 has only rank 0
         seq = self._seq + 1
-        got = transport.recv_view(seq, self._unpickle if codec is None else lambda layout, payload: self._decode(
-            layout, payload, codec))
+        got = transport.recv_view(
+            seq, self._unpickle if codec is None else lambda layout, payload: self._decode(layout, payload, codec)
+        )
         self._seq = seq
         return got
 
@@ -276,27 +302,35 @@ class CpuTpBroadcaster:
         """(offset, nbytes) of the one entry of an object frame of ``structure``; FrameMismatch otherwise."""
         if layout.structure != structure or len(layout.entries) != 1:
             if layout.structure in OBJECTS:
-                sent, here = (("a typed object (schema=...)", "without a schema") if layout.structure == S_TYPED
-                              else ("a pickled object (no schema)", "with schema=..."))
-                raise FrameMismatch(f"rank {self.rank}: rank 0 sent {sent} where this rank called "
-                                    f"broadcast_object {here}; every rank must pass the same schema")
-            raise FrameMismatch(f"rank {self.rank}: broadcast_object expected an object, rank 0 sent "
-                                f"{len(layout.entries)} tensors (structure {layout.structure}); the ranks called "
-                                f"different methods")
+                sent, here = (
+                    ("a typed object (schema=...)", "without a schema")
+                    if layout.structure == S_TYPED
+                    else ("a pickled object (no schema)", "with schema=...")
+                )
+                raise FrameMismatch(
+                    f"rank {self.rank}: rank 0 sent {sent} where this rank called "
+                    f"broadcast_object {here}; every rank must pass the same schema"
+                )
+            raise FrameMismatch(
+                f"rank {self.rank}: broadcast_object expected an object, rank 0 sent "
+                f"{len(layout.entries)} tensors (structure {layout.structure}); the ranks called "
+                f"different methods"
+            )
         e = layout.entries[0]
         return e.offset, e.nbytes
 
     def _unpickle(self, layout: Layout, payload: memoryview) -> Any:
         off, n = self._object_entry(layout, S_OBJECT)
         try:
-            return pickle.loads(payload[off: off + n])
+            return pickle.loads(payload[off : off + n])
         except Exception as exc:  # a corrupt or foreign pickle: anything can come out of unpickling
-            raise FrameMismatch(f"rank {self.rank}: cannot unpickle the object of message {layout.seq}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            raise FrameMismatch(
+                f"rank {self.rank}: cannot unpickle the object of message {layout.seq}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _decode(self, layout: Layout, payload: memoryview, codec: Codec) -> Any:
         off, n = self._object_entry(layout, S_TYPED)
-        return codec.decode(payload[off: off + n], self.rank, layout.seq)
+        return codec.decode(payload[off : off + n], self.rank, layout.seq)
 
     def close(self) -> None:
         """Release sockets, the ring and the watchdog, and tell the group. Idempotent; safe on a half-built object
@@ -308,8 +342,12 @@ class CpuTpBroadcaster:
         transport = self._transport
         if transport is None:
             return
-        transport.abort(ClosedError(f"rank {self.rank}: the broadcaster was closed while this call was in flight "
-                                    f"(close() from another thread or a signal handler); build a new one"))
+        transport.abort(
+            ClosedError(
+                f"rank {self.rank}: the broadcaster was closed while this call was in flight "
+                f"(close() from another thread or a signal handler); build a new one"
+            )
+        )
         if self._call_lock.locked() and self._in_call_on_this_thread():
             return  # close() from inside a call on this thread (a signal handler): that call releases as it leaves
         if self._call_lock.acquire(timeout=_CLOSE_WAIT_S):
@@ -318,8 +356,12 @@ class CpuTpBroadcaster:
             finally:
                 self._call_lock.release()
         else:
-            log.warning("rank %d: a broadcast call still runs %.0f s after close(); it releases the broadcaster's "
-                        "sockets and shared memory when it returns", self.rank, _CLOSE_WAIT_S)
+            log.warning(
+                "rank %d: a broadcast call still runs %.0f s after close(); it releases the broadcaster's "
+                "sockets and shared memory when it returns",
+                self.rank,
+                _CLOSE_WAIT_S,
+            )
 
     def __enter__(self) -> CpuTpBroadcaster:
         return self
@@ -332,23 +374,29 @@ class CpuTpBroadcaster:
         return self._state is State.CLOSED or self._state is State.OPENING
 
     def __repr__(self) -> str:
-        return (f"CpuTpBroadcaster(rank={self.rank}, world_size={self.world_size}, session={self.session!r}, "
-                f"backend={self.backend!r}, state={self._state.value})")
+        return (
+            f"CpuTpBroadcaster(rank={self.rank}, world_size={self.world_size}, session={self.session!r}, "
+            f"backend={self.backend!r}, state={self._state.value})"
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------------------
     def _enter(self) -> None:
         if not self._call_lock.acquire(blocking=False):
             if self._state is State.CLOSED:
                 raise ClosedError(f"rank {self.rank}: broadcaster is closed; build a new one")
-            raise BroadcastError(f"rank {self.rank}: concurrent or re-entrant broadcast on one broadcaster; "
-                                 f"calls must be serialized", reason=Reason.INVALID_CONFIG)
+            raise BroadcastError(
+                f"rank {self.rank}: concurrent or re-entrant broadcast on one broadcaster; calls must be serialized",
+                reason=Reason.INVALID_CONFIG,
+            )
         state = self._state
         if state is not State.OPEN:
             self._call_lock.release()
             failed = self._failure
             if state is State.FAILED and failed is not None:
-                raise type(failed)(f"rank {self.rank}: broadcaster failed earlier ({failed}); close it and build a "
-                                   f"new one", reason=failed.reason)
+                raise type(failed)(
+                    f"rank {self.rank}: broadcaster failed earlier ({failed}); close it and build a new one",
+                    reason=failed.reason,
+                )
             raise ClosedError(f"rank {self.rank}: broadcaster is closed; build a new one")
 
     def _close_transport(self) -> None:

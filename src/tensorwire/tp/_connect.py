@@ -37,8 +37,10 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "shm" if shm_available() else "uds"
     if backend == "shm" and not shm_available():
-        raise ConfigError(f"backend='shm' needs os.memfd_create and a memory fence (libatomic, or x86-64); "
-                          f"this machine has fence={_fence.KIND!r}; use backend='uds'")
+        raise ConfigError(
+            f"backend='shm' needs os.memfd_create and a memory fence (libatomic, or x86-64); "
+            f"this machine has fence={_fence.KIND!r}; use backend='uds'"
+        )
     return backend
 
 
@@ -49,8 +51,9 @@ def params_digest(backend: str, config: BroadcastConfig) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
-def open_transport(rank: int, world: int, session: str, backend: str, base_dir: str | None,
-                   config: BroadcastConfig) -> Transport:
+def open_transport(
+    rank: int, world: int, session: str, backend: str, base_dir: str | None, config: BroadcastConfig
+) -> Transport:
     """Bootstrap the group (blocks up to ``config.init_timeout_s``) and return this rank's transport.
 
     ``backend`` is ``"uds"`` or ``"shm"`` (see ``resolve_backend``); ``world`` >= 2. Raises BootstrapError /
@@ -73,8 +76,9 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
             if backend == "shm":
                 ring, fd = Ring.create(world, cfg.n_slots, cfg.slot_bytes, cfg.arena_bytes)
                 extra, fds = ring.size, [fd]
-            root = RootBootstrap(endpoint, world, hello, cfg.init_timeout_s, cfg.socket_buffer_bytes,
-                                 cfg.check_peer_uid, fallback)
+            root = RootBootstrap(
+                endpoint, world, hello, cfg.init_timeout_s, cfg.socket_buffer_bytes, cfg.check_peer_uid, fallback
+            )
             links = root.run(fds, extra)
             if ring is not None:
                 return ShmRoot(ring, links, root.endpoint, cfg, session)
@@ -89,9 +93,17 @@ def open_transport(rank: int, world: int, session: str, backend: str, base_dir: 
         finally:
             if fd >= 0:
                 os.close(fd)  # peers received their own copy; our mapping keeps the memory
-    link, extra, fds, endpoint = peer_bootstrap(endpoint, rank, hello, cfg.init_timeout_s, cfg.connect_retry_s,
-                                                cfg.socket_buffer_bytes, cfg.check_peer_uid,
-                                                1 if backend == "shm" else 0, fallback)
+    link, extra, fds, endpoint = peer_bootstrap(
+        endpoint,
+        rank,
+        hello,
+        cfg.init_timeout_s,
+        cfg.connect_retry_s,
+        cfg.socket_buffer_bytes,
+        cfg.check_peer_uid,
+        1 if backend == "shm" else 0,
+        fallback,
+    )
     try:
         if backend == "shm":
             ring = Ring.attach(fds[0], extra, rank, world, cfg.n_slots, cfg.slot_bytes, cfg.arena_bytes)

@@ -71,9 +71,11 @@ def _decide(group: Any, rank: int, world: int) -> tuple[str, CpuTpBroadcaster | 
     same_host = len({g[1] for g in gathered}) == 1
     choices = [_choice(g[0], same_host, same_host and (g[2] is None or world <= g[2])) for g in gathered]
     if len(set(choices)) != 1 or choices[0] == "impossible-local":
-        raise BroadcastError(f"rank {rank}: broadcast_cpu ranks disagree on the path (per rank: {choices}; "
-                             f"{ENV_PATH} per rank: {[g[0] for g in gathered]}, same host: {same_host})",
-                             reason=Reason.PATH_DISAGREEMENT)
+        raise BroadcastError(
+            f"rank {rank}: broadcast_cpu ranks disagree on the path (per rank: {choices}; "
+            f"{ENV_PATH} per rank: {[g[0] for g in gathered]}, same host: {same_host})",
+            reason=Reason.PATH_DISAGREEMENT,
+        )
     if choices[0] == "dist":
         log.info("broadcast_cpu rank %d/%d: torch.distributed fallback", rank, world)
         return "dist", None
@@ -91,8 +93,10 @@ def _decide(group: Any, rank: int, world: int) -> tuple[str, CpuTpBroadcaster | 
     if failed:
         if bcast is not None:
             bcast.close()
-        raise BootstrapError(f"rank {rank}: broadcast_cpu set-up failed on ranks {sorted(failed)}: {failed}",
-                             reason=Reason.BOOTSTRAP_FAILED) from err
+        raise BootstrapError(
+            f"rank {rank}: broadcast_cpu set-up failed on ranks {sorted(failed)}: {failed}",
+            reason=Reason.BOOTSTRAP_FAILED,
+        ) from err
     return "local", bcast
 
 
@@ -143,7 +147,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
         for t, off in zip(tensors, offsets, strict=True):
             tv = byte_view(t)
             if len(tv):
-                fv[len(prefix) + off: len(prefix) + off + len(tv)] = tv
+                fv[len(prefix) + off : len(prefix) + off + len(tv)] = tv
         size[0] = frame.numel()
     _bcast(size, src, group, device)
     if rank != 0:
@@ -153,7 +157,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
         return value
     fv = byte_view(frame)
     kind, _seq, n, table_bytes, payload, structure = decode_header(fv[: HEADER.size], rank)
-    entries = decode_table(fv[HEADER.size: HEADER.size + table_bytes], n, payload, rank)
+    entries = decode_table(fv[HEADER.size : HEADER.size + table_bytes], n, payload, rank)
     from ._frame import Layout
 
     layout = Layout(kind, 0, structure, entries, table_bytes, payload)
@@ -161,7 +165,7 @@ def _dist_broadcast(value: Any, group: Any, rank: int) -> Any:
     pbase = HEADER.size + table_bytes
     for e, t in zip(entries, tensors, strict=True):
         if e.nbytes:
-            byte_view(t)[:] = fv[pbase + e.offset: pbase + e.offset + e.nbytes]
+            byte_view(t)[:] = fv[pbase + e.offset : pbase + e.offset + e.nbytes]
     return unflatten(structure, entries, tensors)
 
 

@@ -47,9 +47,25 @@ MAX_TENSORS = 1 << 16
 MAX_TABLE_BYTES = 16 << 20
 
 _DTYPE_NAMES = [
-    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
-    "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-    "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
 ]
 # Codes are positions in _DTYPE_NAMES (stable: append only); dtypes this torch lacks are skipped.
 CODE_OF: dict[torch.dtype, int] = {}
@@ -120,19 +136,25 @@ def flatten(value: Any, rank: int) -> tuple[int, list[str], list[torch.Tensor]]:
             reason=Reason.INVALID_CONFIG,
         )
     if len(tensors) > MAX_TENSORS:
-        raise BroadcastError(f"rank {rank}: at most {MAX_TENSORS} tensors per broadcast, got {len(tensors)}",
-                             reason=Reason.INVALID_CONFIG)
+        raise BroadcastError(
+            f"rank {rank}: at most {MAX_TENSORS} tensors per broadcast, got {len(tensors)}",
+            reason=Reason.INVALID_CONFIG,
+        )
     out = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
-            raise BroadcastError(f"rank {rank}: item {keys[i] or i} is a {type(t).__name__}, not a tensor",
-                                 reason=Reason.INVALID_CONFIG)
+            raise BroadcastError(
+                f"rank {rank}: item {keys[i] or i} is a {type(t).__name__}, not a tensor", reason=Reason.INVALID_CONFIG
+            )
         if t.device.type != "cpu":
-            raise BroadcastError(f"rank {rank}: broadcast requires CPU tensors (item {keys[i] or i} is on {t.device})",
-                                 reason=Reason.WRONG_DEVICE)
+            raise BroadcastError(
+                f"rank {rank}: broadcast requires CPU tensors (item {keys[i] or i} is on {t.device})",
+                reason=Reason.WRONG_DEVICE,
+            )
         if t.dtype not in CODE_OF:
-            raise BroadcastError(f"rank {rank}: unsupported dtype {t.dtype} (item {keys[i] or i})",
-                                 reason=Reason.UNSUPPORTED_DTYPE)
+            raise BroadcastError(
+                f"rank {rank}: unsupported dtype {t.dtype} (item {keys[i] or i})", reason=Reason.UNSUPPORTED_DTYPE
+            )
         out.append(plain(t))
     return structure, keys, out
 
@@ -144,8 +166,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().contiguous()
 
 
-def encode_prefix(kind: int, seq: int, structure: int, keys: Sequence[str], tensors: Sequence[torch.Tensor],
-                  align: int) -> tuple[bytes, list[int], int]:
+def encode_prefix(
+    kind: int, seq: int, structure: int, keys: Sequence[str], tensors: Sequence[torch.Tensor], align: int
+) -> tuple[bytes, list[int], int]:
     """Header + table bytes, the payload offset of each tensor, and the payload size."""
     parts: list[bytes] = []
     offsets: list[int] = []
@@ -194,7 +217,7 @@ class LastFrame:
         """The cached layout when ``buf[start:end]`` begins with the remembered header (but the sequence number)
         and table, else None (also when fewer than the remembered prefix's bytes are there)."""
         n = start + self.prefix_bytes
-        if n > end or bytes(buf[start + SEQ_END:n]) != self._tail or bytes(buf[start:start + SEQ_AT]) != self._head:
+        if n > end or bytes(buf[start + SEQ_END : n]) != self._tail or bytes(buf[start : start + SEQ_AT]) != self._head:
             return None
         return self.layout
 
@@ -215,11 +238,15 @@ def decode_header(buf: bytes | memoryview, rank: int) -> tuple[int, int, int, in
     """(kind, seq, n_tensors, table_bytes, payload_bytes, structure), validated."""
     magic, version, kind, seq, n, table_bytes, payload_bytes, structure = HEADER.unpack_from(buf)
     if magic != MAGIC or version != VERSION:
-        raise FrameMismatch(f"rank {rank}: bad frame header (magic {magic!r}, version {version}); "
-                            f"expected {MAGIC!r} v{VERSION}: the ranks are out of step or the stream is corrupt")
+        raise FrameMismatch(
+            f"rank {rank}: bad frame header (magic {magic!r}, version {version}); "
+            f"expected {MAGIC!r} v{VERSION}: the ranks are out of step or the stream is corrupt"
+        )
     if kind not in (KIND_DATA, KIND_ABORT) or structure > S_TYPED or n > MAX_TENSORS or table_bytes > MAX_TABLE_BYTES:
-        raise FrameMismatch(f"rank {rank}: frame header out of range (kind {kind}, structure {structure}, "
-                            f"{n} tensors, table {table_bytes} B)")
+        raise FrameMismatch(
+            f"rank {rank}: frame header out of range (kind {kind}, structure {structure}, "
+            f"{n} tensors, table {table_bytes} B)"
+        )
     if structure in (S_TENSOR, *OBJECTS) and kind == KIND_DATA and n != 1:
         raise FrameMismatch(f"rank {rank}: single-entry frame (structure {structure}) carries {n} entries")
     return kind, seq, n, table_bytes, payload_bytes, structure
@@ -237,7 +264,7 @@ def decode_table(buf: bytes | memoryview, n: int, payload_bytes: int, rank: int)
                 raise FrameMismatch(f"rank {rank}: frame names unknown dtype code {code} or ndim {ndim}")
             shape = struct.unpack_from(f"<{ndim}q", buf, pos) if ndim else ()
             pos += 8 * ndim
-            key = bytes(buf[pos:pos + key_len]).decode("utf-8")
+            key = bytes(buf[pos : pos + key_len]).decode("utf-8")
             pos += key_len
             numel = 1
             for d in shape:
@@ -245,8 +272,10 @@ def decode_table(buf: bytes | memoryview, n: int, payload_bytes: int, rank: int)
                     raise FrameMismatch(f"rank {rank}: negative dimension in shape {shape}")
                 numel *= d
             if numel * ITEMSIZE[code] != nbytes or off < end_prev or off + nbytes > payload_bytes:
-                raise FrameMismatch(f"rank {rank}: tensor entry inconsistent (shape {shape}, {nbytes} B at "
-                                    f"offset {off}, payload {payload_bytes} B)")
+                raise FrameMismatch(
+                    f"rank {rank}: tensor entry inconsistent (shape {shape}, {nbytes} B at "
+                    f"offset {off}, payload {payload_bytes} B)"
+                )
             end_prev = off + nbytes
             entries.append(Entry(key, code, tuple(shape), off, nbytes))
     except (struct.error, UnicodeDecodeError) as exc:
@@ -269,8 +298,10 @@ def encode_object_prefix(seq: int, nbytes: int, structure: int = S_OBJECT) -> by
 
 def unflatten(structure: int, entries: Sequence[Entry], tensors: list[torch.Tensor]) -> Any:
     if structure in OBJECTS:
-        raise FrameMismatch("rank 0 sent an object (broadcast_object) where this rank called broadcast; the ranks "
-                            "called different methods")
+        raise FrameMismatch(
+            "rank 0 sent an object (broadcast_object) where this rank called broadcast; the ranks "
+            "called different methods"
+        )
     if structure == S_TENSOR:
         return tensors[0]
     if structure == S_LIST:
@@ -283,9 +314,13 @@ def unflatten(structure: int, entries: Sequence[Entry], tensors: list[torch.Tens
 def check_inplace(layout: Layout, target: torch.Tensor, rank: int) -> None:
     """broadcast_(): the frame must carry exactly one tensor of the target's dtype and shape."""
     if layout.structure != S_TENSOR or len(layout.entries) != 1:
-        raise FrameMismatch(f"rank {rank}: broadcast_ expected one tensor, rank 0 sent {len(layout.entries)} "
-                            f"(structure {layout.structure}); the ranks called different methods")
+        raise FrameMismatch(
+            f"rank {rank}: broadcast_ expected one tensor, rank 0 sent {len(layout.entries)} "
+            f"(structure {layout.structure}); the ranks called different methods"
+        )
     e = layout.entries[0]
     if e.dtype != target.dtype or e.shape != tuple(target.shape):
-        raise FrameMismatch(f"rank {rank}: broadcast_ target is {target.dtype}{list(target.shape)} but rank 0 sent "
-                            f"{e.dtype}{list(e.shape)}")
+        raise FrameMismatch(
+            f"rank {rank}: broadcast_ target is {target.dtype}{list(target.shape)} but rank 0 sent "
+            f"{e.dtype}{list(e.shape)}"
+        )

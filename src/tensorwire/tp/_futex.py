@@ -56,11 +56,27 @@ def wait(addr: int, seen: int, timeout_s: float) -> None:
 
     Returns on a wake, a timeout, a signal or a changed word alike: callers re-check their condition."""
     ts = _Timespec(int(timeout_s), int((timeout_s % 1.0) * 1e9))
-    _syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
-             ctypes.c_uint(seen & 0xFFFFFFFF), ctypes.byref(ts), None, ctypes.c_int(0))
+    _syscall(
+        ctypes.c_long(_SYS_FUTEX),
+        ctypes.c_void_p(addr),
+        ctypes.c_int(_FUTEX_WAIT),
+        ctypes.c_uint(seen & 0xFFFFFFFF),
+        ctypes.byref(ts),
+        None,
+        ctypes.c_int(0),
+    )
 
 
 def wake(addr: int, n: int = WAKE_ALL) -> int:
     """Wake up to ``n`` waiters on the u32 at ``addr``; returns how many were woken (-1 on an error)."""
-    return int(_syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
-                        ctypes.c_int(n), None, None, ctypes.c_int(0)))
+    return int(
+        _syscall(
+            ctypes.c_long(_SYS_FUTEX),
+            ctypes.c_void_p(addr),
+            ctypes.c_int(_FUTEX_WAKE),
+            ctypes.c_int(n),
+            None,
+            None,
+            ctypes.c_int(0),
+        )
+    )

@@ -48,8 +48,12 @@ class Waiter:
                 reason=Reason.BROADCAST_TIMEOUT,
             )
         if now >= self._next_warn:
-            log.warning("rank %d: %s still waiting after %.0f s; is that peer alive and calling broadcast?",
-                        self._rank, self._what, now - self._start)
+            log.warning(
+                "rank %d: %s still waiting after %.0f s; is that peer alive and calling broadcast?",
+                self._rank,
+                self._what,
+                now - self._start,
+            )
             self._next_warn = now + self._warn_every
         until = self._next_warn - now
         if self._deadline is not None:
@@ -137,11 +141,11 @@ class Link:
             self._rstart = self._rend = 0
         elif self._rend == len(self._rbuf):
             n = self._rend - self._rstart
-            self._rmv[:n] = self._rmv[self._rstart:self._rend]
+            self._rmv[:n] = self._rmv[self._rstart : self._rend]
             self._rstart, self._rend = 0, n
         while True:
             try:
-                n = self.sock.recv_into(self._rmv[self._rend:], 0, socket.MSG_DONTWAIT)
+                n = self.sock.recv_into(self._rmv[self._rend :], 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 if spin_until and time.monotonic() < spin_until:
                     os.sched_yield()
@@ -156,9 +160,11 @@ class Link:
             except OSError as exc:
                 raise self._closed_error("recv", exc) from exc
             if n == 0:
-                raise PeerClosed(f"rank {self.my_rank}: rank {self.peer} closed the connection (EOF) "
-                                 f"while we were reading: it died or closed its broadcaster",
-                                 reason=Reason.PEER_CLOSED)
+                raise PeerClosed(
+                    f"rank {self.my_rank}: rank {self.peer} closed the connection (EOF) "
+                    f"while we were reading: it died or closed its broadcaster",
+                    reason=Reason.PEER_CLOSED,
+                )
             self._rend += n
             return
 
@@ -169,12 +175,12 @@ class Link:
                 self.recv_into_exact(memoryview(out), waiter)
                 return bytes(out)
             self.fill(waiter)
-        data = bytes(self._rmv[self._rstart:self._rstart + n])
+        data = bytes(self._rmv[self._rstart : self._rstart + n])
         self._rstart += n
         return data
 
     def peek(self, n: int) -> memoryview:
-        return self._rmv[self._rstart:self._rstart + n]
+        return self._rmv[self._rstart : self._rstart + n]
 
     def window(self) -> tuple[memoryview, int, int]:
         """(buffer, start, end): the read-ahead bytes are ``buffer[start:end]`` (no copy, no slice object)."""
@@ -187,7 +193,7 @@ class Link:
         """Fill ``mv`` completely: first from the read-ahead buffer, then straight from the socket."""
         have = min(self.buffered(), len(mv))
         if have:
-            mv[:have] = self._rmv[self._rstart:self._rstart + have]
+            mv[:have] = self._rmv[self._rstart : self._rstart + have]
             self._rstart += have
             mv = mv[have:]
         while len(mv):
@@ -200,9 +206,11 @@ class Link:
             except OSError as exc:
                 raise self._closed_error("recv", exc) from exc
             if n == 0:
-                raise PeerClosed(f"rank {self.my_rank}: rank {self.peer} closed the connection (EOF) with "
-                                 f"{len(mv)} bytes of a frame still missing: it died or closed its broadcaster",
-                                 reason=Reason.PEER_CLOSED)
+                raise PeerClosed(
+                    f"rank {self.my_rank}: rank {self.peer} closed the connection (EOF) with "
+                    f"{len(mv)} bytes of a frame still missing: it died or closed its broadcaster",
+                    reason=Reason.PEER_CLOSED,
+                )
             mv = mv[n:]
 
     def skip(self, n: int, waiter: WaiterLike) -> None:
@@ -233,8 +241,9 @@ class Link:
         events = poller.poll(timeout_ms)
         for _, ev in events:
             if ev & select.POLLNVAL:
-                raise PeerClosed(f"rank {self.my_rank}: link to rank {self.peer} was closed locally",
-                                 reason=Reason.PEER_CLOSED)
+                raise PeerClosed(
+                    f"rank {self.my_rank}: link to rank {self.peer} was closed locally", reason=Reason.PEER_CLOSED
+                )
 
     def poll_hangup(self) -> bool:
         """True when the peer hung up or sent something (peers only ever send a goodbye after bootstrap)."""
@@ -242,8 +251,11 @@ class Link:
 
     def _closed_error(self, op: str, exc: OSError) -> PeerClosed:
         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-        return PeerClosed(f"rank {self.my_rank}: {op} to/from rank {self.peer} failed ({name}: {exc.strerror}); "
-                          f"rank {self.peer} died or closed its broadcaster", reason=Reason.PEER_CLOSED)
+        return PeerClosed(
+            f"rank {self.my_rank}: {op} to/from rank {self.peer} failed ({name}: {exc.strerror}); "
+            f"rank {self.peer} died or closed its broadcaster",
+            reason=Reason.PEER_CLOSED,
+        )
 
     def shutdown(self) -> None:
         try:

@@ -49,8 +49,9 @@ def _xdg_runtime_dir() -> str | None:
     """``$XDG_RUNTIME_DIR`` when ``_unix.xdg_runtime_dir`` accepts it for us (else None, with a warning)."""
     xdg, why = _unix.xdg_runtime_dir(effective_uid())
     if why:
-        log.warning("ignoring XDG_RUNTIME_DIR=%s for the broadcaster socket: %s", os.environ.get("XDG_RUNTIME_DIR"),
-                    why)
+        log.warning(
+            "ignoring XDG_RUNTIME_DIR=%s for the broadcaster socket: %s", os.environ.get("XDG_RUNTIME_DIR"), why
+        )
     return xdg
 
 
@@ -83,8 +84,9 @@ def default_base_dir(leaf: str = "") -> str:
         except BootstrapError as exc:
             log.warning("broadcaster directory skipped: %s", exc)
             refused.append(str(exc))
-    raise BootstrapError(f"no private directory for the broadcaster socket: {'; '.join(refused)}",
-                         reason=Reason.INSECURE_PATH)
+    raise BootstrapError(
+        f"no private directory for the broadcaster socket: {'; '.join(refused)}", reason=Reason.INSECURE_PATH
+    )
 
 
 def ensure_private_dir(path: str) -> str:

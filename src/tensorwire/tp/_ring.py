@@ -61,12 +61,12 @@ class Ring:
         self.slots_off, self.arena_off, self.size = layout_sizes(world, n_slots, slot_bytes, arena_bytes)
         self.mv = memoryview(mm)
         self.w = self.mv[: self.slots_off].cast("Q")
-        self.hdr = [self.mv[self.slot_base(i) - SLOT_HEADER: self.slot_base(i)].cast("Q") for i in range(n_slots)]
+        self.hdr = [self.mv[self.slot_base(i) - SLOT_HEADER : self.slot_base(i)].cast("Q") for i in range(n_slots)]
         self.ack_idx = [_LINE_WORDS * (1 + r) for r in range(world)]  # index 0 unused (rank 0 does not ack)
         self.sleep_off = _sleep_flags_off(world)  # one byte per rank
         # The same bytes as u64 words, so the writer tests eight flags with one load (the area is 64-byte aligned
         # and padded to 64 bytes).
-        self.sleep_words = self.mv[self.sleep_off: self.sleep_off + align(world, 8)].cast("Q")
+        self.sleep_words = self.mv[self.sleep_off : self.sleep_off + align(world, 8)].cast("Q")
         self.released = False
 
     def slot_base(self, slot: int) -> int:
@@ -85,22 +85,23 @@ class Ring:
         except (OSError, AttributeError) as exc:
             if fd >= 0:
                 os.close(fd)
-            raise BootstrapError(f"rank 0: cannot create the shared-memory ring ({size} bytes): {exc}",
-                                 reason=Reason.BOOTSTRAP_FAILED) from exc
+            raise BootstrapError(
+                f"rank 0: cannot create the shared-memory ring ({size} bytes): {exc}", reason=Reason.BOOTSTRAP_FAILED
+            ) from exc
         ring = cls(mm, 0, world, n_slots, slot_bytes, arena_bytes)
         for i, v in enumerate(ring._control()):
             ring.w[i] = v
         return ring, fd
 
     @classmethod
-    def attach(cls, fd: int, size: int, rank: int, world: int, n_slots: int, slot_bytes: int,
-               arena_bytes: int) -> Ring:
+    def attach(cls, fd: int, size: int, rank: int, world: int, n_slots: int, slot_bytes: int, arena_bytes: int) -> Ring:
         """A reader: map the fd rank 0 sent (and close it) after checking its size and control line."""
         _, _, want = layout_sizes(world, n_slots, slot_bytes, arena_bytes)
         try:
             if size != want or os.fstat(fd).st_size != want:
-                raise BootstrapError(f"rank {rank}: shared-memory ring is {size} bytes, expected {want}",
-                                     reason=Reason.PARAMS_MISMATCH)
+                raise BootstrapError(
+                    f"rank {rank}: shared-memory ring is {size} bytes, expected {want}", reason=Reason.PARAMS_MISMATCH
+                )
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)  # the mapping keeps the memory alive
@@ -108,13 +109,23 @@ class Ring:
         got = tuple(ring.w[i] for i in range(8))
         if got != ring._control():
             ring.release()
-            raise BootstrapError(f"rank {rank}: shared-memory ring header {got} does not match our parameters",
-                                 reason=Reason.PARAMS_MISMATCH)
+            raise BootstrapError(
+                f"rank {rank}: shared-memory ring header {got} does not match our parameters",
+                reason=Reason.PARAMS_MISMATCH,
+            )
         return ring
 
     def _control(self) -> tuple[int, ...]:
-        return (_MAGIC, _VERSION, self.world, self.n_slots, self.slot_bytes, self.arena_bytes, self.slots_off,
-                self.arena_off)
+        return (
+            _MAGIC,
+            _VERSION,
+            self.world,
+            self.n_slots,
+            self.slot_bytes,
+            self.arena_bytes,
+            self.slots_off,
+            self.arena_off,
+        )
 
     def release(self) -> None:
         """Drop every view and unmap. Idempotent."""

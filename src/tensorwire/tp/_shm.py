@@ -57,8 +57,9 @@ class ShmRoot(RootSide):
 
     align = 64
 
-    def __init__(self, ring: Ring, links: list[Link | None], endpoint: Rendezvous, config: BroadcastConfig,
-                 session: str) -> None:
+    def __init__(
+        self, ring: Ring, links: list[Link | None], endpoint: Rendezvous, config: BroadcastConfig, session: str
+    ) -> None:
         self._ring = ring
         # Hot-path copies of the ring's views and sizes (valid until close(), which runs after the last send).
         self._mv, self._w, self._hdr, self._n_slots = ring.mv, ring.w, ring.hdr, ring.n_slots
@@ -70,8 +71,14 @@ class ShmRoot(RootSide):
         self._pub_addr = _futex.address_of(ring.mm, PUB * 8) if _futex.AVAILABLE else 0
         super().__init__(links, endpoint, config, session)
 
-    def send(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
-             payload_bytes: int) -> None:
+    def send(
+        self,
+        seq: int,
+        prefix: bytes | bytearray,
+        views: Sequence[memoryview],
+        offsets: Sequence[int],
+        payload_bytes: int,
+    ) -> None:
         need = seq - self._n_slots
         if need > self._known_ack:
             self._raise_if_aborted()
@@ -92,12 +99,12 @@ class ShmRoot(RootSide):
             aoff = self._arena_alloc(seq, frame_len)
             base, where = self._ring.arena_off + aoff, 1
         mv = self._mv
-        mv[base: base + plen] = prefix
+        mv[base : base + plen] = prefix
         pbase = base + pstart
         for src, off in zip(views, offsets, strict=True):
             n = len(src)
             if n:
-                mv[pbase + off: pbase + off + n] = src
+                mv[pbase + off : pbase + off + n] = src
         h = self._hdr[slot]
         h[0], h[1], h[2], h[3] = seq, frame_len, where, aoff
         _fence.release()
@@ -115,7 +122,7 @@ class ShmRoot(RootSide):
         else:
             return
         ring = self._ring
-        flags = bytes(ring.mv[ring.sleep_off: ring.sleep_off + ring.world])
+        flags = bytes(ring.mv[ring.sleep_off : ring.sleep_off + ring.world])
         if self._pub_addr and ASLEEP_FUTEX in flags:
             _futex.wake(self._pub_addr)
         if ASLEEP_SOCKET in flags:
@@ -159,8 +166,11 @@ class ShmRoot(RootSide):
     def _arena_alloc(self, seq: int, n: int) -> int:
         arena_bytes = self._ring.arena_bytes
         if n > arena_bytes:
-            raise BroadcastError(f"rank 0: frame of {n} bytes exceeds the shared-memory arena ({arena_bytes} "
-                                 f"bytes); raise BroadcastConfig.arena_bytes", reason=Reason.SLOT_TOO_LARGE)
+            raise BroadcastError(
+                f"rank 0: frame of {n} bytes exceeds the shared-memory arena ({arena_bytes} "
+                f"bytes); raise BroadcastConfig.arena_bytes",
+                reason=Reason.SLOT_TOO_LARGE,
+            )
         live = self._arena_live
         while True:
             done, _ = self._min_ack()
@@ -222,11 +232,11 @@ class ShmReader(ReaderSide):
         entries, views = layout.entries, into(layout)
         if len(entries) == 1:  # the common case, without the loop
             e = entries[0]
-            views[0][:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
+            views[0][:] = mv[pbase + e.offset : pbase + e.offset + e.nbytes]
         else:
             for e, v in zip(entries, views, strict=True):
                 if e.nbytes:
-                    v[:] = mv[pbase + e.offset: pbase + e.offset + e.nbytes]
+                    v[:] = mv[pbase + e.offset : pbase + e.offset + e.nbytes]
         _fence.release()
         w[self._ack] = seq
         return layout
@@ -253,7 +263,7 @@ class ShmReader(ReaderSide):
         else:
             self._wait_published(seq)
         layout, pbase = self._locate(seq)
-        view = self._mv[pbase: pbase + layout.payload_bytes].toreadonly()
+        view = self._mv[pbase : pbase + layout.payload_bytes].toreadonly()
         try:
             return use(layout, view)
         finally:
@@ -337,7 +347,9 @@ class ShmReader(ReaderSide):
                         raise again(self._error)
                     raise ring.abort_error() or PeerClosed(
                         f"rank {self._rank}: rank 0 hung up while we waited for message {seq}: it died or "
-                        f"closed its broadcaster", reason=Reason.PEER_CLOSED)
+                        f"closed its broadcaster",
+                        reason=Reason.PEER_CLOSED,
+                    )
         finally:
             mv[me] = 0
 
@@ -352,8 +364,11 @@ class ShmReader(ReaderSide):
         if not behind:
             return exc
         acked, who = min(behind)
-        return BroadcastTimeout(f"{exc}; rank 0 has published up to message {pub} but rank {who} has consumed only "
-                                f"up to {acked}: rank 0 is probably waiting for rank {who}", reason=exc.reason)
+        return BroadcastTimeout(
+            f"{exc}; rank 0 has published up to message {pub} but rank {who} has consumed only "
+            f"up to {acked}: rank 0 is probably waiting for rank {who}",
+            reason=exc.reason,
+        )
 
     def _frame(self, seq: int) -> tuple[Layout, int]:
         """Locate and validate message ``seq``; returns its layout and the absolute offset of its payload."""
@@ -370,18 +385,18 @@ class ShmReader(ReaderSide):
         if frame_len > limit or frame_len < HEADER.size:
             raise FrameMismatch(f"rank {self._rank}: message {seq} claims {frame_len} bytes, room is {limit}")
         mv = ring.mv
-        kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(mv[base: base + HEADER.size],
-                                                                             self._rank)
+        kind, fseq, n, table_bytes, payload_bytes, structure = decode_header(mv[base : base + HEADER.size], self._rank)
         if kind != KIND_DATA or fseq != seq:
             raise FrameMismatch(f"rank {self._rank}: slot carries kind {kind} seq {fseq}, expected data seq {seq}")
         tstart = base + HEADER.size
         pstart = align(HEADER.size + table_bytes, 64)
         if pstart + payload_bytes != frame_len:
-            raise FrameMismatch(f"rank {self._rank}: message {seq} sizes disagree ({frame_len} vs "
-                                f"{pstart} + {payload_bytes})")
-        entries = decode_table(mv[tstart: tstart + table_bytes], n, payload_bytes, self._rank)
+            raise FrameMismatch(
+                f"rank {self._rank}: message {seq} sizes disagree ({frame_len} vs {pstart} + {payload_bytes})"
+            )
+        entries = decode_table(mv[tstart : tstart + table_bytes], n, payload_bytes, self._rank)
         layout = Layout(kind, seq, structure, entries, table_bytes, payload_bytes)
-        self._last.remember(mv[base: tstart + table_bytes], layout)
+        self._last.remember(mv[base : tstart + table_bytes], layout)
         self._hit_len, self._hit_pstart = (frame_len, pstart) if where == 0 else (-1, 0)
         return layout, base + pstart
 

@@ -61,8 +61,14 @@ HELLO_MAGIC, REPLY_MAGIC, READY_MAGIC = b"TWHS", b"TWHR", b"TWRY"
 PROTO_VERSION = 1
 BACKEND_CODES = {"uds": 1, "shm": 2}
 
-_REASONS = [Reason.HANDSHAKE_FAILED, Reason.BAD_RANK, Reason.DUPLICATE_RANK, Reason.SESSION_MISMATCH,
-            Reason.PARAMS_MISMATCH, Reason.BOOTSTRAP_FAILED]
+_REASONS = [
+    Reason.HANDSHAKE_FAILED,
+    Reason.BAD_RANK,
+    Reason.DUPLICATE_RANK,
+    Reason.SESSION_MISMATCH,
+    Reason.PARAMS_MISMATCH,
+    Reason.BOOTSTRAP_FAILED,
+]
 _umask_lock = threading.Lock()
 _RETRYABLE_CONNECT = (errno.ENOENT, errno.ECONNREFUSED, errno.EAGAIN, errno.EINTR)
 # A connection gets this long to deliver its HELLO (a real peer sends it right after connect), and at most this
@@ -85,8 +91,10 @@ def _foreign(sock: socket.socket, who: str, my_rank: int) -> str | None:
     pid, uid = _unix.peer_uid(sock)
     want = effective_uid()
     if uid != want:
-        return (f"rank {my_rank}: {who} (pid {pid}) runs as uid {uid}, we run as uid {want}; refusing the connection "
-                f"(SO_PEERCRED)")
+        return (
+            f"rank {my_rank}: {who} (pid {pid}) runs as uid {uid}, we run as uid {want}; refusing the connection "
+            f"(SO_PEERCRED)"
+        )
     return None
 
 
@@ -107,14 +115,18 @@ def _check_holder(endpoint: Rendezvous) -> None:
         probe.connect(endpoint.address)
         pid, uid = _unix.peer_uid(probe)
     except OSError as exc:
-        raise _Squatted(f"is bound by a process that does not accept connections ({exc}); we cannot tell who "
-                        f"it is") from None
+        raise _Squatted(
+            f"is bound by a process that does not accept connections ({exc}); we cannot tell who it is"
+        ) from None
     finally:
         probe.close()
     if uid != effective_uid():
         raise _Squatted(f"is held by pid {pid} of uid {uid}, not by us (uid {effective_uid()})")
-    raise BootstrapError(f"rank 0: {endpoint.display} is in use by a live broadcaster of our uid (pid {pid}); two "
-                         f"groups share one session id", reason=Reason.BOOTSTRAP_FAILED)
+    raise BootstrapError(
+        f"rank 0: {endpoint.display} is in use by a live broadcaster of our uid (pid {pid}); two "
+        f"groups share one session id",
+        reason=Reason.BOOTSTRAP_FAILED,
+    )
 
 
 def _set_buffers(sock: socket.socket, nbytes: int) -> None:
@@ -132,8 +144,9 @@ def _boot_waiter(rank: int, what: str, deadline: float, timeout_s: float) -> Wai
 
 
 def _timeout(exc: BroadcastTimeout, rank: int, what: str, timeout_s: float) -> BootstrapTimeout:
-    return BootstrapTimeout(f"rank {rank}: bootstrap timed out after {timeout_s:.3f} s {what}",
-                            reason=Reason.BOOTSTRAP_TIMEOUT)
+    return BootstrapTimeout(
+        f"rank {rank}: bootstrap timed out after {timeout_s:.3f} s {what}", reason=Reason.BOOTSTRAP_TIMEOUT
+    )
 
 
 class _Pending:
@@ -152,8 +165,16 @@ class RootBootstrap:
     builds the private socket-file endpoint an abstract endpoint falls back to when its name is squatted;
     ``endpoint`` is where the group met once ``run()`` returns."""
 
-    def __init__(self, endpoint: Rendezvous, world: int, hello: Hello, timeout_s: float, sock_buf: int,
-                 check_uid: bool, fallback: Callable[[], Rendezvous] | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: Rendezvous,
+        world: int,
+        hello: Hello,
+        timeout_s: float,
+        sock_buf: int,
+        check_uid: bool,
+        fallback: Callable[[], Rendezvous] | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self.world = world
         self.hello = hello
@@ -170,11 +191,16 @@ class RootBootstrap:
             return self._bind_to(self.endpoint)
         except _Squatted as squat:
             if self.fallback is None:
-                raise BootstrapError(f"rank 0: cannot listen on {self.endpoint.display}: {squat}",
-                                     reason=Reason.BOOTSTRAP_FAILED) from None
+                raise BootstrapError(
+                    f"rank 0: cannot listen on {self.endpoint.display}: {squat}", reason=Reason.BOOTSTRAP_FAILED
+                ) from None
             private = self.fallback()
-            log.warning("rank 0: abstract socket %s %s; the group meets at %s instead", self.endpoint.display, squat,
-                        private.display)
+            log.warning(
+                "rank 0: abstract socket %s %s; the group meets at %s instead",
+                self.endpoint.display,
+                squat,
+                private.display,
+            )
             self.endpoint = private
             return self._bind_to(private)
 
@@ -200,8 +226,9 @@ class RootBootstrap:
             self.cleanup_listener()
             if endpoint.is_abstract and exc.errno == errno.EADDRINUSE:
                 _check_holder(endpoint)  # raises _Squatted unless the holder is one of ours
-            raise BootstrapError(f"rank 0: cannot listen on {endpoint.display}: {exc}",
-                                 reason=Reason.BOOTSTRAP_FAILED) from exc
+            raise BootstrapError(
+                f"rank 0: cannot listen on {endpoint.display}: {exc}", reason=Reason.BOOTSTRAP_FAILED
+            ) from exc
         except BaseException:
             s.close()
             raise
@@ -223,9 +250,11 @@ class RootBootstrap:
         links: list[Link | None] = [None] * self.world
         pending: dict[int, _Pending] = {}
         if not self.check_uid:
-            log.warning("rank 0: the SO_PEERCRED uid check is off (check_peer_uid=False): any local user who can "
-                        "reach %s can join or disrupt this group; unsafe outside a single-user machine",
-                        self.endpoint.display)
+            log.warning(
+                "rank 0: the SO_PEERCRED uid check is off (check_peer_uid=False): any local user who can "
+                "reach %s can join or disrupt this group; unsafe outside a single-user machine",
+                self.endpoint.display,
+            )
         self.listener = self._bind()
         poller = select.poll()
         poller.register(self.listener.fileno(), select.POLLIN)
@@ -236,12 +265,18 @@ class RootBootstrap:
                 remaining = deadline - now
                 if remaining <= 0:
                     missing = [r for r in range(1, self.world) if links[r] is None]
-                    dropped = (f"; dropped {len(self.dropped)} connection(s) that were not peers of this group: "
-                               f"{'; '.join(self.dropped[-4:])}" if self.dropped else "")
+                    dropped = (
+                        f"; dropped {len(self.dropped)} connection(s) that were not peers of this group: "
+                        f"{'; '.join(self.dropped[-4:])}"
+                        if self.dropped
+                        else ""
+                    )
                     raise BootstrapTimeout(
                         f"rank 0: accept timed out after {self.timeout_s:.3f} s on {self.endpoint.display} while "
                         f"waiting for peer {connected + 1}/{self.world - 1} (missing ranks {missing}); did every rank "
-                        f"start with the same session and world_size?{dropped}", reason=Reason.BOOTSTRAP_TIMEOUT)
+                        f"start with the same session and world_size?{dropped}",
+                        reason=Reason.BOOTSTRAP_TIMEOUT,
+                    )
                 for fd, p in list(pending.items()):
                     if now - p.since > HELLO_TIMEOUT_S:
                         self._drop(pending, poller, fd, f"{p.who} sent no handshake within {HELLO_TIMEOUT_S:.0f} s")
@@ -285,16 +320,19 @@ class RootBootstrap:
                 lk = links[r]
                 assert lk is not None
                 try:
-                    echo = lk.read_exact(8, _boot_waiter(0, f"link probe read from rank {r}", deadline,
-                                                         self.timeout_s))
+                    echo = lk.read_exact(8, _boot_waiter(0, f"link probe read from rank {r}", deadline, self.timeout_s))
                 except BroadcastTimeout as exc:
                     raise _timeout(exc, 0, f"waiting for rank {r}'s link probe echo", self.timeout_s) from exc
                 except PeerClosed as exc:
-                    raise BootstrapError(f"rank 0: link probe read from rank {r} failed: rank {r} closed the "
-                                         f"connection (EOF)", reason=Reason.HANDSHAKE_FAILED) from exc
+                    raise BootstrapError(
+                        f"rank 0: link probe read from rank {r} failed: rank {r} closed the connection (EOF)",
+                        reason=Reason.HANDSHAKE_FAILED,
+                    ) from exc
                 if echo != nonce:
-                    raise BootstrapError(f"rank 0: link probe mismatch from rank {r}: got {echo.hex()}, expected "
-                                         f"{nonce.hex()}", reason=Reason.HANDSHAKE_FAILED)
+                    raise BootstrapError(
+                        f"rank 0: link probe mismatch from rank {r}: got {echo.hex()}, expected {nonce.hex()}",
+                        reason=Reason.HANDSHAKE_FAILED,
+                    )
             self.cleanup_listener()
             ready = READY.pack(READY_MAGIC, nonce, ready_extra)
             for r in range(1, self.world):
@@ -304,8 +342,9 @@ class RootBootstrap:
                     try:
                         socket.send_fds(lk.sock, [ready], ready_fds, socket.MSG_NOSIGNAL)
                     except OSError as exc:
-                        raise BootstrapError(f"rank 0: sending READY to rank {r} failed: {exc}",
-                                             reason=Reason.HANDSHAKE_FAILED) from exc
+                        raise BootstrapError(
+                            f"rank 0: sending READY to rank {r} failed: {exc}", reason=Reason.HANDSHAKE_FAILED
+                        ) from exc
                 else:
                     self._send(lk, ready, deadline)
             return links
@@ -339,8 +378,12 @@ class RootBootstrap:
                 continue
             if len(pending) >= MAX_PENDING:
                 oldest = min(pending, key=lambda fd: pending[fd].since)
-                self._drop(pending, poller, oldest, f"{pending[oldest].who} was the oldest of {MAX_PENDING} "
-                                                    f"connections waiting for their handshake")
+                self._drop(
+                    pending,
+                    poller,
+                    oldest,
+                    f"{pending[oldest].who} was the oldest of {MAX_PENDING} connections waiting for their handshake",
+                )
             conn.setblocking(False)
             _set_buffers(conn, self.sock_buf)
             link = Link(conn, 0, -1)
@@ -363,8 +406,9 @@ class RootBootstrap:
         except BroadcastTimeout as exc:
             raise _timeout(exc, 0, f"writing to rank {lk.peer}", self.timeout_s) from exc
         except PeerClosed as exc:
-            raise BootstrapError(f"rank 0: handshake write to rank {lk.peer} failed: {exc}",
-                                 reason=Reason.HANDSHAKE_FAILED) from exc
+            raise BootstrapError(
+                f"rank 0: handshake write to rank {lk.peer} failed: {exc}", reason=Reason.HANDSHAKE_FAILED
+            ) from exc
 
     def _validate(self, raw: bytes, links: list[Link | None], link: Link) -> int:
         magic, version, backend, _flags, rank, world, session, params = HELLO.unpack(raw)
@@ -381,24 +425,36 @@ class RootBootstrap:
             return _Dropped(msg, reason=reason)
 
         if magic != HELLO_MAGIC or version != PROTO_VERSION:
-            raise drop(Reason.HANDSHAKE_FAILED, f"rank 0: bad handshake from a peer (magic {magic!r}, version "
-                                                f"{version}); is it a tensorwire broadcaster of the same version?")
+            raise drop(
+                Reason.HANDSHAKE_FAILED,
+                f"rank 0: bad handshake from a peer (magic {magic!r}, version "
+                f"{version}); is it a tensorwire broadcaster of the same version?",
+            )
         if session != me.session_digest:
-            raise drop(Reason.SESSION_MISMATCH, f"rank 0: peer rank {rank} belongs to a different session (its "
-                                                f"session id differs from ours, though both map to "
-                                                f"{self.endpoint.display})")
+            raise drop(
+                Reason.SESSION_MISMATCH,
+                f"rank 0: peer rank {rank} belongs to a different session (its "
+                f"session id differs from ours, though both map to "
+                f"{self.endpoint.display})",
+            )
         if not 0 < rank < self.world:
             raise fail(Reason.BAD_RANK, f"rank 0: bad peer_rank {rank} (world_size={self.world})")
         if links[rank] is not None:
             raise fail(Reason.DUPLICATE_RANK, f"rank 0: duplicate peer rank {rank}")
         if world != self.world:
-            raise fail(Reason.PARAMS_MISMATCH, f"rank 0: peer rank {rank} has world_size={world}, we have "
-                                               f"{self.world} (re-init mismatch on one session)")
+            raise fail(
+                Reason.PARAMS_MISMATCH,
+                f"rank 0: peer rank {rank} has world_size={world}, we have "
+                f"{self.world} (re-init mismatch on one session)",
+            )
         if backend != BACKEND_CODES[me.backend] or params != me.params_digest:
             names = {v: k for k, v in BACKEND_CODES.items()}
-            raise fail(Reason.PARAMS_MISMATCH, f"rank 0: peer rank {rank} uses backend "
-                                               f"{names.get(backend, backend)} / other parameters, we use "
-                                               f"{me.backend} (re-init mismatch on one session)")
+            raise fail(
+                Reason.PARAMS_MISMATCH,
+                f"rank 0: peer rank {rank} uses backend "
+                f"{names.get(backend, backend)} / other parameters, we use "
+                f"{me.backend} (re-init mismatch on one session)",
+            )
         return int(rank)
 
 
@@ -415,8 +471,9 @@ def _remove_stale(path: str) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise BootstrapError(f"rank 0: {path} exists and is not a socket; refusing to remove it",
-                             reason=Reason.INSECURE_PATH)
+        raise BootstrapError(
+            f"rank 0: {path} exists and is not a socket; refusing to remove it", reason=Reason.INSECURE_PATH
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(0.5)
@@ -427,34 +484,62 @@ def _remove_stale(path: str) -> None:
         return
     finally:
         probe.close()
-    raise BootstrapError(f"rank 0: {path} is in use by a live broadcaster; two groups share one session id",
-                         reason=Reason.BOOTSTRAP_FAILED)
+    raise BootstrapError(
+        f"rank 0: {path} is in use by a live broadcaster; two groups share one session id",
+        reason=Reason.BOOTSTRAP_FAILED,
+    )
 
 
-def peer_bootstrap(endpoint: Rendezvous, rank: int, hello: Hello, timeout_s: float, retry_s: float, sock_buf: int,
-                   check_uid: bool, want_fds: int, fallback: Callable[[], Rendezvous] | None = None,
-                   ) -> tuple[Link, int, list[int], Rendezvous]:
+def peer_bootstrap(
+    endpoint: Rendezvous,
+    rank: int,
+    hello: Hello,
+    timeout_s: float,
+    retry_s: float,
+    sock_buf: int,
+    check_uid: bool,
+    want_fds: int,
+    fallback: Callable[[], Rendezvous] | None = None,
+) -> tuple[Link, int, list[int], Rendezvous]:
     """Rank k's half: returns the link to rank 0, READY's extra field, the fds passed with it, and the endpoint
     the group met at (``fallback()`` when rank 0 had to leave a squatted abstract name for it)."""
     deadline = time.monotonic() + timeout_s
     if not check_uid:
-        log.warning("rank %d: the SO_PEERCRED uid check is off (check_peer_uid=False): whoever listens on %s gets "
-                    "this rank's handshake and feeds it broadcasts; unsafe outside a single-user machine", rank,
-                    endpoint.display)
+        log.warning(
+            "rank %d: the SO_PEERCRED uid check is off (check_peer_uid=False): whoever listens on %s gets "
+            "this rank's handshake and feeds it broadcasts; unsafe outside a single-user machine",
+            rank,
+            endpoint.display,
+        )
     s, endpoint = _connect_root(endpoint, fallback, rank, timeout_s, retry_s, sock_buf, check_uid, deadline)
     link = Link(s, rank, 0)
     try:
+
         def waiter(what: str) -> Waiter:
             return _boot_waiter(rank, what, deadline, timeout_s)
 
         try:
-            link.send_all([HELLO.pack(HELLO_MAGIC, PROTO_VERSION, BACKEND_CODES[hello.backend], 0, rank, hello.world,
-                                      hello.session_digest, hello.params_digest)], waiter("handshake write"))
+            link.send_all(
+                [
+                    HELLO.pack(
+                        HELLO_MAGIC,
+                        PROTO_VERSION,
+                        BACKEND_CODES[hello.backend],
+                        0,
+                        rank,
+                        hello.world,
+                        hello.session_digest,
+                        hello.params_digest,
+                    )
+                ],
+                waiter("handshake write"),
+            )
             raw = link.read_exact(REPLY.size, waiter("handshake reply"))
             magic, status, reason_idx, msg_len, nonce = REPLY.unpack(raw)
             if magic != REPLY_MAGIC:
-                raise BootstrapError(f"rank {rank}: bad handshake reply from rank 0 (magic {magic!r})",
-                                     reason=Reason.HANDSHAKE_FAILED)
+                raise BootstrapError(
+                    f"rank {rank}: bad handshake reply from rank 0 (magic {magic!r})", reason=Reason.HANDSHAKE_FAILED
+                )
             if status != 0:
                 msg = link.read_exact(msg_len, waiter("reject message")).decode("utf-8", "replace")
                 reason = _REASONS[reason_idx] if reason_idx < len(_REASONS) else Reason.BOOTSTRAP_FAILED
@@ -468,31 +553,47 @@ def peer_bootstrap(endpoint: Rendezvous, rank: int, hello: Hello, timeout_s: flo
                 raw_ready, fds = _recv_ready(link, want_fds, waiter("READY"))
             magic, echo, extra = READY.unpack(raw_ready)
             if magic == REPLY_MAGIC:
-                raise BootstrapError(f"rank {rank}: rank 0 rejected the bootstrap after the link probe",
-                                     reason=Reason.HANDSHAKE_FAILED)
+                raise BootstrapError(
+                    f"rank {rank}: rank 0 rejected the bootstrap after the link probe", reason=Reason.HANDSHAKE_FAILED
+                )
             if magic != READY_MAGIC or echo != nonce:
                 for fd in fds:
                     os.close(fd)
-                raise BootstrapError(f"rank {rank}: link probe mismatch: READY carried {echo.hex()} "
-                                     f"(magic {magic!r}), expected {nonce.hex()}", reason=Reason.HANDSHAKE_FAILED)
+                raise BootstrapError(
+                    f"rank {rank}: link probe mismatch: READY carried {echo.hex()} "
+                    f"(magic {magic!r}), expected {nonce.hex()}",
+                    reason=Reason.HANDSHAKE_FAILED,
+                )
             if len(fds) != want_fds:
                 for fd in fds:
                     os.close(fd)
-                raise BootstrapError(f"rank {rank}: READY carried {len(fds)} fds, expected {want_fds}",
-                                     reason=Reason.HANDSHAKE_FAILED)
+                raise BootstrapError(
+                    f"rank {rank}: READY carried {len(fds)} fds, expected {want_fds}", reason=Reason.HANDSHAKE_FAILED
+                )
             return link, extra, fds, endpoint
         except BroadcastTimeout as exc:
             raise _timeout(exc, rank, "during the handshake with rank 0", timeout_s) from exc
         except PeerClosed as exc:
-            raise BootstrapError(f"rank {rank}: rank 0 closed the connection during the handshake (link probe "
-                                 f"or reply read failed: EOF)", reason=Reason.HANDSHAKE_FAILED) from exc
+            raise BootstrapError(
+                f"rank {rank}: rank 0 closed the connection during the handshake (link probe "
+                f"or reply read failed: EOF)",
+                reason=Reason.HANDSHAKE_FAILED,
+            ) from exc
     except BaseException:
         link.close()
         raise
 
 
-def _connect_root(endpoint: Rendezvous, fallback: Callable[[], Rendezvous] | None, rank: int, timeout_s: float,
-                  retry_s: float, sock_buf: int, check_uid: bool, deadline: float) -> tuple[socket.socket, Rendezvous]:
+def _connect_root(
+    endpoint: Rendezvous,
+    fallback: Callable[[], Rendezvous] | None,
+    rank: int,
+    timeout_s: float,
+    retry_s: float,
+    sock_buf: int,
+    check_uid: bool,
+    deadline: float,
+) -> tuple[socket.socket, Rendezvous]:
     """A socket connected to rank 0's listener (of our uid when ``check_uid``) and the endpoint it is at.
 
     An abstract endpoint with a ``fallback``: when the name refuses us or is held by another uid (squatted), the
@@ -511,8 +612,9 @@ def _connect_root(endpoint: Rendezvous, fallback: Callable[[], Rendezvous] | Non
                 s.close()
                 last = exc
                 if exc.errno not in _RETRYABLE_CONNECT:
-                    raise BootstrapError(f"rank {rank}: connect({ep.display}) failed: {exc}",
-                                         reason=Reason.BOOTSTRAP_FAILED) from exc
+                    raise BootstrapError(
+                        f"rank {rank}: connect({ep.display}) failed: {exc}", reason=Reason.BOOTSTRAP_FAILED
+                    ) from exc
                 continue
             why = _foreign(s, "rank 0's listener", rank) if check_uid else None
             if why is None:
@@ -529,14 +631,17 @@ def _connect_root(endpoint: Rendezvous, fallback: Callable[[], Rendezvous] | Non
             try:
                 targets.append(fallback())
             except BootstrapError as exc:  # no private path here: the abstract name is all there is
-                log.warning("rank %d: no private path to fall back to if %s is squatted: %s", rank,
-                            endpoint.display, exc)
+                log.warning(
+                    "rank %d: no private path to fall back to if %s is squatted: %s", rank, endpoint.display, exc
+                )
                 fallback = None
         if time.monotonic() + retry_s > deadline:
             where = " or ".join(ep.display for ep in targets)
             raise BootstrapTimeout(
                 f"rank {rank}: connect({where}) failed after {attempts} attempts in {timeout_s:.3f} s: {last}; is "
-                f"rank 0 running with the same session?", reason=Reason.BOOTSTRAP_TIMEOUT) from last
+                f"rank 0 running with the same session?",
+                reason=Reason.BOOTSTRAP_TIMEOUT,
+            ) from last
         time.sleep(retry_s)
 
 
@@ -548,15 +653,16 @@ def _recv_ready(link: Link, want_fds: int, waiter: Waiter) -> tuple[bytes, list[
         if not poller.poll(100):
             continue
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(link.sock, READY.size, max(want_fds, 1),
-                                                     socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            msg, fds, _flags, _addr = socket.recv_fds(
+                link.sock, READY.size, max(want_fds, 1), socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+            )
         except BlockingIOError:
             continue
         if not msg:
-            raise PeerClosed(f"rank {link.my_rank}: rank 0 closed the connection before READY",
-                             reason=Reason.PEER_CLOSED)
+            raise PeerClosed(
+                f"rank {link.my_rank}: rank 0 closed the connection before READY", reason=Reason.PEER_CLOSED
+            )
         if len(msg) < READY.size:
             rest = link.read_exact(READY.size - len(msg), waiter)
             msg += rest
         return msg, list(fds)
-

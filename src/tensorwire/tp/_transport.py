@@ -66,8 +66,14 @@ class Transport(abc.ABC):
     align: int = 1
     endpoint: Rendezvous | None = None  # where the group met (for logs)
 
-    def send(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
-             payload_bytes: int) -> None:
+    def send(
+        self,
+        seq: int,
+        prefix: bytes | bytearray,
+        views: Sequence[memoryview],
+        offsets: Sequence[int],
+        payload_bytes: int,
+    ) -> None:
         """Rank 0: deliver message ``seq`` (``prefix`` = header and table, tensor i's bytes ``views[i]`` at
         payload offset ``offsets[i]``, ``payload_bytes`` in all) to every reader."""
         raise BroadcastError("send() is rank 0's; this is a reader's transport", reason=Reason.INVALID_CONFIG)
@@ -87,7 +93,7 @@ class Transport(abc.ABC):
         def into(layout: Layout) -> Sequence[memoryview]:
             buf.extend(bytes(layout.payload_bytes))
             mv = memoryview(buf)
-            return [mv[e.offset: e.offset + e.nbytes] for e in layout.entries]
+            return [mv[e.offset : e.offset + e.nbytes] for e in layout.entries]
 
         layout = self.recv(seq, into)
         with memoryview(buf) as mv:
@@ -120,8 +126,9 @@ class RootSide(Transport):
         self._lock = threading.Lock()
         self._released = False
         r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        watchdog = threading.Thread(target=self._watch, args=(r,), name=f"tensorwire-tp-watchdog-{session}",
-                                    daemon=True)
+        watchdog = threading.Thread(
+            target=self._watch, args=(r,), name=f"tensorwire-tp-watchdog-{session}", daemon=True
+        )
         self._watchdog: threading.Thread | None = watchdog
         watchdog.start()
 
@@ -155,8 +162,9 @@ class RootSide(Transport):
         """Rank ``dead`` died or left (watchdog), or its link failed during a send: abort the group naming it."""
         with self._lock:
             if self._error is None and not self._released:
-                self._error = PeerClosed(f"rank 0: rank {dead} {cause}; the group is aborted",
-                                         reason=Reason.PEER_CLOSED)
+                self._error = PeerClosed(
+                    f"rank 0: rank {dead} {cause}; the group is aborted", reason=Reason.PEER_CLOSED
+                )
                 self._tell_group(dead, cause)
         self._hang_up()
 
@@ -239,8 +247,12 @@ class ReaderSide(Transport):
         self._released = False
 
     def _waiter_for(self, seq: int) -> Waiter:
-        return Waiter(self._rank, f"broadcast (waiting for message {seq} from rank 0)", self._cfg.timeout_s,
-                      self._cfg.stall_warn_s)
+        return Waiter(
+            self._rank,
+            f"broadcast (waiting for message {seq} from rank 0)",
+            self._cfg.timeout_s,
+            self._cfg.stall_warn_s,
+        )
 
     def _release(self) -> None:
         """Free what the subclass owns (the ring); under ``_lock``, after the link is closed."""

@@ -36,8 +36,11 @@ class Codec:
         try:
             import msgspec
         except ImportError as exc:
-            raise BroadcastError("broadcast_object(schema=...) needs msgspec (pip install 'tensorwire[typed]'); "
-                                 "without a schema the object is pickled", reason=Reason.INVALID_CONFIG) from exc
+            raise BroadcastError(
+                "broadcast_object(schema=...) needs msgspec (pip install 'tensorwire[typed]'); "
+                "without a schema the object is pickled",
+                reason=Reason.INVALID_CONFIG,
+            ) from exc
         self.schema = schema
         self.name = _name_of(schema)
         self.fingerprint = hashlib.blake2b(self.name.encode(), digest_size=FINGERPRINT_BYTES).digest()
@@ -48,36 +51,44 @@ class Codec:
             self._enc = msgspec.msgpack.Encoder()
             self._dec = msgspec.msgpack.Decoder(schema)
         except TypeError as exc:  # msgspec cannot build a decoder for this type
-            raise BroadcastError(f"broadcast_object: schema {self.name} is not a type msgspec can decode: {exc}",
-                                 reason=Reason.INVALID_CONFIG) from exc
+            raise BroadcastError(
+                f"broadcast_object: schema {self.name} is not a type msgspec can decode: {exc}",
+                reason=Reason.INVALID_CONFIG,
+            ) from exc
 
     def encode(self, obj: Any, rank: int) -> bytes:
         """fingerprint + msgpack of ``obj``; ``BroadcastError`` (``INVALID_CONFIG``) when it is not a ``schema``
         instance or cannot be encoded."""
         if self._cls is not None and not isinstance(obj, self._cls):
-            raise BroadcastError(f"rank {rank}: broadcast_object(schema={self.name}) got a value of type "
-                                 f"{type(obj).__name__}",
-                                 reason=Reason.INVALID_CONFIG)
+            raise BroadcastError(
+                f"rank {rank}: broadcast_object(schema={self.name}) got a value of type {type(obj).__name__}",
+                reason=Reason.INVALID_CONFIG,
+            )
         try:
             return self.fingerprint + self._enc.encode(obj)
         except Exception as exc:  # msgspec raises TypeError / EncodeError / OverflowError, user hooks anything
-            raise BroadcastError(f"rank {rank}: broadcast_object cannot encode the {type(obj).__name__} as "
-                                 f"{self.name}: {exc}", reason=Reason.INVALID_CONFIG) from exc
+            raise BroadcastError(
+                f"rank {rank}: broadcast_object cannot encode the {type(obj).__name__} as {self.name}: {exc}",
+                reason=Reason.INVALID_CONFIG,
+            ) from exc
 
     def decode(self, payload: memoryview, rank: int, seq: int) -> Any:
         """The object in ``payload`` (a view into the transport, read once and not kept); ``FrameMismatch`` when
         rank 0 named another schema or the bytes do not decode into this one."""
         if bytes(payload[:FINGERPRINT_BYTES]) != self.fingerprint:
-            raise FrameMismatch(f"rank {rank}: message {seq} was encoded with another schema than {self.name}; "
-                                f"every rank must pass the same schema to broadcast_object")
+            raise FrameMismatch(
+                f"rank {rank}: message {seq} was encoded with another schema than {self.name}; "
+                f"every rank must pass the same schema to broadcast_object"
+            )
         # A copy, not the view: msgspec may hand out views into its input (memoryview / Raw fields), and the ring
         # slot is reused once this call returns. 8.8 KB is well under a microsecond.
         data = bytes(payload[FINGERPRINT_BYTES:])
         try:
             return self._dec.decode(data)
         except Exception as exc:  # ValidationError / DecodeError, or a dec_hook-free type's own __post_init__
-            raise FrameMismatch(f"rank {rank}: message {seq} does not decode as {self.name}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+            raise FrameMismatch(
+                f"rank {rank}: message {seq} does not decode as {self.name}: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _name_of(schema: Any) -> str:

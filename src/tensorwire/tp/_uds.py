@@ -31,8 +31,14 @@ class UdsRoot(RootSide):
         self._seq = 0
         super().__init__(links, endpoint, config, session)
 
-    def send(self, seq: int, prefix: bytes | bytearray, views: Sequence[memoryview], offsets: Sequence[int],
-             payload_bytes: int) -> None:
+    def send(
+        self,
+        seq: int,
+        prefix: bytes | bytearray,
+        views: Sequence[memoryview],
+        offsets: Sequence[int],
+        payload_bytes: int,
+    ) -> None:
         def waiter() -> Waiter:
             return self._waiter(f"broadcast of message {seq}")
 
@@ -124,8 +130,9 @@ class UdsReader(ReaderSide):
             layout = Layout(kind, fseq, structure, entries, table_bytes, payload_bytes)
             last.remember(head + table, layout)
         if fseq != seq:
-            raise FrameMismatch(f"rank {self._rank}: received message {fseq}, expected {seq}: the ranks are out "
-                                f"of step")
+            raise FrameMismatch(
+                f"rank {self._rank}: received message {fseq}, expected {seq}: the ranks are out of step"
+            )
         views = into(layout)
         pos = 0
         for e, v in zip(layout.entries, views, strict=True):

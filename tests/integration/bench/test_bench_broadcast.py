@@ -18,8 +18,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_every_payload_runs_at_every_gap_and_slow_cases_get_fewer_rounds() -> None:
     cases = broadcast.cases_for([1024, 1 << 20], ["dict", "sched"], [0.0, 2.0])
-    assert [c.name for c in cases] == ["1KiB", "1MiB", "dict", "sched", "1KiB@2ms", "1MiB@2ms", "dict@2ms",
-                                       "sched@2ms"]
+    assert [c.name for c in cases] == ["1KiB", "1MiB", "dict", "sched", "1KiB@2ms", "1MiB@2ms", "dict@2ms", "sched@2ms"]
     assert [broadcast.rounds_for(c, 1000) for c in cases] == [1000, 250, 1000, 1000, 250, 250, 250, 250]
     assert broadcast.rounds_for(Case("tensor", 1024, 2.0), 40) == 20  # never fewer than 20
 
@@ -52,12 +51,14 @@ def test_payload_sizes_are_what_the_docs_say() -> None:
 
 
 def test_ratios_are_tensorwire_over_vllm_and_none_where_a_backend_is_missing() -> None:
-    rows = [{"backend": "shm", "tp": 2, "case": "1KiB", "median_ms": 0.010},
-            {"backend": "vllm", "tp": 2, "case": "1KiB", "median_ms": 0.040},
-            {"backend": "uds", "tp": 2, "case": "1KiB", "median_ms": 0.020},
-            {"backend": "gloo", "tp": 2, "case": "1KiB", "median_ms": 0.100},
-            {"backend": "shm", "tp": 4, "case": "1KiB", "median_ms": 0.012},
-            {"backend": "vllm", "tp": 4, "error": "boom"}]
+    rows = [
+        {"backend": "shm", "tp": 2, "case": "1KiB", "median_ms": 0.010},
+        {"backend": "vllm", "tp": 2, "case": "1KiB", "median_ms": 0.040},
+        {"backend": "uds", "tp": 2, "case": "1KiB", "median_ms": 0.020},
+        {"backend": "gloo", "tp": 2, "case": "1KiB", "median_ms": 0.100},
+        {"backend": "shm", "tp": 4, "case": "1KiB", "median_ms": 0.012},
+        {"backend": "vllm", "tp": 4, "error": "boom"},
+    ]
     r2, r4 = broadcast.ratios_of(rows, [Case("tensor", 1024)], [2, 4])
     assert (r2["shm_over_vllm"], r2["uds_over_vllm"], r2["gloo_over_shm"]) == pytest.approx((0.25, 0.5, 10.0))
     assert r4["shm_over_vllm"] is None and r4["uds_over_vllm"] is None
@@ -85,13 +86,23 @@ def _check_group(res: list[dict[str, Any]], cases: list[Case], n: int) -> None:
     assert 0 <= res[1]["idle_cpu_frac"] <= 1.5
 
 
-@pytest.mark.parametrize(("backend", "api", "codec"), [("shm", "inplace", "typed"), ("uds", "fresh", "pickle"),
-                                                      ("shm_pickle", "inplace", "typed")])
+@pytest.mark.parametrize(
+    ("backend", "api", "codec"),
+    [("shm", "inplace", "typed"), ("uds", "fresh", "pickle"), ("shm_pickle", "inplace", "typed")],
+)
 def test_a_tensorwire_group_delivers_every_case(backend: str, api: str, codec: str) -> None:
     if backend.startswith("shm") and not shm_available():
         pytest.skip("no shared-memory ring on this machine")
-    res = broadcast.run_group(2, backend, CASES, [3] * len(CASES), 1, 0.2, timeout_s=180,
-                              opts=backends.Options(tensor_api=api, object_codec=codec))
+    res = broadcast.run_group(
+        2,
+        backend,
+        CASES,
+        [3] * len(CASES),
+        1,
+        0.2,
+        timeout_s=180,
+        opts=backends.Options(tensor_api=api, object_codec=codec),
+    )
     _check_group(res, CASES, 3)
     rows = broadcast.rows_of(backend, 2, CASES, res)
     assert [r["case"] for r in rows] == [c.name for c in CASES] and all(r["n"] == 3 for r in rows)
@@ -99,13 +110,31 @@ def test_a_tensorwire_group_delivers_every_case(backend: str, api: str, codec: s
 
 def test_repeated_groups_combine_into_the_median_of_their_medians() -> None:
     def row(backend: str, rep: int, med: float, p99: float, cpu: float) -> dict[str, Any]:
-        return {"backend": backend, "tp": 2, "case": "sched", "rep": rep, "n": 10, "median_ms": med, "p99_ms": p99,
-                "mean_ms": med, "sd_ms": 0.0, "min_ms": med / 2, "max_ms": p99 * 2, "reader_cpu_frac_mean": cpu,
-                "reader_cpu_frac_max": cpu}
+        return {
+            "backend": backend,
+            "tp": 2,
+            "case": "sched",
+            "rep": rep,
+            "n": 10,
+            "median_ms": med,
+            "p99_ms": p99,
+            "mean_ms": med,
+            "sd_ms": 0.0,
+            "min_ms": med / 2,
+            "max_ms": p99 * 2,
+            "reader_cpu_frac_mean": cpu,
+            "reader_cpu_frac_max": cpu,
+        }
 
-    rows = [row("shm", 0, 0.05, 0.09, 0.9), row("vllm", 0, 0.30, 0.5, 1.0), row("shm", 1, 0.20, 0.3, 1.0),
-            row("vllm", 1, 0.10, 0.2, 1.0), row("shm", 2, 0.07, 0.1, 0.95), row("vllm", 2, 0.12, 0.2, 1.0),
-            {"backend": "uds", "tp": 2, "rep": 0, "error": "boom"}]
+    rows = [
+        row("shm", 0, 0.05, 0.09, 0.9),
+        row("vllm", 0, 0.30, 0.5, 1.0),
+        row("shm", 1, 0.20, 0.3, 1.0),
+        row("vllm", 1, 0.10, 0.2, 1.0),
+        row("shm", 2, 0.07, 0.1, 0.95),
+        row("vllm", 2, 0.12, 0.2, 1.0),
+        {"backend": "uds", "tp": 2, "rep": 0, "error": "boom"},
+    ]
     out = {r["backend"]: r for r in broadcast.combine_runs(rows)}
     shm = out["shm"]
     assert (shm["median_ms"], shm["p99_ms"], shm["n"], shm["runs"]) == (0.07, 0.1, 30, 3)

@@ -36,9 +36,11 @@ def test_parse_rows() -> None:
 
 
 def test_foreign_allocations_flags_only_other_devices() -> None:
-    mem = {"cuda:0": {"allocated": 100, "max_allocated": 200},
-           "cuda:1": {"allocated": 0, "max_allocated": 4096},
-           "cuda:2": {"allocated": 0, "max_allocated": 0}}
+    mem = {
+        "cuda:0": {"allocated": 100, "max_allocated": 200},
+        "cuda:1": {"allocated": 0, "max_allocated": 4096},
+        "cuda:2": {"allocated": 0, "max_allocated": 0},
+    }
     assert multigpu.foreign_allocations("cuda:0", mem) == {"cuda:1": 4096}
     assert multigpu.foreign_allocations("cuda:1", mem) == {"cuda:0": 200}
     assert multigpu.foreign_allocations("cpu", {}) == {}
@@ -59,8 +61,10 @@ def _plane(median_ms: float, **flags: bool) -> dict[str, Any]:
 def _pair(rdma: dict[str, Any], inline: dict[str, Any], llm_foreign: bool = False) -> dict[str, Any]:
     nbytes = 1_000_000
     return {
-        "llm": {"sizes": [{"rows": 10, "bytes": nbytes, "rdma": rdma, "inline": inline}],
-                "no_foreign_allocations": not llm_foreign},
+        "llm": {
+            "sizes": [{"rows": 10, "bytes": nbytes, "rdma": rdma, "inline": inline}],
+            "no_foreign_allocations": not llm_foreign,
+        },
         "encoder": {"output_on_device": True, "no_foreign_allocations": True},
         "baseline": {"bytes": nbytes, "p2p_copy": {"median_ms": 0.5, "gbps": multigpu.gbps(nbytes, 0.5)}},
     }
@@ -87,8 +91,9 @@ def test_judge_fails_on_foreign_allocation_and_on_missing_rdma() -> None:
     assert out["checks"]["rdma_ran"] is False and out["checks"]["all_ok"] is False
 
 
-def test_fewer_than_two_gpus_exits_zero_without_writing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_fewer_than_two_gpus_exits_zero_without_writing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -109,8 +114,23 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
 @pytest.mark.usefixtures("require_nixl")
 def test_dry_run_on_cpu_checks_bytes_devices_and_planes(tmp_path: Path) -> None:
     out = tmp_path / "mg.json"
-    rc = multigpu.main(["--dry-run", "--rows", "64,256", "--iters", "2", "--inline-iters", "1", "--p2p-iters", "2",
-                        "--timeout-s", "120", "--out", str(out)])
+    rc = multigpu.main(
+        [
+            "--dry-run",
+            "--rows",
+            "64,256",
+            "--iters",
+            "2",
+            "--inline-iters",
+            "1",
+            "--p2p-iters",
+            "2",
+            "--timeout-s",
+            "120",
+            "--out",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     (pair,) = doc["pairs"]
     assert rc == 0, pair.get("error") or pair["summary"]["checks"]

@@ -12,8 +12,9 @@ from tensorwire.bench import tp_nccl
 from tensorwire.bench._common import summarize
 
 
-@pytest.mark.parametrize("available,expected", [(0, []), (1, []), (2, [2]), (3, [2, 3]), (4, [2, 4]),
-                                                (6, [2, 4, 6]), (8, [2, 4, 8])])
+@pytest.mark.parametrize(
+    "available,expected", [(0, []), (1, []), (2, [2]), (3, [2, 3]), (4, [2, 4]), (6, [2, 4, 6]), (8, [2, 4, 8])]
+)
 def test_parse_tp_default_follows_the_gpu_count(available: int, expected: list[int]) -> None:
     assert tp_nccl.parse_tp(None, available) == (expected, [])
 
@@ -68,8 +69,9 @@ def test_ratio_rows_pairs_methods_per_load_tp_and_size() -> None:
     assert r["median"] == pytest.approx(10.0) and r["p99"] == pytest.approx(20.0)
 
 
-def test_fewer_than_two_gpus_exits_zero_without_writing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_fewer_than_two_gpus_exits_zero_without_writing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -92,12 +94,29 @@ def test_bad_arguments_exit_2(argv: list[str], monkeypatch: pytest.MonkeyPatch) 
 @pytest.mark.timeout(180)
 def test_dry_run_with_gloo(tmp_path: Path) -> None:
     out = tmp_path / "tp.json"
-    rc = tp_nccl.main(["--dry-run", "--tp", "2", "--sizes", "1024,65536", "--rounds", "10", "--warmup", "2",
-                       "--timeout-s", "150", "--out", str(out)])
+    rc = tp_nccl.main(
+        [
+            "--dry-run",
+            "--tp",
+            "2",
+            "--sizes",
+            "1024,65536",
+            "--rounds",
+            "10",
+            "--warmup",
+            "2",
+            "--timeout-s",
+            "150",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     got = {(r["method"], r["size_bytes"]): r for r in doc["results"]}
     assert set(got) == {(m, s) for m in ("broadcast_cpu", "gloo") for s in (1024, 65536)}
-    assert all(r["n"] == 10 and r["load"] == "idle" and r["tp"] == 2 and 0 < r["median_ms"] <= r["p99_ms"]
-               for r in got.values())
+    assert all(
+        r["n"] == 10 and r["load"] == "idle" and r["tp"] == 2 and 0 < r["median_ms"] <= r["p99_ms"]
+        for r in got.values()
+    )
     assert len(doc["ratios"]) == 2

@@ -73,12 +73,21 @@ def test_summaries() -> None:
     flat = vllm_ec.flatness([1.0] * 100 + [5.0] * 10 + [1.1] * 80 + [1.3] * 20)
     assert flat["window"] == 100 and flat["p90_first_ms"] == 1.0
     assert flat["p90_last_ms"] == 1.3 and flat["ratio_last_over_first"] == pytest.approx(1.3)
-    by_path = {"tensorwire": {"total": {"median_ms": 2.0}, "staged": {"median_ms": 1.0}},
-               "file_tmpfs": {"total": {"median_ms": 3.0}}, "file_disk": {"total": {"median_ms": 8.0}}}
-    assert vllm_ec.ratios_of(by_path) == {"file_tmpfs_over_tensorwire": 1.5, "file_tmpfs_over_tensorwire_staged": 3.0,
-                                          "file_disk_over_tensorwire": 4.0, "file_disk_over_tensorwire_staged": 8.0}
-    sizes = [{"bytes": 1 << 20, "ratios": {"file_tmpfs_over_tensorwire": 0.9}},
-             {"bytes": 10 << 20, "ratios": {"file_tmpfs_over_tensorwire": 1.4}}]
+    by_path = {
+        "tensorwire": {"total": {"median_ms": 2.0}, "staged": {"median_ms": 1.0}},
+        "file_tmpfs": {"total": {"median_ms": 3.0}},
+        "file_disk": {"total": {"median_ms": 8.0}},
+    }
+    assert vllm_ec.ratios_of(by_path) == {
+        "file_tmpfs_over_tensorwire": 1.5,
+        "file_tmpfs_over_tensorwire_staged": 3.0,
+        "file_disk_over_tensorwire": 4.0,
+        "file_disk_over_tensorwire_staged": 8.0,
+    }
+    sizes = [
+        {"bytes": 1 << 20, "ratios": {"file_tmpfs_over_tensorwire": 0.9}},
+        {"bytes": 10 << 20, "ratios": {"file_tmpfs_over_tensorwire": 1.4}},
+    ]
     t = vllm_ec.targets_of(sizes, {"paths": {"tensorwire": {"flatness": flat}}}, {"clean": True}, cuda=False)
     assert t["speedup_vs_file_tmpfs_10MB"] == 1.4 and t["meets_speedup_10MB"]
     assert t["speedup_vs_file_tmpfs_100MB"] is None  # not measured: not claimed
@@ -104,15 +113,38 @@ def _nixl() -> bool:
 
 
 @pytest.mark.parametrize("stager", ["local", "remote"])
-def test_a_tiny_run_hands_every_item_over_and_leaves_nothing(stager: str, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_tiny_run_hands_every_item_over_and_leaves_nothing(
+    stager: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shm, disk, out = tmp_path / "shm", tmp_path / "disk", tmp_path / "r.json"
     shm.mkdir()
     disk.mkdir()
     series = 12 if stager == "local" else 0
-    rc = vllm_ec.main(["--rows", "4", "16", "--cols", "64", "--iters", "3", "--warmup", "1", "--series",
-                       str(series), "--series-rows", "8", "--stager", stager, "--tmpfs-dir", str(shm),
-                       "--disk-dir", str(disk), "--out", str(out)])
+    rc = vllm_ec.main(
+        [
+            "--rows",
+            "4",
+            "16",
+            "--cols",
+            "64",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--series",
+            str(series),
+            "--series-rows",
+            "8",
+            "--stager",
+            stager,
+            "--tmpfs-dir",
+            str(shm),
+            "--disk-dir",
+            str(disk),
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     doc = json.loads(out.read_text())

@@ -105,6 +105,7 @@ def _wait_line(stream, prefix: bytes, timeout_s: float) -> bytes:
 
 # ---- ports
 
+
 @pytest.mark.timeout(300)
 def test_a_port_in_use_is_a_clear_error_with_exit_code_3_for_every_server(tmp_path: Path) -> None:
     first = Child("first", ["serve-encoder", "--port", "0", "--metrics-port", "-1", "--drain-s", "0"], tmp_path)
@@ -131,14 +132,18 @@ def test_a_port_in_use_is_a_clear_error_with_exit_code_3_for_every_server(tmp_pa
 
 # ---- fetch: endpoint validation, --json on failure
 
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("endpoint,why", [
-    ("localhost", "the port is missing"),          # gRPC would have used port 443
-    ("127.0.0.1:99999", "'99999' is not a port"),  # and this some other port
-    ("127.0.0.1:0", "'0' is not a port"),
-    ("dns:///localhost:7001", "target schemes"),
-    ("::1:7001", "brackets"),
-])
+@pytest.mark.parametrize(
+    "endpoint,why",
+    [
+        ("localhost", "the port is missing"),  # gRPC would have used port 443
+        ("127.0.0.1:99999", "'99999' is not a port"),  # and this some other port
+        ("127.0.0.1:0", "'0' is not a port"),
+        ("dns:///localhost:7001", "target schemes"),
+        ("::1:7001", "brackets"),
+    ],
+)
 def test_fetch_refuses_an_endpoint_that_is_not_host_port(endpoint: str, why: str) -> None:
     r = _cli("fetch", "--endpoint", endpoint, "--json", "image.jpg")
     assert r.returncode == 2
@@ -155,8 +160,17 @@ def test_fetch_json_prints_an_error_object_when_the_fetch_fails(tmp_path: Path) 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = _cli("fetch", "--endpoint", f"127.0.0.1:{port}", "--json", "--timeout-ms", "3000", "--wait-reader-s", "0",
-             str(sample_paths()[0]))
+    r = _cli(
+        "fetch",
+        "--endpoint",
+        f"127.0.0.1:{port}",
+        "--json",
+        "--timeout-ms",
+        "3000",
+        "--wait-reader-s",
+        "0",
+        str(sample_paths()[0]),
+    )
     assert r.returncode == 1
     doc = json.loads(r.stdout)  # the old fetch printed nothing on stdout
     assert doc["ok"] is False and doc["endpoint"] == f"127.0.0.1:{port}"
@@ -172,11 +186,13 @@ def test_fetch_json_prints_an_error_object_when_the_fetch_fails(tmp_path: Path) 
 
 # ---- no orphans
 
+
 def _sigkill_leaves_no_child(argv: list[str], ready_line: bytes, env: dict[str, str] | None = None) -> None:
     """Start ``tensorwire *argv``, wait for ``ready_line`` on its stderr, SIGKILL it (no finally, no atexit: only
     the children's lifeline can stop them) and require every descendant gone within 5 s."""
-    proc = subprocess.Popen([*CLI, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        [*CLI, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env
+    )
     pids: list[int] = []
     try:
         assert proc.stderr is not None
@@ -202,15 +218,22 @@ def test_sigkill_of_the_demo_leaves_no_child_running() -> None:
 @pytest.mark.timeout(300)
 def test_sigkill_of_the_soak_leaves_no_child_running() -> None:
     env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
-    _sigkill_leaves_no_child(["soak", "--duration", "300", "--concurrency", "2", "--faults", "none",
-                              "--progress-s", "60"], b"soak running", env)  # 2 workers, 2 clients
+    _sigkill_leaves_no_child(
+        ["soak", "--duration", "300", "--concurrency", "2", "--faults", "none", "--progress-s", "60"],
+        b"soak running",
+        env,
+    )  # 2 workers, 2 clients
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("when", ["starting", "ready after"])
 def test_ctrl_c_stops_the_demo_and_its_children_on_a_busy_host(busy_cpu: None, when: str) -> None:
-    proc = subprocess.Popen([*CLI, "demo", "--rounds", "500", "--no-progress"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--rounds", "500", "--no-progress"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     pids: list[int] = []
     try:
         assert proc.stderr is not None

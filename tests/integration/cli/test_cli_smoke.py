@@ -17,14 +17,18 @@ from tensorwire.service._child import Child
 
 
 def _cli(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tensorwire.cli.main", *argv], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "tensorwire.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.timeout(900)
 def test_serve_fetch_metrics_and_sigterm(tmp_path: Path) -> None:
-    enc = Child("encoder", ["serve-encoder", "--port", "0", "--metrics-port", "0", "--wait-exporter-s", "20"],
-                tmp_path)
+    enc = Child("encoder", ["serve-encoder", "--port", "0", "--metrics-port", "0", "--wait-exporter-s", "20"], tmp_path)
     try:
         ready = enc.ready(400)
         assert ready["mode"] == "auto" and ready["model"] == "builtin" and ready["worker_id"]
@@ -92,6 +96,7 @@ def test_demo_json_runs_both_planes_and_leaves_nothing_behind() -> None:
     # The demo's children ran in their own process groups; none may survive it.
     assert len(doc["child_pids"]) == 3
     assert not _still_running(list(doc["child_pids"].values()))
+
 
 def _still_running(pids: list[int]) -> list[tuple[int, bytes]]:
     """Those of ``pids`` that are still tensorwire processes (other test runs may have demos of their own)."""

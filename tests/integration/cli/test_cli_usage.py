@@ -30,8 +30,14 @@ MISSING_GPU = f"cuda:{torch.cuda.device_count()}"  # a device index this host do
 
 
 def _cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def _lines(text: str) -> list[str]:
@@ -132,8 +138,13 @@ sys.__stdout__.write(json.dumps(results))
 def test_every_usage_mistake_is_one_line_and_exit_code_2() -> None:
     import json
 
-    r = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps([argv for argv, _ in BAD_USAGE])],
-                       capture_output=True, text=True, timeout=560, stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [sys.executable, "-c", _RUNNER, json.dumps([argv for argv, _ in BAD_USAGE])],
+        capture_output=True,
+        text=True,
+        timeout=560,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     wrong = []
     for (argv, says), (code, err, out) in zip(BAD_USAGE, json.loads(r.stdout), strict=True):
@@ -143,8 +154,10 @@ def test_every_usage_mistake_is_one_line_and_exit_code_2() -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("argv", [["serve-encoder", "--port", "70000"], ["fetch", "--endpoint", "127.0.0.1:7001",
-                                                                           "--device", MISSING_GPU, IMAGE]])
+@pytest.mark.parametrize(
+    "argv",
+    [["serve-encoder", "--port", "70000"], ["fetch", "--endpoint", "127.0.0.1:7001", "--device", MISSING_GPU, IMAGE]],
+)
 def test_the_entry_point_itself_exits_2_with_one_line(argv: list[str]) -> None:
     r = _cli(*argv)
     assert r.returncode == 2 and len(_lines(r.stderr)) == 1 and "Traceback" not in r.stderr, r.stderr
@@ -181,9 +194,13 @@ def _loading_torch(pid: int) -> bool:
 def test_ctrl_c_at_any_point_is_one_line_and_exit_130(silent_endpoint: str, after_s: float) -> None:
     """Ctrl-C while torch is being imported, while the transport starts, or while the request waits: one line,
     exit code 130."""
-    proc = subprocess.Popen([*CLI, "fetch", "--endpoint", silent_endpoint, "--mode", "grpc", "--timeout-ms",
-                             "200000", IMAGE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*CLI, "fetch", "--endpoint", silent_endpoint, "--mode", "grpc", "--timeout-ms", "200000", IMAGE],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 200
         while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
@@ -211,8 +228,11 @@ def pki(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 def _grpc_server(credentials: grpc.ServerCredentials | None) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    port = (server.add_secure_port("127.0.0.1:0", credentials) if credentials is not None
-            else server.add_insecure_port("127.0.0.1:0"))
+    port = (
+        server.add_secure_port("127.0.0.1:0", credentials)
+        if credentials is not None
+        else server.add_insecure_port("127.0.0.1:0")
+    )
     server.start()
     return server, f"127.0.0.1:{port}"
 
@@ -220,8 +240,11 @@ def _grpc_server(credentials: grpc.ServerCredentials | None) -> tuple[grpc.Serve
 @pytest.mark.timeout(900)
 def test_tls_mismatches_name_tls_and_the_flags_that_fix_them(pki) -> None:  # type: ignore[no-untyped-def]
     plain, plain_ep = _grpc_server(None)
-    creds = grpc.ssl_server_credentials([(pki["server"].key.read_bytes(), pki["server"].cert.read_bytes())],
-                                        root_certificates=pki.ca.read_bytes(), require_client_auth=True)
+    creds = grpc.ssl_server_credentials(
+        [(pki["server"].key.read_bytes(), pki["server"].cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(),
+        require_client_auth=True,
+    )
     mtls, mtls_ep = _grpc_server(creds)
     fetch = ["fetch", "--mode", "grpc", "--timeout-ms", "20000", "--json"]
     try:

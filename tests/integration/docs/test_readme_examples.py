@@ -34,16 +34,23 @@ def test_the_transport_example_runs() -> None:
     # The encoder binds a port the OS picks and says which before it serves.
     encoder = encoder.replace("127.0.0.1:7001", "127.0.0.1:0")
     encoder = encoder.replace("server.wait()", "print('PORT', server.port, flush=True); server.wait()")
-    server = subprocess.Popen([sys.executable, "-c", encoder], cwd=ROOT, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", encoder], cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout is not None
         line = server.stdout.readline()  # EOF (""), if the encoder died, fails the match below
         m = re.fullmatch(r"PORT (\d+)\n", line)
         assert m, f"the encoder example printed {line!r} (exit code {server.poll()})"
         llm = llm.replace("127.0.0.1:7001", f"127.0.0.1:{m.group(1)}")
-        out = subprocess.run([sys.executable, "-c", llm], cwd=ROOT, capture_output=True, text=True,
-                             timeout=_DEADLINE_S, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [sys.executable, "-c", llm],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=_DEADLINE_S,
+            stdin=subprocess.DEVNULL,
+        )
         assert out.returncode == 0, out.stderr
         # As the example's comment says: same host, so the placed plane.
         assert out.stdout.strip() == "torch.Size([256, 1024]) Plane.PLACED"
@@ -54,15 +61,20 @@ def test_the_transport_example_runs() -> None:
 
 def test_the_broadcaster_example_runs() -> None:
     (block,) = [b for b in _python_blocks() if "CpuTpBroadcaster" in b]
-    prologue = (
-        "import sys, torch\n"
-        "rank, world_size = int(sys.argv[1]), 2\n"
-        "tensors = {'ids': torch.arange(6)}\n"
-    )
+    prologue = "import sys, torch\nrank, world_size = int(sys.argv[1]), 2\ntensors = {'ids': torch.arange(6)}\n"
     code = prologue + block.replace('session="step-inputs"', "session=sys.argv[2]") + "print(tensors['ids'].tolist())\n"
     session = f"readme-{id(code)}-{Path.cwd().stat().st_ino}"
-    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), session], cwd=ROOT, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), session],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     try:
         for r in ranks:
             stdout, stderr = r.communicate(timeout=_DEADLINE_S)

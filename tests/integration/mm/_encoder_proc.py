@@ -34,8 +34,17 @@ class ReleasingTransport(OutputTransport):
         return receipt
 
 
-def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: bool, q: Any, stop: Any,
-        zero_copy: bool = False, ask: Any = None) -> None:
+def run(
+    cfg: TransportConfig,
+    seed: int,
+    rows: list[int],
+    cols: int,
+    releasing: bool,
+    q: Any,
+    stop: Any,
+    zero_copy: bool = False,
+    ask: Any = None,
+) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     output = make_output(seed, rows, cols)
     transport = (ReleasingTransport if releasing else OutputTransport)(cfg)
@@ -73,12 +82,18 @@ def run(cfg: TransportConfig, seed: int, rows: list[int], cols: int, releasing: 
         server.stop(0)
 
 
-def start(cfg: TransportConfig, *, seed: int = 0, rows: list[int] | None = None, cols: int = 64,
-          releasing: bool = False, zero_copy: bool = False) -> tuple[Any, Any, Any, int]:
+def start(
+    cfg: TransportConfig,
+    *,
+    seed: int = 0,
+    rows: list[int] | None = None,
+    cols: int = 64,
+    releasing: bool = False,
+    zero_copy: bool = False,
+) -> tuple[Any, Any, Any, int]:
     ctx = mp.get_context("spawn")
     q, stop, ask = ctx.Queue(), ctx.Event(), ctx.Event()
-    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop, zero_copy, ask),
-                    daemon=True)
+    p = ctx.Process(target=run, args=(cfg, seed, rows or [3, 5], cols, releasing, q, stop, zero_copy, ask), daemon=True)
     p._tw_ask = ask  # type: ignore[attr-defined]  # for live_stats
     p.start()
     kind, port, ready = q.get(timeout=90)

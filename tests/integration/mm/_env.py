@@ -58,8 +58,9 @@ class Env:
     "auto": the same-host channel, test_local_channel.py); ``placed``: whether those clients lend receive buffers
     (test_placed.py). Servers keep the config they are given."""
 
-    def __init__(self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off",
-                 placed: bool = False) -> None:
+    def __init__(
+        self, fabric: FakeFabric, registry: CollectorRegistry, local: str = "off", placed: bool = False
+    ) -> None:
         self.fabric = fabric
         self.local = local
         self.placed = placed  # clients lend receive buffers (placed outputs); off: the slots/inline planes
@@ -69,8 +70,14 @@ class Env:
         self.servers: list[Any] = []
         self.clients: list[RemoteOutputTransport] = []
 
-    def server(self, cfg: TransportConfig | None = None, rogue: bool = False, fn=encode_fn, factory=None,  # type: ignore[no-untyped-def]
-               address: str = "127.0.0.1:0"):
+    def server(
+        self,
+        cfg: TransportConfig | None = None,
+        rogue: bool = False,
+        fn=encode_fn,
+        factory=None,  # type: ignore[no-untyped-def]
+        address: str = "127.0.0.1:0",
+    ):
         cfg = cfg or TransportConfig(worker_id="worker-1")
         factory = factory or (lambda c: FakeExporter(self.fabric, c))
         transport = (RogueTransport if rogue else OutputTransport)(cfg, exporter_factory=factory, metrics=self.metrics)
@@ -84,9 +91,15 @@ class Env:
         cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=local or self.local)
         if not self.placed:
             cfg = dataclasses.replace(cfg, local_placement_bytes=0)
-        c = RemoteOutputTransport(address, cfg, reader_factory=lambda rc: FakeReader(self.fabric, rc),
-                                  metrics=self.metrics, clock=clock,
-                                  observer=lambda e, d: self.events.append((e, d)), **kw)
+        c = RemoteOutputTransport(
+            address,
+            cfg,
+            reader_factory=lambda rc: FakeReader(self.fabric, rc),
+            metrics=self.metrics,
+            clock=clock,
+            observer=lambda e, d: self.events.append((e, d)),
+            **kw,
+        )
         self.clients.append(c)
         if cfg.mode == "auto":
             assert c.wait_ready(5)
@@ -94,8 +107,11 @@ class Env:
 
     def client_with_channel(self, address: str, cfg: TransportConfig | None = None, **kw):  # type: ignore[no-untyped-def]
         """A client built on a control channel the test holds (to look at its streams and watchdog)."""
-        cfg = dataclasses.replace(cfg or TransportConfig(), local_channel=self.local,
-                                  local_placement_bytes=cfg.local_placement_bytes if cfg and self.placed else 0)
+        cfg = dataclasses.replace(
+            cfg or TransportConfig(),
+            local_channel=self.local,
+            local_placement_bytes=cfg.local_placement_bytes if cfg and self.placed else 0,
+        )
         channel = GrpcControlChannel(address, cfg, self.metrics)
         return self.client(address, cfg, channel=channel, **kw), channel
 

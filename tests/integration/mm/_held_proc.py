@@ -20,8 +20,11 @@ def run(q: Any, entered: Any, mode: str = "grpc") -> None:
             time.sleep(120)
         return out
 
-    server = serve_encoder(encode_fn, TransportConfig(mode=mode, worker_id="held"),  # type: ignore[arg-type]
-                           "127.0.0.1:0")
+    server = serve_encoder(
+        encode_fn,
+        TransportConfig(mode=mode, worker_id="held"),  # type: ignore[arg-type]
+        "127.0.0.1:0",
+    )
     q.put((server.address, server.service.local.path if server.service.local is not None else None))
     time.sleep(120)  # killed by the test long before
 

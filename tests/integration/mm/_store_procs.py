@@ -69,8 +69,9 @@ def rank_main(conn: Any, sock: str, device: str) -> None:
 class StoreProcs:
     """An owner on ``owner_device`` and one rank per entry of ``rank_devices``."""
 
-    def __init__(self, tmp: Path, owner_device: str, rank_devices: list[str], shape: tuple[int, ...],
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self, tmp: Path, owner_device: str, rank_devices: list[str], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.owner, child = ctx.Pipe()

@@ -46,16 +46,25 @@ def stream_events(env: Env, event: str, side: str = "llm") -> float:
 
 def same_bits(a: Any, b: Any) -> bool:
     assert a.split_sizes == b.split_sizes and len(a.extra_inputs) == len(b.extra_inputs)
-    pairs = [*zip(a.embeddings, b.embeddings, strict=True),
-             *zip(a.position_ids or [], b.position_ids or [], strict=True),
-             *zip(a.extra_inputs, b.extra_inputs, strict=True)]
-    return all(x.dtype == y.dtype and x.shape == y.shape and
-               torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in pairs)
+    pairs = [
+        *zip(a.embeddings, b.embeddings, strict=True),
+        *zip(a.position_ids or [], b.position_ids or [], strict=True),
+        *zip(a.extra_inputs, b.extra_inputs, strict=True),
+    ]
+    return all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in pairs
+    )
 
 
 def control_threads() -> list[str]:
-    return [t.name for t in threading.enumerate()
-            if t.name.startswith("tensorwire-mm-control") or "consume_request_iterator" in t.name]
+    return [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith("tensorwire-mm-control") or "consume_request_iterator" in t.name
+    ]
 
 
 @pytest.mark.parametrize("mode", ["auto", "grpc"], ids=["rdma", "inline"])
@@ -78,7 +87,8 @@ def test_stream_path_is_used_and_gives_the_bits_unary_gives(env: Env, mode: str)
 
 @pytest.mark.parametrize("exc,cls,reason", ERROR_CASES, ids=ERROR_IDS)
 def test_errors_on_the_stream_are_the_unary_errors_and_the_stream_stays_open(
-        env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason) -> None:
+    env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason
+) -> None:
     srv = env.server(fn=Fails(exc))
     on, off = env.client(srv.address), env.client(srv.address, UNARY)
     bad = [MultimodalInput(b"bad"), MultimodalInput(b"x")]
@@ -95,8 +105,13 @@ def test_errors_on_the_stream_are_the_unary_errors_and_the_stream_stays_open(
 
 
 def test_invalid_output_is_invalid_payload_on_both_paths(env: Env) -> None:
-    srv = env.server(fn=lambda inputs: encode_fn(inputs) if inputs[0].data != b"bad" else
-                     EncoderOutput(embeddings=[torch.zeros(1, 2, dtype=torch.complex64)]))
+    srv = env.server(
+        fn=lambda inputs: (
+            encode_fn(inputs)
+            if inputs[0].data != b"bad"
+            else EncoderOutput(embeddings=[torch.zeros(1, 2, dtype=torch.complex64)])
+        )
+    )
     for cfg in (TransportConfig(mode="grpc"), TransportConfig(mode="grpc", control_stream=False)):
         c = env.client(srv.address, cfg)
         with pytest.raises(InvalidPayload) as ei:
@@ -124,8 +139,9 @@ def test_slow_encoder_hits_the_budget_on_the_stream_and_exports_nothing_for_the_
     # Counted once: before the export when the server already sees the stream cancelled, else after the export,
     # its leases released at once (the cancel reaches the server some time after the client gave up; on a loaded
     # box that can be after the gate opened). Either way nothing stays leased.
-    wait_for(lambda: env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"}) == 1,
-             timeout_s=30)
+    wait_for(
+        lambda: env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"}) == 1, timeout_s=30
+    )
     assert set(env.fabric.exported[exported:]) <= set(env.fabric.released) and not env.fabric.live()
     wait_for(lambda: srv.service.open_streams == 0)
     check_output(c.fetch(INPUTS))  # a new stream
@@ -150,10 +166,17 @@ def unary_only_server(env: Env) -> tuple[grpc.Server, str]:
     srv = env.server()  # for its transport; it is not what the client talks to
     service = srv.service
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=wire.channel_options())
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
-        "Encode": grpc.unary_unary_rpc_method_handler(service.encode),
-        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(service.release_leases),
-    }),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                wire.SERVICE_NAME,
+                {
+                    "Encode": grpc.unary_unary_rpc_method_handler(service.encode),
+                    "ReleaseLeases": grpc.unary_unary_rpc_method_handler(service.release_leases),
+                },
+            ),
+        )
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -303,11 +326,19 @@ def test_malformed_stream_messages_get_typed_errors_and_the_server_keeps_serving
         err = wire.error_from_rpc(ei.value, "EncodeStream")
         assert type(err) is InvalidPayload and err.reason is Reason.INVALID_REQUEST
         # A body this encoder does not know is answered under its id; the stream goes on.
-        request = pb.StreamRequest(id=8, encode=pb.EncodeRequest(inputs=[pb.MultimodalInput(data=b"a", kind="image"),
-                                                                          pb.MultimodalInput(data=b"b")]))
+        request = pb.StreamRequest(
+            id=8,
+            encode=pb.EncodeRequest(
+                inputs=[pb.MultimodalInput(data=b"a", kind="image"), pb.MultimodalInput(data=b"b")]
+            ),
+        )
         too_many = pb.StreamRequest(release=pb.ReleaseLeasesRequest(lease_ids=["x"] * 65_537))
-        call = method(iter([pb.StreamRequest(id=7).SerializeToString(), too_many.SerializeToString(),
-                            request.SerializeToString()]), timeout=5)
+        call = method(
+            iter(
+                [pb.StreamRequest(id=7).SerializeToString(), too_many.SerializeToString(), request.SerializeToString()]
+            ),
+            timeout=5,
+        )
         first = pb.StreamResponse.FromString(next(call))
         assert first.id == 7 and first.WhichOneof("body") == "error"
         err = wire.error_from_stream(first.error, "Encode")
@@ -368,8 +399,13 @@ def test_a_receipt_whose_send_failed_has_its_leases_released(env: Env, ended_by:
     # receipt's leases, once.
     srv = env.server()
     context = EndingContext()
-    request = pb.StreamRequest(id=1, encode=pb.EncodeRequest(support_rdma=True, inputs=[
-        pb.MultimodalInput(data=b"a", kind="image"), pb.MultimodalInput(data=b"b", kind="image")]))
+    request = pb.StreamRequest(
+        id=1,
+        encode=pb.EncodeRequest(
+            support_rdma=True,
+            inputs=[pb.MultimodalInput(data=b"a", kind="image"), pb.MultimodalInput(data=b"b", kind="image")],
+        ),
+    )
     handler = srv.service.encode_stream(iter([request.SerializeToString()]), context)  # type: ignore[arg-type]
     answer = pb.StreamResponse.FromString(next(handler))  # handed to gRPC; the send is "in flight"
     assert answer.id == 1 and len(answer.receipt.rdma_slots) == 1 and len(env.fabric.live()) == 1

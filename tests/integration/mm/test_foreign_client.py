@@ -33,7 +33,7 @@ PROTOS = [PKG / "mm" / "_proto" / "encoder.proto", PKG / "rdma" / "_proto" / "de
 DOC = ROOT / "docs" / "wire.md"
 
 # Runs in the generated client's directory with a clean environment: generated stubs + the docs' example only.
-DRIVER = r'''
+DRIVER = r"""
 import base64, json, sys
 import grpc
 import numpy as np
@@ -85,7 +85,7 @@ for name, case in spec.items():
         result[name] = {"error": str(err)}
 assert "tensorwire" not in sys.modules, "the foreign client must not import tensorwire"
 json.dump(result, sys.stdout)
-'''
+"""
 
 
 def _example_from_docs() -> str:
@@ -102,9 +102,22 @@ def client_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("foreign")
     for proto in PROTOS:
         shutil.copy(proto, d / proto.name)  # what a foreign user takes: the .proto files alone
-    r = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{d}", f"--python_out={d}",
-                        f"--grpc_python_out={d}", "encoder.proto", "descriptor.proto"],
-                       capture_output=True, text=True, timeout=120, cwd=d)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{d}",
+            f"--python_out={d}",
+            f"--grpc_python_out={d}",
+            "encoder.proto",
+            "descriptor.proto",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=d,
+    )
     assert r.returncode == 0, r.stderr
     (d / "foreign_client.py").write_text(_example_from_docs())
     (d / "drive.py").write_text(DRIVER)
@@ -113,8 +126,15 @@ def client_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _drive(client_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
     env = {"PATH": "/usr/bin:/bin", "HOME": str(client_dir)}  # no PYTHONPATH: tensorwire's sources are not on it
-    r = subprocess.run([sys.executable, "drive.py"], input=json.dumps(spec), capture_output=True, text=True,
-                       timeout=240, cwd=client_dir, env=env)
+    r = subprocess.run(
+        [sys.executable, "drive.py"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=client_dir,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     out: dict[str, Any] = json.loads(r.stdout)
     return out
@@ -167,12 +187,15 @@ def test_generated_client_decodes_every_dtype_bit_identically(client_dir: Path, 
     big = [30_000]  # 30000 x 96 bfloat16: a 5.8 MB receipt, over gRPC's 4 MiB default
     stream_rows = [2, 7]
     images = [_b64(b"x" * n) for n in rows]
-    got = _drive(client_dir, {
-        "all": {"kind": "fetch", "endpoint": all_dtypes, "images": images},
-        "big": {"kind": "fetch", "endpoint": all_dtypes, "images": [_b64(b"x" * big[0])]},
-        "big_default": {"kind": "default_limit", "endpoint": all_dtypes, "images": [_b64(b"x" * big[0])]},
-        "stream": {"kind": "stream", "endpoint": all_dtypes, "images": [_b64(b"x" * n) for n in stream_rows]},
-    })
+    got = _drive(
+        client_dir,
+        {
+            "all": {"kind": "fetch", "endpoint": all_dtypes, "images": images},
+            "big": {"kind": "fetch", "endpoint": all_dtypes, "images": [_b64(b"x" * big[0])]},
+            "big_default": {"kind": "default_limit", "endpoint": all_dtypes, "images": [_b64(b"x" * big[0])]},
+            "stream": {"kind": "stream", "endpoint": all_dtypes, "images": [_b64(b"x" * n) for n in stream_rows]},
+        },
+    )
     emb, pos, extras = output(rows)
     out = got["all"]
     assert out["worker"] == "all-dtypes"
@@ -203,10 +226,13 @@ def test_generated_client_against_serve_encoder_cli(client_dir: Path, tmp_path: 
         endpoint = enc.ready(120)["grpc"]
         paths = sample_paths()[:2]
         images = [p.read_bytes() for p in paths]
-        got = _drive(client_dir, {
-            "fetch": {"kind": "fetch", "endpoint": endpoint, "images": [_b64(b) for b in images]},
-            "bad": {"kind": "fetch", "endpoint": endpoint, "images": [_b64(b"\xff\xd8 not a jpeg")]},
-        })
+        got = _drive(
+            client_dir,
+            {
+                "fetch": {"kind": "fetch", "endpoint": endpoint, "images": [_b64(b) for b in images]},
+                "bad": {"kind": "fetch", "endpoint": endpoint, "images": [_b64(b"\xff\xd8 not a jpeg")]},
+            },
+        )
         client = RemoteOutputTransport(endpoint, TransportConfig(mode="grpc"))
         try:
             want = client.fetch([MultimodalInput(b) for b in images])
@@ -228,9 +254,17 @@ def test_generated_client_against_serve_encoder_cli(client_dir: Path, tmp_path: 
 @pytest.mark.timeout(120)
 def test_generated_descriptor_message_reads_tensorwires_descriptor(client_dir: Path) -> None:
     dts = [torch.bfloat16, torch.int8, torch.int64, torch.uint8]
-    d = Descriptor(owner=Owner("tw-a", "127.0.0.1", 4242, 1), mem_type="DRAM", device_id=0, slot_addr=1 << 40,
-                   payload_bytes=4 * 4096, lease_id="lease-1", generation=1, generation_addr=1 << 39,
-                   manifest=tuple(TensorMeta((2,), dt, i * 4096, 2 * dt.itemsize) for i, dt in enumerate(dts)))
+    d = Descriptor(
+        owner=Owner("tw-a", "127.0.0.1", 4242, 1),
+        mem_type="DRAM",
+        device_id=0,
+        slot_addr=1 << 40,
+        payload_bytes=4 * 4096,
+        lease_id="lease-1",
+        generation=1,
+        generation_addr=1 << 39,
+        manifest=tuple(TensorMeta((2,), dt, i * 4096, 2 * dt.itemsize) for i, dt in enumerate(dts)),
+    )
     got = _drive(client_dir, {"d": {"kind": "descriptor", "bytes": _b64(d.to_bytes())}})["d"]
     # RdmaSlot.descriptor holds a DescriptorPB, and its dtypes use the one numbering (encoder.proto's names).
     assert got == {"lease_id": "lease-1", "dtypes": ["BFLOAT16", "INT8", "INT64", "UINT8"]}

@@ -44,8 +44,10 @@ def servers() -> Iterator[tuple[str, int, str, int]]:
 
     ctx = mp.get_context("spawn")
     q, pq, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=serve_inline, args=(ROWS, COLS, q, stop), daemon=True),
-             ctx.Process(target=serve, args=(ROWS, COLS, pq, stop), daemon=True)]
+    procs = [
+        ctx.Process(target=serve_inline, args=(ROWS, COLS, q, stop), daemon=True),
+        ctx.Process(target=serve, args=(ROWS, COLS, pq, stop), daemon=True),
+    ]
     for p in procs:
         p.start()
     try:
@@ -75,8 +77,9 @@ def _faults(call: Callable[[], Any], server_pid: int) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("control_stream", [True, False], ids=["stream", "unary"])
-def test_inline_fetch_writes_no_more_fresh_pages_than_a_plain_call(servers: tuple[str, int, str, int],
-                                                                   control_stream: bool) -> None:
+def test_inline_fetch_writes_no_more_fresh_pages_than_a_plain_call(
+    servers: tuple[str, int, str, int], control_stream: bool
+) -> None:
     endpoint, encoder_pid, plain_endpoint, plain_pid = servers
     cfg = TransportConfig(mode="grpc", control_stream=control_stream, rpc_timeout_margin_ms=60_000)
     with RemoteOutputTransport(endpoint, cfg) as client, PlainClient(plain_endpoint, COLS) as plain:

@@ -79,12 +79,14 @@ def test_fetch_gives_the_bits_and_frees_every_lease(env: Env, mode: str) -> None
     if env.local == "auto":
         assert events(env, "local_opened") == 1 and srv.service.local.open_connections == 1  # one, reused
         assert env.sample("tensorwire_mm_releases_total", {"mode": "local", "outcome": "sent"}) == (
-            5 if mode == "auto" else 0)
+            5 if mode == "auto" else 0
+        )
 
 
 @pytest.mark.parametrize("exc,cls,reason", ERROR_CASES, ids=ERROR_IDS)
 def test_errors_are_the_unary_errors_and_the_connection_stays_open(
-        local_env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason) -> None:
+    local_env: Env, exc: BaseException, cls: type[TensorwireError], reason: Reason
+) -> None:
     env = local_env
     srv = env.server(fn=Fails(exc))
     on = env.client(srv.address)
@@ -102,8 +104,13 @@ def test_errors_are_the_unary_errors_and_the_connection_stays_open(
 
 
 def _encoder_errors(env: Env) -> float:
-    return sum(s.value for m in env.registry.collect() if m.name == "tensorwire_mm_errors" for s in m.samples
-               if s.name.endswith("_total") and s.labels.get("side") == "encoder")
+    return sum(
+        s.value
+        for m in env.registry.collect()
+        if m.name == "tensorwire_mm_errors"
+        for s in m.samples
+        if s.name.endswith("_total") and s.labels.get("side") == "encoder"
+    )
 
 
 def test_slow_encoder_hits_the_budget_and_exports_nothing_for_a_caller_that_is_gone(env: Env) -> None:
@@ -181,8 +188,10 @@ def test_server_stop_is_prompt_and_a_restart_on_the_port_recovers(env: Env) -> N
         assert srv.service.local is not None and not os.path.exists(srv.service.local.path)
         new_path = restarted.service.local.path  # type: ignore[union-attr]
         # A fetch whose channel is due to ask again does so (in the background; that fetch uses gRPC).
-        wait_for(lambda: c.fetch(INPUTS) is not None and c._channel.local_path == new_path,  # type: ignore[attr-defined]
-                 timeout_s=10)
+        wait_for(
+            lambda: c.fetch(INPUTS) is not None and c._channel.local_path == new_path,  # type: ignore[attr-defined]
+            timeout_s=10,
+        )
         before = rpcs(env, "local")
         check_output(c.fetch(INPUTS))
         assert rpcs(env, "local") == before + 1
@@ -314,8 +323,7 @@ def test_a_peer_with_another_uid_is_refused(local_env: Env) -> None:
     path = srv.service.local.path  # type: ignore[union-attr]
 
     def as_nobody(*caps: str) -> str:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *caps, sys.executable, "-c", _PEER,
-               path]
+        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *caps, sys.executable, "-c", _PEER, path]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
 
     # Without privileges the 0700 directory and the 0600 file keep it out ...
@@ -370,8 +378,9 @@ def test_connections_over_the_worker_cap_use_grpc(local_env: Env) -> None:
     assert events(env, "local_refused", side="encoder") == 1
 
 
-def test_idle_connections_are_ended_and_the_client_lets_go_first(local_env: Env,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_connections_are_ended_and_the_client_lets_go_first(
+    local_env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The worker ends a connection that sends no request for local_channel_idle_ms (it held a thread and one of
     local_channel_conns for good), and one whose request frame stalls; the client's pool drops its own idle
     connection at half that time, so a fetch never goes into a connection the worker is ending."""
@@ -399,8 +408,9 @@ def test_idle_connections_are_ended_and_the_client_lets_go_first(local_env: Env,
 
 def test_a_proxy_has_no_local_channel_and_its_clients_stay_on_grpc(local_env: Env) -> None:
     srv = local_env.server()
-    proxy = EncoderProxy(ProxyConfig(workers=(srv.address,), check_workers=False, worker_wait_s=5),
-                         registry=CollectorRegistry())
+    proxy = EncoderProxy(
+        ProxyConfig(workers=(srv.address,), check_workers=False, worker_wait_s=5), registry=CollectorRegistry()
+    )
     proxy.start("127.0.0.1:0")
     try:
         c = local_env.client(f"127.0.0.1:{proxy.port}")
@@ -439,8 +449,9 @@ def test_malformed_frames_end_the_connection_and_the_server_keeps_serving(local_
     _unix.send_frame(s, b"\xff\xff\xff\xff", time.monotonic() + 5)
     assert _unix.recv_frame(s, time.monotonic() + 5, 64) is None  # closed, no answer
     s.close()
-    wait_for(lambda: local_env.sample("tensorwire_mm_errors_total",
-                                      {"side": "encoder", "reason": "invalid_request"}) == 1)
+    wait_for(
+        lambda: local_env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "invalid_request"}) == 1
+    )
     check_output(local_env.client(srv.address).fetch(INPUTS))
     assert rpcs(local_env, "local") == 1
 
@@ -460,8 +471,9 @@ def test_a_client_that_stops_reading_its_answer_does_not_hold_the_worker(local_e
     request = inputs_to_pb(INPUTS)
     request.deadline_ms = 500
     t0 = time.monotonic()
-    _unix.send_frame(s, wire.stream_frame(1, wire.STREAM_ENCODE_FIELD, request.SerializeToString()),
-                     time.monotonic() + 5)
+    _unix.send_frame(
+        s, wire.stream_frame(1, wire.STREAM_ENCODE_FIELD, request.SerializeToString()), time.monotonic() + 5
+    )
     wait_for(lambda: local.open_connections == 0, timeout_s=30)  # not read: ended, not held
     assert time.monotonic() - t0 >= 1.0  # the deadline and its slack, not at once
     s.close()

@@ -31,8 +31,11 @@ def wait_for(pred, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                      b.reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def check(out: Any, seed: int, rows: list[int], cols: int) -> None:
@@ -44,8 +47,13 @@ def check(out: Any, seed: int, rows: list[int], cols: int) -> None:
     assert all(same_bits(a, b) for a, b in zip(out.extra_inputs, ref.extra_inputs, strict=True))
 
 
-def client(port: int, cfg: TransportConfig, events: list[str], reg: CollectorRegistry,
-           details: list[dict[str, Any]] | None = None) -> RemoteOutputTransport:
+def client(
+    port: int,
+    cfg: TransportConfig,
+    events: list[str],
+    reg: CollectorRegistry,
+    details: list[dict[str, Any]] | None = None,
+) -> RemoteOutputTransport:
     def observe(event: str, d: dict[str, Any]) -> None:
         events.append(event)
         if details is not None:
@@ -61,8 +69,12 @@ def test_rdma_success_path_over_nixl(path: str) -> None:
     # Every control path gives the reference bits; the release (over the EncodeStream, the same-host socket, or
     # the unary ReleaseLeases RPC of the async queue) really frees every lease on the encoder while the client
     # is open.
-    cfg = TransportConfig(worker_id="nixl-w0", control_stream=path != "unary",
-                          local_channel="auto" if path == "local" else "off", local_placement_bytes=0)
+    cfg = TransportConfig(
+        worker_id="nixl-w0",
+        control_stream=path != "unary",
+        local_channel="auto" if path == "local" else "off",
+        local_placement_bytes=0,
+    )
     p, q, stop, port = start(cfg, seed=11)
     events: list[str] = []
     reg = CollectorRegistry()
@@ -130,10 +142,15 @@ def test_zero_copy_output_over_nixl() -> None:
                 assert out.split_sizes == [3, 5] and out.extra_inputs == []
                 assert same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
                 assert same_bits(torch.cat(out.position_ids), ref.position_ids)  # type: ignore[arg-type]
-            wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
-                                                   {"mode": "stream", "outcome": "sent"}) or 0) >= 3)
-        with RemoteOutputTransport(f"127.0.0.1:{port}", TransportConfig(mode="grpc"),
-                                   metrics=TransportMetrics(CollectorRegistry())) as g:
+            wait_for(
+                lambda: (
+                    (reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) or 0)
+                    >= 3
+                )
+            )
+        with RemoteOutputTransport(
+            f"127.0.0.1:{port}", TransportConfig(mode="grpc"), metrics=TransportMetrics(CollectorRegistry())
+        ) as g:
             out = g.fetch([MultimodalInput(b"a"), MultimodalInput(b"b")])  # allocated, then answered inline
             assert out.plane is Plane.INLINE and same_bits(torch.cat(out.embeddings), ref.embeddings)  # type: ignore[arg-type]
     finally:
@@ -174,8 +191,10 @@ def test_large_multi_slot_embedding_bit_exact_over_nixl() -> None:
         assert out.plane is Plane.RDMA and events == ["request", "read", "release_stream"]
         assert details[1]["slots"] >= 8  # one batched read over every slot
         check(out, 13, rows, cols)
-        assert reg.get_sample_value("tensorwire_mm_bytes_total",
-                                    {"side": "llm", "plane": "rdma", "role": "embedding"}) == 4096 * 1024 * 2
+        assert (
+            reg.get_sample_value("tensorwire_mm_bytes_total", {"side": "llm", "plane": "rdma", "role": "embedding"})
+            == 4096 * 1024 * 2
+        )
     finally:
         finish(p, q, stop)
 
@@ -194,8 +213,12 @@ def test_concurrent_fetches_over_nixl() -> None:
                 assert out.plane is Plane.RDMA
                 check(out, 14, [3, 5], 64)
             assert (reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "stream"}) or 0) >= 12
-            wait_for(lambda: (reg.get_sample_value("tensorwire_mm_releases_total",
-                                                   {"mode": "stream", "outcome": "sent"}) or 0) >= 12)
+            wait_for(
+                lambda: (
+                    (reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) or 0)
+                    >= 12
+                )
+            )
             wait_for(lambda: live_stats(p, q).get("live_leases") == 0)
     finally:
         stats = finish(p, q, stop)

@@ -65,8 +65,9 @@ def test_rdma_success_path_reads_then_releases_async(env: Env, stream: bool) -> 
     out = c.fetch(INPUTS)
     check_output(out)
     assert out.plane is Plane.RDMA and out.fallback_reason is None and out.worker_id == "worker-1"
-    path, release, mode, outcome = (("stream", "release_stream", "stream", "sent") if stream else
-                                    ("unary", "release_async", "async", "ok"))
+    path, release, mode, outcome = (
+        ("stream", "release_stream", "stream", "sent") if stream else ("unary", "release_async", "async", "ok")
+    )
     if env.local == "auto":  # the same-host channel carries both, whatever control_stream says
         path, release, mode, outcome = "local", "release_stream", "local", "sent"
     assert env.names() == ["request", "read", release]
@@ -80,8 +81,9 @@ def test_rdma_success_path_reads_then_releases_async(env: Env, stream: bool) -> 
     assert {"request", "read", "total", "encoder.export", "encoder.encode"} <= set(out.stage_ms)
 
 
-@pytest.mark.parametrize("transport, device, staged", [
-    ("tcp/lo", "cuda:0", 1), ("cuda_ipc/cuda", "cuda:0", 0), ("tcp/lo", "cpu", 0)])
+@pytest.mark.parametrize(
+    "transport, device, staged", [("tcp/lo", "cuda:0", 1), ("cuda_ipc/cuda", "cuda:0", 0), ("tcp/lo", "cpu", 0)]
+)
 def test_gpu_reads_staged_over_tcp_are_counted(env: Env, transport: str, device: str, staged: int) -> None:
     # Issue 6: a GPU read that UCX staged through TCP must never be silent. The fake reader stands in for the
     # data plane; what is claimed is the client's accounting of the transport the reader reports.
@@ -91,8 +93,9 @@ def test_gpu_reads_staged_over_tcp_are_counted(env: Env, transport: str, device:
 
     srv = env.server()
     cfg = TransportConfig(rdma=RdmaConfig(device=device), local_placement_bytes=0)  # the RDMA plane's accounting
-    c = RemoteOutputTransport(srv.address, cfg, reader_factory=lambda rc: Reporting(env.fabric, RdmaConfig()),
-                              metrics=env.metrics)
+    c = RemoteOutputTransport(
+        srv.address, cfg, reader_factory=lambda rc: Reporting(env.fabric, RdmaConfig()), metrics=env.metrics
+    )
     env.clients.append(c)
     assert c.wait_ready(5)
     for _ in range(2):
@@ -105,8 +108,10 @@ def test_read_failure_path_in_exact_order(env: Env) -> None:
     c = env.client(srv.address)
     env.fabric.read_error = make_read_error
     live_at_second_request: list[set[str]] = []
-    c._observer = lambda e, d: (env.events.append((e, d)),  # type: ignore[assignment]
-                                live_at_second_request.append(env.fabric.live()) if e == "request" else None)
+    c._observer = lambda e, d: (
+        env.events.append((e, d)),  # type: ignore[assignment]
+        live_at_second_request.append(env.fabric.live()) if e == "request" else None,
+    )
     out = c.fetch(INPUTS)
     check_output(out)
     assert env.names() == ["request", "read", "release_sync", "request", "decode_inline"]
@@ -319,16 +324,26 @@ def test_reader_without_provider_never_advertises(env: Env) -> None:
     def no_reader(rc: RdmaConfig) -> FakeReader:
         raise ReadError("no provider", reason=Reason.PROVIDER_UNAVAILABLE)
 
-    c = RemoteOutputTransport(srv.address, TransportConfig(local_placement_bytes=0), reader_factory=no_reader,
-                              metrics=env.metrics, observer=lambda e, d: env.events.append((e, d)))
+    c = RemoteOutputTransport(
+        srv.address,
+        TransportConfig(local_placement_bytes=0),
+        reader_factory=no_reader,
+        metrics=env.metrics,
+        observer=lambda e, d: env.events.append((e, d)),
+    )
     env.clients.append(c)
     wait_for(lambda: c.reader_state is InitState.DISABLED)
     assert c.fetch(INPUTS).plane is Plane.INLINE and env.events[0][1]["support_rdma"] is False
 
 
 def test_malformed_requests_and_outputs_get_invalid_argument_and_server_keeps_serving(env: Env) -> None:
-    srv = env.server(fn=lambda inputs: encode_fn(inputs) if inputs[0].data != b"bad" else
-                     EncoderOutput(embeddings=[torch.zeros(1, 2, dtype=torch.complex64)]))
+    srv = env.server(
+        fn=lambda inputs: (
+            encode_fn(inputs)
+            if inputs[0].data != b"bad"
+            else EncoderOutput(embeddings=[torch.zeros(1, 2, dtype=torch.complex64)])
+        )
+    )
     with grpc.insecure_channel(srv.address) as ch:
         raw = ch.unary_unary(wire.ENCODE_METHOD)
         with pytest.raises(grpc.RpcError) as ei:
@@ -413,13 +428,16 @@ def test_encoder_exports_nothing_when_the_caller_left_during_encode(env: Env) ->
     with pytest.raises(DeadlineExceeded):
         c.fetch(INPUTS, timeout_ms=1000)  # gives up while the encoder is still working (at the gate)
     gate.set()
-    wait_for(lambda: env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"}) == 1,
-             timeout_s=60.0)
+    wait_for(
+        lambda: env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"}) == 1,
+        timeout_s=60.0,
+    )
     assert env.fabric.exported == [] and not env.fabric.live()
 
 
 def test_hit_marker_logged_once_then_rate_limited_and_gc_gauge_reads_the_exporter(
-        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     class GcExporter(FakeExporter):

@@ -119,8 +119,11 @@ def test_allocate_output_writes_into_the_callers_buffer(env: Env) -> None:
         buffers.embedding.copy_(EMB)
         assert buffers.position_ids is not None
         buffers.position_ids.copy_(POS)
-        return EncoderOutput(embeddings=[buffers.embedding[:4], buffers.embedding[4:]],
-                             position_ids=buffers.position_ids, extra_inputs=EXTRAS)
+        return EncoderOutput(
+            embeddings=[buffers.embedding[:4], buffers.embedding[4:]],
+            position_ids=buffers.position_ids,
+            extra_inputs=EXTRAS,
+        )
 
     srv = env.server(fn=fn)
     box["t"] = srv.service.transport
@@ -255,8 +258,7 @@ def test_an_answer_naming_a_buffer_this_request_did_not_lend_is_refused(env: Env
     from tensorwire.mm import serve_encoder
 
     cfg = TransportConfig(worker_id="worker-1")
-    transport = NamesAnotherBuffer(cfg, exporter_factory=lambda rc: FakeExporter(env.fabric, rc),
-                                   metrics=env.metrics)
+    transport = NamesAnotherBuffer(cfg, exporter_factory=lambda rc: FakeExporter(env.fabric, rc), metrics=env.metrics)
     srv = serve_encoder(Counting(), cfg, "127.0.0.1:0", transport=transport)
     env.servers.append(srv)
     c = env.client(srv.address)

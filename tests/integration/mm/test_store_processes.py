@@ -58,8 +58,9 @@ def test_both_ranks_read_over_nixl_and_the_lease_ends_after_the_last(procs: Stor
         for r in procs.ranks:
             where, got = procs.ask(r, "get", "k1")
             assert where == "cpu" and torch.equal(got, want)
-        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0),
-                   "the owner still holds the item after every rank read it")
+        wait_until(
+            lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds the item after every rank read it"
+        )
         fetcher.drop_async(["k1"])
         wait_until(lambda: not any(procs.ask(r, "keys") for r in procs.ranks), "a rank kept a dropped item")
     finally:
@@ -78,8 +79,10 @@ def test_a_dead_rank_fails_the_item_and_nothing_stays_held_or_staged(procs: Stor
         grant = ItemGrant(procs.endpoint, "item-2", secret, SHAPE, "float32")
         res = fetcher.start(grant, "k2", Expect(SHAPE, torch.float32)).result(timeout=90)
         assert not res.ok and "tp1" in res.error, res
-        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0) and not procs.ask(procs.ranks[0], "keys"),
-                   "a lease or a staged copy was left behind")
+        wait_until(
+            lambda: procs.ask(procs.owner, "stats") == (0, 0) and not procs.ask(procs.ranks[0], "keys"),
+            "a lease or a staged copy was left behind",
+        )
     finally:
         fetcher.close()
 

@@ -47,8 +47,10 @@ def fill(b: OutputBuffers) -> OutputBuffers:
 
 def test_published_in_place_and_only_once(transport: OutputTransport) -> None:
     b = fill(transport.allocate_output(4, 8, torch.float32, position_cols=2))  # type: ignore[arg-type]
-    r = transport.transfer(pb.EncodeRequest(support_rdma=True),
-                           EncoderOutput(embeddings=b.embedding, split_sizes=[1, 3], position_ids=b.position_ids))
+    r = transport.transfer(
+        pb.EncodeRequest(support_rdma=True),
+        EncoderOutput(embeddings=b.embedding, split_sizes=[1, 3], position_ids=b.position_ids),
+    )
     assert len(r.message.rdma_slots) == 1 and list(r.message.rdma_slots[0].roles) == [pb.EMBEDDING, pb.POS_ID]
     d = Descriptor.from_bytes(r.message.rdma_slots[0].descriptor)
     assert d.lease_id == b.lease.lease_id and [m.shape for m in d.manifest] == [(4, 8), (4, 2)]
@@ -62,8 +64,9 @@ def test_published_in_place_and_only_once(transport: OutputTransport) -> None:
 def test_other_paths_release_the_allocation(transport: OutputTransport) -> None:
     # Output is not the buffers (a copy): exported by copy, the allocation released.
     b = fill(transport.allocate_output(4, 8, torch.float32))  # type: ignore[arg-type]
-    r = transport.transfer(pb.EncodeRequest(support_rdma=True),
-                           EncoderOutput(embeddings=b.embedding.clone(), split_sizes=[4]))
+    r = transport.transfer(
+        pb.EncodeRequest(support_rdma=True), EncoderOutput(embeddings=b.embedding.clone(), split_sizes=[4])
+    )
     slots = r.message.rdma_slots
     assert len(slots) == 1 and Descriptor.from_bytes(slots[0].descriptor).lease_id != b.lease.lease_id
     assert live(transport) == 1

@@ -20,8 +20,15 @@ from tensorwire.testing import netns
 TIMEOUT_S = 120.0
 
 
-def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, images: list[bytes],
-           digests: dict[tuple[int, ...], str], budget_ms: int) -> None:
+def _child(
+    conn: Any,
+    netns_name: str,
+    env: dict[str, str],
+    endpoint: str,
+    images: list[bytes],
+    digests: dict[tuple[int, ...], str],
+    budget_ms: int,
+) -> None:
     netns.enter(netns_name)  # first: every socket and thread of this process lives in the host
     os.environ.update(env)
     os.dup2(2, 1)  # UCX protocol tables go to fd 1; keep the pipe protocol clean of them
@@ -53,8 +60,12 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
             res.update(outcome="untyped", kind=type(exc).__name__, reason="untyped", msg=repr(exc)[:300])
         else:
             ok = output_digest(out.embeddings, out.position_ids) == digests[key]
-            res.update(outcome="ok" if ok else "wrong", plane=out.plane.value, worker=out.worker_id,
-                       fallback=out.fallback_reason.value if out.fallback_reason else None)
+            res.update(
+                outcome="ok" if ok else "wrong",
+                plane=out.plane.value,
+                worker=out.worker_id,
+                fallback=out.fallback_reason.value if out.fallback_reason else None,
+            )
         res["latency_ms"] = (time.perf_counter() - t0) * 1e3
         return res
 
@@ -103,12 +114,24 @@ def _child(conn: Any, netns_name: str, env: dict[str, str], endpoint: str, image
 class LlmClient:
     """The parent's handle on ``_child``; ``close`` ends it (killed if it does not exit in time)."""
 
-    def __init__(self, host: Any, endpoint: str, images: list[bytes], digests: dict[tuple[int, ...], str], *,
-                 budget_ms: int = 20000, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        host: Any,
+        endpoint: str,
+        images: list[bytes],
+        digests: dict[tuple[int, ...], str],
+        *,
+        budget_ms: int = 20000,
+        env: dict[str, str] | None = None,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, daemon=True, name=f"llm-{host.name}",
-                                args=(child, host.netns, env or host.env(), endpoint, images, digests, budget_ms))
+        self.proc = ctx.Process(
+            target=_child,
+            daemon=True,
+            name=f"llm-{host.name}",
+            args=(child, host.netns, env or host.env(), endpoint, images, digests, budget_ms),
+        )
         self.proc.start()
         child.close()
         self.rdma_ready = self._recv("ready", TIMEOUT_S)
@@ -124,8 +147,9 @@ class LlmClient:
         self._conn.send((cmd, arg))
         return self._recv("ok", timeout_s)
 
-    def fetch(self, keys: list[tuple[int, ...]], endpoint: str = "",
-              timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+    def fetch(
+        self, keys: list[tuple[int, ...]], endpoint: str = "", timeout_s: float = TIMEOUT_S
+    ) -> list[dict[str, Any]]:
         return self._call("fetch", ([list(k) for k in keys], endpoint), timeout_s)  # type: ignore[no-any-return]
 
     def start_loop(self, keys: list[tuple[int, ...]]) -> None:

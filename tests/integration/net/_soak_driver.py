@@ -16,10 +16,15 @@ def main() -> int:
     from tensorwire.soak._runner import run_soak
 
     topo = spec.pop("topology")
-    cfg = SoakConfig(**{**spec, "faults": parse_faults(spec.get("faults", "all"))},
-                     topology=Topology(front_host=topo["front_host"], client_netns=topo["client_netns"],
-                                       worker_netns=tuple(topo["worker_netns"]),
-                                       worker_hosts=tuple(topo["worker_hosts"])))
+    cfg = SoakConfig(
+        **{**spec, "faults": parse_faults(spec.get("faults", "all"))},
+        topology=Topology(
+            front_host=topo["front_host"],
+            client_netns=topo["client_netns"],
+            worker_netns=tuple(topo["worker_netns"]),
+            worker_hosts=tuple(topo["worker_hosts"]),
+        ),
+    )
     report = run_soak(cfg, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(report, default=str), flush=True)
     return 0

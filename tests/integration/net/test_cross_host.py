@@ -38,8 +38,21 @@ class Deployment:
 
 def _encoder_argv(name: str, grpc_host: str, *extra: str) -> list[str]:
     # --insecure: plaintext off loopback, on a fabric that exists only inside this test (docs/security.md).
-    return ["serve-encoder", "--host", grpc_host, "--insecure", "--port", "0", "--metrics-port", "-1", "--worker-id",
-            name, "--wait-exporter-s", "60", *extra]
+    return [
+        "serve-encoder",
+        "--host",
+        grpc_host,
+        "--insecure",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--worker-id",
+        name,
+        "--wait-exporter-s",
+        "60",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +65,31 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, nixl_available: bool, c
         started = {  # all at once: they load in parallel
             "w0": kids.start(net["w0"], "w0", _encoder_argv("w0", net["w0"].ip)),
             "w1": kids.start(net["w1"], "w1", _encoder_argv("w1", "0.0.0.0")),
-            "loud": kids.start(net["loud"], "loud", _encoder_argv("loud", "0.0.0.0", "--rdma-advertise-host",
-                                                                  "127.0.0.1")),
+            "loud": kids.start(
+                net["loud"], "loud", _encoder_argv("loud", "0.0.0.0", "--rdma-advertise-host", "127.0.0.1")
+            ),
         }
         workers = {name: f"{net[name].ip}:{c.ready(START_S)['grpc'].rsplit(':', 1)[1]}" for name, c in started.items()}
         proxy_host = net["proxy"]
-        proxy = kids.start(proxy_host, "proxy", ["serve-proxy", "--host", proxy_host.ip, "--insecure", "--port", "0",
-                                                 "--no-check-workers",  # WorkerInfo: loopback or mTLS only
-                                                 "--metrics-port", "-1", "--worker", workers["w0"],
-                                                 "--worker", workers["w1"]])
+        proxy = kids.start(
+            proxy_host,
+            "proxy",
+            [
+                "serve-proxy",
+                "--host",
+                proxy_host.ip,
+                "--insecure",
+                "--port",
+                "0",
+                "--no-check-workers",  # WorkerInfo: loopback or mTLS only
+                "--metrics-port",
+                "-1",
+                "--worker",
+                workers["w0"],
+                "--worker",
+                workers["w1"],
+            ],
+        )
         proxy_address = f"{proxy_host.ip}:{proxy.ready(START_S)['grpc'].rsplit(':', 1)[1]}"
         llm = LlmClient(net["llm"], proxy_address, list(corpus.images), corpus.digests)
         yield Deployment(net, workers, {name: c.log_path for name, c in started.items()}, proxy_address, llm)
@@ -97,8 +126,9 @@ def test_proxy_on_a_third_host(deployment: Deployment) -> None:
 @pytest.mark.timeout(420)
 def test_advertising_loopback_while_serving_a_network_address_is_loud(deployment: Deployment) -> None:
     log = deployment.logs["loud"].read_text()
-    assert "WARNING tensorwire.rdma.endpoint: RDMA descriptors advertise the loopback address 127.0.0.1" in log, \
-        log[-3000:]
+    assert "WARNING tensorwire.rdma.endpoint: RDMA descriptors advertise the loopback address 127.0.0.1" in log, log[
+        -3000:
+    ]
     # It still works: a remote reader cannot reach 127.0.0.1, fetches once over RDMA, and falls back inline.
     results = deployment.llm.fetch([(0,)], endpoint=deployment.workers["loud"])
     assert results[0]["outcome"] == "ok" and results[0]["plane"] == "inline", results

@@ -55,7 +55,8 @@ def test_hosts_reach_each_other_and_nothing_else(fabric: Callable[[Sequence[str]
     assert lo.stdout is not None
     lo_port = int(lo.stdout.readline())
     assert b.run([sys.executable, "-c", CLIENT, "127.0.0.1", str(lo_port), "5"]).stdout.startswith(
-        "ConnectionRefusedError")
+        "ConnectionRefusedError"
+    )
     lo.kill()
 
 

@@ -50,8 +50,9 @@ def _wait_outcomes(llm: LlmClient, pred: Callable[[Outcomes], bool], timeout_s: 
 
 
 @pytest.mark.timeout(420)
-def test_partition_in_the_middle_of_reads_and_healing(fabric: Callable[[Sequence[str]], netns.Fabric],
-                                                      corpus: Any) -> None:
+def test_partition_in_the_middle_of_reads_and_healing(
+    fabric: Callable[[Sequence[str]], netns.Fabric], corpus: Any
+) -> None:
     net = fabric(["encoder", "llm"])
     enc, llm_host = net["encoder"], net["llm"]
     cfg = TransportConfig(worker_id="enc", rdma=RdmaConfig(slot_gc_timeout_ms=GC_MS))
@@ -72,13 +73,23 @@ def test_partition_in_the_middle_of_reads_and_healing(fabric: Callable[[Sequence
         net.heal("llm")
         healed_at = len(llm.loop_outcomes())
         # RDMA comes back: the breaker closes again and the owner is reloaded (the last 5 are RDMA reads).
-        _wait_outcomes(llm, lambda o: len(o) - healed_at >= 5 and _rdma_oks(o[-5:]) == 5, 120,
-                       "5 RDMA fetches in a row after healing")
+        _wait_outcomes(
+            llm,
+            lambda o: len(o) - healed_at >= 5 and _rdma_oks(o[-5:]) == 5,
+            120,
+            "5 RDMA fetches in a row after healing",
+        )
         final = llm.stop_loop(BUDGET_MS / 1000 + HANG_GRACE_S)
         assert not final["hung"], "a fetch was still running budget + grace after the loop was stopped"
         results = final["results"]
-        print("before / cut / after:", Counter((r["outcome"], r.get("plane"), r.get("reason") or r.get("fallback"))
-                                            for r in results[before:healed_at]), before, len(results))
+        print(
+            "before / cut / after:",
+            Counter(
+                (r["outcome"], r.get("plane"), r.get("reason") or r.get("fallback")) for r in results[before:healed_at]
+            ),
+            before,
+            len(results),
+        )
         assert len(results) > before and during >= before
         wrong = [r for r in results if r["outcome"] == "wrong"]
         untyped = [r for r in results if r["outcome"] == "untyped"]
@@ -118,15 +129,28 @@ def soak_report(tmp_path_factory: pytest.TempPathFactory, nixl_available: bool) 
     net = netns.Fabric(["proxy", "llm", "w0", "w1"])
     try:
         proxy = net["proxy"]
-        spec = {"duration_s": SOAK_S, "concurrency": 4, "client_processes": 2, "faults": "all", "seed": 5,
-                "warmup": 10, "progress_s": 10.0,
-                "topology": {"front_host": proxy.ip, "client_netns": net["llm"].netns,
-                             "worker_netns": [net["w0"].netns, net["w1"].netns],
-                             "worker_hosts": [net["w0"].ip, net["w1"].ip]}}
+        spec = {
+            "duration_s": SOAK_S,
+            "concurrency": 4,
+            "client_processes": 2,
+            "faults": "all",
+            "seed": 5,
+            "warmup": 10,
+            "progress_s": 10.0,
+            "topology": {
+                "front_host": proxy.ip,
+                "client_netns": net["llm"].netns,
+                "worker_netns": [net["w0"].netns, net["w1"].netns],
+                "worker_hosts": [net["w0"].ip, net["w1"].ip],
+            },
+        }
         log = tmp_path_factory.mktemp("soak") / "soak.log"
         with open(log, "wb") as err:
-            proc = proxy.spawn([sys.executable, str(Path(__file__).with_name("_soak_driver.py")), json.dumps(spec)],
-                               stderr=err, env=proxy.env())
+            proc = proxy.spawn(
+                [sys.executable, str(Path(__file__).with_name("_soak_driver.py")), json.dumps(spec)],
+                stderr=err,
+                env=proxy.env(),
+            )
             try:
                 out, _ = proc.communicate(timeout=600)
             except subprocess.TimeoutExpired:
@@ -145,8 +169,9 @@ def test_cross_host_soak_faults_were_injected_and_rdma_was_used(soak_report: dic
     assert any(k.startswith("unavailable_") for k in faults), faults
     assert any(k.endswith("releases_dropped") for k in relay) and any(".corrupted_" in k for k in relay), relay
     assert soak_report["successes"] > 50
-    assert soak_report["delivered_by_plane"].get("rdma", 0) > soak_report["successes"] // 4, \
-        soak_report["delivered_by_plane"]
+    assert soak_report["delivered_by_plane"].get("rdma", 0) > soak_report["successes"] // 4, soak_report[
+        "delivered_by_plane"
+    ]
 
 
 @pytest.mark.timeout(720)

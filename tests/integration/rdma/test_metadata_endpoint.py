@@ -37,8 +37,21 @@ IMAGE = sample_paths()[0].read_bytes()
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, str]]:
-    child = Child("enc", ["serve-encoder", "--port", "0", "--metrics-port", "-1", "--wait-exporter-s", "60",
-                          "--rdma-slot-gc-timeout-ms", "5000"], tmp_path_factory.mktemp("enc"))
+    child = Child(
+        "enc",
+        [
+            "serve-encoder",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--wait-exporter-s",
+            "60",
+            "--rdma-slot-gc-timeout-ms",
+            "5000",
+        ],
+        tmp_path_factory.mktemp("enc"),
+    )
     try:
         yield child, child.ready(120)["grpc"]
     finally:
@@ -48,10 +61,14 @@ def encoder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Child, s
 def _descriptor(address: str) -> Descriptor:
     """One RDMA receipt's first descriptor, got the way any control-plane peer gets it (its lease is left to GC)."""
     with grpc.insecure_channel(address, options=wire.channel_options()) as ch:
-        call = ch.unary_unary(wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString,
-                              response_deserializer=pb.EncodeResponse.FromString)
-        receipt = call(pb.EncodeRequest(inputs=[pb.MultimodalInput(data=IMAGE, kind="image")], support_rdma=True),
-                       timeout=60)
+        call = ch.unary_unary(
+            wire.ENCODE_METHOD,
+            request_serializer=pb.EncodeRequest.SerializeToString,
+            response_deserializer=pb.EncodeResponse.FromString,
+        )
+        receipt = call(
+            pb.EncodeRequest(inputs=[pb.MultimodalInput(data=IMAGE, kind="image")], support_rdma=True), timeout=60
+        )
     assert receipt.rdma_slots, "the encoder answered inline; no exporter?"
     return Descriptor.from_bytes(receipt.rdma_slots[0].descriptor)
 
@@ -76,7 +93,7 @@ def _listening(pid: int) -> list[str]:
                 hexaddr = cols[1].split(":")[0]
                 raw = bytes.fromhex(hexaddr)
                 if v6:
-                    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
                     out.append(str(ipaddress.IPv6Address(raw)))
                 else:
                     out.append(str(ipaddress.IPv4Address(raw[::-1])))

@@ -151,8 +151,9 @@ def test_batch_rolls_back_when_the_middle_group_fails(exporter: TensorExporter) 
     assert st.live_leases == 0 and st.pool.busy_slots == 0 and st.batch_rollbacks == 1
 
 
-def test_batch_rolls_back_when_the_middle_group_raises(exporter: TensorExporter,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_batch_rolls_back_when_the_middle_group_raises(
+    exporter: TensorExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = {"n": 0}
     original = exporter._copy_in
 
@@ -339,7 +340,7 @@ def test_mutated_descriptor_bytes_never_crash_a_read(exporter: TensorExporter) -
                 elif op == "set":
                     raw[i] = data.draw(st.integers(0, 255))
                 else:
-                    del raw[i:i + data.draw(st.integers(1, 4))]
+                    del raw[i : i + data.draw(st.integers(1, 4))]
                 if not raw:
                     return
             try:

@@ -35,8 +35,9 @@ def reader() -> TensorReader:
         yield rd
 
 
-@pytest.mark.parametrize("nbytes", [1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB],
-                         ids=["1KiB", "64KiB", "1MiB", "16MiB", "256MiB"])
+@pytest.mark.parametrize(
+    "nbytes", [1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB], ids=["1KiB", "64KiB", "1MiB", "16MiB", "256MiB"]
+)
 def test_sizes_byte_for_byte(owner: OwnerProcess, reader: TensorReader, nbytes: int) -> None:
     seed = nbytes % 9973
     raw, _ = owner.export([((nbytes,), "uint8", seed)])

@@ -48,8 +48,13 @@ def serve(tmp: Path, name: str, *argv: str, ready_s: float = 150.0) -> tuple[Chi
 
 
 def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tensorwire.cli.main", *argv], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "tensorwire.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def non_loopback_ip() -> str:

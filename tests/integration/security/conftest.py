@@ -30,8 +30,12 @@ def other_user() -> Iterator[tuple[int, int]]:
     try:
         entry = pwd.getpwnam(OTHER_USER)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         entry = pwd.getpwnam(OTHER_USER)
     assert entry.pw_uid != os.geteuid()
     yield entry.pw_uid, entry.pw_gid
@@ -41,7 +45,14 @@ def as_other(user: tuple[int, int], *argv: str, **kw: Any) -> subprocess.Popen[s
     """``_other_user.py argv`` as ``user`` (its source passed inline: the tree may not be readable to it)."""
     src = (Path(__file__).resolve().parent / "_other_user.py").read_text()
     uid, gid = user
-    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
-           sys.executable, "-c", src, *argv]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd="/", env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, **kw)
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", sys.executable, "-c", src, *argv]
+    return subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+        **kw,
+    )

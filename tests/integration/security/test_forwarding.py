@@ -40,10 +40,15 @@ def test_a_worker_believes_only_its_trusted_forwarders(tmp_path: Path, trusted: 
         return EncoderOutput(embeddings=[emb], split_sizes=[2])
 
     limits = ServerLimits(trusted_forwarders="cn:proxy" if trusted else "")
-    worker = serve_encoder(encode_fn, TransportConfig(tls=tls_of(pki, "worker"), limits=limits, mode="grpc",
-                                                      rdma=RdmaConfig(provider="none")), "127.0.0.1:0")
-    proxy = EncoderProxy(ProxyConfig(workers=(worker.address,), check_workers=False, tls=tls_of(pki, "proxy")),
-                         registry=CollectorRegistry())
+    worker = serve_encoder(
+        encode_fn,
+        TransportConfig(tls=tls_of(pki, "worker"), limits=limits, mode="grpc", rdma=RdmaConfig(provider="none")),
+        "127.0.0.1:0",
+    )
+    proxy = EncoderProxy(
+        ProxyConfig(workers=(worker.address,), check_workers=False, tls=tls_of(pki, "proxy")),
+        registry=CollectorRegistry(),
+    )
     try:
         proxy.start("127.0.0.1:0")
         cfg = TransportConfig(tls=tls_of(pki, "llm"), mode="grpc")

@@ -91,8 +91,10 @@ def test_work_stops_when_the_caller_gives_up(tmp_path: Path) -> None:
             window = threading.Event()
             window.wait(3.0)
             burned = cpu_seconds(pid) - cpu0
-            assert burned < 0.6, f"the worker used {burned:.2f} CPU-s in 3 s, {time.monotonic() - gone:.0f} s " \
-                                 "after every caller had gone"
+            assert burned < 0.6, (
+                f"the worker used {burned:.2f} CPU-s in 3 s, {time.monotonic() - gone:.0f} s "
+                "after every caller had gone"
+            )
             t0 = time.monotonic()
             hostile.encode_image(ch, scene, timeout_s=120)
             assert time.monotonic() - t0 < 3 * one_image_s + 5.0  # a normal request is not queued behind them

@@ -60,8 +60,9 @@ def _png() -> bytes:
 
 @pytest.fixture
 def worker() -> Iterator[EncoderWorker]:
-    w = EncoderWorker(BuiltinEncoder(preprocess=SMALL), TransportConfig(mode="grpc"),
-                      metrics=metrics_for(CollectorRegistry()))
+    w = EncoderWorker(
+        BuiltinEncoder(preprocess=SMALL), TransportConfig(mode="grpc"), metrics=metrics_for(CollectorRegistry())
+    )
     w.start("127.0.0.1:0")
     try:
         yield w
@@ -89,20 +90,25 @@ def calls_as(user: tuple[int, int], target: str, calls: list[tuple[str, bytes]])
 
 def test_another_user_gets_nothing_from_a_worker(other_user: tuple[int, int], worker: EncoderWorker) -> None:
     encode = pb.EncodeRequest(inputs=[pb.MultimodalInput(data=_png())], support_rdma=True).SerializeToString()
-    got = calls_as(other_user, worker.address, [
-        (ENCODE_METHOD, encode),
-        (INFO_METHOD, b""),
-        (LOCAL_CHANNEL_METHOD, pb.LocalChannelRequest(host_token=_unix.host_token()).SerializeToString()),
-        (HEALTH_CHECK, health_pb2.HealthCheckRequest().SerializeToString()),
-    ])
+    got = calls_as(
+        other_user,
+        worker.address,
+        [
+            (ENCODE_METHOD, encode),
+            (INFO_METHOD, b""),
+            (LOCAL_CHANNEL_METHOD, pb.LocalChannelRequest(host_token=_unix.host_token()).SerializeToString()),
+            (HEALTH_CHECK, health_pb2.HealthCheckRequest().SerializeToString()),
+        ],
+    )
     assert got[ENCODE_METHOD] == ("PERMISSION_DENIED", 0)
     assert got[INFO_METHOD] == ("PERMISSION_DENIED", 0)
     assert got[LOCAL_CHANNEL_METHOD] == ("PERMISSION_DENIED", 0)
     assert got[HEALTH_CHECK][0] == "OK"  # SERVING: probes need it, and it says nothing else
     assert worker._host is not None and worker._host.stats().untrusted_callers == 3
     # The worker's own user is served as before.
-    client = RemoteOutputTransport(worker.address, TransportConfig(mode="grpc"),
-                                   metrics=metrics_for(CollectorRegistry()))
+    client = RemoteOutputTransport(
+        worker.address, TransportConfig(mode="grpc"), metrics=metrics_for(CollectorRegistry())
+    )
     try:
         out = client.fetch([MultimodalInput(_png())])
         assert len(out.embeddings) == 1
@@ -117,24 +123,31 @@ def test_another_user_gets_nothing_from_a_held_outputs_store(other_user: tuple[i
     try:
         grant = hpb.GrantRef(key="k", secret=b"s" * 16) if hasattr(hpb, "GrantRef") else None
         lookup = hpb.LookupRequest(grants=[grant] if grant is not None else []).SerializeToString()
-        got = calls_as(other_user, server.address, [
-            (LOOKUP_METHOD, lookup),
-            (RELEASE_METHOD, hpb.ReleaseRequest().SerializeToString()),
-            (STORE_LOCAL_CHANNEL, pb.LocalChannelRequest(host_token=_unix.host_token()).SerializeToString()),
-        ])
-        assert got == {LOOKUP_METHOD: ("PERMISSION_DENIED", 0), RELEASE_METHOD: ("PERMISSION_DENIED", 0),
-                       STORE_LOCAL_CHANNEL: ("PERMISSION_DENIED", 0)}
+        got = calls_as(
+            other_user,
+            server.address,
+            [
+                (LOOKUP_METHOD, lookup),
+                (RELEASE_METHOD, hpb.ReleaseRequest().SerializeToString()),
+                (STORE_LOCAL_CHANNEL, pb.LocalChannelRequest(host_token=_unix.host_token()).SerializeToString()),
+            ],
+        )
+        assert got == {
+            LOOKUP_METHOD: ("PERMISSION_DENIED", 0),
+            RELEASE_METHOD: ("PERMISSION_DENIED", 0),
+            STORE_LOCAL_CHANNEL: ("PERMISSION_DENIED", 0),
+        }
     finally:
         server.stop(0.5)
         store.close()
 
 
 def test_a_port_squatter_after_the_worker_stops_gets_no_request(other_user: tuple[int, int]) -> None:
-    w = EncoderWorker(BuiltinEncoder(preprocess=SMALL), TransportConfig(mode="grpc"),
-                      metrics=metrics_for(CollectorRegistry()))
+    w = EncoderWorker(
+        BuiltinEncoder(preprocess=SMALL), TransportConfig(mode="grpc"), metrics=metrics_for(CollectorRegistry())
+    )
     port = w.start("127.0.0.1:0")
-    client = RemoteOutputTransport(w.address, TransportConfig(mode="grpc"),
-                                   metrics=metrics_for(CollectorRegistry()))
+    client = RemoteOutputTransport(w.address, TransportConfig(mode="grpc"), metrics=metrics_for(CollectorRegistry()))
     squatter = None
     try:
         assert len(client.fetch([MultimodalInput(_png())]).embeddings) == 1
@@ -158,7 +171,8 @@ def test_a_port_squatter_after_the_worker_stops_gets_no_request(other_user: tupl
 
 
 def test_a_symlinked_runtime_dir_is_refused_and_flipping_it_forges_no_endpoint(
-        other_user: tuple[int, int], shared_tmp: Path, tmp_path: Path) -> None:
+    other_user: tuple[int, int], shared_tmp: Path, tmp_path: Path
+) -> None:
     name = "flip-dp0"
     ours = tmp_path / "ours"
     ours.mkdir(mode=0o700)
@@ -190,7 +204,8 @@ def test_a_symlinked_runtime_dir_is_refused_and_flipping_it_forges_no_endpoint(
 
 
 def test_a_pre_created_default_runtime_dir_falls_back_and_the_connector_starts(
-        other_user: tuple[int, int], shared_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    other_user: tuple[int, int], shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tmpdir = shared_tmp / "tmp"
     tmpdir.mkdir()
     os.chmod(tmpdir, 0o1777)  # a /tmp of its own: sticky, world-writable

@@ -83,18 +83,39 @@ def _insecure() -> list[str]:
 
 
 @pytest.mark.timeout(300)
-def test_one_peer_that_never_releases_cannot_pin_the_pool(tmp_path: Path, netns: tuple[str, str, str],
-                                                          require_nixl: None) -> None:
+def test_one_peer_that_never_releases_cannot_pin_the_pool(
+    tmp_path: Path, netns: tuple[str, str, str], require_nixl: None
+) -> None:
     ns, host_ip, _ = netns
     image = sample_paths()[1]  # 448 x 448: a 2 MiB embedding, in a 4 MiB slot
-    worker, ready = serve(tmp_path, "worker", "--host", "0.0.0.0", *_insecure(), "--port", "0", "--metrics-port",
-                          "-1", "--wait-exporter-s", "60", "--rdma-pool-cap-bytes", str(POOL_BYTES),
-                          "--rdma-slot-gc-timeout-ms", "600000", "--rdma-max-slot-bytes", str(16 << 20))
+    worker, ready = serve(
+        tmp_path,
+        "worker",
+        "--host",
+        "0.0.0.0",
+        *_insecure(),
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--wait-exporter-s",
+        "60",
+        "--rdma-pool-cap-bytes",
+        str(POOL_BYTES),
+        "--rdma-slot-gc-timeout-ms",
+        "600000",
+        "--rdma-max-slot-bytes",
+        str(16 << 20),
+    )
     try:
         port = ready["grpc"].rsplit(":", 1)[1]
-        attacker = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", ATTACKER, f"{host_ip}:{port}",
-                                   "24", str(image)], capture_output=True, text=True, timeout=240,
-                                  env=dict(os.environ))
+        attacker = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", ATTACKER, f"{host_ip}:{port}", "24", str(image)],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=dict(os.environ),
+        )
         assert attacker.returncode == 0, attacker.stderr[-3000:]
         pinned = int(attacker.stdout.strip().splitlines()[-1])
         assert 0 < pinned < 24  # its first outputs came over RDMA, the rest inline once it held its quota

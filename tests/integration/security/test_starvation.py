@@ -45,8 +45,9 @@ class Attackers:
         self.stop = threading.Event()
         self.outcomes: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(hostile.channel(target, tls), call), daemon=True)
-                         for _ in range(n)]
+        self._threads = [
+            threading.Thread(target=self._run, args=(hostile.channel(target, tls), call), daemon=True) for _ in range(n)
+        ]
 
     def _run(self, ch: grpc.Channel, call: Callable[[grpc.Channel], str]) -> None:
         with ch:
@@ -122,8 +123,9 @@ def test_release_and_health_never_wait_behind_encode() -> None:
     server = serve_encoder(slow, cfg, "127.0.0.1:0")
     try:
         with grpc.insecure_channel(server.address) as ch:
-            encodes = [ch.unary_unary(wire.ENCODE_METHOD).future(hostile.encode_request([b"x"]), timeout=60)
-                       for _ in range(4)]
+            encodes = [
+                ch.unary_unary(wire.ENCODE_METHOD).future(hostile.encode_request([b"x"]), timeout=60) for _ in range(4)
+            ]
             for _ in range(2):
                 assert running.acquire(timeout=20)  # both work slots run an Encode; two more wait for one
             t0 = time.monotonic()
@@ -143,8 +145,21 @@ def test_release_and_health_never_wait_behind_encode() -> None:
 def test_one_identity_over_its_share_does_not_cost_another_its_calls(tmp_path: Path) -> None:
     pki = pki_or_skip(tmp_path / "pki")
     # A long request deadline: the attacker's 8 admitted calls stay in flight for the whole test.
-    worker, w = serve(tmp_path, "worker", "--port", "0", "--metrics-port", "-1", "--max-inflight-per-peer", "8",
-                      "--max-streams-per-peer", "2", "--request-timeout-ms", "120000", *tls_flags(pki, "worker"))
+    worker, w = serve(
+        tmp_path,
+        "worker",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--max-inflight-per-peer",
+        "8",
+        "--max-streams-per-peer",
+        "2",
+        "--request-timeout-ms",
+        "120000",
+        *tls_flags(pki, "worker"),
+    )
     try:
         attacker = tls_of(pki, "attacker")
         with Attackers(w["grpc"], 20, _hold, tls=attacker) as held:

@@ -76,8 +76,9 @@ def _tls_extra(pki: Pki, name: str) -> dict[str, Any]:
 
 @pytest.fixture
 def mtls_owner(pki: Pki, tmp_path: Path) -> Iterator[Owner]:
-    owner = Owner({"host": "127.0.0.1", "rdma_provider": "none", "runtime_dir": str(tmp_path / "rt"),
-                   **_tls_extra(pki, "worker")})
+    owner = Owner(
+        {"host": "127.0.0.1", "rdma_provider": "none", "runtime_dir": str(tmp_path / "rt"), **_tls_extra(pki, "worker")}
+    )
     assert owner.first[0] == "ready", owner.first
     yield owner
     owner.close()
@@ -92,12 +93,15 @@ def test_a_client_with_a_certificate_of_the_ca_reads_from_an_mtls_store(mtls_own
     assert torch.equal(decode_tensor(out.receipt.embedding), want)
 
 
-def test_the_connectors_fetcher_reads_over_mtls_from_its_extra_config(mtls_owner: Owner, pki: Pki,
-                                                                      tmp_path: Path) -> None:
+def test_the_connectors_fetcher_reads_over_mtls_from_its_extra_config(
+    mtls_owner: Owner, pki: Pki, tmp_path: Path
+) -> None:
     secret = new_secret()
     want = mtls_owner.hold("item-2", secret, 4)
-    cfg = ECConfig.from_extra({"fetch_timeout_ms": 60000, "lookup_timeout_ms": 30000, "rdma_provider": "none",
-                               **_tls_extra(pki, "llm")}, environ={})
+    cfg = ECConfig.from_extra(
+        {"fetch_timeout_ms": 60000, "lookup_timeout_ms": 30000, "rdma_provider": "none", **_tls_extra(pki, "llm")},
+        environ={},
+    )
     area = StagingArea(None)
     fetcher = Fetcher(cfg, [LocalStager(area)], ECMetrics(CollectorRegistry()), support_rdma=False)
     try:
@@ -110,8 +114,10 @@ def test_the_connectors_fetcher_reads_over_mtls_from_its_extra_config(mtls_owner
         fetcher.close()
         area.close()
     # The same connector without a client certificate (only the CA): the store refuses it, the fetch says why.
-    certless = ECConfig.from_extra({"fetch_timeout_ms": 30000, "lookup_timeout_ms": 15000, "rdma_provider": "none",
-                                    "tls_ca": str(pki.ca)}, environ={})
+    certless = ECConfig.from_extra(
+        {"fetch_timeout_ms": 30000, "lookup_timeout_ms": 15000, "rdma_provider": "none", "tls_ca": str(pki.ca)},
+        environ={},
+    )
     secret = new_secret()
     want = mtls_owner.hold("item-2b", secret, 5)  # held: only the handshake can make this fetch fail
     area = StagingArea(None)
@@ -127,8 +133,9 @@ def test_the_connectors_fetcher_reads_over_mtls_from_its_extra_config(mtls_owner
 
 
 @pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA"])
-def test_a_client_without_a_certificate_of_the_ca_is_refused(mtls_owner: Owner, pki: Pki, tmp_path: Path,
-                                                            who: str) -> None:
+def test_a_client_without_a_certificate_of_the_ca_is_refused(
+    mtls_owner: Owner, pki: Pki, tmp_path: Path, who: str
+) -> None:
     secret = new_secret()
     mtls_owner.hold("item-3", secret, 5)
     if who == "plaintext":

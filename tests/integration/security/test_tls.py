@@ -53,8 +53,11 @@ def _worker_info(target: str, tls: object = None) -> grpc.StatusCode:
     else:
         ch = grpc.insecure_channel(target)
     with ch:
-        call = ch.unary_unary(INFO_METHOD, request_serializer=service_pb2.WorkerInfoRequest.SerializeToString,
-                              response_deserializer=service_pb2.WorkerInfoResponse.FromString)
+        call = ch.unary_unary(
+            INFO_METHOD,
+            request_serializer=service_pb2.WorkerInfoRequest.SerializeToString,
+            response_deserializer=service_pb2.WorkerInfoResponse.FromString,
+        )
         try:
             call(service_pb2.WorkerInfoRequest(), timeout=20)
             return grpc.StatusCode.OK
@@ -67,11 +70,30 @@ def test_mtls_on_every_hop_encoder_proxy_client_and_fetch(tmp_path: Path) -> Non
     pki = pki_or_skip(tmp_path / "pki")
     worker = proxy = None
     try:
-        worker, w = serve(tmp_path, "worker", "--port", "0", "--metrics-port", "-1", "--worker-id", "tls-w0",
-                          *tls_flags(pki, "worker"))
+        worker, w = serve(
+            tmp_path,
+            "worker",
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--worker-id",
+            "tls-w0",
+            *tls_flags(pki, "worker"),
+        )
         assert w["tls"] == "mtls"
-        proxy, p = serve(tmp_path, "proxy", "serve-proxy", "--worker", w["grpc"], "--metrics-port", "-1",
-                         "--worker-wait-s", "60", *tls_flags(pki, "proxy"))
+        proxy, p = serve(
+            tmp_path,
+            "proxy",
+            "serve-proxy",
+            "--worker",
+            w["grpc"],
+            "--metrics-port",
+            "-1",
+            "--worker-wait-s",
+            "60",
+            *tls_flags(pki, "proxy"),
+        )
         assert p["tls"] == "mtls"  # the proxy also asked the worker for WorkerInfo over mTLS to get here
         image = IMAGE.read_bytes()
         for endpoint in (w["grpc"], p["grpc"]):
@@ -140,15 +162,20 @@ def test_metrics_and_worker_info_stay_on_loopback_by_default(tmp_path: Path) -> 
         assert _worker_info(f"127.0.0.1:{port}") is grpc.StatusCode.OK
         assert _worker_info(f"{outside}:{port}") is grpc.StatusCode.PERMISSION_DENIED
         # With mTLS, a peer that presented a certificate the worker verified may ask from anywhere.
-        tls, t = serve(tmp_path, "tls", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "-1",
-                       *tls_flags(pki, "worker"))
+        tls, t = serve(
+            tmp_path, "tls", "--host", "0.0.0.0", "--port", "0", "--metrics-port", "-1", *tls_flags(pki, "worker")
+        )
         tport = t["grpc"].rsplit(":", 1)[1]
         assert _worker_info(f"localhost:{tport}", tls_of(pki, "proxy")) is grpc.StatusCode.OK
         override = tls_of(pki, "proxy", server_name="localhost")  # the certificate names localhost, not this IP
-        with grpc.secure_channel(f"{outside}:{tport}", channel_credentials(override),
-                                 options=channel_options(override)) as ch:
-            call = ch.unary_unary(INFO_METHOD, request_serializer=service_pb2.WorkerInfoRequest.SerializeToString,
-                                  response_deserializer=service_pb2.WorkerInfoResponse.FromString)
+        with grpc.secure_channel(
+            f"{outside}:{tport}", channel_credentials(override), options=channel_options(override)
+        ) as ch:
+            call = ch.unary_unary(
+                INFO_METHOD,
+                request_serializer=service_pb2.WorkerInfoRequest.SerializeToString,
+                response_deserializer=service_pb2.WorkerInfoResponse.FromString,
+            )
             assert call(service_pb2.WorkerInfoRequest(), timeout=20).worker_id
     finally:
         for child in (tls, plain):
@@ -167,9 +194,13 @@ def test_new_connections_get_replaced_certificates_without_a_restart(tmp_path: P
         shutil.copy(src, live / name)
     server_tls = TlsConfig(cert=str(live / "cert.pem"), key=str(live / "key.pem"), ca=str(live / "ca.pem"))
     emb = torch.ones(4, 8)
-    server = serve_encoder(lambda inputs: EncoderOutput(embeddings=[emb], split_sizes=[4]),
-                           TransportConfig(tls=server_tls, rdma=RdmaConfig(provider="none")), "127.0.0.1:0")
+    server = serve_encoder(
+        lambda inputs: EncoderOutput(embeddings=[emb], split_sizes=[4]),
+        TransportConfig(tls=server_tls, rdma=RdmaConfig(provider="none")),
+        "127.0.0.1:0",
+    )
     try:
+
         def fetch_with(tls: object) -> bool:
             with _client(server.address, tls, mode="grpc") as c:
                 try:
@@ -197,8 +228,7 @@ def test_the_same_host_channel_stays_closed_under_mtls_unless_asked_for(tmp_path
     emb = torch.ones(4, 8)
 
     def opened(**kw: object) -> bool:
-        cfg = TransportConfig(rdma=RdmaConfig(provider="none"), local_channel_dir=str(tmp_path / "run"),
-                              **kw)  # type: ignore[arg-type]
+        cfg = TransportConfig(rdma=RdmaConfig(provider="none"), local_channel_dir=str(tmp_path / "run"), **kw)  # type: ignore[arg-type]
         server = serve_encoder(lambda inputs: EncoderOutput(embeddings=[emb], split_sizes=[4]), cfg, "127.0.0.1:0")
         try:
             return server.service.local is not None

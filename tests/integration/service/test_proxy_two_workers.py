@@ -18,8 +18,24 @@ from tensorwire.service._proxy import EncoderProxy, ProxyConfig
 
 @pytest.mark.timeout(180)
 def test_proxy_spreads_routes_releases_and_fails_over(tmp_path: Path) -> None:
-    workers = [Child(f"w{i}", ["serve-encoder", "--port", "0", "--metrics-port", "-1", "--worker-id", f"it-w{i}",
-                               "--wait-exporter-s", "20"], tmp_path) for i in range(2)]
+    workers = [
+        Child(
+            f"w{i}",
+            [
+                "serve-encoder",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                "--worker-id",
+                f"it-w{i}",
+                "--wait-exporter-s",
+                "20",
+            ],
+            tmp_path,
+        )
+        for i in range(2)
+    ]
     proxy = client = None
     try:
         addresses = [w.ready(90)["grpc"] for w in workers]
@@ -27,8 +43,9 @@ def test_proxy_spreads_routes_releases_and_fails_over(tmp_path: Path) -> None:
         proxy = EncoderProxy(ProxyConfig(workers=tuple(addresses), worker_wait_s=20), registry=registry)
         proxy.start("127.0.0.1:0")
         assert [i.worker_id for i in proxy.worker_infos] == ["it-w0", "it-w1"]
-        client = RemoteOutputTransport(f"127.0.0.1:{proxy.port}", TransportConfig(),
-                                       metrics=metrics_for(CollectorRegistry()))
+        client = RemoteOutputTransport(
+            f"127.0.0.1:{proxy.port}", TransportConfig(), metrics=metrics_for(CollectorRegistry())
+        )
         rdma = has_rdma() and client.wait_ready(20)
         image = sample_paths()[0].read_bytes()
         reference = BuiltinEncoder().encode([image])[0]  # same seeded weights as the workers

@@ -27,8 +27,23 @@ def report(nixl_available: bool) -> dict:
     if not nixl_available:
         pytest.skip("NIXL is not installed")
     env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
-    cmd = [sys.executable, "-m", "tensorwire.cli.main", "soak", "--duration", "45", "--concurrency", "6",
-           "--faults", "all", "--seed", "7", "--json", "--progress-s", "15"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tensorwire.cli.main",
+        "soak",
+        "--duration",
+        "45",
+        "--concurrency",
+        "6",
+        "--faults",
+        "all",
+        "--seed",
+        "7",
+        "--json",
+        "--progress-s",
+        "15",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=360)
@@ -60,7 +75,7 @@ def test_no_wrong_hung_or_untyped(report: dict) -> None:
     assert report["untyped_errors"] == 0, report["untyped_examples"]
     # Every failure is a typed error with a reason or a counted fallback.
     assert all(":" in k and not k.endswith(":unknown") for k in report["errors_by_reason"])
-    counted = (report["successes"] + sum(report["errors_by_reason"].values()) + report["aborted_by_reader_kill"])
+    counted = report["successes"] + sum(report["errors_by_reason"].values()) + report["aborted_by_reader_kill"]
     assert counted == report["requests"]
 
 
@@ -99,8 +114,10 @@ def test_a_faulted_worker_costs_no_request_a_healthy_one_could_serve(report: dic
     assert out["requests"] > 100, out
     assert out["failed"] <= max(2, int(0.005 * out["requests"])), av["failures_outside_client_cuts"]
     assert set(av["by_fault"]) == {"client_cut", "worker_restart", "worker_cut", "none"}
-    assert av["windows"].get("worker_restart", 0) >= 1 and av["windows"].get("client_cut", 0) + \
-        av["windows"].get("worker_cut", 0) >= 1
+    assert (
+        av["windows"].get("worker_restart", 0) >= 1
+        and av["windows"].get("client_cut", 0) + av["windows"].get("worker_cut", 0) >= 1
+    )
     # One worker at a time: no two worker-fault windows overlap.
     worker = sorted((w for w in av["window_list"] if w["kind"] != "client_cut"), key=lambda w: w["start_s"])
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(worker, worker[1:], strict=False)), worker

@@ -243,8 +243,11 @@ def test_so_peercred_rejects_another_uid(base):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("env,route", [({}, "local"), ({"TENSORWIRE_BROADCAST_PATH": "dist"}, "dist")],
-                         ids=["inside-node", "torch-distributed-fallback"])
+@pytest.mark.parametrize(
+    "env,route",
+    [({}, "local"), ({"TENSORWIRE_BROADCAST_PATH": "dist"}, "dist")],
+    ids=["inside-node", "torch-distributed-fallback"],
+)
 def test_broadcast_cpu(base, env, route):
     store = os.path.join(base, "store")
     res = H.ok(H.run_ranks(W.dist_bcast, 2, store, env, 20, timeout_s=120))
@@ -257,8 +260,9 @@ def test_broadcast_cpu_path_disagreement_fails_on_every_rank(base):
 
     store = os.path.join(base, "store")
     q = mp.get_context("spawn").Queue()
-    procs = (H.start(W.dist_bcast, [0], 2, (store, {"TENSORWIRE_BROADCAST_PATH": "dist"}, 2), q)
-             + H.start(W.dist_bcast, [1], 2, (store, {"TENSORWIRE_BROADCAST_PATH": "local"}, 2), q))
+    procs = H.start(W.dist_bcast, [0], 2, (store, {"TENSORWIRE_BROADCAST_PATH": "dist"}, 2), q) + H.start(
+        W.dist_bcast, [1], 2, (store, {"TENSORWIRE_BROADCAST_PATH": "local"}, 2), q
+    )
     res = H.ok(H.collect(q, procs, 2, 120))
     for r in (0, 1):
         assert res[r]["reason"] == Reason.PATH_DISAGREEMENT.value, res[r]

@@ -15,10 +15,11 @@ import tp_wait_workers as W
 from tensorwire.tp import _futex, shm_available
 
 SHM = pytest.mark.skipif(not shm_available(), reason="no shm fence")
-WAITS = [pytest.param("shm", True, marks=[SHM, pytest.mark.skipif(not _futex.AVAILABLE, reason="no futex")],
-                      id="shm-futex"),
-         pytest.param("shm", False, marks=SHM, id="shm-socket"),
-         pytest.param("uds", False, id="uds")]
+WAITS = [
+    pytest.param("shm", True, marks=[SHM, pytest.mark.skipif(not _futex.AVAILABLE, reason="no futex")], id="shm-futex"),
+    pytest.param("shm", False, marks=SHM, id="shm-socket"),
+    pytest.param("uds", False, id="uds"),
+]
 
 
 def _closing_pair(worker, base: str) -> dict:

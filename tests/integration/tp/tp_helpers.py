@@ -65,8 +65,9 @@ def kill(procs: list[Any]) -> None:
             p.join(timeout=5)
 
 
-def run_ranks(target: Callable[..., Any], world: int, *args: Any, timeout_s: float = 60.0,
-              ranks: list[int] | None = None) -> dict[int, Report]:
+def run_ranks(
+    target: Callable[..., Any], world: int, *args: Any, timeout_s: float = 60.0, ranks: list[int] | None = None
+) -> dict[int, Report]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     rs = list(range(world)) if ranks is None else ranks

@@ -91,6 +91,7 @@ class Hostile:
 def hold_connection(address: str | bytes, send: bytes = b"") -> Callable[[], object]:
     """Connect (waiting for the listener), send ``send``, then hold the connection open. Rank 0 may have dropped
     the connection before the bytes go out (it drops another uid's at accept): a refused send is part of the act."""
+
     def act() -> object:
         s = connect_retrying(address)
         if send:
@@ -99,24 +100,29 @@ def hold_connection(address: str | bytes, send: bytes = b"") -> Callable[[], obj
             except (BrokenPipeError, ConnectionResetError):
                 pass
         return s
+
     return act
 
 
 def squat(address: bytes, listen: bool = True) -> Callable[[], object]:
     """Bind an abstract name first (and listen on it, never accepting)."""
+
     def act() -> object:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(address)
         if listen:
             s.listen(64)
         return s
+
     return act
 
 
 def make_dir(path: str, mode: int = 0o777) -> Callable[[], object]:
     """Create a directory (as whoever runs the act)."""
+
     def act() -> object:
         os.mkdir(path)
         os.chmod(path, mode)
         return None
+
     return act

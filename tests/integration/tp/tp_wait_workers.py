@@ -22,8 +22,9 @@ def gaps(rank: int, world: int, base: str, backend: str, futex: bool, gaps_ms: l
     Readers report how long each receive took, so the caller can see that they slept (a gap past the window)."""
     cfg = BroadcastConfig(spin_s=20e-6, spin_max_s=2e-3, futex=futex, **STRICT)
     waits = []
-    with CpuTpBroadcaster(rank, world, f"gaps-{backend}-{futex}", backend=backend, base_dir=base,
-                          init_timeout_s=60, config=cfg) as b:
+    with CpuTpBroadcaster(
+        rank, world, f"gaps-{backend}-{futex}", backend=backend, base_dir=base, init_timeout_s=60, config=cfg
+    ) as b:
         t = torch.zeros(256, dtype=torch.int64)
         for i, gap in enumerate(gaps_ms):
             want_t = torch.arange(256, dtype=torch.int64) + i
@@ -58,8 +59,10 @@ def gaps(rank: int, world: int, base: str, backend: str, futex: bool, gaps_ms: l
 def random_gaps(seed: int, n: int) -> list[float]:
     """Gaps around the readers' spin window (0-4 ms) and a few long ones (past it), in ms."""
     rng = random.Random(seed)
-    return [rng.choice([0.0, rng.uniform(0, 4.0), rng.uniform(0, 4.0), 250.0 if rng.random() < 0.03 else 1.0])
-            for _ in range(n)]
+    return [
+        rng.choice([0.0, rng.uniform(0, 4.0), rng.uniform(0, 4.0), 250.0 if rng.random() < 0.03 else 1.0])
+        for _ in range(n)
+    ]
 
 
 def close_while_spinning(rank: int, world: int, base: str, done: Any) -> dict:
@@ -103,11 +106,18 @@ def objects(rank: int, world: int, base: str, backend: str) -> dict:
     """broadcast_object: assorted objects (one larger than a slot, one holding a tensor), an unpicklable one that
     fails on rank 0 alone, then rank 0 calling broadcast while the readers call broadcast_object."""
     cfg = BroadcastConfig(slot_bytes=64 * 1024, n_slots=4, arena_bytes=16 << 20, timeout_s=60.0)
-    values: list[Any] = [None, 7, "x" * 100, {"a": [1, 2, (3, "b")], "t": torch.arange(5)}, b"\0" * (1 << 20),
-                         {"k": set(range(100))}]
+    values: list[Any] = [
+        None,
+        7,
+        "x" * 100,
+        {"a": [1, 2, (3, "b")], "t": torch.arange(5)},
+        b"\0" * (1 << 20),
+        {"k": set(range(100))},
+    ]
     out: dict[str, Any] = {}
-    with CpuTpBroadcaster(rank, world, f"objects-{backend}", backend=backend, base_dir=base, init_timeout_s=60,
-                          config=cfg) as b:
+    with CpuTpBroadcaster(
+        rank, world, f"objects-{backend}", backend=backend, base_dir=base, init_timeout_s=60, config=cfg
+    ) as b:
         for i, want in enumerate(values):
             got = b.broadcast_object(want if rank == 0 else None)
             same = torch.equal(got["t"], want["t"]) and got["a"] == want["a"] if i == 3 else got == want
@@ -134,8 +144,15 @@ def close_object_call_from_signal(rank: int, world: int, base: str, done: Any) -
     that it runs inside the call (and return at once) instead of waiting 5 s for the call to leave."""
     import signal
 
-    b = CpuTpBroadcaster(rank, world, "objsignal", backend="shm", base_dir=base, init_timeout_s=60,
-                         config=BroadcastConfig(timeout_s=60.0))
+    b = CpuTpBroadcaster(
+        rank,
+        world,
+        "objsignal",
+        backend="shm",
+        base_dir=base,
+        init_timeout_s=60,
+        config=BroadcastConfig(timeout_s=60.0),
+    )
     if rank == 0:
         ok = done.wait(60)
         b.close()
@@ -184,8 +201,14 @@ class Holder:
 
 def step(i: int, blob: int = 0) -> Step:
     ids = [f"req-{k}" for k in range(i % 9)]
-    return Step(i, ids, [[k * i, k] for k in range(len(ids))], {r: ([i] if k % 2 else None) for k, r in
-                                                                enumerate(ids)}, {f"fin-{i}"}, b"\x07" * blob)
+    return Step(
+        i,
+        ids,
+        [[k * i, k] for k in range(len(ids))],
+        {r: ([i] if k % 2 else None) for k, r in enumerate(ids)},
+        {f"fin-{i}"},
+        b"\x07" * blob,
+    )
 
 
 def typed_objects(rank: int, world: int, base: str, backend: str) -> dict:
@@ -194,8 +217,9 @@ def typed_objects(rank: int, world: int, base: str, backend: str) -> dict:
     expect a typed one."""
     cfg = BroadcastConfig(slot_bytes=64 * 1024, n_slots=4, arena_bytes=16 << 20, timeout_s=60.0)
     out: dict[str, Any] = {"rank0": []}
-    with CpuTpBroadcaster(rank, world, f"typed-{backend}", backend=backend, base_dir=base, init_timeout_s=60,
-                          config=cfg) as b:
+    with CpuTpBroadcaster(
+        rank, world, f"typed-{backend}", backend=backend, base_dir=base, init_timeout_s=60, config=cfg
+    ) as b:
         for i in range(40):
             want = step(i, blob=(1 << 20) if i == 17 else 0)
             got = b.broadcast_object(want if rank == 0 else None, schema=Step)
@@ -226,8 +250,9 @@ def typed_mismatch(rank: int, world: int, base: str, backend: str, how: str) -> 
     ``forged`` (rank 0's bytes carry Step's fingerprint but do not decode as Step)."""
     cfg = BroadcastConfig(timeout_s=60.0)
     out: dict[str, Any] = {}
-    with CpuTpBroadcaster(rank, world, f"typed-{how}-{backend}", backend=backend, base_dir=base, init_timeout_s=60,
-                          config=cfg) as b:
+    with CpuTpBroadcaster(
+        rank, world, f"typed-{how}-{backend}", backend=backend, base_dir=base, init_timeout_s=60, config=cfg
+    ) as b:
         if rank == 0:
             if how == "forged":
                 b._codec(list[int]).fingerprint = b._codec(Step).fingerprint  # a peer that lies about its schema

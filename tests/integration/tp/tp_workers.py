@@ -17,8 +17,19 @@ from tensorwire.tp import BroadcastConfig, CpuTpBroadcaster, _star
 from tensorwire.tp._connect import params_digest
 from tensorwire.tp._paths import make_endpoint, session_digest
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _tensor(g: torch.Generator, rng: random.Random, big: bool = False) -> torch.Tensor:
@@ -28,8 +39,13 @@ def _tensor(g: torch.Generator, rng: random.Random, big: bool = False) -> torch.
     else:
         ndim = rng.randint(0, 3)
         shape = tuple(rng.choice([0, 1, 2, 3, 7, 16, 33]) for _ in range(ndim))
-    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
-                        generator=g, dtype=torch.uint8)
+    raw = torch.randint(
+        0,
+        256,
+        (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+        generator=g,
+        dtype=torch.uint8,
+    )
     if dtype == torch.bool:
         raw = raw % 2
     return raw.view(dtype).reshape(shape)
@@ -53,8 +69,12 @@ def message(seed: int, i: int) -> Any:
 
 def same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8)))
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.contiguous().reshape(-1).view(torch.uint8).equal(b.contiguous().reshape(-1).view(torch.uint8))
+        )
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -64,8 +84,7 @@ def same(a: Any, b: Any) -> bool:
 
 def happy(rank: int, world: int, base: str, backend: str, rounds: int, seed: int, session: str = "happy") -> dict:
     cfg = BroadcastConfig(slot_bytes=64 * 1024, n_slots=4, arena_bytes=16 << 20)
-    with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=60,
-                          config=cfg) as b:
+    with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=60, config=cfg) as b:
         for i in range(rounds):
             want = message(seed, i)
             if isinstance(want, torch.Tensor) and want.dim() >= 2 and i % 3 == 0:
@@ -102,8 +121,16 @@ def reinit(rank: int, world: int, base: str, backend: str) -> list[int]:
     return seen
 
 
-def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world: int, echo: bytes | None,
-              session: str = "s", backend: str = "uds") -> tuple[int, str]:
+def fake_peer(
+    rank: int,
+    world: int,
+    base: str,
+    claimed_rank: int,
+    claimed_world: int,
+    echo: bytes | None,
+    session: str = "s",
+    backend: str = "uds",
+) -> tuple[int, str]:
     """Speaks the handshake by hand: HELLO with the given claims, then (optionally) a probe echo."""
     del rank
     ep = make_endpoint(session, base, False)
@@ -119,9 +146,18 @@ def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world
                 raise
             time.sleep(0.02)
     s.settimeout(60)
-    s.sendall(_star.HELLO.pack(_star.HELLO_MAGIC, _star.PROTO_VERSION, _star.BACKEND_CODES[backend], 0,
-                               claimed_rank, claimed_world, session_digest(session),
-                               params_digest(backend, BroadcastConfig())))
+    s.sendall(
+        _star.HELLO.pack(
+            _star.HELLO_MAGIC,
+            _star.PROTO_VERSION,
+            _star.BACKEND_CODES[backend],
+            0,
+            claimed_rank,
+            claimed_world,
+            session_digest(session),
+            params_digest(backend, BroadcastConfig()),
+        )
+    )
     data = b""
     while len(data) < _star.REPLY.size:
         chunk = s.recv(_star.REPLY.size - len(data))
@@ -137,7 +173,7 @@ def fake_peer(rank: int, world: int, base: str, claimed_rank: int, claimed_world
         s.sendall(echo)
         rest = s.recv(4096)  # the reject that follows a bad echo
         s.close()
-        return 0, rest[_star.REPLY.size:].decode("utf-8", "replace")
+        return 0, rest[_star.REPLY.size :].decode("utf-8", "replace")
     # Wait until rank 0 gives up on the group (it fails on another peer and rejects us too).
     rest = s.recv(4096)
     s.close()
@@ -168,8 +204,15 @@ def fake_root_bad_ready(rank: int, world: int, base: str) -> str:
     return echo.decode()
 
 
-def real(rank: int, world: int, base: str, session: str = "s", backend: str = "uds", init_timeout_s: float = 60,
-         patch_uid: int | None = None) -> str:
+def real(
+    rank: int,
+    world: int,
+    base: str,
+    session: str = "s",
+    backend: str = "uds",
+    init_timeout_s: float = 60,
+    patch_uid: int | None = None,
+) -> str:
     if patch_uid is not None:
         _star.effective_uid = lambda: patch_uid  # type: ignore[assignment]
     with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=init_timeout_s) as b:
@@ -200,14 +243,20 @@ def kill_mid_broadcast(rank: int, world: int, base: str, backend: str, victim: i
                 if i > 100_000:
                     raise AssertionError("no error after 100000 rounds")
         except BroadcastError as exc:
-            return {"type": type(exc).__name__, "msg": str(exc), "reason": exc.reason.value,
-                    "t": time.monotonic(), "round": i}
+            return {
+                "type": type(exc).__name__,
+                "msg": str(exc),
+                "reason": exc.reason.value,
+                "t": time.monotonic(),
+                "round": i,
+            }
     raise AssertionError("unreachable")
 
 
 def stall(rank: int, world: int, base: str, backend: str) -> dict:
-    with CpuTpBroadcaster(rank, world, "stall", backend=backend, base_dir=base, init_timeout_s=60,
-                          timeout_s=0.3 if rank else None) as b:
+    with CpuTpBroadcaster(
+        rank, world, "stall", backend=backend, base_dir=base, init_timeout_s=60, timeout_s=0.3 if rank else None
+    ) as b:
         t = torch.zeros(4)
         b.broadcast_(t)
         if rank == 0:
@@ -248,7 +297,6 @@ def dist_bcast(rank: int, world: int, store: str, env: dict[str, str], rounds: i
         dist.destroy_process_group()
 
 
-
 def dist_config(rank: int, world: int, store: str, env: dict[str, str]) -> dict:
     """broadcast_cpu inside a node: which timeouts did the broadcaster it created end up with?"""
     import torch.distributed as dist
@@ -279,8 +327,11 @@ def eintr(rank: int, world: int, base: str, backend: str) -> int:
     try:
         with CpuTpBroadcaster(rank, world, "eintr", backend=backend, base_dir=base, init_timeout_s=60) as b:
             for i in range(10):
-                t = torch.arange(3 << 20, dtype=torch.int32) + i if rank == 0 else torch.empty(3 << 20,
-                                                                                                dtype=torch.int32)
+                t = (
+                    torch.arange(3 << 20, dtype=torch.int32) + i
+                    if rank == 0
+                    else torch.empty(3 << 20, dtype=torch.int32)
+                )
                 b.broadcast_(t)
                 if not t.equal(torch.arange(3 << 20, dtype=torch.int32) + i):
                     raise AssertionError(f"rank {rank}: round {i} corrupted")
@@ -292,6 +343,7 @@ def eintr(rank: int, world: int, base: str, backend: str) -> int:
 
 
 # ---- close() from another thread (issue 13) ---------------------------------------------------------------------
+
 
 def _open_fds() -> dict[int, str]:
     out = {}
@@ -367,14 +419,17 @@ def close_while_blocked(rank: int, world: int, base: str, backend: str, closer: 
 
     def blocked_call() -> None:
         if rank == 0:
+
             def send_until_blocked() -> None:
                 for _ in range(64):
                     b.broadcast_(big)
+
             result["call"] = _error_of(send_until_blocked)
         else:
             result["call"] = _error_of(lambda: b.broadcast_(t))
 
     if mode == "signal":
+
         def on_alarm(signum: int, frame: Any) -> None:
             result["close_s"] = _timed(b.close)
 

@@ -35,8 +35,14 @@ def _shm_entries() -> set[str]:
 
 
 class Group:
-    def __init__(self, tmp_path: Path, backend: str, timeout_s: float | None | dict[int, float | None],
-                 roles: dict[int, str], stall_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        backend: str,
+        timeout_s: float | None | dict[int, float | None],
+        roles: dict[int, str],
+        stall_s: float = 0.0,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.base = str(tmp_path / "rdv")
         os.makedirs(self.base, mode=0o700)
@@ -44,10 +50,22 @@ class Group:
         self.conns, self.procs = [], []
         for r in range(WORLD):
             parent, child = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=rank_main, daemon=True, name=f"rank{r}",
-                            args=(r, WORLD, session, self.base, backend,
-                                  timeout_s.get(r) if isinstance(timeout_s, dict) else timeout_s,
-                                  roles.get(r, "normal"), stall_s, child))
+            p = ctx.Process(
+                target=rank_main,
+                daemon=True,
+                name=f"rank{r}",
+                args=(
+                    r,
+                    WORLD,
+                    session,
+                    self.base,
+                    backend,
+                    timeout_s.get(r) if isinstance(timeout_s, dict) else timeout_s,
+                    roles.get(r, "normal"),
+                    stall_s,
+                    child,
+                ),
+            )
             p.start()
             child.close()
             self.conns.append(parent)
@@ -97,10 +115,14 @@ class Group:
             c.close()
 
 
-KNOWN_UDS_CAUSE = ("known gap (docs/reliability.md, .notes-bugs.md): on the uds backend a peer that rank 0 aborts "
-                   "in the middle of a frame sees only rank 0's EOF, not which rank died")
-KNOWN_TIMEOUT_CAUSE = ("known gap (docs/reliability.md): rank 0's timeout names the slow reader, but another "
-                       "reader's own timeout can abort the group first")
+KNOWN_UDS_CAUSE = (
+    "known gap (docs/reliability.md, .notes-bugs.md): on the uds backend a peer that rank 0 aborts "
+    "in the middle of a frame sees only rank 0's EOF, not which rank died"
+)
+KNOWN_TIMEOUT_CAUSE = (
+    "known gap (docs/reliability.md): rank 0's timeout names the slow reader, but another "
+    "reader's own timeout can abort the group first"
+)
 
 
 def _xfail_unless(named: list[str], reason: str) -> None:
@@ -170,8 +192,9 @@ def test_slow_reader_times_out_rank0_and_aborts_the_group(tmp_path: Path, backen
     finally:
         g.cleanup()
     _assert_clean(g.base, shm_before)
-    _xfail_unless([] if any("rank 2" in final[r][3] for r in (0, 1)) else [final[0][3], final[1][3]],
-                  KNOWN_TIMEOUT_CAUSE)
+    _xfail_unless(
+        [] if any("rank 2" in final[r][3] for r in (0, 1)) else [final[0][3], final[1][3]], KNOWN_TIMEOUT_CAUSE
+    )
 
 
 @pytest.mark.timeout(120)

@@ -14,8 +14,17 @@ from typing import Any
 FRAME_ELEMS = 1 << 20  # 4 MiB float32 frames: a broadcast takes long enough to be killed in the middle
 
 
-def rank_main(rank: int, world: int, session: str, base: str, backend: str, timeout_s: float | None,
-              role: str, stall_s: float, conn: Any) -> None:
+def rank_main(
+    rank: int,
+    world: int,
+    session: str,
+    base: str,
+    backend: str,
+    timeout_s: float | None,
+    role: str,
+    stall_s: float,
+    conn: Any,
+) -> None:
     import torch
 
     from tensorwire.errors import TensorwireError
@@ -29,8 +38,16 @@ def rank_main(rank: int, world: int, session: str, base: str, backend: str, time
 
     step = 0
     try:
-        with CpuTpBroadcaster(rank, world, session, backend=backend, base_dir=base, init_timeout_s=30.0,
-                              timeout_s=timeout_s, config=BroadcastConfig(stall_warn_s=1.0)) as b:
+        with CpuTpBroadcaster(
+            rank,
+            world,
+            session,
+            backend=backend,
+            base_dir=base,
+            init_timeout_s=30.0,
+            timeout_s=timeout_s,
+            config=BroadcastConfig(stall_warn_s=1.0),
+        ) as b:
             send("up", os.getpid())
             buf = torch.empty(FRAME_ELEMS, dtype=torch.float32)
             deadline = time.monotonic() + 60.0

@@ -24,5 +24,9 @@ def test_control_bench_runs_both_paths_and_writes_every_cell(tmp_path: Path) -> 
     rpcs = doc["fetch"]["control_rpcs_of_both_transports"]
     assert rpcs.get("path=stream", 0) >= 2 * 5 and rpcs.get("path=unary", 0) >= 2 * 5
     assert rpcs.get("path=local", 0) >= 2 * 5  # the same-host transport really used its channel
-    assert set(doc["ratios"]) == {f"{t}_{r}_gap_{g}" for t in ("echo", "fetch") for g in ("0ms", "1ms")
-                                  for r in ("unary_over_stream", "stream_over_local")}
+    assert set(doc["ratios"]) == {
+        f"{t}_{r}_gap_{g}"
+        for t in ("echo", "fetch")
+        for g in ("0ms", "1ms")
+        for r in ("unary_over_stream", "stream_over_local")
+    }

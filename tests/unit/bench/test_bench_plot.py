@@ -21,13 +21,26 @@ def _doc() -> dict:
             for tp in (2, 4, 8):
                 for k, backend in enumerate(("shm", "uds", "vllm", "gloo")):
                     med = 0.01 * (k + 1) * tp
-                    rows.append({"backend": backend, "tp": tp, "case": case, "payload": payload, "gap_ms": gap,
-                                 "median_ms": med, "p99_ms": 2 * med})
+                    rows.append(
+                        {
+                            "backend": backend,
+                            "tp": tp,
+                            "case": case,
+                            "payload": payload,
+                            "gap_ms": gap,
+                            "median_ms": med,
+                            "p99_ms": 2 * med,
+                        }
+                    )
                 ratios.append({"case": case, "tp": tp, "shm_over_vllm": 1 / 3})
     rows.append({"backend": "vllm", "tp": 8, "error": "boom"})  # a failed group is left out, not fatal
-    return {"config": {"tp": [2, 4, 8], "backends": ["shm", "uds", "gloo", "vllm"]}, "results": rows,
-            "ratios": ratios, "machine": {"cpu_count": 16, "hostname": "h"}, "vllm": {"available": True,
-                                                                                        "version": "0.33.0"}}
+    return {
+        "config": {"tp": [2, 4, 8], "backends": ["shm", "uds", "gloo", "vllm"]},
+        "results": rows,
+        "ratios": ratios,
+        "machine": {"cpu_count": 16, "hostname": "h"},
+        "vllm": {"available": True, "version": "0.33.0"},
+    }
 
 
 @pytest.mark.skipif(not HAVE_MPL, reason="matplotlib is not installed (pip install matplotlib)")
@@ -43,7 +56,8 @@ def test_the_plot_is_a_png_with_one_panel_per_case(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(HAVE_MPL, reason="matplotlib is installed")
-def test_without_matplotlib_the_plot_is_skipped_with_the_install_hint(tmp_path: Path,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_matplotlib_the_plot_is_skipped_with_the_install_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _plot.plot_broadcast(_doc(), tmp_path / "x.png") is None
     assert "pip install matplotlib" in capsys.readouterr().err and not (tmp_path / "x.png").exists()

@@ -26,9 +26,31 @@ def test_the_client_reads_whole_answers_from_the_stand_in() -> None:
 
 def test_router_bench_runs_and_writes_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "router.json"
-    assert router.main(["--seconds", "0.3", "--warmup", "0.2", "--concurrency", "1", "2", "--proxies", "direct",
-                        "tensorwire", "--sigterms", "1", "--hung-seconds", "1", "--skip", "idle_loris",
-                        "--out", str(out)]) == 0
+    assert (
+        router.main(
+            [
+                "--seconds",
+                "0.3",
+                "--warmup",
+                "0.2",
+                "--concurrency",
+                "1",
+                "2",
+                "--proxies",
+                "direct",
+                "tensorwire",
+                "--sigterms",
+                "1",
+                "--hung-seconds",
+                "1",
+                "--skip",
+                "idle_loris",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     cells = {(r["proxy"], r["mode"], r["c"]) for r in doc["closed_loop"]}
     assert cells == {(p, m, c) for p in ("direct", "tensorwire") for m in ("plain", "stream") for c in (1, 2)}

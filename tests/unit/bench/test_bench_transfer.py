@@ -15,8 +15,15 @@ def test_rows_must_be_positive(rows: list[str], capsys: pytest.CaptureFixture[st
 
 
 def test_allocate_output_counts_as_transfer_and_the_synced_total_wins() -> None:
-    stages = {"total": 1.0, "request": 0.6, "read": 0.3, "release": 0.01, "encoder.encode": 0.25,
-              "encoder.allocate": 0.05, "encoder.export": 0.02}
+    stages = {
+        "total": 1.0,
+        "request": 0.6,
+        "read": 0.3,
+        "release": 0.01,
+        "encoder.encode": 0.25,
+        "encoder.allocate": 0.05,
+        "encoder.export": 0.02,
+    }
     row = transfer.stage_row(stages, synced_total_ms=1.1)
     assert row["total"] == 1.1  # the stream sync after the fetch counts
     assert row["encode_compute"] == pytest.approx(0.20)  # the encoder's time minus allocate_output

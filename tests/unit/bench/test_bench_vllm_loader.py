@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(240)
 VLLM_INSTALLED = loader._importable("vllm")
 
 # What vLLM 0.32/0.33's file imports from vllm.* at module level, plus what it defines that the bench uses.
-FAKE = b'''
+FAKE = b"""
 import vllm.envs as envs
 from vllm.distributed.utils import StatelessProcessGroup, sched_yield
 from vllm.logger import init_logger
@@ -41,7 +41,7 @@ class Handle:
     addr: str = ""
 class MessageQueue:
     pass
-'''
+"""
 
 
 @pytest.fixture(autouse=True)
@@ -152,7 +152,8 @@ def test_the_real_message_queue_carries_every_case_between_processes() -> None:
     from tensorwire.bench._tp import backends
 
     cases = [Case("tensor", 1024), Case("tensor", 1 << 20), Case("dict"), Case("sched"), Case("sched", 0, 1.0)]
-    res = broadcast.run_group(2, "vllm", cases, [3] * len(cases), 1, 0.2, timeout_s=180,
-                              opts=backends.Options(vllm_source=source))
+    res = broadcast.run_group(
+        2, "vllm", cases, [3] * len(cases), 1, 0.2, timeout_s=180, opts=backends.Options(vllm_source=source)
+    )
     assert info["sha256"] and all(len(res[0]["lat"][c.name]) == 3 for c in cases)
     assert all(0 <= res[1]["cpu"][c.name] <= 1.5 for c in cases)

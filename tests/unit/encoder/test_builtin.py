@@ -78,11 +78,14 @@ def test_position_ids_change_the_output(encoder: BuiltinEncoder) -> None:
     assert not torch.allclose(flat.embedding[0], flat.embedding[1])
 
 
-@pytest.mark.parametrize("payload,match", [
-    (b"", "empty payload"),
-    (b"not an image at all", "cannot decode"),
-    (_png(64, 64)[:40], "cannot decode"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        (b"", "empty payload"),
+        (b"not an image at all", "cannot decode"),
+        (_png(64, 64)[:40], "cannot decode"),
+    ],
+)
 def test_bad_images_are_invalid_payload(encoder: BuiltinEncoder, payload: bytes, match: str) -> None:
     with pytest.raises(InvalidPayload, match=match) as info:
         encoder.encode([payload])

@@ -37,18 +37,21 @@ def _processor_class(name: str) -> Any:
 
 
 def _save_clip(path: Path) -> None:
-    cfg = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, image_size=56, patch_size=14)
+    cfg = transformers.CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14
+    )
     torch.manual_seed(0)
     transformers.CLIPVisionModel(cfg).save_pretrained(path)
     # CLIP's own recipe: shortest edge to 56, then a 56x56 center crop.
-    _processor_class("CLIPImageProcessor")(size={"shortest_edge": 56},
-                                           crop_size={"height": 56, "width": 56}).save_pretrained(path)
+    _processor_class("CLIPImageProcessor")(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    ).save_pretrained(path)
 
 
 def _save_siglip(path: Path) -> None:
-    cfg = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, image_size=56, patch_size=14)
+    cfg = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=56, patch_size=14
+    )
     torch.manual_seed(1)
     transformers.SiglipVisionModel(cfg).save_pretrained(path)
     # SigLIP's recipe: resize to the square (no crop), mean/std 0.5.
@@ -136,8 +139,9 @@ def _old_squash(data: bytes, side: int, mean: Any, std: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ["square", "scene", "rgba_300x170"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_output_equals_transformers_processor_and_model(kind: str, name: str, model_dirs: dict[str, Path],
-                                                        encoders: dict[str, Any], images: dict[str, bytes]) -> None:
+def test_output_equals_transformers_processor_and_model(
+    kind: str, name: str, model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]
+) -> None:
     [out] = encoders[kind].encode([images[name]])
     [expected] = _reference(kind, model_dirs[kind], [images[name]])
     assert out.embedding.shape == expected.shape
@@ -157,7 +161,8 @@ def test_qwen_grid_follows_the_directory_processor(encoders: dict[str, Any], ima
 
 
 def test_one_request_with_several_images_equals_the_batched_reference(
-        model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]) -> None:
+    model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]
+) -> None:
     data = [images["scene"], images["square"], images["rgba_300x170"]]
     for kind in KINDS:
         out = encoders[kind].encode(data)
@@ -166,7 +171,8 @@ def test_one_request_with_several_images_equals_the_batched_reference(
 
 
 def test_old_square_squash_differs_from_the_model_processor_on_non_square_images(
-        model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]) -> None:
+    model_dirs: dict[str, Path], encoders: dict[str, Any], images: dict[str, bytes]
+) -> None:
     # The finding: squashing to the square is right only where the processor does the same for that image.
     proc, model = _reference_model("clip", model_dirs["clip"])
     with torch.inference_mode():
@@ -220,8 +226,9 @@ def test_directory_processor_is_required_and_must_fit_the_tower(tmp_path: Path) 
     with pytest.raises(ConfigError, match="preprocessor_config.json"):
         load_encoder(str(tmp_path / "noproc"))
     _save_clip(tmp_path / "mismatch")
-    _processor_class("CLIPImageProcessor")(size={"shortest_edge": 64},
-                                           crop_size={"height": 64, "width": 64}).save_pretrained(tmp_path / "mismatch")
+    _processor_class("CLIPImageProcessor")(
+        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
+    ).save_pretrained(tmp_path / "mismatch")
     with pytest.raises(ConfigError, match=r"3, 64, 64.*takes \[n, 3, 56, 56\]"):
         load_encoder(str(tmp_path / "mismatch"))
 
@@ -246,10 +253,19 @@ def test_bad_input_and_bad_directories(tmp_path: Path, encoders: dict[str, Any])
 def test_qwen2_vl_full_checkpoint_uses_its_vision_weights(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cfg = transformers.Qwen2VLConfig(
-        text_config=dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, bos_token_id=1, eos_token_id=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 2, 2]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=48, num_heads=4, patch_size=14))
+        text_config=dict(
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=128,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 2, 2]},
+        ),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=48, num_heads=4, patch_size=14),
+    )
     full = transformers.Qwen2VLForConditionalGeneration(cfg)
     full.save_pretrained(tmp_path / "full")
     tower = full.model.visual if hasattr(full, "model") and hasattr(full.model, "visual") else full.visual

@@ -12,10 +12,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-IMAGE_CHAT = {"model": "m", "max_tokens": 8, "logprobs": True, "top_logprobs": 3,
-              "messages": [{"role": "user", "content": [
-                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-                  {"type": "text", "text": "describe"}]}]}
+IMAGE_CHAT = {
+    "model": "m",
+    "max_tokens": 8,
+    "logprobs": True,
+    "top_logprobs": 3,
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "text", "text": "describe"},
+            ],
+        }
+    ],
+}
 TEXT_CHAT = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
 SRC = Path(__file__).resolve().parents[3] / "src"
 
@@ -53,8 +64,10 @@ class Fake:
                     out(self)
                     return
                 data = out if isinstance(out, bytes) else json.dumps(out).encode()
-                self.wfile.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                                 % (status, len(data), data))  # one send: no Nagle wait
+                self.wfile.write(
+                    b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                    % (status, len(data), data)
+                )  # one send: no Nagle wait
 
             def do_POST(self) -> None:
                 self._handle("POST")
@@ -75,14 +88,21 @@ class Fake:
 
 def encoder_answer(tag: str) -> Callable[[str, Any], tuple[int, Any]]:
     def answer(path: str, body: Any) -> tuple[int, Any]:
-        return 200, {"id": "x", "choices": [{"index": 0, "message": {"content": "a"}}],
-                     "ec_transfer_params": {"hash-" + tag: {"item_indices": [0], "tensorwire": {"v": 1}}}}
+        return 200, {
+            "id": "x",
+            "choices": [{"index": 0, "message": {"content": "a"}}],
+            "ec_transfer_params": {"hash-" + tag: {"item_indices": [0], "tensorwire": {"v": 1}}},
+        }
+
     return answer
 
 
 def llm_answer(path: str, body: Any) -> tuple[int, Any]:
-    return 200, {"id": "y", "choices": [{"index": 0, "message": {"content": "fine"}}],
-                 "echo_params": (body or {}).get("ec_transfer_params")}
+    return 200, {
+        "id": "y",
+        "choices": [{"index": 0, "message": {"content": "fine"}}],
+        "echo_params": (body or {}).get("ec_transfer_params"),
+    }
 
 
 def fake(fakes: list[Fake], answer: Callable[[str, Any], tuple[int, Any]]) -> Fake:
@@ -97,12 +117,16 @@ def closed_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed when the block ends: connecting is refused
 
 
-def post(router: Any, body: Any, path: str = "/v1/chat/completions", timeout_s: float = 30.0,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+def post(
+    router: Any,
+    body: Any,
+    path: str = "/v1/chat/completions",
+    timeout_s: float = 30.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], Any]:
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=timeout_s)
     try:
-        conn.request("POST", path, json.dumps(body).encode(),
-                     {"Content-Type": "application/json", **(headers or {})})
+        conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()
         raw = resp.read()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(raw) if raw else None

@@ -28,11 +28,19 @@ BASE = "vllm.distributed.ec_transfer.ec_connector.base"
 # attribute set in __init__, or method of that class in every verified release.
 USES: dict[tuple[str, str], tuple[str, ...]] = {
     ("vllm.config.vllm", "VllmConfig"): ("ec_transfer_config", "parallel_config", "model_config"),
-    ("vllm.config.ec_transfer", "ECTransferConfig"): ("ec_connector_extra_config", "engine_id",
-                                                       "mm_encoder_output_widths"),
-    ("vllm.config.parallel", "ParallelConfig"): ("distributed_executor_backend", "pipeline_parallel_size",
-                                                 "tensor_parallel_size", "data_parallel_rank", "nnodes",
-                                                 "prefill_context_parallel_size"),
+    ("vllm.config.ec_transfer", "ECTransferConfig"): (
+        "ec_connector_extra_config",
+        "engine_id",
+        "mm_encoder_output_widths",
+    ),
+    ("vllm.config.parallel", "ParallelConfig"): (
+        "distributed_executor_backend",
+        "pipeline_parallel_size",
+        "tensor_parallel_size",
+        "data_parallel_rank",
+        "nnodes",
+        "prefill_context_parallel_size",
+    ),
     ("vllm.config.model", "ModelConfig"): ("model", "dtype", "revision", "quantization"),
     ("vllm.v1.request", "Request"): ("request_id", "mm_features", "ec_transfer_params", "status"),
     ("vllm.v1.request", "RequestStatus"): ("FINISHED_ABORTED", "FINISHED_IGNORED", "FINISHED_ERROR"),
@@ -109,12 +117,13 @@ def test_connector_overrides_match_the_base_class(surface_path: Path) -> None:
     for name, fn in ours.items():
         if name.startswith("_") and name != "__init__":
             continue  # helpers of our own
-        assert name in base, (f"vLLM {surface['vllm_version']} has no ECConnectorBase.{name}: the override is "
-                              "never called")
+        assert name in base, (
+            f"vLLM {surface['vllm_version']} has no ECConnectorBase.{name}: the override is never called"
+        )
         theirs, mine = _params(base[name]["signature"]), _params(signature(fn))
         fixed = [p for p in theirs if not p.startswith("*")]
-        assert mine[:len(fixed)] == fixed, f"{name}{signature(fn)} does not take vLLM's {base[name]['signature']}"
-        extra = [p for p in mine[len(fixed):] if not p.startswith("*")]
+        assert mine[: len(fixed)] == fixed, f"{name}{signature(fn)} does not take vLLM's {base[name]['signature']}"
+        extra = [p for p in mine[len(fixed) :] if not p.startswith("*")]
         assert not extra, f"{name}: parameters {extra} that vLLM {surface['vllm_version']} does not pass"
         if any(p.startswith("**") for p in theirs):
             assert any(p.startswith("**") for p in mine), f"{name} must take **kwargs as vLLM's does"

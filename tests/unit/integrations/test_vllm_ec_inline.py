@@ -52,6 +52,7 @@ def _wait(cond: Any, what: str, timeout_s: float = 20.0) -> None:
 
 # -- a call whose answer is collected without blocking ------------------------------------------------------------
 
+
 def test_a_pending_call_never_blocks_while_the_answer_is_not_there(tmp_path: Path) -> None:
     gate = threading.Event()
 
@@ -101,6 +102,7 @@ def test_a_pending_call_past_its_deadline_says_so(tmp_path: Path) -> None:
 
 # -- the inline fetch ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def store_server(tmp_path: Path) -> Iterator[tuple[HeldStore, StoreServer]]:
     store = HeldStore(None, ttl_s=60)  # inline receipts
@@ -139,8 +141,7 @@ def _discovered(fetcher: Fetcher, endpoint: str) -> None:
     _wait(lambda: client.local_path != "", "the store's same-host socket was not discovered")
 
 
-def test_an_inline_fetch_stages_on_the_callers_thread_and_releases(
-        store_server: tuple[HeldStore, StoreServer]) -> None:
+def test_an_inline_fetch_stages_on_the_callers_thread_and_releases(store_server: tuple[HeldStore, StoreServer]) -> None:
     store, server = store_server
     stager = _ThreadNoting(StagingArea(None))
     fetcher, metrics = _fetcher(stager)
@@ -161,8 +162,7 @@ def test_an_inline_fetch_stages_on_the_callers_thread_and_releases(
         fetcher.close()
 
 
-def test_an_inline_lookup_of_a_missing_item_fails_with_not_held(
-        store_server: tuple[HeldStore, StoreServer]) -> None:
+def test_an_inline_lookup_of_a_missing_item_fails_with_not_held(store_server: tuple[HeldStore, StoreServer]) -> None:
     store, server = store_server
     fetcher, _ = _fetcher(_ThreadNoting(StagingArea(None)))
     try:
@@ -177,7 +177,8 @@ def test_an_inline_lookup_of_a_missing_item_fails_with_not_held(
 
 
 def test_an_inline_lookup_answered_not_ready_asks_again_until_the_item_is_held(
-        store_server: tuple[HeldStore, StoreServer]) -> None:
+    store_server: tuple[HeldStore, StoreServer],
+) -> None:
     store, server = store_server
     stager = _ThreadNoting(StagingArea(None))
     fetcher, metrics = _fetcher(stager)
@@ -187,8 +188,9 @@ def test_an_inline_lookup_answered_not_ready_asks_again_until_the_item_is_held(
         store.grant("late", secret)  # granted, not held yet: the encoder instance is still saving it
         grant = ItemGrant(server.address, "late", secret, SHAPE, "float32")
         fut = fetcher.start(grant, "k1", Expect(SHAPE, torch.float32))
-        _wait(lambda: (fetcher.advance(), _val(metrics.refusals, Reason.NOT_READY.value) >= 1)[1],
-              "no not_ready answer")
+        _wait(
+            lambda: (fetcher.advance(), _val(metrics.refusals, Reason.NOT_READY.value) >= 1)[1], "no not_ready answer"
+        )
         assert not fut.done()
         assert store.hold("late", [torch.full(SHAPE, 9.0)])
         _wait(lambda: (fetcher.advance(), fut.done())[1], "the inline fetch did not finish")
@@ -213,8 +215,7 @@ def test_without_the_socket_the_fetch_thread_takes_it(store_server: tuple[HeldSt
         fetcher.close()
 
 
-def test_a_socket_that_stops_answering_hands_the_fetch_to_a_thread(
-        store_server: tuple[HeldStore, StoreServer]) -> None:
+def test_a_socket_that_stops_answering_hands_the_fetch_to_a_thread(store_server: tuple[HeldStore, StoreServer]) -> None:
     store, server = store_server
     stager = _ThreadNoting(StagingArea(None))
     fetcher, _ = _fetcher(stager)
@@ -249,15 +250,17 @@ except Exception as exc:
 
 
 def _map_elsewhere(ref: SegmentRef) -> tuple[str, Any]:
-    out = subprocess.run([sys.executable, "-c", _MAP_IN_CHILD, SRC, pickle.dumps(ref).hex()], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _MAP_IN_CHILD, SRC, pickle.dumps(ref).hex()], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     status, value = pickle.loads(bytes.fromhex(out.stdout))
     return status, value
 
 
 def test_the_host_stager_fetches_once_and_another_process_maps_the_item(
-        store_server: tuple[HeldStore, StoreServer]) -> None:
+    store_server: tuple[HeldStore, StoreServer],
+) -> None:
     store, server = store_server
     stager = SegmentStager(None)
     fetcher, metrics = _fetcher(stager)
@@ -293,8 +296,12 @@ def test_a_segment_reference_that_does_not_fit_its_segment_is_refused() -> None:
         secret = new_secret()
         store.grant("a", secret)
         store.hold("a", [torch.ones(SHAPE)])
-        stager.stage("k", receipt_for(store.lookup("a", secret), rdma=False), timeout_ms=5000,
-                     expect=Expect(SHAPE, torch.float32))
+        stager.stage(
+            "k",
+            receipt_for(store.lookup("a", secret), rdma=False),
+            timeout_ms=5000,
+            expect=Expect(SHAPE, torch.float32),
+        )
         ref = stager.ref("k")
         assert ref is not None and torch.equal(map_segment(ref), torch.ones(SHAPE))
         with pytest.raises(ProtocolError):  # the descriptor number now names another memfd

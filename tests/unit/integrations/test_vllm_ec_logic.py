@@ -42,6 +42,7 @@ ROWS, WIDTH = 4, 8
 
 # -- duck-typed vLLM objects ---------------------------------------------------------------------------------
 
+
 @dataclass
 class Pos:
     offset: int
@@ -76,6 +77,7 @@ def feat(h: str, offset: int = 2, media: bool = True) -> Feat:
 
 # -- small pieces --------------------------------------------------------------------------------------------
 
+
 def test_version_range() -> None:
     check_version("0.32.0", {})
     check_version("0.32.7.dev3+cpu", {})
@@ -103,8 +105,10 @@ def test_connector_module_fails_clearly_without_vllm() -> None:
 
 
 def test_config_from_extra_and_env() -> None:
-    cfg = ECConfig.from_extra({"port": "7001", "fallback": "fail", "open_seconds": 2},
-                              {"TENSORWIRE_VLLM_EC_FETCH_TIMEOUT_MS": "1234", "TENSORWIRE_VLLM_EC_PORT": "1"})
+    cfg = ECConfig.from_extra(
+        {"port": "7001", "fallback": "fail", "open_seconds": 2},
+        {"TENSORWIRE_VLLM_EC_FETCH_TIMEOUT_MS": "1234", "TENSORWIRE_VLLM_EC_PORT": "1"},
+    )
     assert (cfg.port, cfg.fallback, cfg.open_seconds, cfg.fetch_timeout_ms) == (7001, "fail", 2.0, 1234)
     with pytest.raises(ConfigError, match="unknown key"):
         ECConfig.from_extra({"prot": 1}, {})
@@ -120,9 +124,14 @@ def test_params_round_trip_and_validation() -> None:
     parsed = parse_params(params)
     assert parsed == {"h1": g} and params["h1"]["item_indices"] == [0]
     assert "secret" not in repr(g) and g.secret.hex() not in repr(g)
-    for mutate in (lambda t: t.update(endpoint="no-port"), lambda t: t.update(key="h9"),
-                   lambda t: t.update(secret="abc"), lambda t: t.update(shape=[-1, 2]),
-                   lambda t: t.update(dtype="complex64"), lambda t: t.update(v=2)):
+    for mutate in (
+        lambda t: t.update(endpoint="no-port"),
+        lambda t: t.update(key="h9"),
+        lambda t: t.update(secret="abc"),
+        lambda t: t.update(shape=[-1, 2]),
+        lambda t: t.update(dtype="complex64"),
+        lambda t: t.update(v=2),
+    ):
         bad = {"h1": entry_for(g)}
         mutate(bad["h1"]["tensorwire"])
         assert isinstance(parse_params(bad)["h1"], InvalidPayload)
@@ -145,6 +154,7 @@ def test_rank_countdown_releases_once_after_every_rank() -> None:
 
 
 # -- the two roles end to end (real gRPC, fake data plane) -------------------------------------------------------
+
 
 @dataclass
 class Rig:
@@ -182,22 +192,38 @@ class Rig:
         raise TimeoutError("the request stayed held")
 
 
-def _rig(cfg: ECConfig | None = None, ranks: int = 1, reader: Callable[[FakeFabric], Any] | None = None,
-         retire_grace_s: float = 0.0) -> Rig:
+def _rig(
+    cfg: ECConfig | None = None,
+    ranks: int = 1,
+    reader: Callable[[FakeFabric], Any] | None = None,
+    retire_grace_s: float = 0.0,
+) -> Rig:
     cfg = cfg or ECConfig(host="127.0.0.1", fetch_timeout_ms=3000, lookup_timeout_ms=1000)
     fabric = FakeFabric()
     metrics = ECMetrics(CollectorRegistry())
     store = HeldStore(FakeExporter(fabric, RdmaConfig(provider="none")), ttl_s=60)  # type: ignore[arg-type]
     server = serve_store("127.0.0.1:0", store=store)
-    producer = ProducerScheduler(lambda: server.address, metrics, dtype=torch.float32, width=lambda m: WIDTH,
-                                 ttl_ms=60000)
+    producer = ProducerScheduler(
+        lambda: server.address, metrics, dtype=torch.float32, width=lambda m: WIDTH, ttl_ms=60000
+    )
     make = reader or (lambda fabric: FakeReader(fabric, RdmaConfig(provider="none")))
     areas = [StagingArea(lambda: make(fabric)) for _ in range(ranks)]
     fetcher = Fetcher(cfg, [LocalStager(a, f"rank{i}") for i, a in enumerate(areas)], metrics)
-    consumer = ConsumerScheduler(cfg, fetcher, metrics, has_media=lambda f: f.data is not None,
-                                 retire_grace_s=retire_grace_s)
-    return Rig(fabric, store, producer, ProducerWorker(store, metrics), consumer, areas,
-               ConsumerWorker(areas[0], metrics), metrics, server.address, [server])
+    consumer = ConsumerScheduler(
+        cfg, fetcher, metrics, has_media=lambda f: f.data is not None, retire_grace_s=retire_grace_s
+    )
+    return Rig(
+        fabric,
+        store,
+        producer,
+        ProducerWorker(store, metrics),
+        consumer,
+        areas,
+        ConsumerWorker(areas[0], metrics),
+        metrics,
+        server.address,
+        [server],
+    )
 
 
 @pytest.fixture
@@ -309,8 +335,7 @@ def test_unreachable_endpoint_falls_back_and_opens_the_breaker(rig: Rig) -> None
         t0 = time.monotonic()
         assert rig.until(req)
         assert time.monotonic() - t0 < 5.0
-        reasons.append([k for k in ("peer_unavailable", "breaker_open")
-                        if _val(rig.metrics, rig.metrics.fallbacks, k)])
+        reasons.append([k for k in ("peer_unavailable", "breaker_open") if _val(rig.metrics, rig.metrics.fallbacks, k)])
         rig.consumer.request_finished(req)
     assert _val(rig.metrics, rig.metrics.fallbacks, "peer_unavailable") == 3
     assert _val(rig.metrics, rig.metrics.fallbacks, "breaker_open") == 1
@@ -514,8 +539,9 @@ def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
     assert rt.staging_address(ECConfig(runtime_dir=str(tmp_path / "ok")), "n-dp0", 1).endswith("/n-dp0-tp1.sock")
 
 
-def test_default_runtime_dir_is_per_user_and_its_parent_must_be_ours(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_runtime_dir_is_per_user_and_its_parent_must_be_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Unset, runtime_dir is ``vllm`` under tensorwire's per-user directory (one /tmp/tensorwire-vllm for every
     user made the second user on a host fail); a per-user directory someone else could write to is refused."""
     import os
@@ -555,6 +581,7 @@ def test_producer_rdma_endpoint_and_params_name_the_same_host() -> None:
 
 
 # -- the release is off the fetch's critical path ------------------------------------------------------------
+
 
 class _GatedStore(HeldStore):
     """A HeldStore whose release waits for ``gate`` (the encoder instance is slow to answer the Release)."""
@@ -637,7 +664,9 @@ def test_the_producer_store_listens_on_loopback_unless_host_says_otherwise(tmp_p
         rt = ProducerRuntime(ECConfig(runtime_dir=str(tmp_path), rdma_provider="none"), "enc-test", "cpu")
     try:
         assert rt.endpoint.startswith("127.0.0.1:")
-        assert any("loopback only" in r.getMessage() and "ec_connector_extra_config.host" in r.getMessage()
-                   for r in caplog.records)
+        assert any(
+            "loopback only" in r.getMessage() and "ec_connector_extra_config.host" in r.getMessage()
+            for r in caplog.records
+        )
     finally:
         rt.close()

@@ -68,23 +68,40 @@ class Rig:
     (announcing ``producer_compat``), and an LLM instance's scheduler behind a ProducerGate (``trusted``,
     ``consumer_compat``, which its Lookups carry too)."""
 
-    def __init__(self, *, trusted: str = "", producer_compat: str | None = OURS, consumer_compat: str | None = OURS,
-                 store_compat: str | None = None, fetch_timeout_ms: int = 5000) -> None:
+    def __init__(
+        self,
+        *,
+        trusted: str = "",
+        producer_compat: str | None = OURS,
+        consumer_compat: str | None = OURS,
+        store_compat: str | None = None,
+        fetch_timeout_ms: int = 5000,
+    ) -> None:
         self.fabric = FakeFabric()
         self.metrics = ECMetrics(CollectorRegistry())
-        self.store = HeldStore(FakeExporter(self.fabric, RdmaConfig(provider="none")), ttl_s=60,  # type: ignore[arg-type]
-                               compat=(producer_compat or "") if store_compat is None else store_compat)
+        self.store = HeldStore(
+            FakeExporter(self.fabric, RdmaConfig(provider="none")),
+            ttl_s=60,  # type: ignore[arg-type]
+            compat=(producer_compat or "") if store_compat is None else store_compat,
+        )
         self.server = serve_store("127.0.0.1:0", store=self.store)
         self.endpoint = self.server.address
-        self.producer = ProducerScheduler(lambda: self.endpoint, self.metrics, dtype=torch.float32,
-                                          width=lambda m: WIDTH, ttl_ms=60000, compat=producer_compat)
+        self.producer = ProducerScheduler(
+            lambda: self.endpoint,
+            self.metrics,
+            dtype=torch.float32,
+            width=lambda m: WIDTH,
+            ttl_ms=60000,
+            compat=producer_compat,
+        )
         self.pworker = ProducerWorker(self.store, self.metrics)
         cfg = ECConfig(fetch_timeout_ms=fetch_timeout_ms, lookup_timeout_ms=2000, trusted_producers=trusted)
         self.area = StagingArea(lambda: FakeReader(self.fabric, RdmaConfig(provider="none")))
         self.fetcher = Fetcher(cfg, [LocalStager(self.area)], self.metrics, compat=consumer_compat or "")
         self.gate = ProducerGate(ProducerTrust.from_config(cfg.trusted_producers), consumer_compat)
-        self.consumer = ConsumerScheduler(cfg, self.fetcher, self.metrics, has_media=lambda f: f.data is not None,
-                                          retire_grace_s=0.0, gate=self.gate)
+        self.consumer = ConsumerScheduler(
+            cfg, self.fetcher, self.metrics, has_media=lambda f: f.data is not None, retire_grace_s=0.0, gate=self.gate
+        )
         self.cache: dict[str, torch.Tensor] = {}
 
     def produce(self, rid: str, mm_hash: str) -> dict[str, Any]:
@@ -137,12 +154,21 @@ def _wait(cond: Callable[[], bool], timeout_s: float = 60.0) -> None:
 
 # -- the allow-list, rule by rule ---------------------------------------------------------------------------
 
+
 def test_default_trusts_loopback_only() -> None:
     t = ProducerTrust.from_config("")
     assert t.admits("127.0.0.1:5000") and t.admits("127.8.9.1:1") and t.admits("[::1]:5000")
     assert t.admits("localhost:5000") and t.admits("LOCALHOST:1")
-    for untrusted in ("10.0.0.5:5000", "0.0.0.0:5000", "127.1:5000", "2130706433:5000", "[fd00::1]:1",
-                      "localhost.evil.example:5000", "[::ffff:10.0.0.1]:1", "nonsense"):
+    for untrusted in (
+        "10.0.0.5:5000",
+        "0.0.0.0:5000",
+        "127.1:5000",
+        "2130706433:5000",
+        "[fd00::1]:1",
+        "localhost.evil.example:5000",
+        "[::ffff:10.0.0.1]:1",
+        "nonsense",
+    ):
         assert not t.admits(untrusted), untrusted
 
 
@@ -186,6 +212,7 @@ def test_star_turns_the_check_off_and_bad_entries_are_config_errors() -> None:
 
 # -- refusals through the consumer ---------------------------------------------------------------------------
 
+
 def test_untrusted_endpoint_is_never_dialed_and_the_item_encodes_locally(make_rig: Any) -> None:
     rig = make_rig(trusted="10.0.0.1")  # not loopback: the rig's own store is untrusted too
     with socket.socket() as listener:
@@ -220,8 +247,9 @@ def test_trusted_endpoint_is_read(make_rig: Any) -> None:
 
 
 @pytest.mark.parametrize("announced", ["f" * 64, None], ids=["other-hash", "no-hash"])
-def test_incompatible_producer_is_refused_before_any_read_and_its_grant_goes_back(make_rig: Any,
-                                                                                 announced: str | None) -> None:
+def test_incompatible_producer_is_refused_before_any_read_and_its_grant_goes_back(
+    make_rig: Any, announced: str | None
+) -> None:
     rig = make_rig(producer_compat=announced)
     params = rig.produce("p1", "h1")
     assert params["h1"]["tensorwire"].get("compat") == announced
@@ -248,20 +276,27 @@ def test_compatible_producer_is_read(make_rig: Any) -> None:
 def test_compat_hash_covers_version_model_dtype_and_schema() -> None:
     base = dict(vllm_version="0.32.0", model="m", revision=None, dtype="torch.float32", quantization=None)
     assert compat_hash(**base) == OURS and len(OURS) == 64
-    for change in ({"vllm_version": "0.33.0"}, {"model": "n"}, {"revision": "r1"}, {"dtype": "torch.bfloat16"},
-                   {"quantization": "fp8"}):
+    for change in (
+        {"vllm_version": "0.33.0"},
+        {"model": "n"},
+        {"revision": "r1"},
+        {"dtype": "torch.bfloat16"},
+        {"quantization": "fp8"},
+    ):
         assert compat_hash(**{**base, **change}) != OURS, change
 
 
 def test_another_schema_version_is_incompatible() -> None:
     (err,) = parse_params({"h": {"tensorwire": {"v": 2}}}).values()
     assert not isinstance(err, dict) and getattr(err, "reason", None) is Reason.INCOMPATIBLE
-    (err,) = parse_params({"h": {"tensorwire": {"v": 1, "endpoint": "127.0.0.1:1", "key": "h", "secret": "ab" * 16,
-                                                "compat": "XYZ"}}}).values()
+    (err,) = parse_params(
+        {"h": {"tensorwire": {"v": 1, "endpoint": "127.0.0.1:1", "key": "h", "secret": "ab" * 16, "compat": "XYZ"}}}
+    ).values()
     assert getattr(err, "reason", None) is Reason.INVALID_REQUEST
 
 
 # -- typed refusals on the wire: not_held, not_ready ---------------------------------------------------------
+
 
 def test_lookup_answers_not_ready_for_a_pending_grant_and_not_held_otherwise() -> None:
     store = HeldStore(None, ttl_s=60)

@@ -35,15 +35,14 @@ def test_media_request_goes_to_an_encoder_then_to_the_llm_with_its_params(fakes:
         status, headers, body = post(router, injected, headers={"X-Request-Id": "req-1"})
     assert status == 200, body
     assert headers["x-tensorwire-encoder"] == "encoder-0" and headers["x-request-id"] == "req-1"
-    (_, path, sent, enc_headers), = enc.seen
+    ((_, path, sent, enc_headers),) = enc.seen
     assert path == "/v1/chat/completions" and enc_headers["X-Request-Id"] == "req-1"
     # One token, not streamed, no logprobs, the same messages (vLLM computes the same mm_hash there), and never
     # the client's own params.
     assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["messages"] == IMAGE_CHAT["messages"]
     assert "logprobs" not in sent and "top_logprobs" not in sent and "ec_transfer_params" not in sent
-    (_, _, forwarded, _), = llm.seen
-    assert forwarded == dict(IMAGE_CHAT, ec_transfer_params={"hash-e": {"item_indices": [0],
-                                                                         "tensorwire": {"v": 1}}})
+    ((_, _, forwarded, _),) = llm.seen
+    assert forwarded == dict(IMAGE_CHAT, ec_transfer_params={"hash-e": {"item_indices": [0], "tensorwire": {"v": 1}}})
     assert body["echo_params"] == forwarded["ec_transfer_params"]
 
 
@@ -66,8 +65,9 @@ def test_encoders_round_robin_and_a_dead_one_is_skipped(fakes: list[Fake]) -> No
         used = [post(router, IMAGE_CHAT)[1]["x-tensorwire-encoder"] for _ in range(6)]
         text = router.metrics.registry.get_sample_value
         # Out after its first failure (the start-up probe or a call), never asked again: at most one call.
-        assert (text("tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-1", "outcome": "unavailable"})
-                or 0) <= 1
+        assert (
+            text("tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-1", "outcome": "unavailable"}) or 0
+        ) <= 1
         assert text("tensorwire_vllm_router_upstream_up", {"upstream": "encoder-1", "role": "encoder"}) == 0
         assert text("tensorwire_vllm_router_requests_total", {"route": "encoded"}) == 6
     assert set(used) == {"encoder-0", "encoder-2"}
@@ -92,11 +92,19 @@ def test_a_hung_encoder_is_bounded_and_the_next_one_answers(fakes: list[Fake]) -
     good, llm = fake(fakes, encoder_answer("g")), fake(fakes, llm_answer)
     mute = Mute()  # accepts connections, never answers (its /health probes hang too)
     try:
-        with Router(RouterConfig(encoders=(mute.url, good.url), llms=(llm.url,), port=0,
-                                 encoder_first_byte_timeout_s=1.0, probe_timeout_s=1.0)) as router:
+        with Router(
+            RouterConfig(
+                encoders=(mute.url, good.url),
+                llms=(llm.url,),
+                port=0,
+                encoder_first_byte_timeout_s=1.0,
+                probe_timeout_s=1.0,
+            )
+        ) as router:
             answers = [post(router, IMAGE_CHAT) for _ in range(4)]
             timeouts = router.metrics.registry.get_sample_value(
-                "tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-0", "outcome": "timeout"})
+                "tensorwire_vllm_router_encoder_calls_total", {"encoder": "encoder-0", "outcome": "timeout"}
+            )
     finally:
         mute.close()
     assert all(status == 200 and h["x-tensorwire-encoder"] == "encoder-1" for status, h, _ in answers)
@@ -122,8 +130,9 @@ def test_encoder_without_params_lets_the_llm_encode(fakes: list[Fake]) -> None:
     llm = fake(fakes, llm_answer)
     with Router(RouterConfig(encoders=(plain.url,), llms=(llm.url,), port=0)) as router:
         status, _, _ = post(router, IMAGE_CHAT)
-        route = router.metrics.registry.get_sample_value("tensorwire_vllm_router_requests_total",
-                                                         {"route": "not_announced"})
+        route = router.metrics.registry.get_sample_value(
+            "tensorwire_vllm_router_requests_total", {"route": "not_announced"}
+        )
     assert status == 200 and route == 1 and "ec_transfer_params" not in llm.seen[0][2]
 
 
@@ -140,6 +149,7 @@ def _sse(chunks: list[bytes], stall_s: float = 0.0) -> Callable[[BaseHTTPRequest
             time.sleep(stall_s)  # a stalled instance, not a synchronisation
             return
         h.wfile.write(b"0\r\n\r\n")
+
     return write
 
 
@@ -149,8 +159,12 @@ def test_streamed_answer_is_relayed_and_a_stall_is_cut_off(fakes: list[Fake]) ->
     llm = fake(fakes, lambda p, b: (200, _sse(events)))
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(dict(IMAGE_CHAT, stream=True)).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(dict(IMAGE_CHAT, stream=True)).encode(),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
         assert resp.read() == b"".join(events)
@@ -160,8 +174,12 @@ def test_streamed_answer_is_relayed_and_a_stall_is_cut_off(fakes: list[Fake]) ->
     stalled = fake(fakes, lambda p, b: (200, _sse(events[:1], stall_s=8)))
     with Router(RouterConfig(encoders=(enc.url,), llms=(stalled.url,), port=0, llm_timeout_s=1.0)) as router:
         conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(dict(TEXT_CHAT, stream=True)).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(dict(TEXT_CHAT, stream=True)).encode(),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         t0 = time.monotonic()
         with pytest.raises(http.client.IncompleteRead) as info:
@@ -197,8 +215,11 @@ def test_bad_requests_and_own_endpoints(fakes: list[Fake]) -> None:
         status, _, body = post(router, dict(TEXT_CHAT, pad="x" * 2000))
         assert status == 413, body
         conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
-        for path, want in (("/health", b'"ok"'), ("/metrics", b"tensorwire_vllm_router_requests_total"),
-                           ("/v1/models", b"fine")):
+        for path, want in (
+            ("/health", b'"ok"'),
+            ("/metrics", b"tensorwire_vllm_router_requests_total"),
+            ("/v1/models", b"fine"),
+        ):
             conn.request("GET", path)
             resp = conn.getresponse()
             assert resp.status == 200 and want in resp.read(), path
@@ -206,11 +227,23 @@ def test_bad_requests_and_own_endpoints(fakes: list[Fake]) -> None:
     assert enc.seen == [] and [p for _, p, _, _ in llm.seen] == ["/v1/models"]
 
 
-@pytest.mark.parametrize("kw", [dict(encoders=()), dict(llms=()), dict(encoders=("ftp://h:1",)),
-                                dict(llms=("http://h",)), dict(encoders=("http://h:1/v1",)),
-                                dict(fallback="retry"), dict(encoder_timeout_s=0), dict(llm_timeout_s=float("nan")),
-                                dict(host="0.0.0.0"), dict(tls_cert="/nonexistent.pem", tls_key="/x.key"),
-                                dict(max_connections=0), dict(grace_s=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(encoders=()),
+        dict(llms=()),
+        dict(encoders=("ftp://h:1",)),
+        dict(llms=("http://h",)),
+        dict(encoders=("http://h:1/v1",)),
+        dict(fallback="retry"),
+        dict(encoder_timeout_s=0),
+        dict(llm_timeout_s=float("nan")),
+        dict(host="0.0.0.0"),
+        dict(tls_cert="/nonexistent.pem", tls_key="/x.key"),
+        dict(max_connections=0),
+        dict(grace_s=-1),
+    ],
+)
 def test_config_is_checked(kw: dict[str, Any]) -> None:
     base: dict[str, Any] = dict(encoders=("http://127.0.0.1:1",), llms=("http://127.0.0.1:2",))
     with pytest.raises(ConfigError):
@@ -219,10 +252,23 @@ def test_config_is_checked(kw: dict[str, Any]) -> None:
 
 def test_the_module_runs_as_a_process(fakes: list[Fake]) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
-    proc = subprocess.Popen([sys.executable, "-m", "tensorwire.integrations.vllm_router", "--port", "0",
-                             "--encoder", enc.url, "--llm", llm.url], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tensorwire.integrations.vllm_router",
+            "--port",
+            "0",
+            "--encoder",
+            enc.url,
+            "--llm",
+            llm.url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"),
+    )
     try:
         assert proc.stdout is not None
         line = ""
@@ -233,8 +279,9 @@ def test_the_module_runs_as_a_process(fakes: list[Fake]) -> None:
         url = line.rsplit(" ", 1)[-1].strip()
         host, port = url.removeprefix("http://").rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(IMAGE_CHAT).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(IMAGE_CHAT).encode(), {"Content-Type": "application/json"}
+        )
         resp = conn.getresponse()
         assert resp.status == 200 and json.loads(resp.read())["echo_params"]
         conn.close()
@@ -242,7 +289,11 @@ def test_the_module_runs_as_a_process(fakes: list[Fake]) -> None:
         proc.terminate()
         proc.communicate(timeout=30)  # reaps it and closes our end of its stdout
     assert proc.returncode == 0
-    bad = subprocess.run([sys.executable, "-m", "tensorwire.integrations.vllm_router", "--encoder", "x",
-                          "--llm", llm.url], capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=str(SRC)))
+    bad = subprocess.run(
+        [sys.executable, "-m", "tensorwire.integrations.vllm_router", "--encoder", "x", "--llm", llm.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(SRC)),
+    )
     assert bad.returncode == 2 and "expected http(s)://host:port" in bad.stderr

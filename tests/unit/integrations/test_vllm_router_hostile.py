@@ -48,14 +48,27 @@ def _params_seen(llm: Fake) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/v1/chat/completions/", "/v1/./chat/completions",
-                                  "/v1//chat/completions", "/v1/completions", "/v1/chat/completions?x=1",
-                                  "/v1/messages", "/inference/v1/generate"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/%63ompletions",
+        "/v1/chat/completions/",
+        "/v1/./chat/completions",
+        "/v1//chat/completions",
+        "/v1/completions",
+        "/v1/chat/completions?x=1",
+        "/v1/messages",
+        "/inference/v1/generate",
+    ],
+)
 def test_client_params_never_reach_an_llm_instance_whatever_the_path(fakes: list[Fake], path: str) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
-    bodies = [dict(TEXT_CHAT, ec_transfer_params=EVIL), dict(TEXT_CHAT, kv_transfer_params=EVIL),
-              dict(TEXT_CHAT, vllm_xargs={"ec_transfer_params": "x", "kv_transfer_params": "y", "keep": 1}),
-              {"prompt": [1, 2], "sampling_params": {"extra_args": {"ec_transfer_params": EVIL}}}]
+    bodies = [
+        dict(TEXT_CHAT, ec_transfer_params=EVIL),
+        dict(TEXT_CHAT, kv_transfer_params=EVIL),
+        dict(TEXT_CHAT, vllm_xargs={"ec_transfer_params": "x", "kv_transfer_params": "y", "keep": 1}),
+        {"prompt": [1, 2], "sampling_params": {"extra_args": {"ec_transfer_params": EVIL}}},
+    ]
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         for body in bodies:
             status, _, _ = post(router, body, path=path)
@@ -65,36 +78,54 @@ def test_client_params_never_reach_an_llm_instance_whatever_the_path(fakes: list
     assert all(x == {"keep": 1} for x in kept)  # the rest of vllm_xargs is the client's to send
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/%63ompletions", "/v1/chat/completions/", "/v1/../v1/chat/completions",
-                                  "http://evil/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/%63ompletions",
+        "/v1/chat/completions/",
+        "/v1/../v1/chat/completions",
+        "http://evil/v1/chat/completions",
+    ],
+)
 def test_non_canonical_paths_are_refused(fakes: list[Fake], path: str) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         body = json.dumps(TEXT_CHAT).encode()
-        answer = raw_exchange(router.port, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-                                            % (path.encode(), len(body), body))
+        answer = raw_exchange(
+            router.port,
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (path.encode(), len(body), body),
+        )
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     assert llm.seen == [] and enc.seen == []
 
 
-@pytest.mark.parametrize("framing", [b"Content-Length: 2\r\nContent-Length: 120", b"Content-Length: 0_2",
-                                     b"Content-Length: +2", b"Transfer-Encoding: gzip, chunked",
-                                     b"Transfer-Encoding: chunked\r\nContent-Length: 2"])
+@pytest.mark.parametrize(
+    "framing",
+    [
+        b"Content-Length: 2\r\nContent-Length: 120",
+        b"Content-Length: 0_2",
+        b"Content-Length: +2",
+        b"Transfer-Encoding: gzip, chunked",
+        b"Transfer-Encoding: chunked\r\nContent-Length: 2",
+    ],
+)
 def test_smuggled_requests_never_run_upstream(fakes: list[Fake], framing: bytes) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
     smuggled = json.dumps(dict(TEXT_CHAT, ec_transfer_params=EVIL)).encode()
     tail = b"POST /v1/smuggled HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(smuggled), smuggled)
     body = b"{}" if b"chunked" not in framing else b"2\r\n{}\r\n0\r\n\r\n"
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
-        answer = raw_exchange(router.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n%s%s"
-                                           % (framing, body, tail))
+        answer = raw_exchange(
+            router.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n%s%s" % (framing, body, tail)
+        )
     assert answer.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400")), answer[:300]
     assert [p for _, p, _, _ in llm.seen if "smuggled" in p] == [] and _params_seen(llm) == []
 
 
 def _sse_gated(first: bytes, rest: list[bytes], gate: threading.Event) -> Any:
     """A streamed answer: ``first``, then waits for ``gate`` (set once the client got ``first``), then ``rest``."""
+
     def write(h: BaseHTTPRequestHandler) -> None:
         h.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
         for i, c in enumerate([first, *rest]):
@@ -103,6 +134,7 @@ def _sse_gated(first: bytes, rest: list[bytes], gate: threading.Event) -> Any:
             h.wfile.write(b"%x\r\n%s\r\n" % (len(c), c))
             h.wfile.flush()
         h.wfile.write(b"0\r\n\r\n")
+
     return write
 
 
@@ -114,9 +146,12 @@ def test_streams_are_relayed_as_they_come_on_every_path(fakes: list[Fake], path:
     llm = fake(fakes, lambda p, b: (200, _sse_gated(events[0], events[1:], gate)))
     with Router(RouterConfig(encoders=(enc.url,), llms=(llm.url,), port=0)) as router:
         conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
-        conn.request("POST", path, json.dumps({"model": "m", "prompt": "hi", "stream": True,
-                                               "messages": TEXT_CHAT["messages"]}).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            path,
+            json.dumps({"model": "m", "prompt": "hi", "stream": True, "messages": TEXT_CHAT["messages"]}).encode(),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         # The first event arrives while the instance still holds the rest back: a buffering router times out here.
         assert resp.read1(len(events[0])) == events[0]
@@ -171,12 +206,12 @@ def test_upstream_connections_are_pooled_and_tracing_headers_forwarded(fakes: li
         for _ in range(6):
             assert post(router, TEXT_CHAT, headers=trace)[0] == 200
     assert len({p for p in ports}) < 6, ports  # a new connection per call would use 6 ports
-    assert all(h.get("traceparent") == trace["traceparent"] and h.get("tracestate") == "k=v"
-               for _, _, _, h in llm.seen)
+    assert all(h.get("traceparent") == trace["traceparent"] and h.get("tracestate") == "k=v" for _, _, _, h in llm.seen)
 
 
-def test_operator_metrics_and_502_504_logged_with_the_request_id(fakes: list[Fake],
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_operator_metrics_and_502_504_logged_with_the_request_id(
+    fakes: list[Fake], caplog: pytest.LogCaptureFixture
+) -> None:
     enc, llm = fake(fakes, encoder_answer("e")), fake(fakes, llm_answer)
     broken = fake(fakes, lambda p, b: (200, b"x"))
     broken.httpd.RequestHandlerClass.do_POST = lambda h: h.wfile.write(b"garbage\r\n\r\n")  # type: ignore[attr-defined, method-assign]
@@ -186,10 +221,13 @@ def test_operator_metrics_and_502_504_logged_with_the_request_id(fakes: list[Fak
         conn.request("GET", "/metrics")
         text = conn.getresponse().read().decode()
         conn.close()
-    for name in ("tensorwire_vllm_router_request_seconds_bucket", "tensorwire_vllm_router_in_flight_requests",
-                 'tensorwire_vllm_router_upstream_calls_total{outcome="ok",role="llm",upstream="llm-0"}',
-                 'tensorwire_vllm_router_upstream_calls_total{outcome="ok",role="encoder",upstream="encoder-0"}',
-                 "process_resident_memory_bytes"):
+    for name in (
+        "tensorwire_vllm_router_request_seconds_bucket",
+        "tensorwire_vllm_router_in_flight_requests",
+        'tensorwire_vllm_router_upstream_calls_total{outcome="ok",role="llm",upstream="llm-0"}',
+        'tensorwire_vllm_router_upstream_calls_total{outcome="ok",role="encoder",upstream="encoder-0"}',
+        "process_resident_memory_bytes",
+    ):
         assert name in text, name
     assert enc.url not in text and llm.url not in text
     caplog.set_level(logging.WARNING, logger="tensorwire.integrations.vllm_router")
@@ -200,9 +238,13 @@ def test_operator_metrics_and_502_504_logged_with_the_request_id(fakes: list[Fak
 
 
 def _spawn(*argv: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "tensorwire.integrations.vllm_router", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "tensorwire.integrations.vllm_router", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"),
+    )
 
 
 def _port_of(proc: subprocess.Popen[str]) -> int:
@@ -225,8 +267,12 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(fakes: list[Fake]) -> 
     try:
         port = _port_of(proc)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x", "stream": True}).encode(),
-                     {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": "m", "prompt": "x", "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.read1(len(events[0])) == events[0]
         proc.send_signal(signal.SIGTERM)

@@ -31,7 +31,7 @@ class FakeFabric:
     released: list[str] = field(default_factory=list)
     exported: list[str] = field(default_factory=list)
     reads: list[tuple[int, int | None]] = field(default_factory=list)  # (descriptor count, timeout_ms)
-    fail_export_at: int | None = None       # export_batch raises when it reaches this group index
+    fail_export_at: int | None = None  # export_batch raises when it reaches this group index
     read_error: Callable[[], Exception] | None = None
     read_hook: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -59,9 +59,17 @@ class FakeExporter:
                     raise ExportError("slot too large", reason=Reason.SLOT_TOO_LARGE)
                 lease = uuid.uuid4().hex
                 n = next(self.fabric._addr)
-                desc = Descriptor(owner=Owner("fake-owner", "127.0.0.1", 1), mem_type="DRAM", device_id=0,
-                                  slot_addr=n << 32, payload_bytes=payload, lease_id=lease, generation=1,
-                                  generation_addr=(n << 32) - 8, manifest=tuple(manifest))
+                desc = Descriptor(
+                    owner=Owner("fake-owner", "127.0.0.1", 1),
+                    mem_type="DRAM",
+                    device_id=0,
+                    slot_addr=n << 32,
+                    payload_bytes=payload,
+                    lease_id=lease,
+                    generation=1,
+                    generation_addr=(n << 32) - 8,
+                    manifest=tuple(manifest),
+                )
                 with self.fabric.lock:
                     self.fabric.slots[lease] = [t.detach().clone() for t in group]
                     self.fabric.exported.append(lease)

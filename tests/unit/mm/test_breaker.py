@@ -50,8 +50,10 @@ def test_half_open_single_probe_then_close_on_success() -> None:
     assert b.state("e") is BreakerState.CLOSED and b.allow("e")
     assert reg.get_sample_value("tensorwire_mm_breaker_open", {"scope": "endpoint"}) == 0
     assert reg.get_sample_value("tensorwire_mm_breaker_transitions_total", {"scope": "endpoint", "state": "open"}) == 1
-    assert reg.get_sample_value("tensorwire_mm_breaker_transitions_total",
-                                {"scope": "endpoint", "state": "half_open"}) == 1
+    assert (
+        reg.get_sample_value("tensorwire_mm_breaker_transitions_total", {"scope": "endpoint", "state": "half_open"})
+        == 1
+    )
 
 
 def test_failed_probe_reopens_for_a_new_window() -> None:

@@ -113,9 +113,14 @@ def parts():  # type: ignore[no-untyped-def]
     assert encoder.wait_ready(5)
     channel = InProcessChannel("inproc:1", EncoderService(encode_fn, encoder))
     events: list[tuple[str, dict]] = []  # type: ignore[type-arg]
-    client = RemoteOutputTransport("inproc:1", cfg, channel=channel, metrics=metrics,
-                                   reader_factory=lambda rc: FakeReader(fabric, rc),
-                                   observer=lambda e, d: events.append((e, d)))
+    client = RemoteOutputTransport(
+        "inproc:1",
+        cfg,
+        channel=channel,
+        metrics=metrics,
+        reader_factory=lambda rc: FakeReader(fabric, rc),
+        observer=lambda e, d: events.append((e, d)),
+    )
     assert client.wait_ready(5)
     try:
         yield fabric, channel, client, events
@@ -135,8 +140,16 @@ def test_a_second_channel_drives_the_same_policy(parts) -> None:  # type: ignore
         client.fetch([MultimodalInput(b"bad")])
     assert info.value.reason is Reason.INVALID_REQUEST
     client.close()
-    assert channel.calls == ["bind_requeue", "session", "release_after_read", "session_close",
-                             "session", "session_close", "drain", "close"]
+    assert channel.calls == [
+        "bind_requeue",
+        "session",
+        "release_after_read",
+        "session_close",
+        "session",
+        "session_close",
+        "drain",
+        "close",
+    ]
 
 
 def test_a_failed_read_releases_over_the_channel_and_falls_back_once(parts) -> None:  # type: ignore[no-untyped-def]
@@ -147,7 +160,12 @@ def test_a_failed_read_releases_over_the_channel_and_falls_back_once(parts) -> N
     assert torch.equal(torch.cat(out.embeddings), EMB)
     assert "release" in channel.calls and not fabric.live()  # the failure path's answered release
     assert [e for e, _ in events if e in ("request", "read", "release_sync", "decode_inline")] == [
-        "request", "read", "release_sync", "request", "decode_inline"]
+        "request",
+        "read",
+        "release_sync",
+        "request",
+        "decode_inline",
+    ]
 
 
 def test_a_channel_to_another_endpoint_is_refused(parts) -> None:  # type: ignore[no-untyped-def]
@@ -167,18 +185,33 @@ def test_read_plan_takes_the_smaller_of_budget_and_cap() -> None:
     assert ReadPlan.within(remaining_ms=-3, cap_ms=3_000).timeout_ms <= 0  # no read at all
 
 
-@pytest.mark.parametrize("exc,plan,blame,cls,reason", [
-    (InvalidDescriptor("bad bytes", reason=Reason.SIZE_OVERFLOW), None, Blame.ENDPOINT, InvalidDescriptor,
-     Reason.SIZE_OVERFLOW),
-    (ReadTimeout("slow peer"), CAPPED, Blame.ENDPOINT, ReadTimeout, Reason.READ_TIMEOUT),
-    (ReadTimeout("slow peer"), BY_BUDGET, Blame.CALLER, DeadlineExceeded, Reason.BUDGET_EXHAUSTED),
-    (LeaseExpired("stale"), CAPPED, Blame.ENDPOINT, LeaseExpired, Reason.LEASE_EXPIRED),
-    (ReadError("short read", reason=Reason.RESULT_MISMATCH), CAPPED, Blame.ENDPOINT, ReadError,
-     Reason.RESULT_MISMATCH),
-    (RuntimeError("provider bug"), CAPPED, Blame.ENDPOINT, ReadError, Reason.RDMA_READ_ERROR),
-], ids=["descriptor", "timeout-at-cap", "timeout-at-budget", "lease", "result", "foreign"])
-def test_one_classifier_for_every_consume_failure(exc: BaseException, plan: ReadPlan | None, blame: Blame,
-                                                  cls: type[TensorwireError], reason: Reason) -> None:
+@pytest.mark.parametrize(
+    "exc,plan,blame,cls,reason",
+    [
+        (
+            InvalidDescriptor("bad bytes", reason=Reason.SIZE_OVERFLOW),
+            None,
+            Blame.ENDPOINT,
+            InvalidDescriptor,
+            Reason.SIZE_OVERFLOW,
+        ),
+        (ReadTimeout("slow peer"), CAPPED, Blame.ENDPOINT, ReadTimeout, Reason.READ_TIMEOUT),
+        (ReadTimeout("slow peer"), BY_BUDGET, Blame.CALLER, DeadlineExceeded, Reason.BUDGET_EXHAUSTED),
+        (LeaseExpired("stale"), CAPPED, Blame.ENDPOINT, LeaseExpired, Reason.LEASE_EXPIRED),
+        (
+            ReadError("short read", reason=Reason.RESULT_MISMATCH),
+            CAPPED,
+            Blame.ENDPOINT,
+            ReadError,
+            Reason.RESULT_MISMATCH,
+        ),
+        (RuntimeError("provider bug"), CAPPED, Blame.ENDPOINT, ReadError, Reason.RDMA_READ_ERROR),
+    ],
+    ids=["descriptor", "timeout-at-cap", "timeout-at-budget", "lease", "result", "foreign"],
+)
+def test_one_classifier_for_every_consume_failure(
+    exc: BaseException, plan: ReadPlan | None, blame: Blame, cls: type[TensorwireError], reason: Reason
+) -> None:
     failure = classify_consume_error(exc, plan)
     assert failure.blame is blame and type(failure.error) is cls and failure.error.reason is reason
     if failure.error is not exc:

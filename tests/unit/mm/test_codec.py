@@ -42,16 +42,19 @@ def test_decoded_tensor_does_not_alias_the_message() -> None:
     assert out.tolist() == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda m: setattr(m, "dtype", pb.DTYPE_UNSPECIFIED), Reason.UNSUPPORTED_DTYPE),
-    (lambda m: setattr(m, "dtype", 99), Reason.UNSUPPORTED_DTYPE),
-    (lambda m: m.shape.__setitem__(0, -2), Reason.NEGATIVE_DIM),
-    (lambda m: m.shape.extend([2**40, 2**40]), Reason.SIZE_OVERFLOW),
-    (lambda m: m.shape.extend([1] * 20), Reason.SIZE_OVERFLOW),
-    (lambda m: setattr(m, "data", m.data + b"\x00"), Reason.NBYTES_MISMATCH),
-    (lambda m: setattr(m, "data", m.data[:-1]), Reason.NBYTES_MISMATCH),
-    (lambda m: setattr(m, "data", b""), Reason.NBYTES_MISMATCH),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda m: setattr(m, "dtype", pb.DTYPE_UNSPECIFIED), Reason.UNSUPPORTED_DTYPE),
+        (lambda m: setattr(m, "dtype", 99), Reason.UNSUPPORTED_DTYPE),
+        (lambda m: m.shape.__setitem__(0, -2), Reason.NEGATIVE_DIM),
+        (lambda m: m.shape.extend([2**40, 2**40]), Reason.SIZE_OVERFLOW),
+        (lambda m: m.shape.extend([1] * 20), Reason.SIZE_OVERFLOW),
+        (lambda m: setattr(m, "data", m.data + b"\x00"), Reason.NBYTES_MISMATCH),
+        (lambda m: setattr(m, "data", m.data[:-1]), Reason.NBYTES_MISMATCH),
+        (lambda m: setattr(m, "data", b""), Reason.NBYTES_MISMATCH),
+    ],
+)
 def test_malformed_payload_rejected_before_materializing(mutate, reason: Reason) -> None:  # type: ignore[no-untyped-def]
     msg = _codec.encode_tensor(torch.ones(2, 3, dtype=torch.float32))
     mutate(msg)

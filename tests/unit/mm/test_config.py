@@ -51,13 +51,15 @@ def test_mode_from_env_and_precedence() -> None:
 
 
 def test_fields_and_rdma_fields_from_env() -> None:
-    cfg = TransportConfig.from_env({
-        "TENSORWIRE_MM_RELEASE_QUEUE_MAX": "16",
-        "TENSORWIRE_MM_OPEN_SECONDS": "2.5",
-        "TENSORWIRE_MM_WORKER_ID": "w7",
-        "TENSORWIRE_MM_RDMA_MAX_SLOT_BYTES": "65536",
-        "TENSORWIRE_MM_RDMA_DEVICE": "cpu",
-    })
+    cfg = TransportConfig.from_env(
+        {
+            "TENSORWIRE_MM_RELEASE_QUEUE_MAX": "16",
+            "TENSORWIRE_MM_OPEN_SECONDS": "2.5",
+            "TENSORWIRE_MM_WORKER_ID": "w7",
+            "TENSORWIRE_MM_RDMA_MAX_SLOT_BYTES": "65536",
+            "TENSORWIRE_MM_RDMA_DEVICE": "cpu",
+        }
+    )
     assert cfg.release_queue_max == 16 and cfg.open_seconds == 2.5 and cfg.worker_id == "w7"
     assert cfg.rdma.max_slot_bytes == 65536
     with pytest.raises(ConfigError, match="TENSORWIRE_MM_RELEASE_QUEUE_MAX"):
@@ -69,8 +71,13 @@ def test_fields_and_rdma_fields_from_env() -> None:
 
 
 def test_control_stream_fields_from_env_and_their_bounds() -> None:
-    cfg = TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "off", "TENSORWIRE_MM_CONTROL_STREAM_POOL": "2",
-                                    "TENSORWIRE_MM_SERVER_STREAM_CAP": "3"})
+    cfg = TransportConfig.from_env(
+        {
+            "TENSORWIRE_MM_CONTROL_STREAM": "off",
+            "TENSORWIRE_MM_CONTROL_STREAM_POOL": "2",
+            "TENSORWIRE_MM_SERVER_STREAM_CAP": "3",
+        }
+    )
     assert (cfg.control_stream, cfg.control_stream_pool, cfg.effective_server_stream_cap) == (False, 2, 3)
     assert TransportConfig.from_env({"TENSORWIRE_MM_CONTROL_STREAM": "1"}).control_stream is True
     with pytest.raises(ConfigError, match="TENSORWIRE_MM_CONTROL_STREAM"):
@@ -84,9 +91,14 @@ def test_control_stream_fields_from_env_and_their_bounds() -> None:
 
 
 def test_tls_and_limits_from_env() -> None:
-    cfg = TransportConfig.from_env({"TENSORWIRE_MM_TLS_CA": "/etc/ca.pem", "TENSORWIRE_MM_TLS_CLIENT_AUTH": "off",
-                                    "TENSORWIRE_MM_MAX_INFLIGHT_PER_PEER": "7",
-                                    "TENSORWIRE_MM_TRUSTED_FORWARDERS": "cn:proxy"})
+    cfg = TransportConfig.from_env(
+        {
+            "TENSORWIRE_MM_TLS_CA": "/etc/ca.pem",
+            "TENSORWIRE_MM_TLS_CLIENT_AUTH": "off",
+            "TENSORWIRE_MM_MAX_INFLIGHT_PER_PEER": "7",
+            "TENSORWIRE_MM_TRUSTED_FORWARDERS": "cn:proxy",
+        }
+    )
     assert cfg.tls == TlsConfig(ca="/etc/ca.pem", client_auth=False) and cfg.tls.client_enabled
     assert not cfg.tls.server_enabled
     assert cfg.limits.max_inflight_per_peer == 7 and cfg.limits.forwarders == {"cn:proxy"}
@@ -100,12 +112,25 @@ def test_tls_and_limits_from_env() -> None:
     assert limits.max_request_bytes < 256 << 20
 
 
-@pytest.mark.parametrize("field,value", [
-    ("control_stream_pool", 0), ("server_stream_cap", -1), ("control_stream", "yes"), ("control_stream", 1),
-    ("worker_timeout_ms", 0), ("release_timeout_ms", -1), ("release_queue_max", 0), ("failures_to_open", 0),
-    ("open_seconds", 0), ("fallback_reserve_ms", -1), ("rpc_timeout_margin_ms", -5), ("server_threads", 0),
-    ("release_queue_max", True), ("init_backoff_max_ms", 1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("control_stream_pool", 0),
+        ("server_stream_cap", -1),
+        ("control_stream", "yes"),
+        ("control_stream", 1),
+        ("worker_timeout_ms", 0),
+        ("release_timeout_ms", -1),
+        ("release_queue_max", 0),
+        ("failures_to_open", 0),
+        ("open_seconds", 0),
+        ("fallback_reserve_ms", -1),
+        ("rpc_timeout_margin_ms", -5),
+        ("server_threads", 0),
+        ("release_queue_max", True),
+        ("init_backoff_max_ms", 1),
+    ],
+)
 def test_out_of_range_values_rejected(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
         TransportConfig(**{field: value})  # type: ignore[arg-type]

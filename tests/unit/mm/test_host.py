@@ -110,6 +110,7 @@ def test_stop_slack_is_bounded() -> None:
 
 # -- the guard (issue 15, finding 4): request deadline, per-peer limits, lanes, plaintext only on loopback ------
 
+
 class Gate:
     """A method that blocks until released, recording the calls that reached it."""
 
@@ -127,8 +128,14 @@ class Gate:
 
 
 def _host(limits: ServerLimits, gate: Gate, *, work_slots: int = 4) -> GrpcHost:
-    host = GrpcHost("test", (Service(SERVICE, (Method("Work", gate, lane=Lane.WORK), Method("Control", gate))),),
-                    work_slots=work_slots, thread_prefix="test-guard", limits=limits, serving=(SERVICE,))
+    host = GrpcHost(
+        "test",
+        (Service(SERVICE, (Method("Work", gate, lane=Lane.WORK), Method("Control", gate))),),
+        work_slots=work_slots,
+        thread_prefix="test-guard",
+        limits=limits,
+        serving=(SERVICE,),
+    )
     host.bind("127.0.0.1:0")
     host.start()
     return host
@@ -239,8 +246,14 @@ def test_a_stream_is_ended_when_it_idles_past_stream_idle_timeout() -> None:
     def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         yield from requests
 
-    host = GrpcHost("test", (Service(SERVICE, (Method("Echo", echo, kind="stream"),)),), work_slots=1,
-                    thread_prefix="test-guard", limits=ServerLimits(stream_idle_timeout_ms=400), serving=(SERVICE,))
+    host = GrpcHost(
+        "test",
+        (Service(SERVICE, (Method("Echo", echo, kind="stream"),)),),
+        work_slots=1,
+        thread_prefix="test-guard",
+        limits=ServerLimits(stream_idle_timeout_ms=400),
+        serving=(SERVICE,),
+    )
     host.bind("127.0.0.1:0")
     host.start()
     try:
@@ -268,6 +281,7 @@ def test_a_stream_is_ended_when_it_idles_past_stream_idle_timeout() -> None:
 
 
 # ---- issue 16: health phases, the drain period, Watch, port sharing
+
 
 def _watch(address: str, name: str = SERVICE) -> tuple[grpc.Channel, list[object], threading.Thread]:
     """A Watch on ``name`` followed by a thread; the list gets each status, then ("end", code)."""
@@ -320,9 +334,16 @@ def test_stop_is_not_serving_for_the_drain_period_then_drains_settles_and_ends_w
     ch, watched, follower = _watch(host.address)
     try:
         assert _wait(lambda: watched == [health_pb2.HealthCheckResponse.SERVING])
-        stopper = threading.Thread(target=host.stop, args=(10.0,), kwargs={
-            "drain": lambda: events.append("drain"), "drain_s": 1.5, "quiesce": lambda: events.append("quiesce"),
-            "settle": lambda deadline: events.append(f"settle {deadline - time.monotonic():.0f}")})
+        stopper = threading.Thread(
+            target=host.stop,
+            args=(10.0,),
+            kwargs={
+                "drain": lambda: events.append("drain"),
+                "drain_s": 1.5,
+                "quiesce": lambda: events.append("quiesce"),
+                "settle": lambda deadline: events.append(f"settle {deadline - time.monotonic():.0f}"),
+            },
+        )
         t0 = time.monotonic()
         stopper.start()
         # The drain period: Check already says NOT_SERVING (the old host flipped it only together with the stop)
@@ -341,8 +362,11 @@ def test_stop_is_not_serving_for_the_drain_period_then_drains_settles_and_ends_w
     # After the drain period: stop taking work, wait for it (the whole grace still ahead), then end idle streams.
     assert events == ["quiesce", "settle 10", "drain"]
     # The open Watch saw NOT_SERVING and then ended (OK) at the stop: it did not hold the stop for the 10 s grace.
-    assert watched == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING,
-                       ("end", grpc.StatusCode.OK)]
+    assert watched == [
+        health_pb2.HealthCheckResponse.SERVING,
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+        ("end", grpc.StatusCode.OK),
+    ]
     assert 1.5 <= elapsed < 6.0
 
 

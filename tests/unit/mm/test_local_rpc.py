@@ -47,9 +47,14 @@ def _slow(_raw: bytes, ctx: Any) -> bytes:
 @pytest.fixture
 def server(tmp_path: Any) -> Iterator[LocalRpcServer]:
     events: Counter[str] = Counter()
-    srv = LocalRpcServer("t", {"Echo": _echo, "Fails": _fails, "Raises": _raises, "Slow": _slow},
-                         str(tmp_path / "rt"), max_conns=2, max_request_bytes=4096,
-                         on_event=lambda kind: events.update([kind]))
+    srv = LocalRpcServer(
+        "t",
+        {"Echo": _echo, "Fails": _fails, "Raises": _raises, "Slow": _slow},
+        str(tmp_path / "rt"),
+        max_conns=2,
+        max_request_bytes=4096,
+        on_event=lambda kind: events.update([kind]),
+    )
     srv.events = events  # type: ignore[attr-defined]
     yield srv
     srv.close(0.0)
@@ -73,7 +78,8 @@ def test_errors_come_back_as_the_grpc_path_raises_them(server: LocalRpcServer) -
 
     methods = {"Fails": _fails}
     handler = grpc.method_handlers_generic_handler(
-        "T", {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()})
+        "T", {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+    )
     g = grpc.server(ThreadPoolExecutor(2))
     g.add_generic_rpc_handlers((handler,))
     port = g.add_insecure_port("127.0.0.1:0")
@@ -157,8 +163,14 @@ def test_connections_over_the_limit_are_told_to_use_grpc(server: LocalRpcServer)
 
 def test_idle_and_stalled_connections_are_ended_and_a_pooled_client_just_reconnects(tmp_path: Any) -> None:
     events: Counter[str] = Counter()
-    srv = LocalRpcServer("t", {"Echo": _echo}, str(tmp_path / "rt"), max_conns=1, idle_timeout_s=0.3,
-                         on_event=lambda kind: events.update([kind]))
+    srv = LocalRpcServer(
+        "t",
+        {"Echo": _echo},
+        str(tmp_path / "rt"),
+        max_conns=1,
+        idle_timeout_s=0.3,
+        on_event=lambda kind: events.update([kind]),
+    )
     c = LocalRpcClient(srv.path, pool=1)
     try:
         assert c.call("Echo", b"1", 5.0, "Echo") == b"echo:1"  # the connection goes back to the pool
@@ -227,8 +239,17 @@ print("hello" if data else "closed")
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_a_peer_with_another_uid_is_refused(server: LocalRpcServer) -> None:
     def as_nobody(*caps: str) -> str:
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *caps, sys.executable, "-c", _PEER,
-               server.path]
+        cmd = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            *caps,
+            sys.executable,
+            "-c",
+            _PEER,
+            server.path,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
 
     assert as_nobody().startswith("connect-failed")  # the 0700 directory and the 0600 file
@@ -265,12 +286,14 @@ def test_lookups_and_releases_go_over_the_socket_with_the_same_answers(store: He
     calls: Counter[tuple[str, str]] = Counter()
     try:
         assert srv.local is not None
-        with HeldStoreClient(srv.address, on_call=lambda m, ch: calls.update([(m, ch)])) as c, \
-                HeldStoreClient(srv.address, local_channel=False) as g:
+        with (
+            HeldStoreClient(srv.address, on_call=lambda m, ch: calls.update([(m, ch)])) as c,
+            HeldStoreClient(srv.address, local_channel=False) as g,
+        ):
             _wait_local(c)
             assert c.local_path == srv.local.path and g.local_path == ""
             secret = _held(store, "k1")
-            (hit, miss), = [c.lookup([("k1", secret), ("k2", new_secret())], timeout_s=5.0)]
+            ((hit, miss),) = [c.lookup([("k1", secret), ("k2", new_secret())], timeout_s=5.0)]
             (g_hit, g_miss) = g.lookup([("k1", secret), ("k2", new_secret())], timeout_s=5.0)
             assert hit.receipt == g_hit.receipt and hit.receipt is not None
             assert isinstance(miss.error, LeaseExpired) and miss.error.reason is Reason.NOT_HELD
@@ -301,8 +324,9 @@ def test_a_gone_socket_falls_back_to_grpc_within_the_call(store: HeldStore, tmp_
         srv.stop(0.5)
 
 
-def test_no_socket_for_unix_stores_other_hosts_or_stores_without_it(store: HeldStore, tmp_path: Any,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_socket_for_unix_stores_other_hosts_or_stores_without_it(
+    store: HeldStore, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     plain = serve_store("127.0.0.1:0", store=store)  # no local_dir: LocalChannel answers empty
     try:
         assert plain.local is None
@@ -328,7 +352,8 @@ def test_an_owner_without_local_channel_is_served_over_grpc(store: HeldStore) ->
     """A store of an earlier version has no LocalChannel method (UNIMPLEMENTED): lookups just use gRPC."""
     servicer = HeldStoreServicer(store)
     handler = grpc.method_handlers_generic_handler(
-        "tensorwire.mm.v1.HeldOutputs", {"Lookup": grpc.unary_unary_rpc_method_handler(servicer.lookup)})
+        "tensorwire.mm.v1.HeldOutputs", {"Lookup": grpc.unary_unary_rpc_method_handler(servicer.lookup)}
+    )
     from concurrent.futures import ThreadPoolExecutor
 
     old = grpc.server(ThreadPoolExecutor(2))
@@ -377,8 +402,7 @@ def test_staging_goes_over_its_socket_and_falls_back_to_its_grpc_socket(store: H
     local = serve_staging_local(f"{rt}/s.local.sock", area)
     calls: Counter[tuple[str, str]] = Counter()
     try:
-        with StagingClient(grpc_srv.address, local_path=local.path,
-                           on_call=lambda m, ch: calls.update([(m, ch)])) as c:
+        with StagingClient(grpc_srv.address, local_path=local.path, on_call=lambda m, ch: calls.update([(m, ch)])) as c:
             assert c.stage("k1", receipt, timeout_ms=5000, expect=Expect((6,), torch.float32)) == 24
             assert torch.equal(area.get("k1")[0], torch.arange(6, dtype=torch.float32))  # type: ignore[index]
             with pytest.raises(Exception, match="shape") as e:  # the area's own check, same error as over gRPC
@@ -415,8 +439,9 @@ def test_a_ranks_socket_sits_next_to_its_grpc_socket() -> None:
     assert staging_local_path("unix:/run/tw/e-dp0-tp1.sock") == "/run/tw/e-dp0-tp1.local.sock"
 
 
-def test_a_rank_without_its_socket_still_serves_staging_over_grpc(tmp_path: Any,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_without_its_socket_still_serves_staging_over_grpc(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tensorwire.integrations._vllm_ec import runtime
     from tensorwire.integrations._vllm_ec.config import ECConfig
 

@@ -8,10 +8,21 @@ import types
 import tensorwire.mm as mm
 
 EXPECTED = [
-    "serve_encoder", "EncoderServer", "EncoderService", "EncodeFn", "EncoderOutput", "OutputTransport",
+    "serve_encoder",
+    "EncoderServer",
+    "EncoderService",
+    "EncodeFn",
+    "EncoderOutput",
+    "OutputTransport",
     "OutputBuffers",
-    "RemoteOutputTransport", "MultimodalInput", "MultimodalOutput", "Plane",
-    "TransportConfig", "MODES", "TransportMetrics", "metrics_for",
+    "RemoteOutputTransport",
+    "MultimodalInput",
+    "MultimodalOutput",
+    "Plane",
+    "TransportConfig",
+    "MODES",
+    "TransportMetrics",
+    "metrics_for",
 ]
 
 

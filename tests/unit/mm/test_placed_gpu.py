@@ -42,8 +42,12 @@ def test_a_loan_of_several_tensors_ends_with_the_last_one_built_on_any() -> None
     try:
         raw, _ = wrap_device(buf._ptr, buf.nbytes, DEV)  # the test's own view of the whole buffer
         raw.copy_(_pattern(buf.nbytes))
-        parts = [(0, (40, 16), torch.bfloat16), (2048, (40, 3), torch.int64), (4096, (0, 8), torch.float32),
-                 (8192, (9,), torch.bool)]
+        parts = [
+            (0, (40, 16), torch.bfloat16),
+            (2048, (40, 3), torch.int64),
+            (4096, (0, 8), torch.float32),
+            (8192, (9,), torch.bool),
+        ]
         ended: list[_placed.RecvBuffer] = []
         buf.busy = True
         emb, pos, empty, flags = buf.lend(parts, ended.append)
@@ -51,8 +55,10 @@ def test_a_loan_of_several_tensors_ends_with_the_last_one_built_on_any() -> None
             assert t.device == DEV and t.dtype == dtype and t.shape == shape
             if t.numel():
                 assert t.data_ptr() == buf._ptr + off
-                assert torch.equal(t.reshape(-1).view(torch.uint8),
-                                   _placed.typed_view(raw, off, shape, dtype).reshape(-1).view(torch.uint8))
+                assert torch.equal(
+                    t.reshape(-1).view(torch.uint8),
+                    _placed.typed_view(raw, off, shape, dtype).reshape(-1).view(torch.uint8),
+                )
         row = emb[3]  # a view outlives its tensor and holds the loan
         del t, emb, pos, empty
         gc.collect()

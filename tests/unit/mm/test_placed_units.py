@@ -58,7 +58,9 @@ def test_placed_views_see_what_the_worker_wrote_and_lend_the_buffer(buf: _placed
     _placed.typed_view(mapped.tensor, 512, (3, 2), torch.int64).copy_(pos)
     tensors, roles, nbytes = _placed.placed_views(
         answer((pb.EMBEDDING, torch.float32, (3, 4), 0, 48), (pb.POS_ID, torch.int64, (3, 2), 512, 48)),
-        buf, ended.append)
+        buf,
+        ended.append,
+    )
     mapped.close()
     assert torch.equal(tensors[0], emb) and torch.equal(tensors[1], pos)
     assert roles == [pb.EMBEDDING, pb.POS_ID] and nbytes == 96
@@ -67,14 +69,17 @@ def test_placed_views_see_what_the_worker_wrote_and_lend_the_buffer(buf: _placed
     assert ended == [buf]  # the loan ended with the last tensor
 
 
-@pytest.mark.parametrize("bad, why", [
-    ((pb.EMBEDDING, torch.float32, (3, 4), 0, 40), "does not fit"),  # nbytes != prod(shape) * itemsize
-    ((pb.EMBEDDING, torch.float32, (3, 4), 2, 48), "does not fit"),  # offset not a multiple of the itemsize
-    ((pb.EMBEDDING, torch.float32, (1 << 18, 1), 8, 1 << 20), "does not fit"),  # runs past the end
-    ((pb.EMBEDDING, torch.float32, (-1, 4), 0, 0), "shape"),
-    ((pb.EMBEDDING, torch.float32, (1,) * 17, 0, 4), "shape"),
-    ((7, torch.float32, (3, 4), 0, 48), "unknown role"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ((pb.EMBEDDING, torch.float32, (3, 4), 0, 40), "does not fit"),  # nbytes != prod(shape) * itemsize
+        ((pb.EMBEDDING, torch.float32, (3, 4), 2, 48), "does not fit"),  # offset not a multiple of the itemsize
+        ((pb.EMBEDDING, torch.float32, (1 << 18, 1), 8, 1 << 20), "does not fit"),  # runs past the end
+        ((pb.EMBEDDING, torch.float32, (-1, 4), 0, 0), "shape"),
+        ((pb.EMBEDDING, torch.float32, (1,) * 17, 0, 4), "shape"),
+        ((7, torch.float32, (3, 4), 0, 48), "unknown role"),
+    ],
+)
 def test_placed_views_refuse_a_manifest_that_does_not_fit(buf: _placed.RecvBuffer, bad: tuple, why: str) -> None:  # type: ignore[type-arg]
     ended: list[_placed.RecvBuffer] = []
     with pytest.raises(ProtocolError, match=why):
@@ -84,8 +89,11 @@ def test_placed_views_refuse_a_manifest_that_does_not_fit(buf: _placed.RecvBuffe
 
 def test_placed_views_refuse_overlaps_unknown_dtypes_and_empty_answers(buf: _placed.RecvBuffer) -> None:
     with pytest.raises(ProtocolError, match="overlap"):
-        _placed.placed_views(answer((pb.EMBEDDING, torch.float32, (4,), 0, 16),
-                                    (pb.EXTRA_INPUT, torch.float32, (4,), 8, 16)), buf, lambda b: None)
+        _placed.placed_views(
+            answer((pb.EMBEDDING, torch.float32, (4,), 0, 16), (pb.EXTRA_INPUT, torch.float32, (4,), 8, 16)),
+            buf,
+            lambda b: None,
+        )
     bad = answer((pb.EMBEDDING, torch.float32, (4,), 0, 16))
     bad.tensors[0].dtype = 99  # type: ignore[assignment]
     with pytest.raises(ProtocolError, match="unknown dtype"):
@@ -102,19 +110,34 @@ def memfd(nbytes: int, seal: bool) -> int:
     return fd
 
 
-@pytest.mark.parametrize("offer, fds, why", [
-    (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=4096), lambda: [memfd(4096, seal=False)],
-     "not sealed"),
-    (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=8192), lambda: [memfd(4096, seal=True)],
-     "4096 bytes"),
-    (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=4096), list, "0 descriptors"),
-    (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=2 << 30), lambda: [memfd(4096, seal=True)],
-     "this worker takes"),
-    (pb.BufferOffer(buffer_id=0, kind=pb.BufferOffer.HOST, nbytes=4096), lambda: [memfd(4096, seal=True)], "id 0"),
-    (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.CUDA, nbytes=4096, cuda_ipc_handle=b"x" * 64), list,
-     "without a GPU"),
-    (pb.BufferOffer(buffer_id=1, nbytes=4096), list, "kind"),
-])
+@pytest.mark.parametrize(
+    "offer, fds, why",
+    [
+        (
+            pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=4096),
+            lambda: [memfd(4096, seal=False)],
+            "not sealed",
+        ),
+        (
+            pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=8192),
+            lambda: [memfd(4096, seal=True)],
+            "4096 bytes",
+        ),
+        (pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=4096), list, "0 descriptors"),
+        (
+            pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.HOST, nbytes=2 << 30),
+            lambda: [memfd(4096, seal=True)],
+            "this worker takes",
+        ),
+        (pb.BufferOffer(buffer_id=0, kind=pb.BufferOffer.HOST, nbytes=4096), lambda: [memfd(4096, seal=True)], "id 0"),
+        (
+            pb.BufferOffer(buffer_id=1, kind=pb.BufferOffer.CUDA, nbytes=4096, cuda_ipc_handle=b"x" * 64),
+            list,
+            "without a GPU",
+        ),
+        (pb.BufferOffer(buffer_id=1, nbytes=4096), list, "kind"),
+    ],
+)
 def test_offers_that_a_worker_refuses(offer: pb.BufferOffer, fds, why: str) -> None:  # type: ignore[no-untyped-def]
     passed = fds()
     with pytest.raises(_placed.PlacementRefused, match=why):
@@ -145,9 +168,17 @@ def test_descriptors_travel_with_a_frame_and_only_where_asked_for() -> None:
         b.close()
 
 
-@pytest.mark.parametrize(("offset", "shape", "dtype"), [
-    (0, (3, 4), torch.float32), (512, (3, 2), torch.int64), (1024, (0, 5), torch.bfloat16),
-    (2048, (7,), torch.float16), (0, (), torch.float32), (0, (2, 0, 3), torch.int32)])
+@pytest.mark.parametrize(
+    ("offset", "shape", "dtype"),
+    [
+        (0, (3, 4), torch.float32),
+        (512, (3, 2), torch.int64),
+        (1024, (0, 5), torch.bfloat16),
+        (2048, (7,), torch.float16),
+        (0, (), torch.float32),
+        (0, (2, 0, 3), torch.int32),
+    ],
+)
 def test_mapped_view_matches_typed_view(offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """The worker's one-op view (a dtype reinterpretation cached per buffer) is typed_view's tensor: same bytes,
     place, shape and dtype, contiguous; an offered size that is not a multiple of the dtype still maps."""

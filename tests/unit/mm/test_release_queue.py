@@ -106,8 +106,9 @@ def test_close_abandons_queue_within_bound_and_later_submits_drop() -> None:
     assert time.perf_counter() - t0 < 1.0
     q.close()  # idempotent
     assert not q.submit("e", ["late"])
-    assert reg.get_sample_value("tensorwire_mm_release_queue_dropped_total",
-                                {"reason": "release_client_stopping"}) == 11
+    assert (
+        reg.get_sample_value("tensorwire_mm_release_queue_dropped_total", {"reason": "release_client_stopping"}) == 11
+    )
     s.gate.set()
     wait_for(lambda: q.pending == 0)
 

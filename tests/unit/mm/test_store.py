@@ -133,8 +133,12 @@ def test_close_releases_everything_and_refuses_more(store: HeldStore, fabric: Fa
 
 def test_on_change_reports_items_and_bytes(fabric: FakeFabric, clock: Clock) -> None:
     seen: list[tuple[int, int]] = []
-    st = HeldStore(FakeExporter(fabric, RdmaConfig(provider="none")), ttl_s=10, clock=clock,  # type: ignore[arg-type]
-                   on_change=lambda i, b: seen.append((i, b)))
+    st = HeldStore(
+        FakeExporter(fabric, RdmaConfig(provider="none")),
+        ttl_s=10,
+        clock=clock,  # type: ignore[arg-type]
+        on_change=lambda i, b: seen.append((i, b)),
+    )
     s = new_secret()
     st.grant("h", s)
     st.hold("h", [torch.ones(4)])

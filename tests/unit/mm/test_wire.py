@@ -28,8 +28,16 @@ from tensorwire.mm.wire._receipt import parse_receipt
 
 
 def test_public_names() -> None:
-    assert set(mm.__all__) >= {"EncoderOutput", "MultimodalOutput", "TransportConfig", "MultimodalInput",
-                               "OutputTransport", "EncoderService", "serve_encoder", "RemoteOutputTransport"}
+    assert set(mm.__all__) >= {
+        "EncoderOutput",
+        "MultimodalOutput",
+        "TransportConfig",
+        "MultimodalInput",
+        "OutputTransport",
+        "EncoderService",
+        "serve_encoder",
+        "RemoteOutputTransport",
+    }
     for name in mm.__all__:
         assert hasattr(mm, name), name
     assert wire.ENCODE_METHOD == "/tensorwire.mm.v1.EncoderService/Encode"
@@ -37,14 +45,17 @@ def test_public_names() -> None:
     assert wire.ENCODE_STREAM_METHOD == "/tensorwire.mm.v1.EncoderService/EncodeStream"
 
 
-@pytest.mark.parametrize("exc,code", [
-    (InvalidPayload("x"), grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
-    (NotImplementedError("x"), grpc.StatusCode.UNIMPLEMENTED),
-    (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (PeerUnavailable("x"), grpc.StatusCode.UNAVAILABLE),
-    (RuntimeError("x"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "exc,code",
+    [
+        (InvalidPayload("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotImplementedError("x"), grpc.StatusCode.UNIMPLEMENTED),
+        (DeadlineExceeded("x"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (PeerUnavailable("x"), grpc.StatusCode.UNAVAILABLE),
+        (RuntimeError("x"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_status_for(exc: BaseException, code: grpc.StatusCode) -> None:
     assert wire.status_for(exc)[0] == code
 
@@ -64,15 +75,18 @@ class FakeRpcError(grpc.RpcError):
         return self._md
 
 
-@pytest.mark.parametrize("code,reason,cls,expect_reason", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "nbytes_mismatch", InvalidPayload, Reason.NBYTES_MISMATCH),
-    (grpc.StatusCode.INVALID_ARGUMENT, None, InvalidPayload, Reason.INVALID_PAYLOAD),
-    (grpc.StatusCode.UNAVAILABLE, None, PeerUnavailable, Reason.PEER_UNAVAILABLE),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, None, DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
-    (grpc.StatusCode.UNIMPLEMENTED, None, ControlPlaneError, Reason.UNIMPLEMENTED),
-    (grpc.StatusCode.INTERNAL, None, ProtocolError, Reason.PROTOCOL_ERROR),
-    (grpc.StatusCode.INTERNAL, "not-a-reason", ProtocolError, Reason.PROTOCOL_ERROR),
-])
+@pytest.mark.parametrize(
+    "code,reason,cls,expect_reason",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "nbytes_mismatch", InvalidPayload, Reason.NBYTES_MISMATCH),
+        (grpc.StatusCode.INVALID_ARGUMENT, None, InvalidPayload, Reason.INVALID_PAYLOAD),
+        (grpc.StatusCode.UNAVAILABLE, None, PeerUnavailable, Reason.PEER_UNAVAILABLE),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, None, DeadlineExceeded, Reason.DEADLINE_EXCEEDED),
+        (grpc.StatusCode.UNIMPLEMENTED, None, ControlPlaneError, Reason.UNIMPLEMENTED),
+        (grpc.StatusCode.INTERNAL, None, ProtocolError, Reason.PROTOCOL_ERROR),
+        (grpc.StatusCode.INTERNAL, "not-a-reason", ProtocolError, Reason.PROTOCOL_ERROR),
+    ],
+)
 def test_error_from_rpc(code, reason, cls, expect_reason) -> None:  # type: ignore[no-untyped-def]
     err = wire.error_from_rpc(FakeRpcError(code, reason), "Encode")
     assert type(err) is cls and err.reason is expect_reason
@@ -98,15 +112,28 @@ class ServerRpcError(grpc.RpcError):
         return self._md
 
 
-@pytest.mark.parametrize("exc", [
-    InvalidPayload("bad", reason=Reason.NBYTES_MISMATCH), ValueError("bad"), NotImplementedError("video"),
-    DeadlineExceeded("slow"), TimeoutError("slow"), PeerUnavailable("gone"), PoolExhausted("full"),
-    ConfigError("cfg"), LeaseExpired("old"), RuntimeError("boom"), ProtocolError("garbled"),
-], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "exc",
+    [
+        InvalidPayload("bad", reason=Reason.NBYTES_MISMATCH),
+        ValueError("bad"),
+        NotImplementedError("video"),
+        DeadlineExceeded("slow"),
+        TimeoutError("slow"),
+        PeerUnavailable("gone"),
+        PoolExhausted("full"),
+        ConfigError("cfg"),
+        LeaseExpired("old"),
+        RuntimeError("boom"),
+        ProtocolError("garbled"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 def test_a_stream_error_raises_what_the_unary_status_raises(exc: BaseException) -> None:
     unary = wire.error_from_rpc(ServerRpcError(exc), "Encode on w")
-    streamed = wire.error_from_stream(pb.StreamError.FromString(wire.stream_error_for(exc).SerializeToString()),
-                                      "Encode on w")
+    streamed = wire.error_from_stream(
+        pb.StreamError.FromString(wire.stream_error_for(exc).SerializeToString()), "Encode on w"
+    )
     assert type(streamed) is type(unary) and streamed.reason is unary.reason and str(streamed) == str(unary)
 
 

@@ -42,12 +42,18 @@ def _inside(t: torch.Tensor, raw: bytes) -> bool:
 
 def _output(dtype: torch.dtype, rows: int, cols: int) -> EncoderOutput:
     g = torch.Generator().manual_seed(rows)
-    emb = (torch.randn(rows, cols, generator=g) * 50).to(dtype) if dtype != torch.bool else \
-        torch.rand(rows, cols, generator=g) > 0.5
+    emb = (
+        (torch.randn(rows, cols, generator=g) * 50).to(dtype)
+        if dtype != torch.bool
+        else torch.rand(rows, cols, generator=g) > 0.5
+    )
     half = rows // 2
-    return EncoderOutput(embeddings=emb, split_sizes=[half, rows - half],
-                         position_ids=torch.arange(rows * 3, dtype=torch.int64).reshape(rows, 3),
-                         extra_inputs=[torch.randn(2, 3, generator=g), torch.ones(0, 4)])
+    return EncoderOutput(
+        embeddings=emb,
+        split_sizes=[half, rows - half],
+        position_ids=torch.arange(rows * 3, dtype=torch.int64).reshape(rows, 3),
+        extra_inputs=[torch.randn(2, 3, generator=g), torch.ones(0, 4)],
+    )
 
 
 def _decode(raw: bytes, framed: bool) -> tuple[WireReceipt, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -64,8 +70,9 @@ def _decode(raw: bytes, framed: bool) -> tuple[WireReceipt, list[torch.Tensor], 
 @pytest.mark.parametrize("framed", [False, True], ids=["unary", "stream"])
 @pytest.mark.parametrize("dtype", sorted(_codec.SUPPORTED_DTYPES, key=str))
 @pytest.mark.parametrize("rows", [2, 9, 301])
-def test_round_trip_views_the_received_bytes(transport: OutputTransport, dtype: torch.dtype, rows: int,
-                                             framed: bool) -> None:
+def test_round_trip_views_the_received_bytes(
+    transport: OutputTransport, dtype: torch.dtype, rows: int, framed: bool
+) -> None:
     out = _output(dtype, rows, 113)  # an odd row width: nothing lines up by accident
     receipt = transport.transfer(pb.EncodeRequest(), out)
     raw = receipt.to_stream_frame(2**40 + 3) if framed else receipt.to_bytes()
@@ -126,16 +133,19 @@ def test_repeated_records_merge_as_protobuf_merges_them(transport: OutputTranspo
         assert got == want  # shapes appended, the last data wins, extra inputs accumulate
 
 
-@pytest.mark.parametrize("raw", [
-    b"\x0a\x05\x08\x01",                 # a tensor record longer than the message
-    b"\x0a\x03\x1a\x05ab",               # data longer than its tensor
-    b"\x0a\x80",                         # truncated length
-    b"\x20" + b"\xff" * 10 + b"\x01",   # an 11-byte varint
-    b"\x0a\x86\x80\x80\x80\x80\x00",     # a 6-byte length (upb refuses it too)
-    b"\x00\x01",                         # field number 0
-    b"\x0b\x0c",                         # a group
-    b"\x0f",                             # wire type 7
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x0a\x05\x08\x01",  # a tensor record longer than the message
+        b"\x0a\x03\x1a\x05ab",  # data longer than its tensor
+        b"\x0a\x80",  # truncated length
+        b"\x20" + b"\xff" * 10 + b"\x01",  # an 11-byte varint
+        b"\x0a\x86\x80\x80\x80\x80\x00",  # a 6-byte length (upb refuses it too)
+        b"\x00\x01",  # field number 0
+        b"\x0b\x0c",  # a group
+        b"\x0f",  # wire type 7
+    ],
+)
 def test_malformed_framing_is_refused_before_anything_is_sliced(raw: bytes) -> None:
     with pytest.raises(WireError):
         parse_receipt(raw)
@@ -180,7 +190,7 @@ def test_decoded_tensors_keep_the_bytes_alive_and_do_not_share_them(transport: O
     _, embs, pos, _ = _decode(raw, framed=False)
     del raw
     embs[0].fill_(7.0)  # the first item's rows only
-    assert torch.equal(embs[1], out.embeddings[embs[0].shape[0]:])  # type: ignore[index]
+    assert torch.equal(embs[1], out.embeddings[embs[0].shape[0] :])  # type: ignore[index]
     assert torch.equal(torch.cat(pos), out.position_ids)
 
 
@@ -227,8 +237,12 @@ def test_a_receipt_without_inline_tensors_is_protobufs_own_bytes(framed: bool) -
     else:
         raw = receipt.to_bytes()
         assert raw == receipt.message.SerializeToString()
-    assert pb.EncodeResponse.FromString(raw if not framed else pb.StreamResponse.FromString(raw).receipt
-                                        .SerializeToString()) == receipt.message
+    assert (
+        pb.EncodeResponse.FromString(
+            raw if not framed else pb.StreamResponse.FromString(raw).receipt.SerializeToString()
+        )
+        == receipt.message
+    )
 
 
 @pytest.mark.parametrize("rows", [2, 30, 4000])

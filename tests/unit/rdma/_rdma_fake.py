@@ -68,8 +68,16 @@ class FakeProvider(Provider):
     def serve(self) -> Owner:
         return Owner("fake-agent", "127.0.0.1", 1, 0)
 
-    def read(self, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str, remote: Sequence[Range],
-             *, deadline: float) -> None:
+    def read(
+        self,
+        owner: Owner,
+        local_mem: str,
+        local: Sequence[Range],
+        remote_mem: str,
+        remote: Sequence[Range],
+        *,
+        deadline: float,
+    ) -> None:
         if self.hang_next is not None:
             pending, self.hang_next = self.hang_next, None
             err = ReadTimeout("fake hang", reason=Reason.READ_TIMEOUT)

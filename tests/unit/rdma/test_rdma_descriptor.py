@@ -48,18 +48,38 @@ def test_wire_form_is_one_message_and_follows_the_owner() -> None:
     d = valid()
     o = d.owner
     whole = pb.DescriptorPB(
-        version=1, owner=pb.OwnerPB(agent_name=o.agent_name, host=o.host, port=o.port,
-                                    registration_epoch=o.registration_epoch, metadata_token=o.metadata_token),
-        mem_type=pb.MEM_DRAM, device_id=d.device_id, slot_addr=d.slot_addr, payload_bytes=d.payload_bytes,
-        lease_id=d.lease_id, generation=d.generation, generation_addr=d.generation_addr)
+        version=1,
+        owner=pb.OwnerPB(
+            agent_name=o.agent_name,
+            host=o.host,
+            port=o.port,
+            registration_epoch=o.registration_epoch,
+            metadata_token=o.metadata_token,
+        ),
+        mem_type=pb.MEM_DRAM,
+        device_id=d.device_id,
+        slot_addr=d.slot_addr,
+        payload_bytes=d.payload_bytes,
+        lease_id=d.lease_id,
+        generation=d.generation,
+        generation_addr=d.generation_addr,
+    )
     for e in d.manifest:
-        whole.manifest.add(shape=list(e.shape), dtype=_dtypes.to_wire(e.dtype), legacy_dtype=_dtypes.to_legacy(e.dtype),
-                           offset=e.offset, nbytes=e.nbytes)
+        whole.manifest.add(
+            shape=list(e.shape),
+            dtype=_dtypes.to_wire(e.dtype),
+            legacy_dtype=_dtypes.to_legacy(e.dtype),
+            offset=e.offset,
+            nbytes=e.nbytes,
+        )
     parsed = pb.DescriptorPB()
     parsed.ParseFromString(d.to_bytes())
     assert parsed == whole
-    for owner in (dataclasses.replace(o, registration_epoch=4), dataclasses.replace(o, metadata_token=b"t" * 32),
-                  dataclasses.replace(o, port=4243)):
+    for owner in (
+        dataclasses.replace(o, registration_epoch=4),
+        dataclasses.replace(o, metadata_token=b"t" * 32),
+        dataclasses.replace(o, port=4243),
+    ):
         moved = dataclasses.replace(d, owner=owner)
         assert Descriptor.from_bytes(moved.to_bytes()).owner == owner
     assert Descriptor.from_bytes(d.to_bytes()).owner == o
@@ -77,8 +97,9 @@ def test_round_trip_every_dtype() -> None:
     assert Descriptor.from_bytes(d.to_bytes()).manifest == tuple(entries)
 
 
-def m(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, offset: int = 0,
-      nbytes: int | None = None) -> TensorMeta:
+def m(
+    shape: tuple[int, ...], dtype: torch.dtype = torch.float32, offset: int = 0, nbytes: int | None = None
+) -> TensorMeta:
     if nbytes is None:
         n = torch.empty(0, dtype=dtype).element_size()
         for s in shape:
@@ -103,8 +124,11 @@ CASES = [
     ("payload over max", {"payload_bytes": (1 << 30) + ALIGN}, Reason.SLOT_TOO_LARGE),
     ("address wraps", {"slot_addr": (1 << 64) - ALIGN}, Reason.OUT_OF_BOUNDS),
     ("empty manifest", {"manifest": ()}, Reason.EMPTY_MANIFEST),
-    ("too many entries", {"manifest": tuple(m((0,)) for _ in range(MAX_MANIFEST_ENTRIES + 1))},
-     Reason.DESCRIPTOR_MALFORMED),
+    (
+        "too many entries",
+        {"manifest": tuple(m((0,)) for _ in range(MAX_MANIFEST_ENTRIES + 1))},
+        Reason.DESCRIPTOR_MALFORMED,
+    ),
     ("unsupported dtype", {"manifest": (TensorMeta((2,), torch.complex64, 0, 16),)}, Reason.UNSUPPORTED_DTYPE),
     ("negative dim", {"manifest": (TensorMeta((2, -1), torch.float32, 0, 0),)}, Reason.NEGATIVE_DIM),
     ("too many dims", {"manifest": (m((1,) * (MAX_DIMS + 1)),)}, Reason.DESCRIPTOR_MALFORMED),
@@ -115,8 +139,11 @@ CASES = [
     ("misaligned offset", {"manifest": (m((2,), offset=100),)}, Reason.MISALIGNED_OFFSET),
     ("past payload", {"manifest": (m((2 * ALIGN,), torch.uint8, offset=2 * ALIGN),)}, Reason.OUT_OF_BOUNDS),
     ("offset past payload", {"manifest": (m((0,), offset=4 * ALIGN),)}, Reason.OUT_OF_BOUNDS),
-    ("overlap", {"manifest": (m((2 * ALIGN,), torch.uint8, 0), m((8,), torch.uint8, ALIGN))},
-     Reason.OVERLAPPING_TENSORS),
+    (
+        "overlap",
+        {"manifest": (m((2 * ALIGN,), torch.uint8, 0), m((8,), torch.uint8, ALIGN))},
+        Reason.OVERLAPPING_TENSORS,
+    ),
     ("dim not int", {"manifest": (TensorMeta((2.0,), torch.float32, 0, 8),)}, Reason.DESCRIPTOR_MALFORMED),  # type: ignore[arg-type]
 ]
 
@@ -208,7 +235,7 @@ def test_mutated_bytes_only_raise_invalid_descriptor(data: st.DataObject) -> Non
         elif op == "set":
             raw[i] = data.draw(st.integers(0, 255))
         elif op == "cut":
-            del raw[i:i + data.draw(st.integers(1, 8))]
+            del raw[i : i + data.draw(st.integers(1, 8))]
         else:
             raw[i:i] = data.draw(st.binary(min_size=1, max_size=8))
     try:
@@ -223,19 +250,25 @@ def test_mutated_bytes_only_raise_invalid_descriptor(data: st.DataObject) -> Non
 def test_views_match_slicing_for_every_dtype_and_offset(typed):
     from tensorwire.rdma._descriptor import layout, views
 
-    specs = [((3, 5), torch.bfloat16), ((7,), torch.int8), ((2, 0, 4), torch.float32), ((), torch.int64),
-             ((4, 3), torch.float64), ((9,), torch.uint8)]
+    specs = [
+        ((3, 5), torch.bfloat16),
+        ((7,), torch.int8),
+        ((2, 0, 4), torch.float32),
+        ((), torch.int64),
+        ((4, 3), torch.float64),
+        ((9,), torch.uint8),
+    ]
     manifest, payload = layout(specs, 8)  # small alignment: offsets not multiples of every item size
     buf = torch.arange(payload + 64, dtype=torch.int64).to(torch.uint8)[:payload]
     for _ in range(2):  # the second pass goes through the cached reinterpretations
         got = views(buf, manifest, typed)
         for t, m in zip(got, manifest, strict=True):
-            want = buf[m.offset:m.offset + m.nbytes].view(m.dtype).view(m.shape)
+            want = buf[m.offset : m.offset + m.nbytes].view(m.dtype).view(m.shape)
             assert t.shape == want.shape and t.dtype == want.dtype and t.data_ptr() == want.data_ptr()
             assert t.is_contiguous()
             assert torch.equal(t.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
     got[0].fill_(1.5)  # views, not copies
-    assert torch.equal(buf[manifest[0].offset:manifest[0].offset + 2], torch.tensor([192, 63], dtype=torch.uint8))
+    assert torch.equal(buf[manifest[0].offset : manifest[0].offset + 2], torch.tensor([192, 63], dtype=torch.uint8))
 
 
 def test_views_of_a_buffer_not_a_whole_number_of_items_fall_back_to_slices():

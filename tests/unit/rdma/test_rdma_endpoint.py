@@ -21,20 +21,23 @@ def _fixed_detection(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_endpoint, "detect", lambda: (DETECTED, "detected"))
 
 
-@pytest.mark.parametrize("bind, advertise, control, want_bind, want_adv", [
-    ("", "", "", DETECTED, DETECTED),                          # a bare exporter: this host's address, no wildcard
-    ("", "", "127.0.0.1", "127.0.0.1", "127.0.0.1"),           # serve-encoder's default --host
-    ("", "", "localhost", "127.0.0.1", "127.0.0.1"),           # a name is resolved
-    ("", "", "10.9.8.7", "10.9.8.7", "10.9.8.7"),              # follows a specific control-plane address
-    ("", "", "[::1]", "::1", "::1"),
-    ("", "", "0.0.0.0", DETECTED, DETECTED),                   # wildcard control plane: one detected address
-    ("", "", "[::]", DETECTED, DETECTED),
-    ("0.0.0.0", "", "10.9.8.7", "0.0.0.0", "10.9.8.7"),        # explicit wildcard: advertise the control plane's
-    ("0.0.0.0", "", "0.0.0.0", "0.0.0.0", DETECTED),
-    ("10.1.1.1", "", "127.0.0.1", "10.1.1.1", "10.1.1.1"),     # an explicit bind wins and is advertised
-    ("", "encoder-7.example", "0.0.0.0", DETECTED, "encoder-7.example"),  # NAT / DNS name: advertise only
-    ("", "127.0.0.1", "0.0.0.0", "127.0.0.1", "127.0.0.1"),    # a local advertised address is also bound
-])
+@pytest.mark.parametrize(
+    "bind, advertise, control, want_bind, want_adv",
+    [
+        ("", "", "", DETECTED, DETECTED),  # a bare exporter: this host's address, no wildcard
+        ("", "", "127.0.0.1", "127.0.0.1", "127.0.0.1"),  # serve-encoder's default --host
+        ("", "", "localhost", "127.0.0.1", "127.0.0.1"),  # a name is resolved
+        ("", "", "10.9.8.7", "10.9.8.7", "10.9.8.7"),  # follows a specific control-plane address
+        ("", "", "[::1]", "::1", "::1"),
+        ("", "", "0.0.0.0", DETECTED, DETECTED),  # wildcard control plane: one detected address
+        ("", "", "[::]", DETECTED, DETECTED),
+        ("0.0.0.0", "", "10.9.8.7", "0.0.0.0", "10.9.8.7"),  # explicit wildcard: advertise the control plane's
+        ("0.0.0.0", "", "0.0.0.0", "0.0.0.0", DETECTED),
+        ("10.1.1.1", "", "127.0.0.1", "10.1.1.1", "10.1.1.1"),  # an explicit bind wins and is advertised
+        ("", "encoder-7.example", "0.0.0.0", DETECTED, "encoder-7.example"),  # NAT / DNS name: advertise only
+        ("", "127.0.0.1", "0.0.0.0", "127.0.0.1", "127.0.0.1"),  # a local advertised address is also bound
+    ],
+)
 def test_rules(bind: str, advertise: str, control: str, want_bind: str, want_adv: str) -> None:
     ep = resolve(bind, advertise, control)
     assert (ep.bind_ip, ep.advertise_host) == (want_bind, want_adv), ep
@@ -46,8 +49,9 @@ def test_nothing_listens_on_a_wildcard_unless_asked() -> None:
         assert not _endpoint.is_wildcard(resolve("", "", control).bind_ip)
 
 
-def test_loopback_advertised_while_serving_elsewhere_is_loud(caplog: pytest.LogCaptureFixture,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loopback_advertised_while_serving_elsewhere_is_loud(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
     caplog.set_level(logging.INFO, logger="tensorwire.rdma.endpoint")
     ep = resolve("", "127.0.0.1", "0.0.0.0")

@@ -28,10 +28,12 @@ def server() -> Iterator[_metadata.MetadataServer]:
     srv.close()
 
 
-@pytest.mark.parametrize("name, token", [(NAME, b""), (NAME, b"x" * 32), (NAME, TOKEN[:-1] + b"\0"),
-                                         ("someone-else", TOKEN), ("", b"")])
-def test_without_the_token_or_with_another_name_nothing_is_handed_out(server: _metadata.MetadataServer,
-                                                                       name: str, token: bytes) -> None:
+@pytest.mark.parametrize(
+    "name, token", [(NAME, b""), (NAME, b"x" * 32), (NAME, TOKEN[:-1] + b"\0"), ("someone-else", TOKEN), ("", b"")]
+)
+def test_without_the_token_or_with_another_name_nothing_is_handed_out(
+    server: _metadata.MetadataServer, name: str, token: bytes
+) -> None:
     answer = ask(server.port, v2_request(name.encode(), token))
     assert answer == REFUSED_V2
     assert NAME.encode() not in answer and MD not in answer

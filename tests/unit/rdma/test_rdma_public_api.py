@@ -11,23 +11,54 @@ import tensorwire.rdma as rdma
 from tensorwire.errors import ConfigError, ExportError, ReadError, Reason
 
 RDMA_ALL = [
-    "RdmaConfig", "TensorExporter", "TensorReader", "Exporter", "Reader", "Descriptor", "TensorMeta", "Owner",
-    "Lease", "ExporterStats", "ReaderStats", "PoolStats", "ProviderStats", "SUPPORTED_DTYPES", "WIRE_DTYPES",
-    "available_providers", "has_rdma", "known_providers", "register_provider", "is_staged_gpu_transport",
+    "RdmaConfig",
+    "TensorExporter",
+    "TensorReader",
+    "Exporter",
+    "Reader",
+    "Descriptor",
+    "TensorMeta",
+    "Owner",
+    "Lease",
+    "ExporterStats",
+    "ReaderStats",
+    "PoolStats",
+    "ProviderStats",
+    "SUPPORTED_DTYPES",
+    "WIRE_DTYPES",
+    "available_providers",
+    "has_rdma",
+    "known_providers",
+    "register_provider",
+    "is_staged_gpu_transport",
 ]
 PROVIDERS_ALL = [
-    "ROLE_EXPORTER", "ROLE_READER", "PendingTransfer", "Provider", "ProviderStats", "Range", "Registration",
-    "available_providers", "create_provider", "has_rdma", "known_providers", "provider_class", "register_provider",
+    "ROLE_EXPORTER",
+    "ROLE_READER",
+    "PendingTransfer",
+    "Provider",
+    "ProviderStats",
+    "Range",
+    "Registration",
+    "available_providers",
+    "create_provider",
+    "has_rdma",
+    "known_providers",
+    "provider_class",
+    "register_provider",
     "resolve_name",
 ]
 BASE_ALL = ["ROLE_EXPORTER", "ROLE_READER", "PendingTransfer", "Provider", "ProviderStats", "Range", "Registration"]
 
 
-@pytest.mark.parametrize(("module", "expected"), [
-    ("tensorwire.rdma", RDMA_ALL),
-    ("tensorwire.rdma.providers", PROVIDERS_ALL),
-    ("tensorwire.rdma.providers.base", BASE_ALL),
-])
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [
+        ("tensorwire.rdma", RDMA_ALL),
+        ("tensorwire.rdma.providers", PROVIDERS_ALL),
+        ("tensorwire.rdma.providers.base", BASE_ALL),
+    ],
+)
 def test_all_is_exactly_the_public_api(module: str, expected: list[str]) -> None:
     mod = importlib.import_module(module)
     assert sorted(mod.__all__) == sorted(expected)
@@ -39,7 +70,8 @@ def test_all_is_exactly_the_public_api(module: str, expected: list[str]) -> None
 def test_only_the_provider_interface_is_a_public_module() -> None:
     """Every module of tensorwire.rdma starts with ``_`` but the provider SPI (``providers``, ``providers.base``)."""
     public = {
-        info.name for info in pkgutil.walk_packages(rdma.__path__, "tensorwire.rdma.")
+        info.name
+        for info in pkgutil.walk_packages(rdma.__path__, "tensorwire.rdma.")
         if not any(part.startswith("_") for part in info.name.split(".")[2:])
     }
     assert public == {"tensorwire.rdma.providers", "tensorwire.rdma.providers.base"}
@@ -53,10 +85,13 @@ def test_errors_are_not_re_exported() -> None:
         assert not hasattr(rdma, name) or name in RDMA_ALL, name
 
 
-@pytest.mark.parametrize(("protocol", "cls"), [
-    (rdma.Exporter, rdma.TensorExporter),
-    (rdma.Reader, rdma.TensorReader),
-])
+@pytest.mark.parametrize(
+    ("protocol", "cls"),
+    [
+        (rdma.Exporter, rdma.TensorExporter),
+        (rdma.Reader, rdma.TensorReader),
+    ],
+)
 def test_the_real_classes_implement_the_protocols(protocol: type, cls: type) -> None:
     """Same methods, same parameter names and kinds (mypy checks the types where the classes are used)."""
     members = [n for n in vars(protocol) if not n.startswith("_") and callable(getattr(protocol, n))]

@@ -18,24 +18,82 @@ WAIT_S = 60.0  # generous: every wait below ends on an event, this only bounds a
 # The keys stats() returned as a dict before it was typed (benchmark JSON and soak reports carry them), plus the
 # ones added since (listed separately so a rename shows up here, not in a dashboard).
 EXPORTER_KEYS = [
-    "provider", "device", "live_leases", "exports", "export_failures", "batch_rollbacks", "releases",
-    "unknown_releases", "gc_reclaims", "allocations", "exported_bytes", "pool_bytes", "pool_cap_bytes",
-    "busy_bytes", "idle_slots", "busy_slots", "buckets", "slot_allocations", "slot_reuses", "shrinks",
-    "shrunk_slots", "shrunk_bytes", "pool_exhausted", "alloc_failures", "metadata_fetches", "peer_disconnects",
-    "nixl_read_errors", "idle_owners_forgotten", "transport", "known_owners", "xfer_reposts", "xfer_preps",
+    "provider",
+    "device",
+    "live_leases",
+    "exports",
+    "export_failures",
+    "batch_rollbacks",
+    "releases",
+    "unknown_releases",
+    "gc_reclaims",
+    "allocations",
+    "exported_bytes",
+    "pool_bytes",
+    "pool_cap_bytes",
+    "busy_bytes",
+    "idle_slots",
+    "busy_slots",
+    "buckets",
+    "slot_allocations",
+    "slot_reuses",
+    "shrinks",
+    "shrunk_slots",
+    "shrunk_bytes",
+    "pool_exhausted",
+    "alloc_failures",
+    "metadata_fetches",
+    "peer_disconnects",
+    "nixl_read_errors",
+    "idle_owners_forgotten",
+    "transport",
+    "known_owners",
+    "xfer_reposts",
+    "xfer_preps",
     "metadata_served",
 ]
 READER_KEYS = [
-    "provider", "device", "reads", "read_descriptors", "read_bytes", "read_errors", "read_timeouts",
-    "stale_generations", "invalid_descriptors", "quarantined", "quarantine_freed", "quarantine_live", "transport",
-    "buffer_pool_bytes", "buffer_pool_cap_bytes", "buffer_busy_bytes", "buffer_idle_slots", "buffer_busy_slots",
-    "buffer_buckets", "buffer_slot_allocations", "buffer_slot_reuses", "buffer_shrinks", "buffer_shrunk_slots",
-    "buffer_shrunk_bytes", "buffer_pool_exhausted", "buffer_alloc_failures", "loan_pool_bytes", "loaned_slots",
-    "loan_idle_slots", "metadata_fetches", "peer_disconnects", "nixl_read_errors", "idle_owners_forgotten",
-    "known_owners", "xfer_reposts", "xfer_preps",
+    "provider",
+    "device",
+    "reads",
+    "read_descriptors",
+    "read_bytes",
+    "read_errors",
+    "read_timeouts",
+    "stale_generations",
+    "invalid_descriptors",
+    "quarantined",
+    "quarantine_freed",
+    "quarantine_live",
+    "transport",
+    "buffer_pool_bytes",
+    "buffer_pool_cap_bytes",
+    "buffer_busy_bytes",
+    "buffer_idle_slots",
+    "buffer_busy_slots",
+    "buffer_buckets",
+    "buffer_slot_allocations",
+    "buffer_slot_reuses",
+    "buffer_shrinks",
+    "buffer_shrunk_slots",
+    "buffer_shrunk_bytes",
+    "buffer_pool_exhausted",
+    "buffer_alloc_failures",
+    "loan_pool_bytes",
+    "loaned_slots",
+    "loan_idle_slots",
+    "metadata_fetches",
+    "peer_disconnects",
+    "nixl_read_errors",
+    "idle_owners_forgotten",
+    "known_owners",
+    "xfer_reposts",
+    "xfer_preps",
 ]
-ADDED_KEYS = {"exporter": ["metadata_rejected", "metadata_refused", "metadata_evicted"],
-              "reader": ["metadata_served", "metadata_rejected", "metadata_refused", "metadata_evicted"]}
+ADDED_KEYS = {
+    "exporter": ["metadata_rejected", "metadata_refused", "metadata_evicted"],
+    "reader": ["metadata_served", "metadata_rejected", "metadata_refused", "metadata_evicted"],
+}
 
 
 class _GatedLock:
@@ -132,8 +190,11 @@ def test_nixl_counters_are_not_lost(require_nixl: None) -> None:
     provider = NixlProvider(RdmaConfig(bind_ip="127.0.0.1"), role=ROLE_READER)
     try:
         owner = Owner("tw-nobody", "127.0.0.1", 1)
-        lock = _race(provider._tally, "nixl_read_errors",
-                     lambda: provider._translate(RuntimeError("injected"), _Remote(owner.agent_name), owner))
+        lock = _race(
+            provider._tally,
+            "nixl_read_errors",
+            lambda: provider._translate(RuntimeError("injected"), _Remote(owner.agent_name), owner),
+        )
         stats = provider.stats()
         assert isinstance(stats, NixlStats)
         assert stats.nixl_read_errors == 2

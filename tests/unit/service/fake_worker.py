@@ -24,9 +24,17 @@ from tensorwire.service._proto import service_pb2
 
 def descriptor(lease_id: str, port: int = 5555) -> bytes:
     meta = TensorMeta(shape=(4, 8), dtype=torch.float32, offset=0, nbytes=128)
-    return Descriptor(owner=Owner("agent", "127.0.0.1", port), mem_type="DRAM", device_id=0, slot_addr=1 << 20,
-                      payload_bytes=4096, lease_id=lease_id, generation=1, generation_addr=1 << 16,
-                      manifest=(meta,)).to_bytes()
+    return Descriptor(
+        owner=Owner("agent", "127.0.0.1", port),
+        mem_type="DRAM",
+        device_id=0,
+        slot_addr=1 << 20,
+        payload_bytes=4096,
+        lease_id=lease_id,
+        generation=1,
+        generation_addr=1 << 16,
+        manifest=(meta,),
+    ).to_bytes()
 
 
 @dataclass
@@ -55,19 +63,35 @@ class FakeWorker:
 
     def start(self) -> FakeWorker:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=wire.channel_options())
-        server.add_generic_rpc_handlers((
-            grpc.method_handlers_generic_handler(wire.SERVICE_NAME, {
-                "Encode": grpc.unary_unary_rpc_method_handler(
-                    self._encode, request_deserializer=wire.EncodeRequest.FromString,
-                    response_serializer=wire.EncodeResponse.SerializeToString),
-                "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
-                    self._release, request_deserializer=wire.ReleaseLeasesRequest.FromString,
-                    response_serializer=wire.ReleaseLeasesResponse.SerializeToString),
-            }),
-            info_handler(lambda: service_pb2.WorkerInfoResponse(
-                worker_id=self.name, hostname=self.hostname, mode="auto", rdma_provider="auto",
-                rdma_port=self.rdma_port, slot_gc_timeout_ms=self.slot_gc_timeout_ms)),
-        ))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    wire.SERVICE_NAME,
+                    {
+                        "Encode": grpc.unary_unary_rpc_method_handler(
+                            self._encode,
+                            request_deserializer=wire.EncodeRequest.FromString,
+                            response_serializer=wire.EncodeResponse.SerializeToString,
+                        ),
+                        "ReleaseLeases": grpc.unary_unary_rpc_method_handler(
+                            self._release,
+                            request_deserializer=wire.ReleaseLeasesRequest.FromString,
+                            response_serializer=wire.ReleaseLeasesResponse.SerializeToString,
+                        ),
+                    },
+                ),
+                info_handler(
+                    lambda: service_pb2.WorkerInfoResponse(
+                        worker_id=self.name,
+                        hostname=self.hostname,
+                        mode="auto",
+                        rdma_provider="auto",
+                        rdma_port=self.rdma_port,
+                        slot_gc_timeout_ms=self.slot_gc_timeout_ms,
+                    )
+                ),
+            )
+        )
         self.health.add_to(server)
         self.port = server.add_insecure_port(f"127.0.0.1:{self.port}")
         server.start()
@@ -87,8 +111,9 @@ class FakeWorker:
         resp.worker.worker_id = self.name
         if request.support_rdma:
             for lease in leases:
-                resp.rdma_slots.add(descriptor=descriptor(lease, self.owner_port or 20000 + self.port % 10000),
-                                    roles=[1])
+                resp.rdma_slots.add(
+                    descriptor=descriptor(lease, self.owner_port or 20000 + self.port % 10000), roles=[1]
+                )
         else:
             resp.embedding.dtype = 1
             resp.embedding.shape.extend([4, 8])
@@ -113,6 +138,7 @@ def sleep_then(seconds: float, leases: list[str]) -> Callable[..., list[str]]:
     def fn(_request: wire.EncodeRequest, _context: grpc.ServicerContext) -> list[str]:
         time.sleep(seconds)
         return leases
+
     return fn
 
 
@@ -121,4 +147,5 @@ def abort_with(code: grpc.StatusCode, message: str = "scripted") -> Callable[...
         context.set_trailing_metadata(((wire.REASON_METADATA_KEY, "invalid_payload"),))
         context.abort(code, message)
         return []
+
     return fn

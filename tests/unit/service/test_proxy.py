@@ -34,12 +34,16 @@ class Harness:
         self.proxy = EncoderProxy(config, registry=self.registry, **({"clock": clock} if clock else {}))
         self.proxy.start("127.0.0.1:0")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.proxy.port}", options=wire.channel_options())
-        self.encode_rpc = self.channel.unary_unary(wire.ENCODE_METHOD,
-                                                   request_serializer=wire.EncodeRequest.SerializeToString,
-                                                   response_deserializer=wire.EncodeResponse.FromString)
-        self.release_rpc = self.channel.unary_unary(wire.RELEASE_METHOD,
-                                                    request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
-                                                    response_deserializer=wire.ReleaseLeasesResponse.FromString)
+        self.encode_rpc = self.channel.unary_unary(
+            wire.ENCODE_METHOD,
+            request_serializer=wire.EncodeRequest.SerializeToString,
+            response_deserializer=wire.EncodeResponse.FromString,
+        )
+        self.release_rpc = self.channel.unary_unary(
+            wire.RELEASE_METHOD,
+            request_serializer=wire.ReleaseLeasesRequest.SerializeToString,
+            response_deserializer=wire.ReleaseLeasesResponse.FromString,
+        )
 
     def encode(self, rdma: bool = True, timeout: float = 10.0, item_timeout_ms: int = 0) -> wire.EncodeResponse:
         req = wire.EncodeRequest(support_rdma=rdma)
@@ -184,15 +188,17 @@ def test_route_ttl_comes_from_the_workers(make) -> None:
 def test_fixed_rdma_port_shared_on_one_host_is_rejected() -> None:
     workers = [FakeWorker("w0", rdma_port=7000).start(), FakeWorker("w1", rdma_port=7000).start()]
     try:
-        proxy = EncoderProxy(ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0),
-                             registry=CollectorRegistry())
+        proxy = EncoderProxy(
+            ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0), registry=CollectorRegistry()
+        )
         with pytest.raises(ConfigError, match="fixed RDMA port 7000"):
             proxy.start("127.0.0.1:0")
         proxy.stop()
         # Other hosts, or port 0, are fine.
         workers[1].hostname = "host-b"
-        ok = EncoderProxy(ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0),
-                          registry=CollectorRegistry())
+        ok = EncoderProxy(
+            ProxyConfig(workers=tuple(w.address for w in workers), worker_wait_s=5.0), registry=CollectorRegistry()
+        )
         assert ok.start("127.0.0.1:0") > 0
         ok.stop()
     finally:
@@ -207,12 +213,15 @@ def test_unreachable_worker_fails_start() -> None:
     proxy.stop()
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"workers": ()}, "at least one"),
-    ({"workers": ("a:1", "a:1")}, "twice"),
-    ({"workers": ("nohost",)}, "HOST:PORT"),
-    ({"workers": ("a:1",), "release_timeout_ms": 0}, "release_timeout_ms"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"workers": ()}, "at least one"),
+        ({"workers": ("a:1", "a:1")}, "twice"),
+        ({"workers": ("nohost",)}, "HOST:PORT"),
+        ({"workers": ("a:1",), "release_timeout_ms": 0}, "release_timeout_ms"),
+    ],
+)
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         ProxyConfig(**kwargs)
@@ -238,6 +247,7 @@ def test_expired_routes_are_not_forwarded(make) -> None:
 
 
 # ---- health, routing around sick workers, broken receipts (issue 16)
+
 
 def _proxy_health(h: Harness) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -384,10 +394,13 @@ def test_a_second_round_asks_a_worker_again_once_the_other_failed_too(make) -> N
             if len(calls) == 1:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"{worker} restarting")
             return [f"{worker}-ok"]
+
         return fn
 
-    h = make([FakeWorker("w0", on_encode=fail_first("w0")), FakeWorker("w1", on_encode=fail_first("w1"))],
-             probe_interval_s=30.0)
+    h = make(
+        [FakeWorker("w0", on_encode=fail_first("w0")), FakeWorker("w1", on_encode=fail_first("w1"))],
+        probe_interval_s=30.0,
+    )
     assert h.encode().worker.worker_id in ("w0", "w1")
     assert h.metric("tensorwire_proxy_retries_total") == 2
     assert h.workers[0].encodes + h.workers[1].encodes == 3

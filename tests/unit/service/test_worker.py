@@ -89,13 +89,17 @@ def test_fetch_matches_local_encoder(worker: EncoderWorker) -> None:
     assert out.stage_ms["encoder.encode"] > 0
 
 
-@pytest.mark.parametrize("inputs,match", [
-    ([MultimodalInput(b"definitely not a png")], "cannot decode"),
-    ([], "empty request"),
-    ([MultimodalInput(b"x", kind="video")], "kind 'video'"),
-])
-def test_bad_input_is_invalid_argument_and_server_keeps_serving(worker: EncoderWorker, inputs: list,
-                                                                match: str) -> None:
+@pytest.mark.parametrize(
+    "inputs,match",
+    [
+        ([MultimodalInput(b"definitely not a png")], "cannot decode"),
+        ([], "empty request"),
+        ([MultimodalInput(b"x", kind="video")], "kind 'video'"),
+    ],
+)
+def test_bad_input_is_invalid_argument_and_server_keeps_serving(
+    worker: EncoderWorker, inputs: list, match: str
+) -> None:
     with _client(worker) as client:
         with pytest.raises(InvalidPayload, match=match) as info:
             client.fetch(inputs)
@@ -105,8 +109,11 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(worker: EncoderW
 
 
 def test_oversized_image_is_refused(worker: EncoderWorker) -> None:
-    small_limits = EncoderWorker(BuiltinEncoder(preprocess=PreprocessConfig(max_image_pixels=64 * 64)), INLINE,
-                                 metrics=metrics_for(CollectorRegistry()))
+    small_limits = EncoderWorker(
+        BuiltinEncoder(preprocess=PreprocessConfig(max_image_pixels=64 * 64)),
+        INLINE,
+        metrics=metrics_for(CollectorRegistry()),
+    )
     small_limits.start("127.0.0.1:0")
     try:
         with _client(small_limits) as client, pytest.raises(InvalidPayload, match="max_image_pixels"):
@@ -118,9 +125,11 @@ def test_oversized_image_is_refused(worker: EncoderWorker) -> None:
 def test_worker_info_and_health(worker: EncoderWorker) -> None:
     with grpc.insecure_channel(worker.address) as ch:
         info = fetch_info(ch, worker.address, timeout_s=5)
-        check = ch.unary_unary("/grpc.health.v1.Health/Check",
-                               request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                               response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        check = ch.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
         status = check(health_pb2.HealthCheckRequest(service="tensorwire.mm.v1.EncoderService"), timeout=5)
     assert info.worker_id == worker.worker_id and info.mode == "grpc" and info.model == "builtin"
     assert info.rdma_port == INLINE.rdma.port and info.slot_gc_timeout_ms == INLINE.rdma.slot_gc_timeout_ms
@@ -156,8 +165,11 @@ def test_stop_does_not_wait_out_the_grace_for_idle_control_streams(local: str) -
     # it instead of waiting.
     w = EncoderWorker(BuiltinEncoder(preprocess=SMALL), INLINE, metrics=metrics_for(CollectorRegistry()))
     w.start("127.0.0.1:0")
-    client = RemoteOutputTransport(w.address, dataclasses.replace(INLINE, local_channel=local),  # type: ignore[arg-type]
-                                   metrics=metrics_for(CollectorRegistry()))
+    client = RemoteOutputTransport(
+        w.address,
+        dataclasses.replace(INLINE, local_channel=local),  # type: ignore[arg-type]
+        metrics=metrics_for(CollectorRegistry()),
+    )
 
     def open_paths() -> int:
         return w.service.open_streams if local == "off" else w.service.local.open_connections  # type: ignore[union-attr]
@@ -192,9 +204,11 @@ def test_a_loading_worker_is_not_serving_and_refuses_encode_until_loaded() -> No
     loader.start()
     try:
         with grpc.insecure_channel(w.address) as ch:
-            check = ch.unary_unary("/grpc.health.v1.Health/Check",
-                                   request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                   response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            check = ch.unary_unary(
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            )
             req = health_pb2.HealthCheckRequest(service="tensorwire.mm.v1.EncoderService")
             assert check(req, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
             info = fetch_info(ch, w.address, timeout_s=5)  # a proxy can ask while it loads

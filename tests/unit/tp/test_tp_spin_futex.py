@@ -53,9 +53,13 @@ def test_spin_knobs_are_validated_and_read_from_the_environment():
     for bad in ({"spin_max_s": -1.0}, {"spin_max_s": 2.0}, {"spin_gap_factor": 0.5}, {"spin_gap_factor": "2"}):
         with pytest.raises(ConfigError):
             BroadcastConfig(**bad)
-    cfg = BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_SPIN_MAX_S": "0.002",
-                                    "TENSORWIRE_BROADCAST_SPIN_GAP_FACTOR": "3",
-                                    "TENSORWIRE_BROADCAST_FUTEX": "0"})
+    cfg = BroadcastConfig.from_env(
+        {
+            "TENSORWIRE_BROADCAST_SPIN_MAX_S": "0.002",
+            "TENSORWIRE_BROADCAST_SPIN_GAP_FACTOR": "3",
+            "TENSORWIRE_BROADCAST_FUTEX": "0",
+        }
+    )
     assert (cfg.spin_max_s, cfg.spin_gap_factor, cfg.futex) == (0.002, 3.0, False)
     assert BroadcastConfig().futex is True
 
@@ -130,14 +134,25 @@ def test_a_rank_pinned_to_one_cpu_still_adapts_its_spin():
 
     if (os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"):
         pytest.skip("needs two CPUs and sched_setaffinity")
-    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from tensorwire.tp._spin import SpinWindow, N, _cpus; w = SpinWindow(100e-6, 5e-3, 2.0, world=2); "
-            "[w.record(2e-3) for _ in range(N)]; print(len(os.sched_getaffinity(0)), _cpus() >= 2, w.budget())")
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from tensorwire.tp._spin import SpinWindow, N, _cpus; w = SpinWindow(100e-6, 5e-3, 2.0, world=2); "
+        "[w.record(2e-3) for _ in range(N)]; print(len(os.sched_getaffinity(0)), _cpus() >= 2, w.budget())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     mask, enough, budget = out.stdout.split()
     assert mask == "1" and enough == "True" and float(budget) == pytest.approx(4e-3), out.stdout
 
 
 def test_cpu_quotas_count_whole_cpus_and_no_limit_counts_none():
-    assert [_spin._quota_cpus(q, p) for q, p in (("150000", "100000"), ("200000", "100000"), ("max", "100000"),
-                                                  ("-1", "100000"), ("5", "0"), ("", ""))] == [2, 2, 0, 0, 0, 0]
+    assert [
+        _spin._quota_cpus(q, p)
+        for q, p in (
+            ("150000", "100000"),
+            ("200000", "100000"),
+            ("max", "100000"),
+            ("-1", "100000"),
+            ("5", "0"),
+            ("", ""),
+        )
+    ] == [2, 2, 0, 0, 0, 0]

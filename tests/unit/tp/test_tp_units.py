@@ -21,16 +21,16 @@ def _roundtrip(value, align=1):
     buf = bytearray(prefix) + bytearray(payload)
     for t, off in zip(tensors, offsets, strict=True):
         v = F.byte_view(t)
-        buf[len(prefix) + off: len(prefix) + off + len(v)] = v
+        buf[len(prefix) + off : len(prefix) + off + len(v)] = v
     mv = memoryview(bytes(buf))
     kind, seq, n, table_bytes, pb, st = F.decode_header(mv[: F.HEADER.size], 1)
     assert (kind, seq, pb) == (F.KIND_DATA, 5, payload)
-    entries = F.decode_table(mv[F.HEADER.size: F.HEADER.size + table_bytes], n, pb, 1)
+    entries = F.decode_table(mv[F.HEADER.size : F.HEADER.size + table_bytes], n, pb, 1)
     layout = F.Layout(kind, seq, st, entries, table_bytes, pb)
     out = F.allocate(layout)
     base = F.HEADER.size + table_bytes
     for e, t in zip(entries, out, strict=True):
-        F.byte_view(t)[:] = mv[base + e.offset: base + e.offset + e.nbytes]
+        F.byte_view(t)[:] = mv[base + e.offset : base + e.offset + e.nbytes]
     return F.unflatten(st, entries, out)
 
 
@@ -70,14 +70,14 @@ def test_corrupt_frames_raise_frame_mismatch():
     with pytest.raises(FrameMismatch):
         F.decode_header(bytes(bad), 1)
     kind, seq, n, table_bytes, pb, st = F.decode_header(prefix, 1)
-    table = bytearray(prefix[F.HEADER.size:])
+    table = bytearray(prefix[F.HEADER.size :])
     table[0] = 250  # unknown dtype code
     with pytest.raises(FrameMismatch):
         F.decode_table(bytes(table), n, pb, 1)
     with pytest.raises(FrameMismatch):  # claims more bytes than the payload holds
-        F.decode_table(prefix[F.HEADER.size:], n, pb - 1, 1)
+        F.decode_table(prefix[F.HEADER.size :], n, pb - 1, 1)
     with pytest.raises(FrameMismatch):  # truncated
-        F.decode_table(prefix[F.HEADER.size:-3], n, pb, 1)
+        F.decode_table(prefix[F.HEADER.size : -3], n, pb, 1)
 
 
 def test_session_sanitizing_and_digest():
@@ -171,8 +171,13 @@ def test_config_validation_and_env():
         BroadcastConfig(slot_bytes=1000)
     with pytest.raises(ConfigError):
         BroadcastConfig(n_slots=1)
-    cfg = BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_TIMEOUT_S": "2.5", "TENSORWIRE_BROADCAST_ABSTRACT": "1",
-                                    "TENSORWIRE_BROADCAST_N_SLOTS": "16"})
+    cfg = BroadcastConfig.from_env(
+        {
+            "TENSORWIRE_BROADCAST_TIMEOUT_S": "2.5",
+            "TENSORWIRE_BROADCAST_ABSTRACT": "1",
+            "TENSORWIRE_BROADCAST_N_SLOTS": "16",
+        }
+    )
     assert cfg.timeout_s == 2.5 and cfg.abstract is True and cfg.n_slots == 16
     with pytest.raises(ConfigError):
         BroadcastConfig.from_env({"TENSORWIRE_BROADCAST_N_SLOTS": "many"})

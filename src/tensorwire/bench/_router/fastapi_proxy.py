@@ -49,8 +49,10 @@ def build(encoders: list[str], llms: list[str]) -> Any:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         body = await request.json()
-        has_media = any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
-                        for m in body.get("messages", []))
+        has_media = any(
+            isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
+            for m in body.get("messages", [])
+        )
         if has_media:
             primer = {**body, "max_tokens": 1, "stream": False}
             primer.pop("stream_options", None)
@@ -60,10 +62,12 @@ def build(encoders: list[str], llms: list[str]) -> Any:
                 body["ec_transfer_params"] = answer["ec_transfer_params"]
         url = next(llm_cycle) + "/v1/chat/completions"
         if body.get("stream"):
+
             async def relay() -> AsyncIterator[bytes]:
                 async with sessions["llm"].post(url, json=body) as resp:
                     async for chunk in resp.content.iter_chunked(1024):
                         yield chunk
+
             return StreamingResponse(relay(), media_type="text/event-stream")
         async with sessions["llm"].post(url, json=body) as resp:
             return JSONResponse(await resp.json(), status_code=resp.status)

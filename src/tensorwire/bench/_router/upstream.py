@@ -19,16 +19,27 @@ import json
 import sys
 from typing import cast
 
-_ANSWER = json.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "model": "m", "choices": [
-    {"index": 0, "message": {"role": "assistant", "content": "a short answer from the stand-in"},
-     "finish_reason": "length"}], "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20},
-    "ec_transfer_params": {"hash-0": {"item_indices": [0], "tensorwire": {"v": 1}}}}).encode()
+_ANSWER = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "a short answer from the stand-in"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 8, "total_tokens": 20},
+        "ec_transfer_params": {"hash-0": {"item_indices": [0], "tensorwire": {"v": 1}}},
+    }
+).encode()
 _HEALTH = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
 def _plain() -> bytes:
-    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_ANSWER)
-            + _ANSWER)
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(_ANSWER) + _ANSWER
 
 
 def _event(i: int) -> bytes:
@@ -71,8 +82,8 @@ class _Upstream(asyncio.Protocol):
                     length = int(value)
             if len(self._buf) < end + 4 + length:
                 return
-            body = self._buf[end + 4:end + 4 + length]
-            self._buf = self._buf[end + 4 + length:]
+            body = self._buf[end + 4 : end + 4 + length]
+            self._buf = self._buf[end + 4 + length :]
             assert self._transport is not None
             if head.startswith("GET /health"):
                 self._transport.write(_HEALTH)
@@ -98,8 +109,9 @@ class _Upstream(asyncio.Protocol):
 
 async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: _Upstream(args.events, args.event_delay_ms / 1e3, args.hang),
-                                      "127.0.0.1", args.port, backlog=4096)
+    server = await loop.create_server(
+        lambda: _Upstream(args.events, args.event_delay_ms / 1e3, args.hang), "127.0.0.1", args.port, backlog=4096
+    )
     print(f"PORT {server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 

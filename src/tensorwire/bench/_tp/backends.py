@@ -84,9 +84,14 @@ class TensorwireEndpoint(BroadcastEndpoint):
         self._schema = SchedulerStep if opts.object_codec == "typed" and backend != "shm_pickle" else None
         overrides = SHM_VARIANTS.get(backend, {})
         config = BroadcastConfig.from_env(**overrides)  # as a user's ranks would: the environment, then ours
-        self._b = CpuTpBroadcaster(rank, world, f"bench-{os.getppid()}-{backend}-{world}",
-                                   backend="shm" if backend in SHM_VARIANTS else backend,
-                                   init_timeout_s=opts.init_timeout_s, config=config)
+        self._b = CpuTpBroadcaster(
+            rank,
+            world,
+            f"bench-{os.getppid()}-{backend}-{world}",
+            backend="shm" if backend in SHM_VARIANTS else backend,
+            init_timeout_s=opts.init_timeout_s,
+            config=config,
+        )
 
     def send(self, kind: str, value: Any) -> Any:
         b, root = self._b, self.rank == 0
@@ -160,8 +165,13 @@ class VllmEndpoint(BroadcastEndpoint):
         os.environ.setdefault("VLLM_RPC_BASE_PATH", os.path.dirname(store))  # its zmq ipc sockets, removed with it
         path = f"{store}.vllm-handle"
         if rank == 0:
-            self._mq = mod.MessageQueue(world - 1, world - 1, list(range(1, world)),
-                                        max_chunk_bytes=opts.vllm_chunk_bytes, max_chunks=opts.vllm_chunks)
+            self._mq = mod.MessageQueue(
+                world - 1,
+                world - 1,
+                list(range(1, world)),
+                max_chunk_bytes=opts.vllm_chunk_bytes,
+                max_chunks=opts.vllm_chunks,
+            )
             with open(f"{path}.tmp", "wb") as f:
                 pickle.dump(self._mq.export_handle(), f)
             os.replace(f"{path}.tmp", path)
@@ -169,8 +179,9 @@ class VllmEndpoint(BroadcastEndpoint):
             deadline = time.monotonic() + opts.init_timeout_s
             while not os.path.exists(path):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {rank}: no vLLM MessageQueue handle from rank 0 after "
-                                       f"{opts.init_timeout_s:.0f} s")
+                    raise TimeoutError(
+                        f"rank {rank}: no vLLM MessageQueue handle from rank 0 after {opts.init_timeout_s:.0f} s"
+                    )
                 time.sleep(0.001)
             with open(path, "rb") as f:
                 self._mq = mod.MessageQueue.create_from_handle(pickle.load(f), rank)

@@ -17,16 +17,25 @@ from typing import Any
 RankFn = Callable[..., dict[str, Any]]  # fn(rank, world, *args, store, times, done) -> result dict
 
 
-def _rank_main(fn: RankFn, rank: int, world: int, args: tuple[Any, ...], store: str, times: Any, done: Any,
-               q: Any) -> None:
+def _rank_main(
+    fn: RankFn, rank: int, world: int, args: tuple[Any, ...], store: str, times: Any, done: Any, q: Any
+) -> None:
     try:
         q.put((rank, fn(rank, world, *args, store, times, done)))
     except BaseException as exc:  # report, never leave the parent waiting
         q.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
 
 
-def run_ranks(world: int, fn: RankFn, args: tuple[Any, ...], *, label: str, timeout_s: float,
-              join_s: float = 10.0, tmp_prefix: str = "twbench.") -> list[dict[str, Any]]:
+def run_ranks(
+    world: int,
+    fn: RankFn,
+    args: tuple[Any, ...],
+    *,
+    label: str,
+    timeout_s: float,
+    join_s: float = 10.0,
+    tmp_prefix: str = "twbench.",
+) -> list[dict[str, Any]]:
     """``fn``'s result for every rank, in rank order; RuntimeError/TimeoutError naming ``label`` otherwise."""
     ctx = mp.get_context("spawn")
     times = ctx.Array("d", world, lock=False)
@@ -34,8 +43,10 @@ def run_ranks(world: int, fn: RankFn, args: tuple[Any, ...], *, label: str, time
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp:
         store = f"{tmp}/store"
-        procs = [ctx.Process(target=_rank_main, args=(fn, r, world, args, store, times, done, q), daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world, args, store, times, done, q), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         results: dict[int, dict[str, Any]] = {}

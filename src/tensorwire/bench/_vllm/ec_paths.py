@@ -98,6 +98,7 @@ def index_of(key: str) -> int:
 
 # -- the file path (ECExampleConnector's library calls) --
 
+
 def file_name(root: str, mm_hash: str) -> str:
     """``<root>/<mm_hash>/encoder_cache.safetensors``; creates the folder, as the example connector's helper
     does on every call (the save, ``has_cache_item`` and the load all go through it)."""
@@ -153,6 +154,7 @@ def fs_type(path: str) -> str:
 
 # -- the tensorwire path's reader side --
 
+
 class CheckedArea(StagingArea):
     """A StagingArea that compares each staged item with what it must be (the bench's equality check, done where
     the tensor lands; a mismatch fails the stage, so the fetch reports it and nothing is kept). ``provider``
@@ -173,8 +175,15 @@ class CheckedArea(StagingArea):
         self.checked = 0
         self.last_check_ns = 0  # how long the last item's check took (the file path pays the same check)
 
-    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect | None = None,
-              into: Callable[[int], torch.Tensor] | None = None) -> int:
+    def stage(
+        self,
+        key: str,
+        receipt: pb.EncodeResponse,
+        *,
+        timeout_ms: int,
+        expect: Expect | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
+    ) -> int:
         nbytes = super().stage(key, receipt, timeout_ms=timeout_ms, expect=expect, into=into)
         t = time.monotonic_ns()
         got = self.get(key)
@@ -183,21 +192,30 @@ class CheckedArea(StagingArea):
         self.last_check_ns = time.monotonic_ns() - t
         if not equal:
             self.drop([key])
-            raise ProtocolError(f"staged item {key[:24]!r} is not the item the encoder held",
-                                reason=Reason.RESULT_MISMATCH)
+            raise ProtocolError(
+                f"staged item {key[:24]!r} is not the item the encoder held", reason=Reason.RESULT_MISMATCH
+            )
         self.checked += 1
         return nbytes
 
     def leftovers(self) -> dict[str, Any]:
         """What the area still holds, and its reader's lent-out buffers (0 after every drop)."""
         st = self.stats()
-        out: dict[str, Any] = {"staged_items": st.staged_items, "staged_bytes": st.staged_bytes,
-                               "stages": st.stages, "stage_failures": st.stage_failures,
-                               "rdma_stages": st.rdma_stages, "checked": self.checked}
+        out: dict[str, Any] = {
+            "staged_items": st.staged_items,
+            "staged_bytes": st.staged_bytes,
+            "stages": st.stages,
+            "stage_failures": st.stage_failures,
+            "rdma_stages": st.rdma_stages,
+            "checked": self.checked,
+        }
         if self.reader is not None:
             rs = self.reader.stats()
-            out.update(reader_loaned_slots=rs.loans.busy_slots, reader_quarantine_live=rs.quarantine_live,
-                       reader_transport=self.reader.transport())
+            out.update(
+                reader_loaned_slots=rs.loans.busy_slots,
+                reader_quarantine_live=rs.quarantine_live,
+                reader_transport=self.reader.transport(),
+            )
         return out
 
 
@@ -231,10 +249,12 @@ def serve_staging(base_rows: int, cols: int, device: str, provider: str, address
 
 # -- the encoder instance (both paths' producer side) --
 
+
 def _request(mm_hash: str, rows: int) -> SimpleNamespace:
     """The duck-typed vLLM request the connector's producer scheduler reads (one image item)."""
-    feat = SimpleNamespace(identifier=mm_hash, modality="image",
-                           mm_position=SimpleNamespace(get_num_embeds=lambda: rows))
+    feat = SimpleNamespace(
+        identifier=mm_hash, modality="image", mm_position=SimpleNamespace(get_num_embeds=lambda: rows)
+    )
     return SimpleNamespace(req_id=f"req-{mm_hash[:16]}", request_id=f"req-{mm_hash[:16]}", mm_features=[feat])
 
 
@@ -242,14 +262,22 @@ def _producer_stats(rt: Any) -> dict[str, Any]:
     st = asdict(rt.store.stats())
     if rt.exporter is not None:
         ex = rt.exporter.stats()
-        st.update(exporter_live_leases=ex.live_leases, pool_busy_slots=ex.pool.busy_slots,
-                  pool_idle_slots=ex.pool.idle_slots, pool_bytes=ex.pool.pool_bytes, exports=ex.exports,
-                  exporter_releases=ex.releases, gc_reclaims=ex.gc_reclaims, provider=ex.provider)
+        st.update(
+            exporter_live_leases=ex.live_leases,
+            pool_busy_slots=ex.pool.busy_slots,
+            pool_idle_slots=ex.pool.idle_slots,
+            pool_bytes=ex.pool.pool_bytes,
+            exports=ex.exports,
+            exporter_releases=ex.releases,
+            gc_reclaims=ex.gc_reclaims,
+            provider=ex.provider,
+        )
     return st
 
 
-def run_producer(base_rows: int, cols: int, device: str, cfg_kwargs: dict[str, Any], roots: dict[str, str],
-                 run_id: str, conn: Any) -> None:
+def run_producer(
+    base_rows: int, cols: int, device: str, cfg_kwargs: dict[str, Any], roots: dict[str, str], run_id: str, conn: Any
+) -> None:
     """Encoder process. Commands on ``conn``: ``("item", path, index, rows)`` -> ``(t0_ns, t_saved_ns, payload)``
     (t0: the encoder output exists; payload: the params JSON for ``tensorwire``, the mm_hash for a file path, or
     ``error: ...`` when the save failed);
@@ -270,8 +298,7 @@ def run_producer(base_rows: int, cols: int, device: str, cfg_kwargs: dict[str, A
     base = embedding(base_rows, cols).to(device)
     rt = ProducerRuntime(cfg, PRODUCER_NAME, device)
     assert rt.store is not None
-    sched = ProducerScheduler(lambda: rt.endpoint, metrics, dtype=DTYPE, width=lambda _m: cols,
-                              ttl_ms=cfg.lease_ttl_ms)
+    sched = ProducerScheduler(lambda: rt.endpoint, metrics, dtype=DTYPE, width=lambda _m: cols, ttl_ms=cfg.lease_ttl_ms)
     worker = ProducerWorker(rt.store, metrics)
     conn.send(("ready", rt.endpoint, "rdma" if rt.exporter is not None else "inline", os.getpid()))
     try:
@@ -318,6 +345,24 @@ def expect_for(rows: int, cols: int) -> Expect:
     return Expect((rows, cols), DTYPE)
 
 
-__all__ = ["mark", "make_item", "matches", "mm_hash_of", "staging_key", "index_of", "file_name", "file_save",
-           "file_load", "file_remove", "files_left", "fs_type", "CheckedArea", "serve_staging", "run_producer",
-           "expect_for", "FILE_NAME", "TENSOR_NAME", "DTYPE"]
+__all__ = [
+    "mark",
+    "make_item",
+    "matches",
+    "mm_hash_of",
+    "staging_key",
+    "index_of",
+    "file_name",
+    "file_save",
+    "file_load",
+    "file_remove",
+    "files_left",
+    "fs_type",
+    "CheckedArea",
+    "serve_staging",
+    "run_producer",
+    "expect_for",
+    "FILE_NAME",
+    "TENSOR_NAME",
+    "DTYPE",
+]

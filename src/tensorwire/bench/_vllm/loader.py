@@ -75,7 +75,8 @@ def locate(explicit: str | None = None, search_dir: str | Path = SEARCH_DIR) -> 
     raise VllmUnavailable(
         f"vLLM's MessageQueue is not available: vllm is not installed, no --vllm-shm-broadcast PATH was given, and "
         f"{d}/ holds no *shm_broadcast*.py or vllm*.whl. Give a vllm wheel (pip download vllm==0.33.0 --no-deps) "
-        f"or the file extracted from one (unzip -p vllm-*.whl {MEMBER} > {SEARCH_DIR}/vllm-0.33.0-shm_broadcast.py)")
+        f"or the file extracted from one (unzip -p vllm-*.whl {MEMBER} > {SEARCH_DIR}/vllm-0.33.0-shm_broadcast.py)"
+    )
 
 
 def load(source: VllmSource) -> tuple[types.ModuleType, dict[str, Any]]:
@@ -83,16 +84,28 @@ def load(source: VllmSource) -> tuple[types.ModuleType, dict[str, Any]]:
     if source.kind == "installed":
         mod = _guarded(lambda: importlib.import_module(MODULE), source)
         data = Path(mod.__file__ or "").read_bytes() if mod.__file__ else b""
-        return mod, {"source": source.describe(), "kind": "installed", "path": mod.__file__,
-                     "version": _installed_version(), "sha256": hashlib.sha256(data).hexdigest(), "shims": []}
+        return mod, {
+            "source": source.describe(),
+            "kind": "installed",
+            "path": mod.__file__,
+            "version": _installed_version(),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "shims": [],
+        }
     assert source.path is not None
     data, filename, record_ok = _read(source)
-    info = {"source": source.describe(), "kind": source.kind, "path": source.path,
-            "version": _version_from_name(Path(source.path).name), "sha256": hashlib.sha256(data).hexdigest(),
-            "wheel_record_matches": record_ok}
+    info = {
+        "source": source.describe(),
+        "kind": source.kind,
+        "path": source.path,
+        "version": _version_from_name(Path(source.path).name),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "wheel_record_matches": record_ok,
+    }
     if record_ok is False:
-        raise VllmUnavailable(f"{source.path}: {MEMBER} does not match the wheel's RECORD hash (the file must run "
-                              f"unchanged)")
+        raise VllmUnavailable(
+            f"{source.path}: {MEMBER} does not match the wheel's RECORD hash (the file must run unchanged)"
+        )
     loaded = sys.modules.get(MODULE)
     if loaded is not None and getattr(loaded, "__tensorwire_sha256__", None) == info["sha256"]:
         return loaded, {**info, "shims": getattr(loaded, "__tensorwire_shims__", [])}
@@ -125,13 +138,18 @@ def _guarded(fn: Any, source: VllmSource) -> Any:
         return fn()
     except ModuleNotFoundError as exc:
         if exc.name == "zmq":
-            raise VllmUnavailable("pyzmq is not installed (vLLM's shm_broadcast.py imports zmq): pip install pyzmq; "
-                                  "on a machine without a package registry carry its wheel in .whl/") from exc
-        raise VllmUnavailable(f"{source.describe()} imports {exc.name!r}, which neither this environment nor the "
-                              f"stand-ins in tensorwire/bench/_vllm/shims.py provide") from exc
+            raise VllmUnavailable(
+                "pyzmq is not installed (vLLM's shm_broadcast.py imports zmq): pip install pyzmq; "
+                "on a machine without a package registry carry its wheel in .whl/"
+            ) from exc
+        raise VllmUnavailable(
+            f"{source.describe()} imports {exc.name!r}, which neither this environment nor the "
+            f"stand-ins in tensorwire/bench/_vllm/shims.py provide"
+        ) from exc
     except ImportError as exc:
-        raise VllmUnavailable(f"{source.describe()}: {exc} (a vllm.* name the stand-ins in "
-                              f"tensorwire/bench/_vllm/shims.py lack?)") from exc
+        raise VllmUnavailable(
+            f"{source.describe()}: {exc} (a vllm.* name the stand-ins in tensorwire/bench/_vllm/shims.py lack?)"
+        ) from exc
 
 
 def _read(source: VllmSource) -> tuple[bytes, str, bool | None]:

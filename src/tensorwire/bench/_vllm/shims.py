@@ -49,8 +49,10 @@ def _env_value(name: str) -> Any:
         return bool(int(os.environ.get(name, "0")))
     if name == "VLLM_RPC_BASE_PATH":
         return os.environ.get(name, tempfile.gettempdir())
-    raise AttributeError(f"vllm.envs has no {name!r} in tensorwire's stand-in (tensorwire/bench/_vllm/shims.py); "
-                         f"this vLLM file needs a new stand-in")
+    raise AttributeError(
+        f"vllm.envs has no {name!r} in tensorwire's stand-in (tensorwire/bench/_vllm/shims.py); "
+        f"this vLLM file needs a new stand-in"
+    )
 
 
 def _sched_yield() -> None:
@@ -107,19 +109,26 @@ def install() -> list[str]:
     envs = _module("vllm.envs")
     envs.__dict__["__getattr__"] = _env_value  # PEP 562: the module's own __getattr__ reads the environment
     modules = {name: _module(name, __path__=[]) for name in PACKAGES}
-    modules.update({
-        "vllm.envs": envs,
-        "vllm.distributed.utils": _module("vllm.distributed.utils", sched_yield=_sched_yield,
-                                          StatelessProcessGroup=_StatelessProcessGroup),
-        "vllm.logger": _module("vllm.logger", init_logger=logging.getLogger),
-        "vllm.platforms": _module("vllm.platforms", current_platform=_Platform()),
-        "vllm.utils.cpu_resource_utils": _module("vllm.utils.cpu_resource_utils",
-                                                 check_cgroup_memory_available=_check_cgroup_memory_available),
-        "vllm.utils.network_utils": _module("vllm.utils.network_utils", get_ip=_get_ip,
-                                            get_open_zmq_ipc_path=_get_open_zmq_ipc_path,
-                                            get_open_zmq_inproc_path=_get_open_zmq_inproc_path,
-                                            is_valid_ipv6_address=_is_valid_ipv6_address),
-    })
+    modules.update(
+        {
+            "vllm.envs": envs,
+            "vllm.distributed.utils": _module(
+                "vllm.distributed.utils", sched_yield=_sched_yield, StatelessProcessGroup=_StatelessProcessGroup
+            ),
+            "vllm.logger": _module("vllm.logger", init_logger=logging.getLogger),
+            "vllm.platforms": _module("vllm.platforms", current_platform=_Platform()),
+            "vllm.utils.cpu_resource_utils": _module(
+                "vllm.utils.cpu_resource_utils", check_cgroup_memory_available=_check_cgroup_memory_available
+            ),
+            "vllm.utils.network_utils": _module(
+                "vllm.utils.network_utils",
+                get_ip=_get_ip,
+                get_open_zmq_ipc_path=_get_open_zmq_ipc_path,
+                get_open_zmq_inproc_path=_get_open_zmq_inproc_path,
+                is_valid_ipv6_address=_is_valid_ipv6_address,
+            ),
+        }
+    )
     added = []
     for name, mod in modules.items():
         if name not in sys.modules:

@@ -32,11 +32,14 @@ CALL_TIMEOUT_S = 600.0
 # (A fetch that misses it is counted as failed, so a stuck read costs a round this long, not a whole run.)
 CONSUMER_BUDGETS = {"fetch_timeout_ms": 15000, "lookup_timeout_ms": 10000, "release_timeout_ms": 10000}
 LOGGING = {
-    "version": 1, "disable_existing_loggers": False,
+    "version": 1,
+    "disable_existing_loggers": False,
     "formatters": {"f": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
-    "loggers": {"vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-                "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False}},
+    "loggers": {
+        "vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
+        "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False},
+    },
 }
 MOONCAKE_NOT_RUN = (
     "vLLM's ECMooncakeConnector is not wired into this benchmark: it needs mooncake-transfer-engine-non-cuda "
@@ -44,7 +47,8 @@ MOONCAKE_NOT_RUN = (
     "lone request hangs until push_wait_timeout_s (the pushed item is loaded only on a step with a forward pass), "
     "so it must be measured with a second request in flight, which changes the batch beside the measured one; "
     "not done for lack of time, and two more instances did not fit the shared 2-core, 23 GB box (the OOM killer "
-    "fired during these runs)")
+    "fired during these runs)"
+)
 DEFINITIONS = {
     "handoff": "encoder instance's save_caches start -> the item in the LLM instance's encoder cache",
     "fetch": "LLM instance's scheduler first sees the item -> the item in its encoder cache",
@@ -66,8 +70,14 @@ def stats_of(samples: Sequence[float]) -> dict[str, float]:
     """n, p50, p90, p99, min, max of durations in ms (nearest rank)."""
     if not samples:
         return {"n": 0}
-    return {"n": len(samples), "p50_ms": _pct(samples, 0.5), "p90_ms": _pct(samples, 0.9),
-            "p99_ms": _pct(samples, 0.99), "min_ms": min(samples), "max_ms": max(samples)}
+    return {
+        "n": len(samples),
+        "p50_ms": _pct(samples, 0.5),
+        "p90_ms": _pct(samples, 0.9),
+        "p99_ms": _pct(samples, 0.99),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+    }
 
 
 def png(seed: int, side: int) -> bytes:
@@ -94,7 +104,7 @@ class Events:
             with open(path) as f:
                 f.seek(self._offsets.get(path, 0))
                 data = f.read()
-            complete = data[:data.rfind("\n") + 1]
+            complete = data[: data.rfind("\n") + 1]
             self._offsets[path] = self._offsets.get(path, 0) + len(complete)
             out.extend(json.loads(line) for line in complete.splitlines() if line)
         return out
@@ -103,8 +113,18 @@ class Events:
 class Instance:
     """One ``instance.py`` process (its own session: vLLM's engine-core and worker processes die with it)."""
 
-    def __init__(self, name: str, role: str, work: Path, model: Path, env: dict[str, str], *,
-                 connector: str | None = None, extra: dict[str, Any] | None = None, max_model_len: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        work: Path,
+        model: Path,
+        env: dict[str, str],
+        *,
+        connector: str | None = None,
+        extra: dict[str, Any] | None = None,
+        max_model_len: int,
+    ) -> None:
         self.name = name
         self.sock = str(work / f"{name}.sock")
         self.log_path = work / f"{name}.log"
@@ -113,15 +133,28 @@ class Instance:
         prom = work / f"{name}-prom"
         prom.mkdir()
         self.authkey = os.urandom(16).hex()
-        full_env = dict(env, TW_BENCH_AUTHKEY=self.authkey, TW_EC_TIMES_DIR=str(self.times),
-                        PROMETHEUS_MULTIPROC_DIR=str(prom))
-        cmd = [sys.executable, "-m", "tensorwire.bench.vllm_engine.instance", "--role", role, "--model", str(model),
-               "--socket", self.sock, "--max-model-len", str(max_model_len)]
+        full_env = dict(
+            env, TW_BENCH_AUTHKEY=self.authkey, TW_EC_TIMES_DIR=str(self.times), PROMETHEUS_MULTIPROC_DIR=str(prom)
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "tensorwire.bench.vllm_engine.instance",
+            "--role",
+            role,
+            "--model",
+            str(model),
+            "--socket",
+            self.sock,
+            "--max-model-len",
+            str(max_model_len),
+        ]
         if connector:
             cmd += ["--connector", CLASSES[connector], "--extra", json.dumps(extra or {})]
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
         self.events = Events(self.times)
         self._conn: Any = None
 
@@ -185,8 +218,10 @@ def wait_ready(insts: Sequence[Instance]) -> None:
     while starting:
         starting = [i for i in starting if not i.try_connect()]
         if starting and time.monotonic() > deadline:
-            raise TimeoutError(f"{[i.name for i in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
-                               + "\n".join(i.tail() for i in starting))
+            raise TimeoutError(
+                f"{[i.name for i in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
+                + "\n".join(i.tail() for i in starting)
+            )
         time.sleep(0.5)
 
 
@@ -214,16 +249,18 @@ class Pair:
         t0 = time.monotonic()
         prod = self.producer.generate([{"image": image, "prompt": prompt, "max_tokens": 1}])
         params = prod["results"][0]["ec_transfer_params"]
-        cons = self.consumer.generate([{"image": image, "prompt": prompt, "params": params,
-                                        "max_tokens": max_tokens}])
+        cons = self.consumer.generate([{"image": image, "prompt": prompt, "params": params, "max_tokens": max_tokens}])
         e2e_ms = (time.monotonic() - t0) * 1e3
         got = cons["results"][0]
         self.last_got = got
         saves = [e for e in self.producer.events.new() if e["ev"] == "save"]
         cons_events = self.consumer.events.new()
-        sample: dict[str, Any] = {"e2e": e2e_ms, "llm_request": cons["seconds"] * 1e3,
-                                  "producer_request": prod["seconds"] * 1e3,
-                                  "identical": None if want is None else _same(got, want)}
+        sample: dict[str, Any] = {
+            "e2e": e2e_ms,
+            "llm_request": cons["seconds"] * 1e3,
+            "producer_request": prod["seconds"] * 1e3,
+            "identical": None if want is None else _same(got, want),
+        }
         if len(saves) == 1:
             save = saves[0]
             h = save["mm_hash"]
@@ -269,8 +306,17 @@ def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_set(topology: str, size_mb: int, connectors: Sequence[str], rounds: int, warmup: int, max_tokens: int,
-            model: Path, work: Path, seed0: int) -> dict[str, Any]:
+def run_set(
+    topology: str,
+    size_mb: int,
+    connectors: Sequence[str],
+    rounds: int,
+    warmup: int,
+    max_tokens: int,
+    model: Path,
+    work: Path,
+    seed0: int,
+) -> dict[str, Any]:
     """One topology and one item size: every instance alive at once, requests interleaved."""
     from tensorwire.bench.vllm_engine.tiny_llava import PROMPT, side_for_tokens
 
@@ -284,8 +330,14 @@ def run_set(topology: str, size_mb: int, connectors: Sequence[str], rounds: int,
     insts: dict[str, Instance] = {}
     pairs: list[Pair] = []
     runtimes: list[Path] = []
-    result: dict[str, Any] = {"topology": topology, "size_mb": size_mb, "image_tokens": tokens,
-                              "item_bytes": tokens * COLS * 4, "rounds": rounds, "warmup_rounds": warmup}
+    result: dict[str, Any] = {
+        "topology": topology,
+        "size_mb": size_mb,
+        "image_tokens": tokens,
+        "item_bytes": tokens * COLS * 4,
+        "rounds": rounds,
+        "warmup_rounds": warmup,
+    }
     t_start = time.monotonic()
     try:
         insts["baseline"] = Instance("baseline", "baseline", work, model, env, max_model_len=max_model_len)
@@ -302,10 +354,12 @@ def run_set(topology: str, size_mb: int, connectors: Sequence[str], rounds: int,
                 pe = ce = {"shared_storage_path": str(file_dir)}
             else:
                 raise ValueError(f"connector {c!r} is not supported by this benchmark")
-            p = Instance(f"{c}-producer", "producer", work, model, env, connector=c, extra=pe,
-                         max_model_len=max_model_len)
-            q = Instance(f"{c}-consumer", "consumer", work, model, env, connector=c, extra=ce,
-                         max_model_len=max_model_len)
+            p = Instance(
+                f"{c}-producer", "producer", work, model, env, connector=c, extra=pe, max_model_len=max_model_len
+            )
+            q = Instance(
+                f"{c}-consumer", "consumer", work, model, env, connector=c, extra=ce, max_model_len=max_model_len
+            )
             insts[p.name], insts[q.name] = p, q
             pairs.append(Pair(c, p, q, file_dir))
         wait_ready(list(insts.values()))
@@ -321,7 +375,7 @@ def run_set(topology: str, size_mb: int, connectors: Sequence[str], rounds: int,
             want = None
             # Rotate who goes first; the baseline's answer is needed for the check, so it runs before the pairs
             # that follow it and the pairs before it are checked once it ran.
-            rot = order[r % len(order):] + order[:r % len(order)]
+            rot = order[r % len(order) :] + order[: r % len(order)]
             pending: list[dict[str, Any]] = []
             for who in rot:
                 if who == "baseline":
@@ -329,8 +383,7 @@ def run_set(topology: str, size_mb: int, connectors: Sequence[str], rounds: int,
                     ans = base.generate([{"image": image, "prompt": PROMPT, "max_tokens": max_tokens}])
                     want = ans["results"][0]
                     if measured:
-                        base_samples.append({"llm_request": ans["seconds"] * 1e3,
-                                             "e2e": (time.monotonic() - t0) * 1e3})
+                        base_samples.append({"llm_request": ans["seconds"] * 1e3, "e2e": (time.monotonic() - t0) * 1e3})
                     for s in pending:
                         s["identical"] = _same(s.pop("_got"), want)
                     pending = []
@@ -374,13 +427,17 @@ def _leftovers(pairs: Sequence[Pair]) -> dict[str, Any]:
                 time.sleep(0.5)
             c = p.consumer.metrics()
             out["tensorwire"] = {
-                "held_items": held, "held_bytes": metric(m, "tensorwire_vllm_ec_held_bytes"),
+                "held_items": held,
+                "held_bytes": metric(m, "tensorwire_vllm_ec_held_bytes"),
                 "delivered_rdma": metric(c, "tensorwire_vllm_ec_delivered_total", plane="rdma"),
                 "fallbacks": metric(c, "tensorwire_vllm_ec_fallbacks_total"),
                 "placed": metric(c, "tensorwire_vllm_ec_placed_total"),
                 "place_misses": metric(c, "tensorwire_vllm_ec_place_misses_total"),
-                "releases": {k.split("{", 1)[1].rstrip("}"): v for k, v in c.items()
-                             if k.startswith("tensorwire_vllm_ec_releases_total")},
+                "releases": {
+                    k.split("{", 1)[1].rstrip("}"): v
+                    for k, v in c.items()
+                    if k.startswith("tensorwire_vllm_ec_releases_total")
+                },
             }
         elif p.connector == "file" and p.file_dir is not None:
             out["file"] = {"files": sum(1 for f in p.file_dir.rglob("*") if f.is_file()) if p.file_dir.exists() else 0}
@@ -413,8 +470,10 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
 
 def print_set(res: dict[str, Any]) -> None:
     conns = list(res["connectors"])
-    print(f"\n== {res['topology']} topology, {res['item_bytes'] / 1e6:.2f} MB per item, {res['rounds']} rounds, "
-          f"load {res['loadavg_1m']['min']:.1f}-{res['loadavg_1m']['max']:.1f} ==")
+    print(
+        f"\n== {res['topology']} topology, {res['item_bytes'] / 1e6:.2f} MB per item, {res['rounds']} rounds, "
+        f"load {res['loadavg_1m']['min']:.1f}-{res['loadavg_1m']['max']:.1f} =="
+    )
     head = f"{'metric':<13}" + "".join(f"{c + ' p50/p90/p99 ms':>34}" for c in conns)
     if "file" in conns:
         head += "".join(f"{'file/' + c + ' p50 (p99)':>26}" for c in conns if c != "file")
@@ -423,8 +482,7 @@ def print_set(res: dict[str, Any]) -> None:
         row = f"{m:<13}"
         for c in conns:
             st = res["connectors"][c][m]
-            row += (f"{st['p50_ms']:>12.1f} /{st['p90_ms']:>8.1f} /{st['p99_ms']:>8.1f}" if st.get("n")
-                    else f"{'-':>34}")
+            row += f"{st['p50_ms']:>12.1f} /{st['p90_ms']:>8.1f} /{st['p99_ms']:>8.1f}" if st.get("n") else f"{'-':>34}"
         for c in conns:
             if c == "file":
                 continue
@@ -433,8 +491,10 @@ def print_set(res: dict[str, Any]) -> None:
             row += f"{(f'{a:.2f}x ({b:.2f}x)' if a and b else '-'):>26}"
         print(row)
     b = res["baseline"]["llm_request"]
-    print(f"{'baseline':<13}{b['p50_ms']:>12.1f} /{b['p90_ms']:>8.1f} /{b['p99_ms']:>8.1f}  (single instance, "
-          f"encodes locally: LLM request)")
+    print(
+        f"{'baseline':<13}{b['p50_ms']:>12.1f} /{b['p90_ms']:>8.1f} /{b['p99_ms']:>8.1f}  (single instance, "
+        f"encodes locally: LLM request)"
+    )
     for c in conns:
         st = res["connectors"][c]
         print(f"  {c}: {st['requests']} requests, {st['failed']} failed, {st['mismatches']} not bit-identical")
@@ -442,19 +502,26 @@ def print_set(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tensorwire.bench vllm_engine",
-                                 description="The EC connectors in real vLLM engines (see the package docstring).")
+    ap = argparse.ArgumentParser(
+        prog="python -m tensorwire.bench vllm_engine",
+        description="The EC connectors in real vLLM engines (see the package docstring).",
+    )
     ap.add_argument("--quick", action="store_true", help="one topology (uniproc), 1 MB, 5 rounds: a smoke run")
     ap.add_argument("--topology", choices=[*TOPOLOGIES, "both"], default="both")
-    ap.add_argument("--sizes", type=int, nargs="+", choices=sorted(SIZES_MB), default=sorted(SIZES_MB),
-                    help="MB per image item")
+    ap.add_argument(
+        "--sizes", type=int, nargs="+", choices=sorted(SIZES_MB), default=sorted(SIZES_MB), help="MB per image item"
+    )
     ap.add_argument("--connectors", nargs="+", choices=CONNECTORS, default=["tensorwire", "file"])
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per set (default 20; 6 at 100 MB)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens the LLM instance generates per request")
     ap.add_argument("--hog", action="store_true", help="run beside a CPU-bound process (one core spinning)")
-    ap.add_argument("--model-dir", type=Path, default=Path("build/vllm-engine-models"),
-                    help="where the tiny models are built (reused when present)")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("build/vllm-engine-models"),
+        help="where the tiny models are built (reused when present)",
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="logs and timestamps (default: a temp dir, removed)")
     ap.add_argument("--out", default=None, help="the JSON (default benchmarks/results/vllm-engine-<machine>.json)")
     args = ap.parse_args(argv)
@@ -485,9 +552,16 @@ def main(argv: list[str] | None = None) -> int:
             "condition": "hog" if args.hog else "quiet",
             "vllm": _vllm_version(),
             "partial": partial,
-            "config": {"topologies": list(topologies), "sizes_mb": args.sizes, "connectors": args.connectors,
-                       "warmup_rounds": args.warmup, "max_tokens": args.max_tokens, "hog": args.hog,
-                       "quick": args.quick, "consumer_budgets": CONSUMER_BUDGETS},
+            "config": {
+                "topologies": list(topologies),
+                "sizes_mb": args.sizes,
+                "connectors": args.connectors,
+                "warmup_rounds": args.warmup,
+                "max_tokens": args.max_tokens,
+                "hog": args.hog,
+                "quick": args.quick,
+                "consumer_budgets": CONSUMER_BUDGETS,
+            },
             "definitions": DEFINITIONS,
             "not_run": {"mooncake": MOONCAKE_NOT_RUN},
             "runs": runs,
@@ -503,8 +577,17 @@ def main(argv: list[str] | None = None) -> int:
             rounds = args.rounds or (6 if size >= 100 else 20)
             for topo in topologies:
                 try:
-                    res = run_set(topo, size, args.connectors, rounds, args.warmup, args.max_tokens, model,
-                                  work / f"{topo}-{size}mb", seed0=1000 * size)
+                    res = run_set(
+                        topo,
+                        size,
+                        args.connectors,
+                        rounds,
+                        args.warmup,
+                        args.max_tokens,
+                        model,
+                        work / f"{topo}-{size}mb",
+                        seed0=1000 * size,
+                    )
                 except Exception as exc:  # an instance died or hung: recorded, the other sets still run
                     print(f"[{topo} {size} MB] failed: {exc}", file=sys.stderr, flush=True)
                     runs.append({"topology": topo, "size_mb": size, "error": f"{type(exc).__name__}: {exc}"[:4000]})

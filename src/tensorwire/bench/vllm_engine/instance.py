@@ -68,17 +68,26 @@ def main(argv: list[str] | None = None) -> int:
 
     from vllm import LLM, SamplingParams
 
-    kw: dict[str, Any] = dict(model=args.model, enforce_eager=True, max_model_len=args.max_model_len,
-                              max_num_batched_tokens=args.max_model_len, max_num_seqs=4,
-                              limit_mm_per_prompt={"image": 1}, dtype="float32", seed=0,
-                              # A few requests' worth (1 KiB per token of these models), not vLLM's GiB default:
-                              # the CPU backend touches all of it, and seven instances share the box's memory.
-                              kv_cache_memory_bytes=max(32 << 20, 8 * args.max_model_len * 1024))
+    kw: dict[str, Any] = dict(
+        model=args.model,
+        enforce_eager=True,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_model_len,
+        max_num_seqs=4,
+        limit_mm_per_prompt={"image": 1},
+        dtype="float32",
+        seed=0,
+        # A few requests' worth (1 KiB per token of these models), not vLLM's GiB default:
+        # the CPU backend touches all of it, and seven instances share the box's memory.
+        kv_cache_memory_bytes=max(32 << 20, 8 * args.max_model_len * 1024),
+    )
     if args.role != "baseline":
         kw["ec_transfer_config"] = {
-            "ec_connector": args.connector, "ec_connector_module_path": TIMED_MODULE,
+            "ec_connector": args.connector,
+            "ec_connector_module_path": TIMED_MODULE,
             "ec_role": "ec_producer" if args.role == "producer" else "ec_consumer",
-            "ec_connector_extra_config": json.loads(args.extra)}
+            "ec_connector_extra_config": json.loads(args.extra),
+        }
     t0 = time.monotonic()
     llm = LLM(**kw)
     print(f"[{args.role} {args.connector}] engine ready in {time.monotonic() - t0:.1f} s", flush=True)
@@ -88,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         for req in reqs:
             image = Image.open(io.BytesIO(req["image"])).convert("RGB")
             extra = {"ec_transfer_params": req["params"]} if req.get("params") else None
-            sps.append(SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, logprobs=3,
-                                      extra_args=extra))
+            sps.append(
+                SamplingParams(max_tokens=req.get("max_tokens", 8), temperature=0.0, logprobs=3, extra_args=extra)
+            )
             prompts.append({"prompt": req["prompt"], "multi_modal_data": {"image": image}})
         t = time.monotonic()
         outs = llm.generate(prompts, sps, use_tqdm=False)
@@ -97,8 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         results = []
         for res in outs:
             out = res.outputs[0]
-            results.append({"token_ids": list(out.token_ids), "logprobs": _logprobs(out),
-                            "finish_reason": out.finish_reason, "ec_transfer_params": res.ec_transfer_params})
+            results.append(
+                {
+                    "token_ids": list(out.token_ids),
+                    "logprobs": _logprobs(out),
+                    "finish_reason": out.finish_reason,
+                    "ec_transfer_params": res.ec_transfer_params,
+                }
+            )
         return {"results": results, "seconds": seconds}
 
     authkey = os.environ["TW_BENCH_AUTHKEY"].encode()

@@ -92,8 +92,11 @@ def __getattr__(name: str) -> Any:
     if name == "TimedMooncakeEC":
         from vllm.distributed.ec_transfer.ec_connector.mooncake_ec_connector import ECMooncakeConnector
 
-        cls = type("TimedMooncakeEC", (_Timed, ECMooncakeConnector),
-                   {"__doc__": "vLLM's ``ECMooncakeConnector`` with the records above.", "__module__": __name__})
+        cls = type(
+            "TimedMooncakeEC",
+            (_Timed, ECMooncakeConnector),
+            {"__doc__": "vLLM's ``ECMooncakeConnector`` with the records above.", "__module__": __name__},
+        )
         globals()[name] = cls
         return cls
     raise AttributeError(name)

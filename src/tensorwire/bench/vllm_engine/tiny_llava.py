@@ -21,7 +21,19 @@ from pathlib import Path
 
 PATCH_SIZE = 14
 WORDS = [f"w{i}" for i in range(200)] + [
-    "USER:", "ASSISTANT:", "describe", "the", "image", "what", "is", "this", "colour", "shape", "a", "an", "of",
+    "USER:",
+    "ASSISTANT:",
+    "describe",
+    "the",
+    "image",
+    "what",
+    "is",
+    "this",
+    "colour",
+    "shape",
+    "a",
+    "an",
+    "of",
 ]
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 IMAGE_TOKEN_ID = SPECIALS.index("<image>")
@@ -43,7 +55,7 @@ _PREFIXES = (
 def _checkpoint_name(name: str) -> str:
     for old, new in _PREFIXES:
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     raise ValueError(f"unexpected parameter name {name!r}")
 
 
@@ -60,8 +72,17 @@ def side_for_tokens(tokens: int) -> int:
     return n * PATCH_SIZE
 
 
-def build(out: Path, seed: int = 1234, *, image_size: int = 56, text_hidden: int = 128, vision_layers: int = 2,
-          text_layers: int = 2, init_std: float = 0.2, max_positions: int = 512) -> Path:
+def build(
+    out: Path,
+    seed: int = 1234,
+    *,
+    image_size: int = 56,
+    text_hidden: int = 128,
+    vision_layers: int = 2,
+    text_layers: int = 2,
+    init_std: float = 0.2,
+    max_positions: int = 512,
+) -> Path:
     """Write the model, tokenizer and processor into ``out`` (created) and return it."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -84,25 +105,46 @@ def build(out: Path, seed: int = 1234, *, image_size: int = 56, text_hidden: int
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])]
     )
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
         extra_special_tokens={"image_token": "<image>"},
     )
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
 
     # Two heads of 64 everywhere (for any hidden size): tensor parallelism at TP=2 splits every attention by heads.
     vision = CLIPVisionConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=vision_layers, num_attention_heads=2,
-        image_size=image_size, patch_size=PATCH_SIZE, projection_dim=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=vision_layers,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=PATCH_SIZE,
+        projection_dim=128,
     )
     text = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=text_hidden, intermediate_size=256, num_hidden_layers=text_layers,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=max_positions,
-        bos_token_id=vocab["<s>"], eos_token_id=vocab["</s>"], pad_token_id=vocab["<pad>"],
+        vocab_size=len(vocab),
+        hidden_size=text_hidden,
+        intermediate_size=256,
+        num_hidden_layers=text_layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=max_positions,
+        bos_token_id=vocab["<s>"],
+        eos_token_id=vocab["</s>"],
+        pad_token_id=vocab["<pad>"],
         tie_word_embeddings=False,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_token_id,
-        vision_feature_select_strategy="default", vision_feature_layer=-1, projector_hidden_act="gelu",
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
         image_seq_length=image_tokens(image_size),
     )
     config.torch_dtype = torch.float32  # type: ignore[misc]
@@ -122,11 +164,16 @@ def build(out: Path, seed: int = 1234, *, image_size: int = 56, text_hidden: int
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        size={"shortest_edge": image_size},
+        crop_size={"height": image_size, "width": image_size},
     )
     processor = LlavaProcessor(  # type: ignore[no-untyped-call]
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token="<image>",
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
     )
     processor.save_pretrained(out)
     return out
@@ -136,15 +183,27 @@ def build_sized(out: Path, tokens: int, seed: int = 1234) -> Path:
     """The benchmark's model for items of ``tokens`` x 4096 float32 (1-layer CLIP, 1-layer Llama)."""
     side = side_for_tokens(tokens)
     # std 0.02 keeps a 4096-wide projector's outputs finite and still image-dependent.
-    return build(out, seed, image_size=side, text_hidden=BENCH_TEXT_HIDDEN, vision_layers=1, text_layers=1,
-                 init_std=0.02, max_positions=max(512, 2 * tokens + 256))
+    return build(
+        out,
+        seed,
+        image_size=side,
+        text_hidden=BENCH_TEXT_HIDDEN,
+        vision_layers=1,
+        text_layers=1,
+        init_std=0.02,
+        max_positions=max(512, 2 * tokens + 256),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--image-tokens", type=int, default=None,
-                    help="build the benchmark's model for this many tokens per item (default: the tests' model)")
+    ap.add_argument(
+        "--image-tokens",
+        type=int,
+        default=None,
+        help="build the benchmark's model for this many tokens per item (default: the tests' model)",
+    )
     args = ap.parse_args(argv)
     print(build_sized(args.out, args.image_tokens) if args.image_tokens else build(args.out))
     return 0

@@ -114,12 +114,15 @@ class ECConfig:
         if self.fallback not in FALLBACKS:
             raise ConfigError(f"ec_connector_extra_config.fallback={self.fallback!r}: expected one of {FALLBACKS}")
         if not isinstance(self.trusted_producers, str):
-            raise ConfigError(f"ec_connector_extra_config.trusted_producers={self.trusted_producers!r}: expected a "
-                              "string or a list of strings")
+            raise ConfigError(
+                f"ec_connector_extra_config.trusted_producers={self.trusted_producers!r}: expected a "
+                "string or a list of strings"
+            )
         parse_trusted(self.trusted_producers)  # ConfigError names a malformed entry
         if self.local_channel not in LOCAL_CHANNELS:
-            raise ConfigError(f"ec_connector_extra_config.local_channel={self.local_channel!r}: expected one of "
-                              f"{LOCAL_CHANNELS}")
+            raise ConfigError(
+                f"ec_connector_extra_config.local_channel={self.local_channel!r}: expected one of {LOCAL_CHANNELS}"
+            )
         if not isinstance(self.host, str) or not self.host:
             raise ConfigError(f"ec_connector_extra_config.host={self.host!r}: expected an address to bind")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda:")):
@@ -134,8 +137,13 @@ class ECConfig:
     @property
     def tls(self) -> TlsConfig:
         """The store's TLS settings (server side in the producer, client side in the consumer)."""
-        return TlsConfig(cert=self.tls_cert, key=self.tls_key, ca=self.tls_ca, server_name=self.tls_server_name,
-                         client_auth=self.tls_client_auth)
+        return TlsConfig(
+            cert=self.tls_cert,
+            key=self.tls_key,
+            ca=self.tls_ca,
+            server_name=self.tls_server_name,
+            client_auth=self.tls_client_auth,
+        )
 
     @property
     def serves_local_channel(self) -> bool:

@@ -43,8 +43,10 @@ from tensorwire.mm.held._staging import Expect, StagingArea
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {name: getattr(torch, name) for name in
-           ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+}
 # A fetch still running this long after its budget is treated as failed (its thread may be stuck in a call
 # that ignores deadlines); its result, if it ever comes, is dropped.
 _STUCK_GRACE_S = 2.0
@@ -57,11 +59,11 @@ class FetchState(enum.Enum):
 
 
 class ItemStatus(enum.Enum):
-    WAIT = "wait"        # fetching (or not started)
-    READY = "ready"      # a ready fetch of this mm_hash exists; vLLM may load it
-    LOCAL = "local"      # the fetch failed; vLLM encodes it from the request's media
-    SKIP = "skip"        # vLLM does not need it (prefix cache covers it)
-    FAILED = "failed"    # the fetch failed and there is no media: the request fails
+    WAIT = "wait"  # fetching (or not started)
+    READY = "ready"  # a ready fetch of this mm_hash exists; vLLM may load it
+    LOCAL = "local"  # the fetch failed; vLLM encodes it from the request's media
+    SKIP = "skip"  # vLLM does not need it (prefix cache covers it)
+    FAILED = "failed"  # the fetch failed and there is no media: the request fails
 
 
 @dataclass(eq=False)
@@ -105,16 +107,23 @@ def _features(request: Any, mm_hash: str) -> list[Any]:
 
 
 def _covered(features: list[Any], num_computed_tokens: int) -> bool:
-    return bool(features) and all(
-        f.mm_position.offset + f.mm_position.length <= num_computed_tokens for f in features)
+    return bool(features) and all(f.mm_position.offset + f.mm_position.length <= num_computed_tokens for f in features)
 
 
 class ConsumerScheduler:
     """The scheduler half of the consumer. Single-threaded (vLLM's scheduler thread); see the module doc."""
 
-    def __init__(self, cfg: ECConfig, fetcher: Fetcher, metrics: ECMetrics, *,
-                 has_media: Callable[[Any], bool], clock: Callable[[], float] = time.monotonic,
-                 retire_grace_s: float = 10.0, gate: ProducerGate | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ECConfig,
+        fetcher: Fetcher,
+        metrics: ECMetrics,
+        *,
+        has_media: Callable[[Any], bool],
+        clock: Callable[[], float] = time.monotonic,
+        retire_grace_s: float = 10.0,
+        gate: ProducerGate | None = None,
+    ) -> None:
         self._cfg = cfg
         self._gate = gate
         self._parse = gate.parse if gate is not None else parse_params
@@ -206,8 +215,13 @@ class ConsumerScheduler:
         self._unavailable.discard(rid)
         if st is None:
             # Never looked at (finished or aborted while waiting elsewhere): its grants were never used.
-            self._fetcher.release_async([g for g in self._parse(getattr(request, "ec_transfer_params", None))
-                                         .values() if isinstance(g, ItemGrant)])
+            self._fetcher.release_async(
+                [
+                    g
+                    for g in self._parse(getattr(request, "ec_transfer_params", None)).values()
+                    if isinstance(g, ItemGrant)
+                ]
+            )
             return
         self._set_waiting(st, False)
         for item in st.items.values():
@@ -331,8 +345,13 @@ class ConsumerScheduler:
             return
         rows = feats[0].mm_position.get_num_embeds()
         if grant.shape is not None and (not grant.shape or grant.shape[0] != rows):
-            log.warning("request %s item %.16s: the encoder announced shape %s, this instance expects %d rows",
-                        st.request_id, item.mm_hash, list(grant.shape), rows)
+            log.warning(
+                "request %s item %.16s: the encoder announced shape %s, this instance expects %d rows",
+                st.request_id,
+                item.mm_hash,
+                list(grant.shape),
+                rows,
+            )
             self._give_back(item)
             self._fallback(st, item, request, Reason.RESULT_MISMATCH)
             return
@@ -345,8 +364,9 @@ class ConsumerScheduler:
         expect = Expect(shape=grant.shape, dtype=_DTYPES.get(grant.dtype) if grant.dtype else None)
         key = f"{next(self._ids)}-{item.mm_hash[:32]}"
         fut = self._fetcher.start(grant, key, expect)
-        fetch = _Fetch(key, item.mm_hash, grant, fut, self._clock() + self._cfg.fetch_timeout_ms / 1000.0,
-                       holders={st.request_id})
+        fetch = _Fetch(
+            key, item.mm_hash, grant, fut, self._clock() + self._cfg.fetch_timeout_ms / 1000.0, holders={st.request_id}
+        )
         self._fetches[grant.grant_id] = fetch
         self._inflight.append(fetch)
         item.fetch = fetch
@@ -390,23 +410,26 @@ class ConsumerScheduler:
             self._metrics.refusals.labels(reason.value).inc()
         self._forget_grant(f)
         self._metrics.fetches.labels("failed").inc()
-        log.warning("fetch of item %.16s from %s failed (%s): %s", f.mm_hash, f.grant.endpoint, reason.value,
-                    error)
+        log.warning("fetch of item %.16s from %s failed (%s): %s", f.mm_hash, f.grant.endpoint, reason.value, error)
 
     def _fallback(self, st: _Req, item: _Item, request: Any, reason: Reason) -> None:
         feats = _features(request, item.mm_hash)
         if self._cfg.fallback == "local" and feats and all(self._has_media(f) for f in feats):
             item.status = ItemStatus.LOCAL
             self._metrics.fallbacks.labels(reason.value).inc()
-            log.info("request %s: item %.16s will be encoded locally (%s)", st.request_id, item.mm_hash,
-                     reason.value)
+            log.info("request %s: item %.16s will be encoded locally (%s)", st.request_id, item.mm_hash, reason.value)
             return
         item.status = ItemStatus.FAILED
         if st.request_id not in self._unavailable:
             self._unavailable.add(st.request_id)
             self._metrics.unavailable.labels(reason.value).inc()
-            log.warning("request %s: item %.16s could not be fetched (%s) and the request has no media to "
-                        "encode; vLLM fails the request", st.request_id, item.mm_hash, reason.value)
+            log.warning(
+                "request %s: item %.16s could not be fetched (%s) and the request has no media to "
+                "encode; vLLM fails the request",
+                st.request_id,
+                item.mm_hash,
+                reason.value,
+            )
 
     def _give_back(self, item: _Item) -> None:
         if item.grant is not None and not item.grant_spent:
@@ -443,16 +466,21 @@ class ConsumerWorker:
         self.area = area
         self._metrics = metrics
 
-    def start_load_caches(self, encoder_cache: MutableMapping[str, torch.Tensor],
-                          loads: Iterable[tuple[str, str, Any]]) -> None:
+    def start_load_caches(
+        self, encoder_cache: MutableMapping[str, torch.Tensor], loads: Iterable[tuple[str, str, Any]]
+    ) -> None:
         for mm_hash, key, ref in loads:
             if mm_hash in encoder_cache:
                 continue
             tensor = self._staged(mm_hash, key, ref)
             if tensor is None:
                 self._metrics.place_misses.inc()
-                log.error("item %.16s was announced but is not staged here (key %s); vLLM will fail with an "
-                          "encoder cache miss", mm_hash, key)
+                log.error(
+                    "item %.16s was announced but is not staged here (key %s); vLLM will fail with an "
+                    "encoder cache miss",
+                    mm_hash,
+                    key,
+                )
                 continue
             encoder_cache[mm_hash] = tensor
             self._metrics.placed.inc()

@@ -60,8 +60,17 @@ log = logging.getLogger(__name__)
 # Failures that say nothing about the encoder instance's health.
 # (A lookup that times out at lookup_timeout_ms is DEADLINE_EXCEEDED, a fault; one cut short by the item's
 # budget is BUDGET_EXHAUSTED.)
-_NEUTRAL = frozenset({Reason.NOT_HELD, Reason.NOT_READY, Reason.BUDGET_EXHAUSTED, Reason.CLOSED,
-                      Reason.RESULT_MISMATCH, Reason.INVALID_REQUEST, Reason.INCOMPATIBLE})
+_NEUTRAL = frozenset(
+    {
+        Reason.NOT_HELD,
+        Reason.NOT_READY,
+        Reason.BUDGET_EXHAUSTED,
+        Reason.CLOSED,
+        Reason.RESULT_MISMATCH,
+        Reason.INVALID_REQUEST,
+        Reason.INCOMPATIBLE,
+    }
+)
 # A lookup answered not_ready (granted, still being encoded) is asked again after these pauses (the last one
 # repeats) while the item's budget lasts.
 # TENSORWIRE_VLLM_EC_TRACE=1: one INFO line per inline fetch with where its time went.
@@ -106,10 +115,17 @@ class RemoteStager:
 
     inline = False
 
-    def __init__(self, address: str, name: str, drop_timeout_s: float = 2.0, local_path: str = "",
-                 metrics: ECMetrics | None = None) -> None:
-        self.client = StagingClient(address, local_path=local_path,
-                                    on_call=None if metrics is None else metrics.count_control_call)
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        drop_timeout_s: float = 2.0,
+        local_path: str = "",
+        metrics: ECMetrics | None = None,
+    ) -> None:
+        self.client = StagingClient(
+            address, local_path=local_path, on_call=None if metrics is None else metrics.count_control_call
+        )
         self.name = name
         self._drop_timeout_s = drop_timeout_s
 
@@ -210,9 +226,17 @@ class Fetcher:
     each wake-up of a Python thread can wait a GIL switch interval behind the engine loop). Otherwise a fetch
     thread runs the Lookup (gRPC or the socket) and every rank's stage."""
 
-    def __init__(self, cfg: ECConfig, stagers: Sequence[Stager], metrics: ECMetrics, *,
-                 breakers: BreakerBoard | None = None, support_rdma: bool = True,
-                 clock: Callable[[], float] = time.monotonic, compat: str = "") -> None:
+    def __init__(
+        self,
+        cfg: ECConfig,
+        stagers: Sequence[Stager],
+        metrics: ECMetrics,
+        *,
+        breakers: BreakerBoard | None = None,
+        support_rdma: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        compat: str = "",
+    ) -> None:
         if not stagers:
             raise ValueError("Fetcher needs at least one stager (one per rank)")
         self._cfg = cfg
@@ -224,9 +248,14 @@ class Fetcher:
         self.breakers = breakers or BreakerBoard("endpoint", cfg.failures_to_open, cfg.open_seconds)
         self._pool = ThreadPoolExecutor(max_workers=cfg.fetch_threads, thread_name_prefix="tensorwire-ec-fetch")
         # Ranks other than the first stage in parallel on their own threads (the fetch thread takes rank 0).
-        self._rank_pool = (ThreadPoolExecutor(max_workers=max(1, cfg.fetch_threads * (len(self._stagers) - 1)),
-                                              thread_name_prefix="tensorwire-ec-rank")
-                           if len(self._stagers) > 1 else None)
+        self._rank_pool = (
+            ThreadPoolExecutor(
+                max_workers=max(1, cfg.fetch_threads * (len(self._stagers) - 1)),
+                thread_name_prefix="tensorwire-ec-rank",
+            )
+            if len(self._stagers) > 1
+            else None
+        )
         self._side_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorwire-ec-release")
         self._releases_queued = 0  # releases submitted and not finished (wait_released)
         self._releases_cv = threading.Condition()
@@ -321,15 +350,19 @@ class Fetcher:
             c = self._clients.get(endpoint)
             if c is None:
                 c = self._clients[endpoint] = HeldStoreClient(
-                    endpoint, tls=self._cfg.tls, local_channel=self._cfg.local_channel != "off",
-                    on_call=self._metrics.count_control_call)
+                    endpoint,
+                    tls=self._cfg.tls,
+                    local_channel=self._cfg.local_channel != "off",
+                    on_call=self._metrics.count_control_call,
+                )
             return c
 
     def _remaining_ms(self, deadline: float) -> int:
         return int((deadline - self._clock()) * 1000)
 
-    def _answer_then_release(self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect,
-                             deadline: float) -> None:
+    def _answer_then_release(
+        self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect, deadline: float
+    ) -> None:
         """Runs the fetch, answers ``fut``, and only then queues the release, so that the caller wakes before the
         release thread does (on a loaded machine each wake-up can cost a scheduler slice)."""
         later: list[ItemGrant] = []
@@ -341,8 +374,7 @@ class Fetcher:
             for g in later:
                 self._release_later(g)
 
-    def _run(self, grant: ItemGrant, key: str, expect: Expect, deadline: float,
-             later: list[ItemGrant]) -> FetchResult:
+    def _run(self, grant: ItemGrant, key: str, expect: Expect, deadline: float, later: list[ItemGrant]) -> FetchResult:
         """One fetch; the grant's release is appended to ``later`` (the countdown fires before this returns:
         every rank answered, or ``force``)."""
         t0 = self._clock()
@@ -359,8 +391,15 @@ class Fetcher:
             return self._failed(key, t0, exc.reason, str(exc))
         return self._stage_and_judge(grant, key, receipt, expect, deadline, later)
 
-    def _stage_and_judge(self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect,
-                         deadline: float, later: list[ItemGrant]) -> FetchResult:
+    def _stage_and_judge(
+        self,
+        grant: ItemGrant,
+        key: str,
+        receipt: pb.EncodeResponse,
+        expect: Expect,
+        deadline: float,
+        later: list[ItemGrant],
+    ) -> FetchResult:
         countdown = RankCountdown(len(self._stagers), lambda: later.append(grant))
         try:
             result = self._stage_everywhere(grant, key, receipt, expect, deadline, countdown)
@@ -372,8 +411,9 @@ class Fetcher:
             self._judge(grant.endpoint, result.reason or Reason.UNKNOWN)
         return result
 
-    def _start_inline(self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect,
-                      deadline: float) -> bool:
+    def _start_inline(
+        self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect, deadline: float
+    ) -> bool:
         """Sends the Lookup over the same-host socket; False when there is none (the fetch thread takes it)."""
         if not self.breakers.allow(grant.endpoint):
             return False  # the thread path answers breaker_open
@@ -389,7 +429,8 @@ class Fetcher:
             return False
         try:
             f.pending = self._client(f.grant.endpoint).begin_lookup(
-                [(f.grant.key, f.grant.secret)], timeout_s=budget_s, support_rdma=self._support_rdma)
+                [(f.grant.key, f.grant.secret)], timeout_s=budget_s, support_rdma=self._support_rdma
+            )
         except (LocalUnavailable, TensorwireError):
             return False
         return f.pending is not None
@@ -447,10 +488,25 @@ class Fetcher:
             res = self._stage_and_judge(f.grant, f.key, outcome.receipt, f.expect, stage_deadline, later)
             if _TRACE:
                 done = self._clock()
-                log.info("inline fetch %s: lookup answered after %.2f ms (%d empty looks), staged in %.2f ms, "
-                         "%d bytes", f.key, (answered - f.t0) * 1e3, f.looks, (done - answered) * 1e3, res.nbytes)
-            f.future.set_result(FetchResult(res.ok, res.staging_key, plane=res.plane, nbytes=res.nbytes,
-                                            seconds=self._clock() - f.t0, reason=res.reason, error=res.error))
+                log.info(
+                    "inline fetch %s: lookup answered after %.2f ms (%d empty looks), staged in %.2f ms, %d bytes",
+                    f.key,
+                    (answered - f.t0) * 1e3,
+                    f.looks,
+                    (done - answered) * 1e3,
+                    res.nbytes,
+                )
+            f.future.set_result(
+                FetchResult(
+                    res.ok,
+                    res.staging_key,
+                    plane=res.plane,
+                    nbytes=res.nbytes,
+                    seconds=self._clock() - f.t0,
+                    reason=res.reason,
+                    error=res.error,
+                )
+            )
         except BaseException as exc:
             if not f.future.done():
                 f.future.set_exception(exc)
@@ -493,8 +549,9 @@ class Fetcher:
         if budget_s <= 0:
             raise DeadlineExceeded("no budget left for the lookup", reason=Reason.BUDGET_EXHAUSTED)
         try:
-            (outcome,) = self._client(grant.endpoint).lookup([(grant.key, grant.secret)], timeout_s=budget_s,
-                                                              support_rdma=self._support_rdma, compat=self._compat)
+            (outcome,) = self._client(grant.endpoint).lookup(
+                [(grant.key, grant.secret)], timeout_s=budget_s, support_rdma=self._support_rdma, compat=self._compat
+            )
         except DeadlineExceeded as exc:
             if remaining < self._cfg.lookup_timeout_ms:
                 raise DeadlineExceeded(str(exc), reason=Reason.BUDGET_EXHAUSTED) from exc
@@ -504,8 +561,15 @@ class Fetcher:
         assert outcome.receipt is not None
         return outcome.receipt
 
-    def _stage_everywhere(self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect,
-                          deadline: float, countdown: RankCountdown) -> FetchResult:
+    def _stage_everywhere(
+        self,
+        grant: ItemGrant,
+        key: str,
+        receipt: pb.EncodeResponse,
+        expect: Expect,
+        deadline: float,
+        countdown: RankCountdown,
+    ) -> FetchResult:
         t0 = self._clock()
         plane = "rdma" if receipt.rdma_slots else "inline"
 
@@ -586,8 +650,9 @@ class Fetcher:
 
     def _release(self, grant: ItemGrant) -> None:
         try:
-            n = self._client(grant.endpoint).release([(grant.key, grant.secret)],
-                                                     timeout_s=self._cfg.release_timeout_ms / 1000.0)
+            n = self._client(grant.endpoint).release(
+                [(grant.key, grant.secret)], timeout_s=self._cfg.release_timeout_ms / 1000.0
+            )
             self._metrics.releases.labels("ok" if n else "unknown").inc()
         except Exception as exc:
             self._metrics.releases.labels("failed").inc()

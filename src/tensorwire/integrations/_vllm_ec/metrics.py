@@ -25,62 +25,121 @@ class ECMetrics:
         reg = registry if registry is not None else REGISTRY
         self.registry = reg
         # encoder instance
-        self.saved = Counter("tensorwire_vllm_ec_saved_total",
-                             "Encoder outputs exported into the held-outputs store, by plane", ["plane"],
-                             registry=reg)
-        self.save_failures = Counter("tensorwire_vllm_ec_save_failures_total",
-                                     "Encoder outputs that could not be exported (not announced), by reason",
-                                     ["reason"], registry=reg)
-        self.grants = Counter("tensorwire_vllm_ec_grants_total",
-                              "Grants by event: issued (scheduler), announced (in ec_transfer_params), "
-                              "revoked (request did not finish)", ["event"], registry=reg)
-        self.held_items = Gauge("tensorwire_vllm_ec_held_items", "Items held for LLM instances right now",
-                                registry=reg, multiprocess_mode="livesum")
-        self.held_bytes = Gauge("tensorwire_vllm_ec_held_bytes", "Bytes held for LLM instances right now",
-                                registry=reg, multiprocess_mode="livesum")
+        self.saved = Counter(
+            "tensorwire_vllm_ec_saved_total",
+            "Encoder outputs exported into the held-outputs store, by plane",
+            ["plane"],
+            registry=reg,
+        )
+        self.save_failures = Counter(
+            "tensorwire_vllm_ec_save_failures_total",
+            "Encoder outputs that could not be exported (not announced), by reason",
+            ["reason"],
+            registry=reg,
+        )
+        self.grants = Counter(
+            "tensorwire_vllm_ec_grants_total",
+            "Grants by event: issued (scheduler), announced (in ec_transfer_params), revoked (request did not finish)",
+            ["event"],
+            registry=reg,
+        )
+        self.held_items = Gauge(
+            "tensorwire_vllm_ec_held_items",
+            "Items held for LLM instances right now",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.held_bytes = Gauge(
+            "tensorwire_vllm_ec_held_bytes",
+            "Bytes held for LLM instances right now",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         # LLM instance
-        self.fetches = Counter("tensorwire_vllm_ec_fetches_total",
-                               "Item fetches by outcome (delivered: every rank holds it; failed)", ["outcome"],
-                               registry=reg)
-        self.delivered = Counter("tensorwire_vllm_ec_delivered_total",
-                                 "Items every rank holds, by the plane that carried them", ["plane"], registry=reg)
-        self.bytes = Counter("tensorwire_vllm_ec_bytes_total", "Payload bytes staged (all ranks), by plane",
-                             ["plane"], registry=reg)
-        self.read_bytes = Counter("tensorwire_vllm_ec_read_bytes_total",
-                                  "Payload bytes moved from encoder instances into this instance, each READ (or "
-                                  "inline answer) once: one item per host when the host stages, one per rank "
-                                  "otherwise", ["plane"], registry=reg)
-        self.fetch_paths = Counter("tensorwire_vllm_ec_fetch_paths_total",
-                                   "Item fetches by path (inline: advanced on the scheduler's thread; thread: a "
-                                   "fetch thread)", ["path"], registry=reg)
-        self.fetch_seconds = Histogram("tensorwire_vllm_ec_fetch_seconds",
-                                       "From the start of a fetch to every rank holding the item",
-                                       buckets=_BUCKETS, registry=reg)
-        self.fallbacks = Counter("tensorwire_vllm_ec_fallbacks_total",
-                                 "Items encoded locally instead (the request carried the media), by reason",
-                                 ["reason"], registry=reg)
-        self.refusals = Counter("tensorwire_vllm_ec_refusals_total",
-                                "Items refused, by reason: untrusted_producer and incompatible (this instance, "
-                                "before any connection or read), not_held and not_ready (the encoder instance's "
-                                "answer; not_ready counts each retry)", ["reason"], registry=reg)
-        self.unavailable = Counter("tensorwire_vllm_ec_unavailable_requests_total",
-                                   "Requests failed through vLLM (an item could not be fetched and the request "
-                                   "had no media to encode), by reason", ["reason"], registry=reg)
-        self.releases = Counter("tensorwire_vllm_ec_releases_total",
-                                "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: "
-                                "the encoder no longer held it)", ["outcome"], registry=reg)
-        self.control_calls = Counter("tensorwire_vllm_ec_control_calls_total",
-                                     "Lookup/Release calls to encoder instances and Stage/Drop calls to the ranks, "
-                                     "by channel (local: the same-host socket; grpc; local_fallback: the socket "
-                                     "gave no answer, retried over gRPC)", ["method", "channel"], registry=reg)
-        self.held_requests = Gauge("tensorwire_vllm_ec_waiting_requests",
-                                   "Requests held back while their items are fetched", registry=reg,
-                                   multiprocess_mode="livesum")
-        self.placed = Counter("tensorwire_vllm_ec_placed_total",
-                              "Items a worker placed into vLLM's encoder cache", registry=reg)
-        self.place_misses = Counter("tensorwire_vllm_ec_place_misses_total",
-                                    "Items announced to a worker that it did not hold (a bug: vLLM then fails "
-                                    "with an encoder cache miss)", registry=reg)
+        self.fetches = Counter(
+            "tensorwire_vllm_ec_fetches_total",
+            "Item fetches by outcome (delivered: every rank holds it; failed)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.delivered = Counter(
+            "tensorwire_vllm_ec_delivered_total",
+            "Items every rank holds, by the plane that carried them",
+            ["plane"],
+            registry=reg,
+        )
+        self.bytes = Counter(
+            "tensorwire_vllm_ec_bytes_total", "Payload bytes staged (all ranks), by plane", ["plane"], registry=reg
+        )
+        self.read_bytes = Counter(
+            "tensorwire_vllm_ec_read_bytes_total",
+            "Payload bytes moved from encoder instances into this instance, each READ (or "
+            "inline answer) once: one item per host when the host stages, one per rank "
+            "otherwise",
+            ["plane"],
+            registry=reg,
+        )
+        self.fetch_paths = Counter(
+            "tensorwire_vllm_ec_fetch_paths_total",
+            "Item fetches by path (inline: advanced on the scheduler's thread; thread: a fetch thread)",
+            ["path"],
+            registry=reg,
+        )
+        self.fetch_seconds = Histogram(
+            "tensorwire_vllm_ec_fetch_seconds",
+            "From the start of a fetch to every rank holding the item",
+            buckets=_BUCKETS,
+            registry=reg,
+        )
+        self.fallbacks = Counter(
+            "tensorwire_vllm_ec_fallbacks_total",
+            "Items encoded locally instead (the request carried the media), by reason",
+            ["reason"],
+            registry=reg,
+        )
+        self.refusals = Counter(
+            "tensorwire_vllm_ec_refusals_total",
+            "Items refused, by reason: untrusted_producer and incompatible (this instance, "
+            "before any connection or read), not_held and not_ready (the encoder instance's "
+            "answer; not_ready counts each retry)",
+            ["reason"],
+            registry=reg,
+        )
+        self.unavailable = Counter(
+            "tensorwire_vllm_ec_unavailable_requests_total",
+            "Requests failed through vLLM (an item could not be fetched and the request "
+            "had no media to encode), by reason",
+            ["reason"],
+            registry=reg,
+        )
+        self.releases = Counter(
+            "tensorwire_vllm_ec_releases_total",
+            "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: the encoder no longer held it)",
+            ["outcome"],
+            registry=reg,
+        )
+        self.control_calls = Counter(
+            "tensorwire_vllm_ec_control_calls_total",
+            "Lookup/Release calls to encoder instances and Stage/Drop calls to the ranks, "
+            "by channel (local: the same-host socket; grpc; local_fallback: the socket "
+            "gave no answer, retried over gRPC)",
+            ["method", "channel"],
+            registry=reg,
+        )
+        self.held_requests = Gauge(
+            "tensorwire_vllm_ec_waiting_requests",
+            "Requests held back while their items are fetched",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.placed = Counter(
+            "tensorwire_vllm_ec_placed_total", "Items a worker placed into vLLM's encoder cache", registry=reg
+        )
+        self.place_misses = Counter(
+            "tensorwire_vllm_ec_place_misses_total",
+            "Items announced to a worker that it did not hold (a bug: vLLM then fails with an encoder cache miss)",
+            registry=reg,
+        )
 
     def count_control_call(self, method: str, channel: str) -> None:
         """The ``on_call`` hook of the store and staging clients."""

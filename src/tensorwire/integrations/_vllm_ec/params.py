@@ -67,8 +67,9 @@ class ItemGrant:
         return out
 
     def __repr__(self) -> str:  # never print the secret
-        return (f"ItemGrant(endpoint={self.endpoint!r}, key={self.key[:16]!r}..., shape={self.shape}, "
-                f"dtype={self.dtype})")
+        return (
+            f"ItemGrant(endpoint={self.endpoint!r}, key={self.key[:16]!r}..., shape={self.shape}, dtype={self.dtype})"
+        )
 
 
 def entry_for(grant: ItemGrant, vllm_entry: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -89,8 +90,11 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
     if tw.get("v") != VERSION:
         raise _bad(mm_hash, f"version {tw.get('v')!r} is not {VERSION}", Reason.INCOMPATIBLE)
     endpoint, key, secret = tw.get("endpoint"), tw.get("key"), tw.get("secret")
-    if (not isinstance(endpoint, str) or not _HOST_PORT.match(endpoint)
-            or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536):
+    if (
+        not isinstance(endpoint, str)
+        or not _HOST_PORT.match(endpoint)
+        or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536
+    ):
         raise _bad(mm_hash, f"endpoint {str(endpoint)[:80]!r} is not host:port")
     if key != mm_hash:
         raise _bad(mm_hash, "key does not match the entry's mm_hash")
@@ -98,8 +102,11 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
         raise _bad(mm_hash, "secret is not 32..512 lower-case hex characters")
     shape = tw.get("shape")
     if shape is not None:
-        if (not isinstance(shape, list) or not 0 < len(shape) <= MAX_DIMS
-                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        if (
+            not isinstance(shape, list)
+            or not 0 < len(shape) <= MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)
+        ):
             raise _bad(mm_hash, f"shape {str(shape)[:80]} is not a list of 1..{MAX_DIMS} non-negative integers")
         shape = tuple(shape)
     dtype = tw.get("dtype")

@@ -39,8 +39,12 @@ from tensorwire.mm.held._store import HeldStore, new_secret
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float64: "float64"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
 
 
 @dataclass
@@ -59,10 +63,17 @@ class ProducerScheduler:
     ``compat`` is this instance's compatibility hash (``trust.compat_hash``), announced with every item.
     """
 
-    def __init__(self, endpoint: Callable[[], str | None], metrics: ECMetrics, *, dtype: torch.dtype,
-                 width: Callable[[str], int | None], ttl_ms: int,
-                 item_metadata: Callable[[Any], Mapping[str, Any]] | None = None,
-                 compat: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: Callable[[], str | None],
+        metrics: ECMetrics,
+        *,
+        dtype: torch.dtype,
+        width: Callable[[str], int | None],
+        ttl_ms: int,
+        item_metadata: Callable[[Any], Mapping[str, Any]] | None = None,
+        compat: str | None = None,
+    ) -> None:
         self._endpoint = endpoint
         self._compat = compat
         self._metrics = metrics
@@ -70,7 +81,7 @@ class ProducerScheduler:
         self._width = width
         self._ttl_ms = ttl_ms
         self._item_metadata = item_metadata
-        self._grants: dict[str, dict[str, bytes]] = {}   # request id -> mm_hash -> secret
+        self._grants: dict[str, dict[str, bytes]] = {}  # request id -> mm_hash -> secret
         self._revokes: list[tuple[str, bytes]] = []
 
     def build_step(self, new_requests: Iterable[Any]) -> ProducerStep:
@@ -96,8 +107,12 @@ class ProducerScheduler:
         endpoint = self._endpoint() if finished_ok else None
         if endpoint is None:
             if finished_ok:
-                log.error("request %s: the held-outputs store address is unknown (no worker published it); its "
-                          "%d item(s) are not announced", request.request_id, len(mine))
+                log.error(
+                    "request %s: the held-outputs store address is unknown (no worker published it); its "
+                    "%d item(s) are not announced",
+                    request.request_id,
+                    len(mine),
+                )
             self._revokes.extend(mine.items())
             self._metrics.grants.labels("revoked").inc(len(mine))
             return None

@@ -71,17 +71,27 @@ def open_runtime_dir(cfg: ECConfig) -> tuple[Path, int]:
             os.close(_unix.open_private_dir(str(path.parent)))
         return path, _unix.open_private_dir(str(path), strict=True)
     except InsecurePath as exc:
-        raise ConfigError(f"runtime_dir {path} must be a directory (not a symlink) owned by uid {os.geteuid()} "
-                          f"with mode 0700, as it holds the connector's sockets: {exc}; set "
-                          "ec_connector_extra_config.runtime_dir", reason=Reason.INSECURE_PATH) from exc
+        raise ConfigError(
+            f"runtime_dir {path} must be a directory (not a symlink) owned by uid {os.geteuid()} "
+            f"with mode 0700, as it holds the connector's sockets: {exc}; set "
+            "ec_connector_extra_config.runtime_dir",
+            reason=Reason.INSECURE_PATH,
+        ) from exc
 
 
 def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
     # control_host: the metadata endpoint follows the store's gRPC address, and advertises what the store's
     # endpoint advertises (the rules of tensorwire.rdma._endpoint, docs/deployment.md "Addresses").
-    return RdmaConfig(provider=cfg.rdma_provider, device=device, slot_gc_timeout_ms=cfg.lease_ttl_ms,
-                      pool_cap_bytes=cfg.pool_cap_bytes, max_slot_bytes=min(_MAX_SLOT, cfg.pool_cap_bytes),
-                      control_host=cfg.host, advertise_host=cfg.advertise_host, port=cfg.rdma_port)
+    return RdmaConfig(
+        provider=cfg.rdma_provider,
+        device=device,
+        slot_gc_timeout_ms=cfg.lease_ttl_ms,
+        pool_cap_bytes=cfg.pool_cap_bytes,
+        max_slot_bytes=min(_MAX_SLOT, cfg.pool_cap_bytes),
+        control_host=cfg.host,
+        advertise_host=cfg.advertise_host,
+        port=cfg.rdma_port,
+    )
 
 
 def _advertise(cfg: ECConfig) -> str:
@@ -101,14 +111,21 @@ def _check_listener(cfg: ECConfig) -> None:
         raise ConfigError(
             f"refusing a plaintext held-outputs store on ec_connector_extra_config.host={cfg.host!r}, which is not a "
             "loopback address: anyone who can reach it could look up and release items. Set tls_cert, tls_key and "
-            "tls_ca (mTLS; docs/security.md) or insecure: true on a network you trust")
+            "tls_ca (mTLS; docs/security.md) or insecure: true on a network you trust"
+        )
 
 
 class ProducerRuntime:
     """The encoder instance's exporter, held-outputs store and gRPC server (in the exporting worker)."""
 
-    def __init__(self, cfg: ECConfig, name: str, device: str,
-                 on_change: Callable[[int, int], None] | None = None, compat: str = "") -> None:
+    def __init__(
+        self,
+        cfg: ECConfig,
+        name: str,
+        device: str,
+        on_change: Callable[[int, int], None] | None = None,
+        compat: str = "",
+    ) -> None:
         _check_listener(cfg)
         self.name = name
         self._file: Path | None = None
@@ -121,30 +138,47 @@ class ProducerRuntime:
             except ExportError as exc:
                 if exc.reason is not Reason.PROVIDER_UNAVAILABLE:
                     raise
-                log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC",
-                            exc)
-            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change,
-                                   compat=compat)
+                log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC", exc)
+            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change, compat=compat)
             local_dir = str(runtime_dir(cfg)) if cfg.serves_local_channel else ""
-            self.server = serve_store(f"{cfg.host}:{cfg.port}", store=self.store, advertise_host=_advertise(cfg),
-                                      tls=cfg.tls, insecure=cfg.insecure, local_dir=local_dir)
+            self.server = serve_store(
+                f"{cfg.host}:{cfg.port}",
+                store=self.store,
+                advertise_host=_advertise(cfg),
+                tls=cfg.tls,
+                insecure=cfg.insecure,
+                local_dir=local_dir,
+            )
             self.endpoint = self.server.address
             if cfg.port == 0:
                 directory, fd = open_runtime_dir(cfg)
                 try:
-                    _unix.write_private_file(fd, f"{name}.producer.json",
-                                             json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode())
+                    _unix.write_private_file(
+                        fd,
+                        f"{name}.producer.json",
+                        json.dumps({"endpoint": self.endpoint, "pid": os.getpid()}).encode(),
+                    )
                 finally:
                     os.close(fd)
                 self._file = directory / f"{name}.producer.json"
         except BaseException:
             self.close()
             raise
-        log.info("tensorwire EC producer %s: held outputs on %s (%s, device %s, ttl %d ms)", name, self.endpoint,
-                 "rdma" if self.exporter is not None else "inline", device, cfg.lease_ttl_ms)
+        log.info(
+            "tensorwire EC producer %s: held outputs on %s (%s, device %s, ttl %d ms)",
+            name,
+            self.endpoint,
+            "rdma" if self.exporter is not None else "inline",
+            device,
+            cfg.lease_ttl_ms,
+        )
         if is_loopback(cfg.host):  # a warning: vLLM leaves non-vllm loggers at WARNING, and this decides reachability
-            log.warning("tensorwire EC producer %s listens on loopback only (%s): LLM instances on other hosts cannot "
-                     "reach it; set ec_connector_extra_config.host to an address they can reach", name, cfg.host)
+            log.warning(
+                "tensorwire EC producer %s listens on loopback only (%s): LLM instances on other hosts cannot "
+                "reach it; set ec_connector_extra_config.host to an address they can reach",
+                name,
+                cfg.host,
+            )
 
     def close(self) -> None:
         if self._file is not None:
@@ -167,8 +201,9 @@ class ProducerRuntime:
             self.exporter = None
 
 
-def producer_runtime(cfg: ECConfig, name: str, device: str,
-                     on_change: Callable[[int, int], None] | None = None, compat: str = "") -> ProducerRuntime:
+def producer_runtime(
+    cfg: ECConfig, name: str, device: str, on_change: Callable[[int, int], None] | None = None, compat: str = ""
+) -> ProducerRuntime:
     with _lock:
         rt = _producers.get(name)
         if rt is None:
@@ -210,15 +245,16 @@ def staging_address(cfg: ECConfig, name: str, rank: int) -> str:
     (``staging_local_path``) is next to it."""
     path = runtime_dir(cfg) / f"{name}-tp{int(rank)}.sock"
     if len(staging_local_path(f"unix:{path}")) > 100:
-        raise ConfigError(f"socket path {path} is too long for a unix socket; set a shorter runtime_dir",
-                          reason=Reason.PATH_TOO_LONG)
+        raise ConfigError(
+            f"socket path {path} is too long for a unix socket; set a shorter runtime_dir", reason=Reason.PATH_TOO_LONG
+        )
     return f"unix:{path}"
 
 
 def staging_local_path(address: str) -> str:
     """The same-host socket (``tensorwire.mm.held._local``) next to a rank's ``unix:`` Staging address."""
-    path = address[len("unix:"):] if address.startswith("unix:") else address
-    return path[:-len(".sock")] + ".local.sock" if path.endswith(".sock") else path + ".local"
+    path = address[len("unix:") :] if address.startswith("unix:") else address
+    return path[: -len(".sock")] + ".local.sock" if path.endswith(".sock") else path + ".local"
 
 
 class StagingRuntime:
@@ -234,7 +270,7 @@ class StagingRuntime:
         try:
             if serve:
                 address = staging_address(cfg, name, rank)
-                self._socket = Path(address[len("unix:"):])
+                self._socket = Path(address[len("unix:") :])
                 if self._socket.exists():
                     self._socket.unlink()  # a dead instance's socket under the same name
                 self.server = serve_store(address, staging=self.area, threads=max(4, cfg.fetch_threads))
@@ -243,15 +279,25 @@ class StagingRuntime:
                 try:
                     self.local = serve_staging_local(staging_local_path(address), self.area)
                 except (OSError, InsecurePath) as exc:
-                    log.warning("tensorwire EC consumer %s rank %d: no same-host staging socket (%s); the scheduler "
-                                "uses the gRPC socket", name, rank, exc)
+                    log.warning(
+                        "tensorwire EC consumer %s rank %d: no same-host staging socket (%s); the scheduler "
+                        "uses the gRPC socket",
+                        name,
+                        rank,
+                        exc,
+                    )
             # The NIXL agent takes a fraction of a second to build: do it now, not in the first fetch.
             threading.Thread(target=self.area.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
         except BaseException:
             self.close()
             raise
-        log.info("tensorwire EC consumer %s rank %d: staging on %s (device %s)", name, rank,
-                 self.server.address if self.server else "this process", device)
+        log.info(
+            "tensorwire EC consumer %s rank %d: staging on %s (device %s)",
+            name,
+            rank,
+            self.server.address if self.server else "this process",
+            device,
+        )
 
     def close(self) -> None:
         if self.local is not None:
@@ -310,8 +356,19 @@ def serve_metrics(port: int) -> None:
         log.warning("cannot serve metrics on port %d: %s", port, exc)
 
 
-__all__ = ["instance_name", "runtime_dir", "open_runtime_dir", "ProducerRuntime", "producer_runtime",
-           "producer_endpoint",
-           "close_producer", "StagingRuntime", "staging_runtime", "close_staging", "staging_address",
-           "staging_local_path", "segment_stager",
-           "serve_metrics"]
+__all__ = [
+    "instance_name",
+    "runtime_dir",
+    "open_runtime_dir",
+    "ProducerRuntime",
+    "producer_runtime",
+    "producer_endpoint",
+    "close_producer",
+    "StagingRuntime",
+    "staging_runtime",
+    "close_staging",
+    "staging_address",
+    "staging_local_path",
+    "segment_stager",
+    "serve_metrics",
+]

@@ -34,9 +34,21 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
 
 _PREFIX = "tw-ec-"
-_DTYPES = {str(d).removeprefix("torch."): d for d in
-           (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-            torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -109,8 +121,15 @@ class SegmentStager:
             offset = first.data_ptr() - seg.tensor.data_ptr()
             if not 0 <= offset <= seg.size - first.numel() * first.element_size():
                 raise ProtocolError(f"item {key[:64]!r} landed outside its segment", reason=Reason.UNKNOWN)
-            ref = SegmentRef(os.getpid(), seg.fd, seg.name, seg.size, offset, tuple(first.shape),
-                             str(first.dtype).removeprefix("torch."))
+            ref = SegmentRef(
+                os.getpid(),
+                seg.fd,
+                seg.name,
+                seg.size,
+                offset,
+                tuple(first.shape),
+                str(first.dtype).removeprefix("torch."),
+            )
         except BaseException:
             self.area.drop([key])
             for seg in made:
@@ -163,13 +182,15 @@ def map_segment(ref: SegmentRef, *, opener: Callable[[str], int] | None = None) 
         dtype = _DTYPES.get(ref.dtype)
         nbytes = (dtype.itemsize if dtype is not None else 0) * _numel(ref.shape)
         if dtype is None or size != ref.size or not 0 <= ref.offset <= size - nbytes or ref.offset % dtype.itemsize:
-            raise ProtocolError(f"segment {ref.name!r} ({size} bytes) does not hold {list(ref.shape)}/{ref.dtype} "
-                                f"at {ref.offset}", reason=Reason.RESULT_MISMATCH)
+            raise ProtocolError(
+                f"segment {ref.name!r} ({size} bytes) does not hold {list(ref.shape)}/{ref.dtype} at {ref.offset}",
+                reason=Reason.RESULT_MISMATCH,
+            )
         m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
     finally:
         os.close(fd)
     base = torch.frombuffer(m, dtype=torch.uint8)
-    return base[ref.offset:ref.offset + nbytes].view(dtype).view(ref.shape)
+    return base[ref.offset : ref.offset + nbytes].view(dtype).view(ref.shape)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

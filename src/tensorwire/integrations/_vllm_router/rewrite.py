@@ -26,9 +26,25 @@ CLIENT_FORBIDDEN = ("ec_transfer_params", "kv_transfer_params")
 _SEGMENT = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+")
 _TEXT_PARTS = frozenset(("text", "input_text", "output_text", "refusal", "thinking"))
 # Fields that only shape the answer (or would conflict with a one-token, non-streamed one).
-_ENCODER_DROP = ("stream", "stream_options", "logprobs", "top_logprobs", "prompt_logprobs", "min_tokens", "n",
-                 "best_of", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                 "guided_choice", "guided_grammar", "logit_bias", "kv_transfer_params", PARAMS_FIELD)
+_ENCODER_DROP = (
+    "stream",
+    "stream_options",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "min_tokens",
+    "n",
+    "best_of",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logit_bias",
+    "kv_transfer_params",
+    PARAMS_FIELD,
+)
 
 
 def has_media(body: dict[str, Any]) -> bool:
@@ -67,8 +83,13 @@ def strip_client_params(body: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     extra = sampling.get("extra_args") if isinstance(sampling, dict) else None
     if isinstance(sampling, dict) and isinstance(extra, dict) and any(k in extra for k in CLIENT_FORBIDDEN):
         removed += [f"sampling_params.extra_args.{k}" for k in CLIENT_FORBIDDEN if k in extra]
-        out = {**out, "sampling_params": {**sampling, "extra_args": {
-            k: v for k, v in extra.items() if k not in CLIENT_FORBIDDEN}}}
+        out = {
+            **out,
+            "sampling_params": {
+                **sampling,
+                "extra_args": {k: v for k, v in extra.items() if k not in CLIENT_FORBIDDEN},
+            },
+        }
     return out, removed
 
 

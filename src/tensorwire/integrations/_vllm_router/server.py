@@ -84,8 +84,12 @@ def error_body(status: int, message: str, kind: str) -> bytes:
 
 
 def _error(status: int, message: str, kind: str, rid: str, encoder: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, kind), content_type="application/json",
-                        headers={"X-Request-Id": rid, "X-Tensorwire-Encoder": encoder or "none"})
+    return web.Response(
+        status=status,
+        body=error_body(status, message, kind),
+        content_type="application/json",
+        headers={"X-Request-Id": rid, "X-Tensorwire-Encoder": encoder or "none"},
+    )
 
 
 class _QuietLog(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -100,8 +104,10 @@ class _Refuse(asyncio.Protocol):
     """A connection over the cap (or arriving while stopping): a 503 and close, before reading anything."""
 
     _BODY = error_body(503, "the router is at its connection limit or stopping", "ServiceUnavailable")
-    _ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-               b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
+    _ANSWER = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
+    )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tr = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport
@@ -116,8 +122,9 @@ def _listen(config: RouterConfig) -> socket.socket:
         family, kind, proto, _, addr = infos[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}",
-                          reason=Reason.BIND_FAILED) from exc
+        raise ConfigError(
+            f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", reason=Reason.BIND_FAILED
+        ) from exc
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
@@ -155,8 +162,9 @@ class Router:
         upstream_ssl = None
         if any(u.startswith("https:") for u in (*config.encoders, *config.llms)) or config.upstream_ca:
             upstream_ssl = client_ssl(config.upstream_ca, config.upstream_cert, config.upstream_key)
-        self._up = Upstreams(connections=config.upstream_connections, keepalive_s=config.upstream_keepalive_s,
-                             ssl_context=upstream_ssl)
+        self._up = Upstreams(
+            connections=config.upstream_connections, keepalive_s=config.upstream_keepalive_s, ssl_context=upstream_ssl
+        )
         self._sock = _listen(config)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -173,9 +181,13 @@ class Router:
         self._active: dict[int, bool] = {}  # id(request) -> streamed
         self._web: web.Server | None = None
         self._listener: asyncio.AbstractServer | None = None
-        log.info("vLLM EPD router on %s: %s; %s; fallback %s", self.address,
-                 ", ".join(f"{n} = {u}" for n, u in zip(self.encoders.names, config.encoders, strict=True)),
-                 ", ".join(f"{n} = {u}" for n, u in zip(self.llms.names, config.llms, strict=True)), config.fallback)
+        log.info(
+            "vLLM EPD router on %s: %s; %s; fallback %s",
+            self.address,
+            ", ".join(f"{n} = {u}" for n, u in zip(self.encoders.names, config.encoders, strict=True)),
+            ", ".join(f"{n} = {u}" for n, u in zip(self.llms.names, config.llms, strict=True)),
+            config.fallback,
+        )
 
     @property
     def port(self) -> int:
@@ -247,8 +259,12 @@ class Router:
         if self._stop_requested.is_set():
             log.warning("%s again: cutting what still runs", sig.name)
         else:
-            log.info("%s: stopping (drain %.1f s, grace %.1f s; a second signal cuts what still runs)", sig.name,
-                     self._drain_s, self.config.grace_s)
+            log.info(
+                "%s: stopping (drain %.1f s, grace %.1f s; a second signal cuts what still runs)",
+                sig.name,
+                self._drain_s,
+                self.config.grace_s,
+            )
         self._request_stop(False)
 
     def _request_stop(self, cut: bool) -> None:
@@ -265,11 +281,16 @@ class Router:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         self._stop_requested, self._cut, self._idle = asyncio.Event(), asyncio.Event(), asyncio.Event()
         await self._up.start()
-        self._web = web.Server(self._handle, keepalive_timeout=self.config.idle_timeout_s, access_log=None,
-                               logger=_QuietLog(logging.getLogger("tensorwire.integrations.vllm_router.http"), {}))
+        self._web = web.Server(
+            self._handle,
+            keepalive_timeout=self.config.idle_timeout_s,
+            access_log=None,
+            logger=_QuietLog(logging.getLogger("tensorwire.integrations.vllm_router.http"), {}),
+        )
         self.metrics.connections.set_function(lambda: len(self._web.connections) if self._web else 0)
-        self._listener = await loop.create_server(self._protocol, sock=self._sock, ssl=self._server_ssl,
-                                                  backlog=self.config.backlog)
+        self._listener = await loop.create_server(
+            self._protocol, sock=self._sock, ssl=self._server_ssl, backlog=self.config.backlog
+        )
         probes = asyncio.create_task(self._probe_forever())
         if self._pending_stop:
             self._request_stop(self._pending_stop > 1)
@@ -309,19 +330,29 @@ class Router:
         running = dict(self._active)
         streams = sum(running.values())
         if running:
-            log.info("listener closed; waiting up to %.1f s for %d request(s) in flight (%d streamed answer(s))",
-                     cfg.grace_s, len(running), streams)
+            log.info(
+                "listener closed; waiting up to %.1f s for %d request(s) in flight (%d streamed answer(s))",
+                cfg.grace_s,
+                len(running),
+                streams,
+            )
             idle = asyncio.create_task(self._wait_idle())
             cut = asyncio.create_task(self._cut.wait())
             await asyncio.wait((idle, cut), timeout=cfg.grace_s, return_when=asyncio.FIRST_COMPLETED)
             idle.cancel()
             cut.cancel()
             if self._active:
-                log.warning("grace period over after %.1f s: cutting %d request(s) still running",
-                            time.monotonic() - t0, len(self._active))
+                log.warning(
+                    "grace period over after %.1f s: cutting %d request(s) still running",
+                    time.monotonic() - t0,
+                    len(self._active),
+                )
             else:
-                log.info("drained: the %d request(s) in flight finished (%.2f s after the stop)", len(running),
-                         time.monotonic() - t0)
+                log.info(
+                    "drained: the %d request(s) in flight finished (%.2f s after the stop)",
+                    len(running),
+                    time.monotonic() - t0,
+                )
         else:
             log.info("listener closed; no request in flight")
         await self._web.shutdown(0.5)
@@ -341,8 +372,9 @@ class Router:
         pools = (self.encoders, self.llms)
         while True:
             checks = [(pool, i) for pool in pools for i in range(len(pool.urls))]
-            results = await asyncio.gather(*(self._up.probe(pool.urls[i], self.config.probe_timeout_s)
-                                             for pool, i in checks))
+            results = await asyncio.gather(
+                *(self._up.probe(pool.urls[i], self.config.probe_timeout_s) for pool, i in checks)
+            )
             for (pool, i), why in zip(checks, results, strict=True):
                 pool.probed(i, not why, why)
             await asyncio.sleep(self.config.probe_interval_s)
@@ -372,24 +404,38 @@ class Router:
         rid = state.rid
         path = rewrite.canonical_path(request.raw_path)
         if path is None:
-            return _refuse(400, "the request path is not canonical (percent-encoding, dot or empty segments, a "
-                          "trailing slash or an absolute URL): send the path as the API names it", "BadRequestError",
-                          rid)
+            return _refuse(
+                400,
+                "the request path is not canonical (percent-encoding, dot or empty segments, a "
+                "trailing slash or an absolute URL): send the path as the API names it",
+                "BadRequestError",
+                rid,
+            )
         te = [v.strip().lower() for h in request.headers.getall("Transfer-Encoding", []) for v in h.split(",")]
         if te and te != ["chunked"]:
-            return _refuse(400, f"Transfer-Encoding {', '.join(te)!r} is not supported: send Content-Length or "
-                          "chunked", "BadRequestError", rid)
+            return _refuse(
+                400,
+                f"Transfer-Encoding {', '.join(te)!r} is not supported: send Content-Length or chunked",
+                "BadRequestError",
+                rid,
+            )
         if request.headers.get("Content-Encoding", "identity").strip().lower() != "identity":
             return _refuse(415, "compressed request bodies are not supported", "BadRequestError", rid)
         if path == "/health" and request.method in ("GET", "HEAD"):
             state.route = "own"
             status = 200 if self._healthy else 503
-            return web.Response(status=status, body=json.dumps({"status": "ok" if status == 200 else "stopping"}),
-                                content_type="application/json", headers={"X-Request-Id": rid})
+            return web.Response(
+                status=status,
+                body=json.dumps({"status": "ok" if status == 200 else "stopping"}),
+                content_type="application/json",
+                headers={"X-Request-Id": rid},
+            )
         if path == "/metrics" and request.method == "GET":
             state.route = "own"
-            return web.Response(body=generate_latest(self.metrics.registry),
-                                headers={"Content-Type": CONTENT_TYPE_LATEST, "X-Request-Id": rid})
+            return web.Response(
+                body=generate_latest(self.metrics.registry),
+                headers={"Content-Type": CONTENT_TYPE_LATEST, "X-Request-Id": rid},
+            )
         raw = b""
         if request.body_exists:
             got = await self._read_body(request, rid)
@@ -409,8 +455,12 @@ class Router:
             body, removed = rewrite.strip_client_params(body)
             if removed:
                 self.metrics.client_params_dropped.inc()
-                log.warning("request %s to %s carried %s: removed (only encoder instances set them)", rid, path,
-                            ", ".join(removed))
+                log.warning(
+                    "request %s to %s carried %s: removed (only encoder instances set them)",
+                    rid,
+                    path,
+                    ", ".join(removed),
+                )
                 raw = json.dumps(body).encode()
         if path not in rewrite.CHAT_PATHS or request.method != "POST":
             state.route = "passthrough"
@@ -427,13 +477,17 @@ class Router:
         if result.refused is not None:
             state.route = "encoder_rejected"
             status, ctype, answer = result.refused
-            return web.Response(status=status, body=answer, headers={
-                "Content-Type": ctype, "X-Request-Id": rid, "X-Tensorwire-Encoder": result.encoder or "none"})
+            return web.Response(
+                status=status,
+                body=answer,
+                headers={"Content-Type": ctype, "X-Request-Id": rid, "X-Tensorwire-Encoder": result.encoder or "none"},
+            )
         if result.encoder is None:
             if self.config.fallback == "fail":
                 state.route = "no_encoder"
-                return _error(503, "no encoder instance answered: " + "; ".join(result.errors), "ServiceUnavailable",
-                              rid)
+                return _error(
+                    503, "no encoder instance answered: " + "; ".join(result.errors), "ServiceUnavailable", rid
+                )
             state.route = "fallback_local"
         else:
             state.route = "encoded" if result.params else "not_announced"
@@ -445,8 +499,9 @@ class Router:
         limit = self.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
-            return _refuse(413, f"request body of {length} bytes; the router takes at most {limit}",
-                           "BadRequestError", rid)
+            return _refuse(
+                413, f"request body of {length} bytes; the router takes at most {limit}", "BadRequestError", rid
+            )
         if request.headers.get("Expect", "").lower() == "100-continue":
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
         chunks: list[bytes] = []
@@ -459,8 +514,14 @@ class Router:
                         return _close(_error(413, f"request body over {limit} bytes", "BadRequestError", rid))
                     chunks.append(chunk)
         except TimeoutError:
-            return _close(_error(408, f"the request body did not arrive within {self.config.body_timeout_s:g} s",
-                                 "BadRequestError", rid))
+            return _close(
+                _error(
+                    408,
+                    f"the request body did not arrive within {self.config.body_timeout_s:g} s",
+                    "BadRequestError",
+                    rid,
+                )
+            )
         except aiohttp.ClientPayloadError:
             return _close(_error(400, "broken request body", "BadRequestError", rid))
         return b"".join(chunks)
@@ -478,8 +539,9 @@ class Router:
         cfg = self.config
         payload = json.dumps(rewrite.encoder_body(body)).encode()
         enc_headers = {k: v for k, v in headers.items() if k != "Accept-Encoding"}
-        timeout = aiohttp.ClientTimeout(total=cfg.encoder_timeout_s, sock_connect=cfg.connect_timeout_s,
-                                        sock_read=cfg.encoder_first_byte_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=cfg.encoder_timeout_s, sock_connect=cfg.connect_timeout_s, sock_read=cfg.encoder_first_byte_timeout_s
+        )
         result = EncodeResult()
         order = self.encoders.order()
         if not order:
@@ -488,8 +550,7 @@ class Router:
             name, url = self.encoders.names[i], self.encoders.urls[i]
             t0 = time.monotonic()
             try:
-                status, ctype, answer = await self._up.fetch(url, "POST", target, payload, enc_headers,
-                                                             timeout=timeout)
+                status, ctype, answer = await self._up.fetch(url, "POST", target, payload, enc_headers, timeout=timeout)
             except (PeerUnavailable, DeadlineExceeded, ProtocolError) as exc:
                 outcome = {PeerUnavailable: "unavailable", DeadlineExceeded: "timeout"}.get(type(exc), "bad_answer")
                 self._encoder_failed(i, outcome, str(exc), result, rid)
@@ -509,8 +570,13 @@ class Router:
                     result.params = params
                 else:
                     self.metrics.encoder_calls.labels(name, "not_announced").inc()
-                    log.warning("%s (%s) answered without ec_transfer_params (request %s): is it started with the "
-                                "tensorwire connector as ec_producer? The LLM instance encodes", name, url, rid)
+                    log.warning(
+                        "%s (%s) answered without ec_transfer_params (request %s): is it started with the "
+                        "tensorwire connector as ec_producer? The LLM instance encodes",
+                        name,
+                        url,
+                        rid,
+                    )
                 return result
             if status in (408, 429) or status >= 500:
                 detail = answer[:200].decode("utf-8", "replace")
@@ -532,8 +598,17 @@ class Router:
 
     # -- the LLM step ------------------------------------------------------------------------------------------
 
-    async def _to_llm(self, request: web.BaseRequest, state: _State, key: int, target: str, payload: bytes | None,
-                      headers: dict[str, str], *, encoder: str | None) -> web.StreamResponse:
+    async def _to_llm(
+        self,
+        request: web.BaseRequest,
+        state: _State,
+        key: int,
+        target: str,
+        payload: bytes | None,
+        headers: dict[str, str],
+        *,
+        encoder: str | None,
+    ) -> web.StreamResponse:
         cfg = self.config
         rid = state.rid
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.llm_timeout_s)
@@ -556,29 +631,40 @@ class Router:
                 state.route = "llm_failed"
                 status = 504 if timed_out else 502
                 log.error("request %s: %d from LLM instance %s (%s): %s", rid, status, name, url, exc)
-                return _error(status, f"{name}: {exc}", "GatewayTimeout" if timed_out else "BadGateway", rid,
-                              encoder)
+                return _error(status, f"{name}: {exc}", "GatewayTimeout" if timed_out else "BadGateway", rid, encoder)
             return await self._relay(request, state, key, upstream, name, encoder)
         state.route = "llm_failed"
         log.error("request %s: 503, no LLM instance answered: %s", rid, "; ".join(failures))
         return _error(503, "no LLM instance answered: " + "; ".join(failures), "ServiceUnavailable", rid, encoder)
 
-    async def _relay_whole(self, request: web.BaseRequest, state: _State, upstream: aiohttp.ClientResponse,
-                           name: str, encoder: str | None) -> web.StreamResponse:
+    async def _relay_whole(
+        self, request: web.BaseRequest, state: _State, upstream: aiohttp.ClientResponse, name: str, encoder: str | None
+    ) -> web.StreamResponse:
         """A small answer with a Content-Length: read whole (each read within ``llm_timeout_s``), then sent in one
         write with its headers (fewer system calls and wake-ups than chunk by chunk)."""
         try:
             body = await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             upstream.close()
-            self.metrics.upstream_calls.labels(name, "llm", "timeout" if isinstance(exc, TimeoutError)
-                                               else "bad_answer").inc()
+            self.metrics.upstream_calls.labels(
+                name, "llm", "timeout" if isinstance(exc, TimeoutError) else "bad_answer"
+            ).inc()
             state.route = "llm_failed"
             timed_out = isinstance(exc, TimeoutError)
-            log.error("request %s: %d, the answer from %s %s", state.rid, 504 if timed_out else 502, name,
-                      "stalled" if timed_out else f"broke ({type(exc).__name__})")
-            return _error(504 if timed_out else 502, f"{name}: the answer {'stalled' if timed_out else 'broke'}",
-                          "GatewayTimeout" if timed_out else "BadGateway", state.rid, encoder)
+            log.error(
+                "request %s: %d, the answer from %s %s",
+                state.rid,
+                504 if timed_out else 502,
+                name,
+                "stalled" if timed_out else f"broke ({type(exc).__name__})",
+            )
+            return _error(
+                504 if timed_out else 502,
+                f"{name}: the answer {'stalled' if timed_out else 'broke'}",
+                "GatewayTimeout" if timed_out else "BadGateway",
+                state.rid,
+                encoder,
+            )
         upstream.release()
         self.metrics.upstream_calls.labels(name, "llm", "ok").inc()
         out = web.Response(status=upstream.status, reason=upstream.reason, body=body)
@@ -600,8 +686,15 @@ class Router:
         except (ConnectionError, aiohttp.ClientError, RuntimeError) as exc:
             raise _ClientGone(f"the client went away ({type(exc).__name__})") from exc
 
-    async def _relay(self, request: web.BaseRequest, state: _State, key: int, upstream: aiohttp.ClientResponse,
-                     name: str, encoder: str | None) -> web.StreamResponse:
+    async def _relay(
+        self,
+        request: web.BaseRequest,
+        state: _State,
+        key: int,
+        upstream: aiohttp.ClientResponse,
+        name: str,
+        encoder: str | None,
+    ) -> web.StreamResponse:
         """Relays the answer as it comes; each upstream read waits ``llm_timeout_s`` at most, each client write
         ``write_timeout_s``. A stall or a break on either side closes both connections (vLLM aborts the request
         whose client went away; the client sees its answer end early)."""

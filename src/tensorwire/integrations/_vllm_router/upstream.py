@@ -30,9 +30,23 @@ from yarl import URL
 from tensorwire.errors import DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
 
 MAX_FETCH_BYTES = 64 * 1024 * 1024
-HOP_BY_HOP = frozenset(("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-                        "te", "trailer", "transfer-encoding", "upgrade", "content-length", "date", "server",
-                        "x-request-id"))
+HOP_BY_HOP = frozenset(
+    (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "date",
+        "server",
+        "x-request-id",
+    )
+)
 _AUTO = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 
 
@@ -53,26 +67,45 @@ class Upstreams:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self._connections,
-                                         keepalive_timeout=self._keepalive_s, ssl=self._ssl or True)
-        self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                              timeout=aiohttp.ClientTimeout(total=None),
-                                              cookie_jar=aiohttp.DummyCookieJar())
+        connector = aiohttp.TCPConnector(
+            limit=0, limit_per_host=self._connections, keepalive_timeout=self._keepalive_s, ssl=self._ssl or True
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    async def open(self, base: str, method: str, target: str, body: bytes | None, headers: Mapping[str, str], *,
-                   timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def open(
+        self,
+        base: str,
+        method: str,
+        target: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        *,
+        timeout: aiohttp.ClientTimeout,
+    ) -> aiohttp.ClientResponse:
         assert self._session is not None, "Upstreams.start() first"
         url = URL(base.rstrip("/") + target, encoded=True)
         skip = [h for h in _AUTO if h not in headers]
         for attempt in (1, 2):
             try:
-                return await self._session.request(method, url, data=body, headers=dict(headers), timeout=timeout,
-                                                   allow_redirects=False, skip_auto_headers=skip)
+                return await self._session.request(
+                    method,
+                    url,
+                    data=body,
+                    headers=dict(headers),
+                    timeout=timeout,
+                    allow_redirects=False,
+                    skip_auto_headers=skip,
+                )
             except aiohttp.ClientConnectorError as exc:
                 raise PeerUnavailable(_why(exc)) from exc
             except aiohttp.ConnectionTimeoutError as exc:
@@ -88,8 +121,16 @@ class Upstreams:
                 raise ProtocolError(f"broken answer ({_name(exc)})") from exc
         raise AssertionError("unreachable")
 
-    async def fetch(self, base: str, method: str, target: str, body: bytes | None, headers: Mapping[str, str], *,
-                    timeout: aiohttp.ClientTimeout) -> tuple[int, str, bytes]:
+    async def fetch(
+        self,
+        base: str,
+        method: str,
+        target: str,
+        body: bytes | None,
+        headers: Mapping[str, str],
+        *,
+        timeout: aiohttp.ClientTimeout,
+    ) -> tuple[int, str, bytes]:
         """(status, content type, body) of a whole answer of at most ``MAX_FETCH_BYTES``."""
         resp = await self.open(base, method, target, body, headers, timeout=timeout)
         try:
@@ -113,8 +154,9 @@ class Upstreams:
     async def probe(self, base: str, timeout_s: float) -> str:
         """'' when ``GET /health`` answers 200 within ``timeout_s``, else why not."""
         try:
-            status, _, _ = await self.fetch(base, "GET", "/health", None, {},
-                                            timeout=aiohttp.ClientTimeout(total=timeout_s))
+            status, _, _ = await self.fetch(
+                base, "GET", "/health", None, {}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            )
         except (PeerUnavailable, DeadlineExceeded, ProtocolError) as exc:
             return str(exc)
         except asyncio.CancelledError:

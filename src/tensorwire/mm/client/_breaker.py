@@ -44,8 +44,14 @@ class _Entry:
 class BreakerBoard:
     """Breakers of one scope ("endpoint" or "worker"), created on first use per key."""
 
-    def __init__(self, scope: str, failures_to_open: int, open_seconds: float,
-                 clock: Callable[[], float] = time.monotonic, metrics: TransportMetrics | None = None) -> None:
+    def __init__(
+        self,
+        scope: str,
+        failures_to_open: int,
+        open_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: TransportMetrics | None = None,
+    ) -> None:
         self.scope = scope
         self._threshold = failures_to_open
         self._open_s = open_seconds
@@ -132,8 +138,13 @@ class BreakerBoard:
                 self._metrics.breaker_transitions.labels(self.scope, new.value).inc()
         if not quiet:
             if new is BreakerState.OPEN:
-                log.info("rdma circuit breaker for %s %s opened after %d consecutive read failures; inline for %.0f s",
-                         self.scope, key, e.failures, self._open_s)
+                log.info(
+                    "rdma circuit breaker for %s %s opened after %d consecutive read failures; inline for %.0f s",
+                    self.scope,
+                    key,
+                    e.failures,
+                    self._open_s,
+                )
             elif new is BreakerState.CLOSED and old is not BreakerState.CLOSED:
                 log.info("rdma circuit breaker for %s %s closed", self.scope, key)
 

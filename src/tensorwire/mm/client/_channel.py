@@ -83,8 +83,11 @@ class ControlSession(abc.ABC):
         session lent (``receipt.message.placed.tensors`` set): views of that buffer, which stays lent until the
         last of them is gone. ``ProtocolError`` when the manifest does not fit the buffer or the session lent none
         (the default: a path that lends no buffers)."""
-        raise ProtocolError(f"a placed answer (buffer {receipt.message.placed.buffer_id}) on the {self.path} path, "
-                            "which lends no receive buffer", reason=Reason.RESULT_MISMATCH)
+        raise ProtocolError(
+            f"a placed answer (buffer {receipt.message.placed.buffer_id}) on the {self.path} path, "
+            "which lends no receive buffer",
+            reason=Reason.RESULT_MISMATCH,
+        )
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -35,8 +35,10 @@ _STREAM_THREAD = "tensorwire-mm-control"
 
 
 def _no_requeue(lease_ids: list[str]) -> None:
-    log.warning("%d stream release id(s) were not sent and no requeue is bound; the encoder's TTL GC reclaims "
-                "them", len(lease_ids))
+    log.warning(
+        "%d stream release id(s) were not sent and no requeue is bound; the encoder's TTL GC reclaims them",
+        len(lease_ids),
+    )
 
 
 class GrpcControlChannel(ControlChannel):
@@ -49,22 +51,36 @@ class GrpcControlChannel(ControlChannel):
     ``open_streams`` and ``watchdog`` are read-only views for tests and benchmarks.
     """
 
-    def __init__(self, endpoint: str, config: TransportConfig | None = None, metrics: TransportMetrics | None = None,
-                 *, grpc_channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        config: TransportConfig | None = None,
+        metrics: TransportMetrics | None = None,
+        *,
+        grpc_channel: grpc.Channel | None = None,
+    ) -> None:
         self.endpoint = endpoint
         config = config if config is not None else TransportConfig()
         self._metrics = metrics if metrics is not None else metrics_for(None)
         self._requeue: Requeue = _no_requeue
-        self._channel = grpc_channel if grpc_channel is not None else secure_or_insecure_channel(
-            endpoint, config.tls, config.limits.client_options())
+        self._channel = (
+            grpc_channel
+            if grpc_channel is not None
+            else secure_or_insecure_channel(endpoint, config.tls, config.limits.client_options())
+        )
         self._encode: grpc.UnaryUnaryMultiCallable[pb.EncodeRequest, bytes] = self._channel.unary_unary(
-            wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString, response_deserializer=None)
-        self._release = self._channel.unary_unary(wire.RELEASE_METHOD,
-                                                  request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
-                                                  response_deserializer=pb.ReleaseLeasesResponse.FromString)
-        self._local_info = self._channel.unary_unary(wire.LOCAL_CHANNEL_METHOD,
-                                                     request_serializer=pb.LocalChannelRequest.SerializeToString,
-                                                     response_deserializer=pb.LocalChannelInfo.FromString)
+            wire.ENCODE_METHOD, request_serializer=pb.EncodeRequest.SerializeToString, response_deserializer=None
+        )
+        self._release = self._channel.unary_unary(
+            wire.RELEASE_METHOD,
+            request_serializer=pb.ReleaseLeasesRequest.SerializeToString,
+            response_deserializer=pb.ReleaseLeasesResponse.FromString,
+        )
+        self._local_info = self._channel.unary_unary(
+            wire.LOCAL_CHANNEL_METHOD,
+            request_serializer=pb.LocalChannelRequest.SerializeToString,
+            response_deserializer=pb.LocalChannelInfo.FromString,
+        )
         self._streams = _StreamPool(self._channel, endpoint, config, self._metrics, lambda ids: self._requeue(ids))
         self._closed = False
 
@@ -105,8 +121,9 @@ class GrpcControlChannel(ControlChannel):
         """Asks the encoder for its same-host control channel (``client._local``); ``TensorwireError`` (an encoder
         or proxy without the method: ``ControlPlaneError(UNIMPLEMENTED)``)."""
         try:
-            info: pb.LocalChannelInfo = self._local_info(pb.LocalChannelRequest(host_token=host_token),
-                                                         timeout=timeout_s)
+            info: pb.LocalChannelInfo = self._local_info(
+                pb.LocalChannelRequest(host_token=host_token), timeout=timeout_s
+            )
         except grpc.RpcError as exc:
             raise wire.error_from_rpc(exc, f"LocalChannel on {self.endpoint}") from exc
         return info
@@ -187,10 +204,12 @@ class _StreamPool:
     request's deadline.
     """
 
-    def __init__(self, channel: grpc.Channel, endpoint: str, config: TransportConfig, metrics: TransportMetrics,
-                 requeue: Requeue) -> None:
+    def __init__(
+        self, channel: grpc.Channel, endpoint: str, config: TransportConfig, metrics: TransportMetrics, requeue: Requeue
+    ) -> None:
         self._method: grpc.StreamStreamMultiCallable[bytes, bytes] = channel.stream_stream(
-            wire.ENCODE_STREAM_METHOD, request_serializer=None, response_deserializer=None)
+            wire.ENCODE_STREAM_METHOD, request_serializer=None, response_deserializer=None
+        )
         self.endpoint = endpoint
         self.metrics = metrics
         self._requeue = requeue
@@ -260,12 +279,21 @@ class _StreamPool:
             elif kind == "refused":
                 self._refused_until = time.monotonic() + self._refusal_s
         if kind == "unimplemented":
-            self._rl.log(logging.INFO, "unimplemented", "%s has no EncodeStream (an older encoder or a proxy); "
-                         "using the unary Encode for this transport", self.endpoint)
+            self._rl.log(
+                logging.INFO,
+                "unimplemented",
+                "%s has no EncodeStream (an older encoder or a proxy); using the unary Encode for this transport",
+                self.endpoint,
+            )
         elif kind == "refused":
-            self._rl.log(logging.INFO, "refused", "%s refused another EncodeStream (its server_stream_cap); using "
-                         "the unary Encode beyond the streams already open for %.0f s", self.endpoint,
-                         self._refusal_s)
+            self._rl.log(
+                logging.INFO,
+                "refused",
+                "%s refused another EncodeStream (its server_stream_cap); using "
+                "the unary Encode beyond the streams already open for %.0f s",
+                self.endpoint,
+                self._refusal_s,
+            )
 
     def close(self, timeout_s: float) -> None:
         """Half-closes the idle streams (queued releases still go out) and waits up to ``timeout_s`` for them to

@@ -227,8 +227,11 @@ class _Conn:
         if len(usable) >= MAX_BUFFERS_PER_CONN or len(self.buffers) >= WORKER_MAX_BUFFERS:
             if len(self.buffers) >= WORKER_MAX_BUFFERS and not any(b.busy for b in self.buffers):
                 self.renew = True
-            log.debug("no receive buffer for this fetch: %d of %d lent on this connection are in use", len(usable),
-                      len(self.buffers))
+            log.debug(
+                "no receive buffer for this fetch: %d of %d lent on this connection are in use",
+                len(usable),
+                len(self.buffers),
+            )
             return None, False
         buf = mgr.new_buffer(need)
         if buf is None:
@@ -241,8 +244,9 @@ class _Conn:
         """Not broken, nothing unread (a hang-up shows as readable), and idle for less than ``max_idle_s``."""
         return not self.broken and time.monotonic() - self.idle_since < max_idle_s and _unix.is_quiet(self.sock)
 
-    def encode(self, request: pb.EncodeRequest, budget: Budget, endpoint: str,
-               metrics: TransportMetrics) -> WireReceipt:
+    def encode(
+        self, request: pb.EncodeRequest, budget: Budget, endpoint: str, metrics: TransportMetrics
+    ) -> WireReceipt:
         timeout_s = budget.remaining_ms() / 1000.0
         if timeout_s <= 0:
             raise DeadlineExceeded("fetch budget exhausted before the Encode call", reason=Reason.BUDGET_EXHAUSTED)
@@ -257,8 +261,12 @@ class _Conn:
                 buf.wait_ready()  # the previous tensors' queued readers are done with it
                 if offer:
                     body, fds = buf.offer()
-                    _unix.send_frame(self.sock, wire.stream_frame(0, wire.STREAM_OFFER_FIELD,
-                                                                  body.SerializeToString()), deadline, fds)
+                    _unix.send_frame(
+                        self.sock,
+                        wire.stream_frame(0, wire.STREAM_OFFER_FIELD, body.SerializeToString()),
+                        deadline,
+                        fds,
+                    )
                 data.append(wire.placement_field(buf.buffer_id))
                 buf.busy = True
             try:
@@ -271,9 +279,11 @@ class _Conn:
                 self.inflight = buf
         except TimeoutError as exc:  # not written whole: never run; but the budget is gone
             self.broken = True
-            raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: the local control channel "
-                                   f"did not take the request within {timeout_s:.3f} s",
-                                   reason=Reason.DEADLINE_EXCEEDED) from exc
+            raise DeadlineExceeded(
+                f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: the local control channel "
+                f"did not take the request within {timeout_s:.3f} s",
+                reason=Reason.DEADLINE_EXCEEDED,
+            ) from exc
         except OSError as exc:
             self.broken = True
             raise _NotSent(str(exc)) from exc
@@ -283,19 +293,25 @@ class _Conn:
         except TimeoutError as exc:
             self.broken = True
             metrics.control_streams.labels("llm", "local_deadline").inc()
-            raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the local "
-                                   f"control channel within {timeout_s:.3f} s",
-                                   reason=Reason.DEADLINE_EXCEEDED) from exc
+            raise DeadlineExceeded(
+                f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the local "
+                f"control channel within {timeout_s:.3f} s",
+                reason=Reason.DEADLINE_EXCEEDED,
+            ) from exc
         except (OSError, ValueError) as exc:
             self.broken = True
             metrics.control_streams.labels("llm", "local_broken").inc()
-            raise PeerUnavailable(f"Encode on {endpoint}: the local control connection failed after the request "
-                                  f"was sent ({exc})", reason=Reason.PEER_UNAVAILABLE) from exc
+            raise PeerUnavailable(
+                f"Encode on {endpoint}: the local control connection failed after the request was sent ({exc})",
+                reason=Reason.PEER_UNAVAILABLE,
+            ) from exc
         if raw is None:
             self.broken = True
             metrics.control_streams.labels("llm", "local_broken").inc()
-            raise PeerUnavailable(f"Encode on {endpoint}: the worker closed the local control connection before "
-                                  "answering", reason=Reason.PEER_UNAVAILABLE)
+            raise PeerUnavailable(
+                f"Encode on {endpoint}: the worker closed the local control connection before answering",
+                reason=Reason.PEER_UNAVAILABLE,
+            )
         try:
             answer_id, value = read_stream_response(raw)  # a large inline receipt views ``raw``, held by nothing else
         except Exception as exc:
@@ -337,8 +353,9 @@ class _Conn:
             return False
         if not lease_ids:
             return True
-        body = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD,
-                                 pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString())
+        body = wire.stream_frame(
+            0, wire.STREAM_RELEASE_FIELD, pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString()
+        )
         frame = _unix.FRAME_HEADER.pack(len(body)) + body
         try:
             self.sock.setblocking(False)
@@ -438,13 +455,20 @@ class LocalControlChannel(ControlChannel):
     tests and benchmarks.
     """
 
-    def __init__(self, endpoint: str, config: TransportConfig | None = None, metrics: TransportMetrics | None = None,
-                 *, grpc_channel: GrpcControlChannel | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        config: TransportConfig | None = None,
+        metrics: TransportMetrics | None = None,
+        *,
+        grpc_channel: GrpcControlChannel | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self._config = config if config is not None else TransportConfig()
         self._metrics = metrics if metrics is not None else metrics_for(None)
-        self.grpc = grpc_channel if grpc_channel is not None else GrpcControlChannel(endpoint, self._config,
-                                                                                     self._metrics)
+        self.grpc = (
+            grpc_channel if grpc_channel is not None else GrpcControlChannel(endpoint, self._config, self._metrics)
+        )
         self._wait_s = self._config.local_channel_wait_ms / 1000.0
         self._pool = _ConnPool(self._config.control_stream_pool, self._config.local_channel_idle_ms / 2000.0)
         self._token = _unix.host_token()
@@ -456,8 +480,11 @@ class LocalControlChannel(ControlChannel):
         self._closed = False
         self._rl = RateLimitedLog(log)
         # mode grpc: every output inline, so no receive buffers either
-        self.placements = _Placements(self._config.local_placement_bytes if self._config.mode == MODE_AUTO else 0,
-                                      self._config.rdma.device, self._rl)
+        self.placements = _Placements(
+            self._config.local_placement_bytes if self._config.mode == MODE_AUTO else 0,
+            self._config.rdma.device,
+            self._rl,
+        )
         self._ask()
 
     # -- discovery ----------------------------------------------------------------------------------------
@@ -477,8 +504,7 @@ class LocalControlChannel(ControlChannel):
             if self._closed or (self._asking is not None and self._asking.is_alive()):
                 return
             self._retry_at = float("inf")  # until this one answers
-            self._asking = threading.Thread(target=self._discover, name="tensorwire-mm-local-discovery",
-                                            daemon=True)
+            self._asking = threading.Thread(target=self._discover, name="tensorwire-mm-local-discovery", daemon=True)
             self._asking.start()
 
     def _discover(self) -> None:
@@ -513,8 +539,14 @@ class LocalControlChannel(ControlChannel):
             self._metrics.control_streams.labels("llm", "local_discovered").inc()
             log.info("same-host control channel for %s: %s", self.endpoint, path)
         else:
-            self._rl.log(logging.INFO, "nolocal", "no same-host control channel for %s (%s); using gRPC, asking "
-                         "again in %.0f s", self.endpoint, why, retry_s)
+            self._rl.log(
+                logging.INFO,
+                "nolocal",
+                "no same-host control channel for %s (%s); using gRPC, asking again in %.0f s",
+                self.endpoint,
+                why,
+                retry_s,
+            )
         self._first.set()
 
     def _forget(self, path: str, why: str) -> None:
@@ -525,8 +557,15 @@ class LocalControlChannel(ControlChannel):
             self._retry_at = time.monotonic() + self._config.open_seconds
         self._pool.reset()
         self._metrics.control_streams.labels("llm", "local_unavailable").inc()
-        self._rl.log(logging.WARNING, "forget", "same-host control channel %s of %s unusable (%s); using gRPC, "
-                     "asking again in %.0f s", path, self.endpoint, why, self._config.open_seconds)
+        self._rl.log(
+            logging.WARNING,
+            "forget",
+            "same-host control channel %s of %s unusable (%s); using gRPC, asking again in %.0f s",
+            path,
+            self.endpoint,
+            why,
+            self._config.open_seconds,
+        )
 
     # -- ControlChannel -----------------------------------------------------------------------------------
 
@@ -552,8 +591,13 @@ class LocalControlChannel(ControlChannel):
                 self._forget(path, str(exc))
             except (_NotSent, OSError) as exc:
                 self._pool.opened_failed()
-                self._rl.log(logging.INFO, "open", "could not open a local control connection to %s (%s); this "
-                             "fetch uses gRPC", path, exc)
+                self._rl.log(
+                    logging.INFO,
+                    "open",
+                    "could not open a local control connection to %s (%s); this fetch uses gRPC",
+                    path,
+                    exc,
+                )
         if conn is None:
             return self.grpc.session()
         return _LocalSession(self, conn)
@@ -611,9 +655,11 @@ class _LocalSession(ControlSession):
                         if lent is not None:
                             self._channel.placements.loan_ended(lent)  # not what the answer names: free again
                         conn.broken = True
-                        raise ProtocolError(f"{self._channel.endpoint} placed its output in buffer "
-                                            f"{receipt.message.placed.buffer_id}, which this request did not lend",
-                                            reason=Reason.RESULT_MISMATCH)
+                        raise ProtocolError(
+                            f"{self._channel.endpoint} placed its output in buffer "
+                            f"{receipt.message.placed.buffer_id}, which this request did not lend",
+                            reason=Reason.RESULT_MISMATCH,
+                        )
                     self._placed = lent
                 return receipt
             except _NotSent:

@@ -60,8 +60,9 @@ def validate_slots(receipt: pb.EncodeResponse, parsed: list[Any]) -> tuple[list[
         if isinstance(desc, BaseException):
             raise desc  # InvalidDescriptor with a reason
         if len(slot.roles) != len(desc.manifest):
-            raise InvalidPayload(f"slot {i}: {len(slot.roles)} roles for {len(desc.manifest)} tensors",
-                                 reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"slot {i}: {len(slot.roles)} roles for {len(desc.manifest)} tensors", reason=Reason.ASSEMBLY_MISMATCH
+            )
         for r in slot.roles:
             if r not in _codec.ROLE_LABELS:
                 raise InvalidPayload(f"slot {i}: role {r} is unspecified or unknown", reason=Reason.ASSEMBLY_MISMATCH)
@@ -74,12 +75,15 @@ def check_read(descs: list[Any], roles: list[int], tensors: list[torch.Tensor]) 
     """The reader returned one tensor per manifest entry, each with its manifest's shape and dtype."""
     metas = [m for d in descs for m in d.manifest]
     if len(tensors) != len(roles) or len(metas) != len(roles):
-        raise ReadError(f"read returned {len(tensors)} tensors for {len(roles)} manifest entries",
-                        reason=Reason.RESULT_MISMATCH)
+        raise ReadError(
+            f"read returned {len(tensors)} tensors for {len(roles)} manifest entries", reason=Reason.RESULT_MISMATCH
+        )
     for i, (t, m) in enumerate(zip(tensors, metas, strict=True)):
         if tuple(t.shape) != tuple(m.shape) or t.dtype != m.dtype:
-            raise ReadError(f"tensor {i}: read {tuple(t.shape)} {t.dtype}, manifest says {tuple(m.shape)} "
-                            f"{m.dtype}", reason=Reason.RESULT_MISMATCH)
+            raise ReadError(
+                f"tensor {i}: read {tuple(t.shape)} {t.dtype}, manifest says {tuple(m.shape)} {m.dtype}",
+                reason=Reason.RESULT_MISMATCH,
+            )
 
 
 def role_bytes(tensors: list[torch.Tensor], roles: list[int]) -> dict[str, int]:
@@ -91,8 +95,9 @@ def role_bytes(tensors: list[torch.Tensor], roles: list[int]) -> dict[str, int]:
     return out
 
 
-def assemble_output(tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse,
-             plane: Plane = Plane.RDMA) -> MultimodalOutput:
+def assemble_output(
+    tensors: list[torch.Tensor], roles: list[int], receipt: pb.EncodeResponse, plane: Plane = Plane.RDMA
+) -> MultimodalOutput:
     """The RDMA (or placed) output: embedding chunks joined and split per item, position ids on the host, extras
     per item."""
     chunks: list[torch.Tensor] = []
@@ -116,8 +121,15 @@ def assemble_output(tensors: list[torch.Tensor], roles: list[int], receipt: pb.E
     embedding = chunks[0] if len(chunks) == 1 else torch.cat(chunks, 0)
     splits = [int(s) for s in receipt.split_sizes]
     embs, pos_parts, extra_list = _codec.split_per_item(embedding, splits, pos, extras)
-    return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos_parts, extra_inputs=extra_list,
-                            plane=plane, worker_id=receipt.worker.worker_id, payload_bytes=nbytes)
+    return MultimodalOutput(
+        embeddings=embs,
+        split_sizes=splits,
+        position_ids=pos_parts,
+        extra_inputs=extra_list,
+        plane=plane,
+        worker_id=receipt.worker.worker_id,
+        payload_bytes=nbytes,
+    )
 
 
 def check_receipt(receipt: pb.EncodeResponse, parse: DescriptorParser) -> tuple[list[str], Exception | None]:
@@ -139,11 +151,14 @@ def check_receipt(receipt: pb.EncodeResponse, parse: DescriptorParser) -> tuple[
         emb = [m.shape for m, r in zip(metas, roles, strict=True) if r == pb.EMBEDDING]
         pos = [m.shape for m, r in zip(metas, roles, strict=True) if r == pb.POS_ID]
         if not emb or len(pos) > 1 or any(len(e) == 0 for e in emb):
-            raise InvalidPayload(f"receipt has {len(emb)} embedding chunk(s) and {len(pos)} POS_ID tensor(s)",
-                                 reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"receipt has {len(emb)} embedding chunk(s) and {len(pos)} POS_ID tensor(s)",
+                reason=Reason.ASSEMBLY_MISMATCH,
+            )
         rows = (sum(int(e[0]) for e in emb), *emb[0][1:])
-        _codec.check_layout(rows, receipt.split_sizes, pos[0] if pos else None,
-                            sum(1 for r in roles if r == pb.EXTRA_INPUT))
+        _codec.check_layout(
+            rows, receipt.split_sizes, pos[0] if pos else None, sum(1 for r in roles if r == pb.EXTRA_INPUT)
+        )
     except Exception as exc:  # InvalidDescriptor, ProtocolError, InvalidPayload
         return ids, exc
     return ids, None
@@ -154,5 +169,15 @@ def encoder_stages(receipt: pb.EncodeResponse) -> dict[str, float]:
     return {f"encoder.{k}": v / 1000.0 for k, v in receipt.encoder_stage_us.items()}
 
 
-__all__ = ["MAX_SLOTS_PER_RECEIPT", "DescriptorParser", "parse_slots", "lease_ids", "validate_slots", "check_read",
-           "role_bytes", "assemble_output", "check_receipt", "encoder_stages"]
+__all__ = [
+    "MAX_SLOTS_PER_RECEIPT",
+    "DescriptorParser",
+    "parse_slots",
+    "lease_ids",
+    "validate_slots",
+    "check_read",
+    "role_bytes",
+    "assemble_output",
+    "check_receipt",
+    "encoder_stages",
+]

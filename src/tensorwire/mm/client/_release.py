@@ -33,8 +33,16 @@ DROP_STOPPING = "release_client_stopping"
 
 
 class ReleaseQueue:
-    def __init__(self, sender: Sender, *, max_pending: int, release_timeout_ms: int, shutdown_ms: int = 1000,
-                 metrics: TransportMetrics | None = None, name: str = "tensorwire-mm-release") -> None:
+    def __init__(
+        self,
+        sender: Sender,
+        *,
+        max_pending: int,
+        release_timeout_ms: int,
+        shutdown_ms: int = 1000,
+        metrics: TransportMetrics | None = None,
+        name: str = "tensorwire-mm-release",
+    ) -> None:
         self._sender = sender
         self._max = max_pending
         self._timeout_s = release_timeout_ms / 1000.0
@@ -76,9 +84,14 @@ class ReleaseQueue:
             if self._metrics is not None:
                 self._metrics.release_queue_dropped.labels(drop_reason).inc(len(ids))
                 self._metrics.releases.labels("async", drop_reason).inc(len(ids))
-            self._rl.log(logging.WARNING, drop_reason,
-                         "async lease release dropped %d id(s) (%s, limit %d pending); the encoder's TTL GC "
-                         "will reclaim them", len(ids), drop_reason, self._max)
+            self._rl.log(
+                logging.WARNING,
+                drop_reason,
+                "async lease release dropped %d id(s) (%s, limit %d pending); the encoder's TTL GC will reclaim them",
+                len(ids),
+                drop_reason,
+                self._max,
+            )
             return False
         if self._metrics is not None:
             self._metrics.release_queue_pending.inc(len(ids))
@@ -116,9 +129,14 @@ class ReleaseQueue:
             self.failed += len(ids)
             if self._metrics is not None:
                 self._metrics.releases.labels("async", exc.reason.value).inc(len(ids))
-            self._rl.log(logging.WARNING, "send-" + exc.reason.value,
-                         "async release of %d lease(s) to %s failed: %s; the encoder's TTL GC will reclaim them",
-                         len(ids), endpoint, exc)
+            self._rl.log(
+                logging.WARNING,
+                "send-" + exc.reason.value,
+                "async release of %d lease(s) to %s failed: %s; the encoder's TTL GC will reclaim them",
+                len(ids),
+                endpoint,
+                exc,
+            )
             return
         except Exception as exc:  # a sender bug must not kill the release thread
             self.failed += len(ids)
@@ -153,8 +171,9 @@ class ReleaseQueue:
             self._abandoned(abandoned)
             if self._metrics is not None:
                 self._metrics.release_queue_pending.dec(abandoned)
-            log.warning("release queue closed with %d lease id(s) still queued; abandoned to the encoder's TTL GC",
-                        abandoned)
+            log.warning(
+                "release queue closed with %d lease id(s) still queued; abandoned to the encoder's TTL GC", abandoned
+            )
         self._thread.join(self._shutdown_s)
         if self._thread.is_alive():
             log.warning("release thread still in an RPC after %.1f s; leaving it (daemon)", self._shutdown_s)

@@ -50,8 +50,9 @@ class StreamCall:
     transport's unary release queue. ``broken`` (the call ended, was cancelled or misbehaved) is final.
     """
 
-    def __init__(self, method: Any, endpoint: str, metrics: TransportMetrics, watchdog: DeadlineWatchdog,
-                 requeue: Requeue) -> None:
+    def __init__(
+        self, method: Any, endpoint: str, metrics: TransportMetrics, watchdog: DeadlineWatchdog, requeue: Requeue
+    ) -> None:
         self._endpoint = endpoint
         self._metrics = metrics
         self._watchdog = watchdog
@@ -63,7 +64,7 @@ class StreamCall:
         self.broken = False
         self._next_id = 0
         self._waiting_id = 0  # the request whose answer is awaited (0: none); the watchdog reads it
-        self._sent_id = 0     # the last Encode handed to gRPC
+        self._sent_id = 0  # the last Encode handed to gRPC
         self._deadline_hit = False
         self._ended = threading.Event()
         self.last_used = time.monotonic()  # when a request was last handed to it (the pool's reuse limit)
@@ -108,8 +109,11 @@ class StreamCall:
             if deadline_hit:
                 if sent:
                     metrics.child(metrics.control_rpcs, "stream").inc()
-                raise DeadlineExceeded(f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the "
-                                       f"EncodeStream within {timeout_s:.3f} s", reason=Reason.DEADLINE_EXCEEDED)
+                raise DeadlineExceeded(
+                    f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the "
+                    f"EncodeStream within {timeout_s:.3f} s",
+                    reason=Reason.DEADLINE_EXCEEDED,
+                )
             why = self._why_ended(failure)
             if why != "not_sent" or not sent or failure is None:
                 # failure None: the encoder ended the stream cleanly without answering, and it answers every
@@ -152,8 +156,9 @@ class StreamCall:
         """Queues a Release (never answered). False when the stream cannot take it (the caller uses unary)."""
         if not lease_ids:
             return True
-        data = wire.stream_frame(0, wire.STREAM_RELEASE_FIELD,
-                                 pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString())
+        data = wire.stream_frame(
+            0, wire.STREAM_RELEASE_FIELD, pb.ReleaseLeasesRequest(lease_ids=lease_ids).SerializeToString()
+        )
         with self._cv:
             if self.broken or self._done or self._half_closed:
                 return False

@@ -99,8 +99,11 @@ def _default_parser(config: TransportConfig) -> DescriptorParser:
 
 def resolve_rpc_timeout_ms(inputs: Sequence[MultimodalInput], config: TransportConfig) -> int:
     """A fetch's budget without ``timeout_ms``: ``wire.rpc_budget_ms`` with the config's worker budget and margin."""
-    return wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=config.worker_timeout_ms,
-                              margin_ms=config.rpc_timeout_margin_ms)
+    return wire.rpc_budget_ms(
+        (i.timeout_ms for i in inputs),
+        worker_timeout_ms=config.worker_timeout_ms,
+        margin_ms=config.rpc_timeout_margin_ms,
+    )
 
 
 @dataclass(frozen=True)
@@ -205,8 +208,9 @@ def classify_consume_error(exc: BaseException, read: ReadPlan | None) -> Consume
     if isinstance(exc, _NotTheEndpoint):
         return ConsumeFailure(exc.error, Blame.CALLER)
     if isinstance(exc, ReadTimeout) and read is not None and read.budget_limited:
-        err: TensorwireError = DeadlineExceeded(f"RDMA read ran out of the request budget ({read.timeout_ms} ms): "
-                                                f"{exc}", reason=Reason.BUDGET_EXHAUSTED)
+        err: TensorwireError = DeadlineExceeded(
+            f"RDMA read ran out of the request budget ({read.timeout_ms} ms): {exc}", reason=Reason.BUDGET_EXHAUSTED
+        )
         err.__cause__ = exc
         return ConsumeFailure(err, Blame.CALLER)
     if isinstance(exc, TensorwireError):
@@ -226,10 +230,19 @@ class RemoteOutputTransport:
     ``release_queue`` (its sender must reach this endpoint; default: one queue per transport), ``observer``.
     """
 
-    def __init__(self, endpoint: str, config: TransportConfig | None = None, *, channel: ControlChannel | None = None,
-                 reader_factory: ReaderFactory | None = None, descriptor_parser: DescriptorParser | None = None,
-                 clock: Callable[[], float] = time.monotonic, metrics: TransportMetrics | None = None,
-                 release_queue: ReleaseQueue | None = None, observer: Observer | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        config: TransportConfig | None = None,
+        *,
+        channel: ControlChannel | None = None,
+        reader_factory: ReaderFactory | None = None,
+        descriptor_parser: DescriptorParser | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: TransportMetrics | None = None,
+        release_queue: ReleaseQueue | None = None,
+        observer: Observer | None = None,
+    ) -> None:
         if not endpoint:
             raise ConfigError("endpoint must be 'host:port'")
         if channel is not None and channel.endpoint != endpoint:
@@ -242,23 +255,36 @@ class RemoteOutputTransport:
         self._channel = channel if channel is not None else control_channel_for(endpoint, self.config, self.metrics)
         self._channel.bind_requeue(self._requeue)
         self._owns_queue = release_queue is None
-        self._queue = release_queue if release_queue is not None else ReleaseQueue(
-            self._send_release, max_pending=self.config.release_queue_max,
-            release_timeout_ms=self.config.release_timeout_ms, shutdown_ms=self.config.release_shutdown_ms,
-            metrics=self.metrics)
-        self.endpoint_breakers = BreakerBoard("endpoint", self.config.failures_to_open, self.config.open_seconds,
-                                              clock, self.metrics)
-        self.worker_breakers = BreakerBoard("worker", self.config.failures_to_open, self.config.open_seconds,
-                                            clock, self.metrics)
+        self._queue = (
+            release_queue
+            if release_queue is not None
+            else ReleaseQueue(
+                self._send_release,
+                max_pending=self.config.release_queue_max,
+                release_timeout_ms=self.config.release_timeout_ms,
+                shutdown_ms=self.config.release_shutdown_ms,
+                metrics=self.metrics,
+            )
+        )
+        self.endpoint_breakers = BreakerBoard(
+            "endpoint", self.config.failures_to_open, self.config.open_seconds, clock, self.metrics
+        )
+        self.worker_breakers = BreakerBoard(
+            "worker", self.config.failures_to_open, self.config.open_seconds, clock, self.metrics
+        )
         self._rl = RateLimitedLog(log)
         self._closed = False
         rfactory = reader_factory or _default_reader_factory
         cfg = self.config
         self._parse: DescriptorParser | None = descriptor_parser
         self._reader: BackgroundInit[Reader] = BackgroundInit(
-            "reader", lambda: rfactory(cfg.rdma), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
+            "reader",
+            lambda: rfactory(cfg.rdma),
+            is_permanent,
+            backoff_s=cfg.init_backoff_ms / 1000.0,
             backoff_max_s=cfg.init_backoff_max_ms / 1000.0,
-            on_failure=lambda exc, permanent: self.metrics.fallbacks.labels("llm", "rdma_init_failed").inc())
+            on_failure=lambda exc, permanent: self.metrics.fallbacks.labels("llm", "rdma_init_failed").inc(),
+        )
         if self.config.mode == MODE_AUTO:
             # Warm up now, off the request path; until it is ready, fetch does not advertise RDMA.
             self._reader.start()
@@ -341,19 +367,27 @@ class RemoteOutputTransport:
         if self._observer is not None:
             self._observer(event, details)
 
-    def _request(self, attempt: _RdmaAttempt | _InlineAttempt, budget: Budget, stages: _Stages,
-                 session: ControlSession, stage: str) -> WireReceipt:
+    def _request(
+        self,
+        attempt: _RdmaAttempt | _InlineAttempt,
+        budget: Budget,
+        stages: _Stages,
+        session: ControlSession,
+        stage: str,
+    ) -> WireReceipt:
         req = attempt.to_pb(budget)
-        self._emit("request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers),
-                   path=session.path)
+        self._emit(
+            "request", support_rdma=req.support_rdma, excluded=list(req.rdma_excluded_workers), path=session.path
+        )
         t = time.perf_counter()
         try:
             return session.encode(req, budget)
         finally:
             stages.add(stage, time.perf_counter() - t)
 
-    def _fetch_rdma(self, attempt: _RdmaAttempt, budget: Budget, stages: _Stages,
-                    session: ControlSession) -> MultimodalOutput:
+    def _fetch_rdma(
+        self, attempt: _RdmaAttempt, budget: Budget, stages: _Stages, session: ControlSession
+    ) -> MultimodalOutput:
         try:
             receipt = self._request(attempt, budget, stages, session, "request")
         except TensorwireError:
@@ -377,35 +411,66 @@ class RemoteOutputTransport:
         reason = result.error.reason
         self.metrics.fallbacks.labels("llm", reason.value).inc()
         if budget.remaining_ms() < self.config.min_fallback_ms:
-            self._rl.log(logging.WARNING, "nofallback-" + reason.value,
-                         "RDMA consume failed (%s) and %.0f ms of budget remain (< min_fallback_ms=%d); no fallback",
-                         result.error, budget.remaining_ms(), self.config.min_fallback_ms)
+            self._rl.log(
+                logging.WARNING,
+                "nofallback-" + reason.value,
+                "RDMA consume failed (%s) and %.0f ms of budget remain (< min_fallback_ms=%d); no fallback",
+                result.error,
+                budget.remaining_ms(),
+                self.config.min_fallback_ms,
+            )
             if result.blame is Blame.ENDPOINT:
                 raise result.error
-            raise DeadlineExceeded(f"data-plane fallback exhausted request deadline ({result.error})",
-                                   reason=Reason.BUDGET_EXHAUSTED) from result.error
-        self._rl.log(logging.WARNING, "fallback-" + reason.value,
-                     "RDMA consume from %s failed (%s); falling back to inline once", self.endpoint, result.error)
+            raise DeadlineExceeded(
+                f"data-plane fallback exhausted request deadline ({result.error})", reason=Reason.BUDGET_EXHAUSTED
+            ) from result.error
+        self._rl.log(
+            logging.WARNING,
+            "fallback-" + reason.value,
+            "RDMA consume from %s failed (%s); falling back to inline once",
+            self.endpoint,
+            result.error,
+        )
         return self._fetch_inline(attempt.withdraw(worker), budget, stages, session, fallback_from=reason)
 
-    def _fetch_inline(self, attempt: _InlineAttempt, budget: Budget, stages: _Stages, session: ControlSession,
-                      fallback_from: Reason | None) -> MultimodalOutput:
+    def _fetch_inline(
+        self,
+        attempt: _InlineAttempt,
+        budget: Budget,
+        stages: _Stages,
+        session: ControlSession,
+        fallback_from: Reason | None,
+    ) -> MultimodalOutput:
         stage = "request" if fallback_from is None else "fallback_request"
         receipt = self._request(attempt, budget, stages, session, stage)
         return self._decode_terminal(receipt, budget, stages, session, fallback_from)
 
-    def _decode_terminal(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages, session: ControlSession,
-                         fallback_from: Reason | None) -> MultimodalOutput:
+    def _decode_terminal(
+        self,
+        wire_receipt: WireReceipt,
+        budget: Budget,
+        stages: _Stages,
+        session: ControlSession,
+        fallback_from: Reason | None,
+    ) -> MultimodalOutput:
         """The terminal plane: takes a placed output, decodes inline bytes, or raises. It cannot ask for another
         round."""
         receipt = wire_receipt.message
         if receipt.rdma_slots:
             ids = _receipt.lease_ids(_receipt.parse_slots(receipt, self._parser()))
             self._release_sync(ids, budget, stages)
-            self._rl.log(logging.WARNING, "unrequested", "encoder %s sent an RDMA receipt (%d slot(s)) that was "
-                         "not asked for; released and failing the request", self.endpoint, len(receipt.rdma_slots))
-            raise ProtocolError(f"{self.endpoint} answered with {len(receipt.rdma_slots)} RDMA slot(s) to a request "
-                                "that did not advertise RDMA", reason=Reason.UNREQUESTED_RDMA)
+            self._rl.log(
+                logging.WARNING,
+                "unrequested",
+                "encoder %s sent an RDMA receipt (%d slot(s)) that was not asked for; released and failing the request",
+                self.endpoint,
+                len(receipt.rdma_slots),
+            )
+            raise ProtocolError(
+                f"{self.endpoint} answered with {len(receipt.rdma_slots)} RDMA slot(s) to a request "
+                "that did not advertise RDMA",
+                reason=Reason.UNREQUESTED_RDMA,
+            )
         if receipt.placed.tensors:
             t = time.perf_counter()
             tensors, roles, placed_bytes = session.take_placed(wire_receipt)
@@ -424,24 +489,37 @@ class RemoteOutputTransport:
         self.metrics.bytes.labels("llm", "inline", "pos_id").inc(len(wire_receipt.position_ids or b""))
         self.metrics.bytes.labels("llm", "inline", "extra_input").inc(sum(len(p) for p in wire_receipt.extra_inputs))
         stages.ms.update(_receipt.encoder_stages(receipt))
-        return MultimodalOutput(embeddings=embs, split_sizes=splits, position_ids=pos, extra_inputs=extras,
-                                plane=Plane.INLINE, fallback_reason=fallback_from, worker_id=receipt.worker.worker_id,
-                                payload_bytes=nbytes)
+        return MultimodalOutput(
+            embeddings=embs,
+            split_sizes=splits,
+            position_ids=pos,
+            extra_inputs=extras,
+            plane=Plane.INLINE,
+            fallback_reason=fallback_from,
+            worker_id=receipt.worker.worker_id,
+            payload_bytes=nbytes,
+        )
 
-    def _consume_rdma(self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages,
-                      session: ControlSession) -> MultimodalOutput | ConsumeFailure:
+    def _consume_rdma(
+        self, wire_receipt: WireReceipt, budget: Budget, stages: _Stages, session: ControlSession
+    ) -> MultimodalOutput | ConsumeFailure:
         receipt = wire_receipt.message
         parsed = _receipt.parse_slots(receipt, self._parser())
         ids = _receipt.lease_ids(parsed)
         plan: ReadPlan | None = None
         try:
             descs, roles = _receipt.validate_slots(receipt, parsed)
-            plan = ReadPlan.within(budget.remaining_ms() - self.config.fallback_reserve_ms,
-                                   int(self.config.rdma.read_timeout_ms))
+            plan = ReadPlan.within(
+                budget.remaining_ms() - self.config.fallback_reserve_ms, int(self.config.rdma.read_timeout_ms)
+            )
             if plan.timeout_ms <= 0:
-                raise _NotTheEndpoint(DeadlineExceeded(
-                    f"no budget left for the RDMA read ({budget.remaining_ms():.0f} ms remain, "
-                    f"{self.config.fallback_reserve_ms} ms reserved for the fallback)", reason=Reason.BUDGET_EXHAUSTED))
+                raise _NotTheEndpoint(
+                    DeadlineExceeded(
+                        f"no budget left for the RDMA read ({budget.remaining_ms():.0f} ms remain, "
+                        f"{self.config.fallback_reserve_ms} ms reserved for the fallback)",
+                        reason=Reason.BUDGET_EXHAUSTED,
+                    )
+                )
             reader = self._reader.get()
             if reader is None:  # closed under us
                 raise _NotTheEndpoint(ReadError("RDMA reader is not available", reason=Reason.PROVIDER_UNAVAILABLE))
@@ -497,8 +575,14 @@ class RemoteOutputTransport:
             self._channel.release(lease_ids, timeout_ms / 1000.0)
         except TensorwireError as exc:
             self.metrics.releases.labels("sync", exc.reason.value).inc(len(lease_ids))
-            self._rl.log(logging.WARNING, "sync-release", "sync release of %d lease(s) on %s failed: %s; the "
-                         "encoder's TTL GC will reclaim them", len(lease_ids), self.endpoint, exc)
+            self._rl.log(
+                logging.WARNING,
+                "sync-release",
+                "sync release of %d lease(s) on %s failed: %s; the encoder's TTL GC will reclaim them",
+                len(lease_ids),
+                self.endpoint,
+                exc,
+            )
             return
         finally:
             stages.add("release", time.perf_counter() - t)

@@ -116,17 +116,33 @@ class LocalRpcServer(UnixConnServer):
     ``idle_timeout_s``: ended).
     """
 
-    def __init__(self, name: str, methods: Mapping[str, Handler], directory: str, *, path: str = "",
-                 max_conns: int = 64, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 max_deadline_s: float = REQUEST_DEADLINE_S, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 on_event: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        methods: Mapping[str, Handler],
+        directory: str,
+        *,
+        path: str = "",
+        max_conns: int = 64,
+        max_request_bytes: int = MAX_REQUEST_BYTES,
+        max_deadline_s: float = REQUEST_DEADLINE_S,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
         self._methods = dict(methods)
         self._max_request = max_request_bytes
         self._max_deadline_s = max_deadline_s
         self._idle_s = idle_timeout_s
         self._event = on_event or (lambda _kind: None)
-        super().__init__(directory, prefix=name, magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
-                         path=path, on_event=self._event)
+        super().__init__(
+            directory,
+            prefix=name,
+            magic=HELLO_MAGIC,
+            max_conns=max_conns,
+            thread_name=_THREAD,
+            path=path,
+            on_event=self._event,
+        )
 
     def _serve(self, conn: Conn) -> None:
         sock = conn.sock
@@ -138,8 +154,12 @@ class LocalRpcServer(UnixConnServer):
                 raw = _unix.recv_frame(sock, time.monotonic() + REQUEST_DEADLINE_S, self._max_request)
             except (ValueError, TimeoutError) as exc:  # a frame over the limit (not read), or one that stalls
                 self._event("bad_frame")
-                self._rl.log(logging.WARNING, "frame", "local rpc: %s; ending the connection",
-                             exc if isinstance(exc, ValueError) else "a request frame stalled")
+                self._rl.log(
+                    logging.WARNING,
+                    "frame",
+                    "local rpc: %s; ending the connection",
+                    exc if isinstance(exc, ValueError) else "a request frame stalled",
+                )
                 return
             if raw is None:
                 return
@@ -162,8 +182,8 @@ class LocalRpcServer(UnixConnServer):
         if len(view) < REQUEST_HEAD.size + n:
             self._event("bad_frame")
             return None
-        method = bytes(view[REQUEST_HEAD.size:REQUEST_HEAD.size + n]).decode("ascii", "replace")
-        body = bytes(view[REQUEST_HEAD.size + n:])
+        method = bytes(view[REQUEST_HEAD.size : REQUEST_HEAD.size + n]).decode("ascii", "replace")
+        body = bytes(view[REQUEST_HEAD.size + n :])
         budget_s = deadline_ms / 1000.0 if deadline_ms else REQUEST_DEADLINE_S
         ctx = _Context(sock, time.monotonic() + min(budget_s, self._max_deadline_s))
         handler = self._methods.get(method)
@@ -212,8 +232,9 @@ class LocalRpcClient:
             _unix.send_frame(sock, [head, name, body], deadline)
         except OSError as exc:  # TimeoutError included: not written whole, never run
             self._give_back(sock, False)
-            raise LocalUnavailable(f"{what} over {self.path}: the request could not be written: {exc}",
-                                   sent=False) from exc
+            raise LocalUnavailable(
+                f"{what} over {self.path}: the request could not be written: {exc}", sent=False
+            ) from exc
         return PendingCall(self, sock, deadline, timeout_s, what)
 
     def close(self) -> None:
@@ -251,8 +272,9 @@ class LocalRpcClient:
 class PendingCall:
     """One request written to a :class:`LocalRpcClient` connection, its answer not yet read. Single-threaded."""
 
-    def __init__(self, client: LocalRpcClient, sock: socket.socket, deadline: float, timeout_s: float,
-                 what: str) -> None:
+    def __init__(
+        self, client: LocalRpcClient, sock: socket.socket, deadline: float, timeout_s: float, what: str
+    ) -> None:
         self._client = client
         self._sock: socket.socket | None = sock
         self._deadline = deadline
@@ -270,8 +292,10 @@ class PendingCall:
             if time.monotonic() < self._deadline:
                 return None
             self._finish(False)
-            raise DeadlineExceeded(f"{self._what} over {self._client.path}: no answer within {self._timeout_s:.3f} s",
-                                   reason=Reason.DEADLINE_EXCEEDED)
+            raise DeadlineExceeded(
+                f"{self._what} over {self._client.path}: no answer within {self._timeout_s:.3f} s",
+                reason=Reason.DEADLINE_EXCEEDED,
+            )
         return self._read(expect_wait=False)
 
     def wait(self) -> bytes:
@@ -298,8 +322,9 @@ class PendingCall:
             try:
                 raw = _unix.recv_frame(sock, self._deadline, wire.MAX_MESSAGE_BYTES, expect_wait=expect_wait)
             except TimeoutError as exc:
-                raise DeadlineExceeded(f"{what} over {path}: no answer within {self._timeout_s:.3f} s",
-                                       reason=Reason.DEADLINE_EXCEEDED) from exc
+                raise DeadlineExceeded(
+                    f"{what} over {path}: no answer within {self._timeout_s:.3f} s", reason=Reason.DEADLINE_EXCEEDED
+                ) from exc
             except (OSError, ValueError) as exc:
                 raise LocalUnavailable(f"{what} over {path}: the connection failed: {exc}", sent=True) from exc
             if raw is None or len(raw) < 1 or raw[0] not in (ANSWER_OK, ANSWER_ERROR):
@@ -321,5 +346,13 @@ def local_channel_request() -> pb.LocalChannelRequest:
     return pb.LocalChannelRequest(host_token=_unix.host_token())
 
 
-__all__ = ["HELLO_MAGIC", "IDLE_TIMEOUT_S", "LocalRpcClient", "LocalRpcServer", "LocalUnavailable", "MAX_REQUEST_BYTES",
-           "PendingCall", "local_channel_request"]
+__all__ = [
+    "HELLO_MAGIC",
+    "IDLE_TIMEOUT_S",
+    "LocalRpcClient",
+    "LocalRpcServer",
+    "LocalUnavailable",
+    "MAX_REQUEST_BYTES",
+    "PendingCall",
+    "local_channel_request",
+]

@@ -85,8 +85,10 @@ def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
         slot.roles.extend([pb.EMBEDDING] + [pb.EXTRA_INPUT] * (len(item.shapes) - 1))
         return receipt
     if item.tensors is None:
-        raise TensorwireError(f"item {item.key[:64]!r} is held in RDMA slots only; the reader must support RDMA",
-                              reason=Reason.PROVIDER_UNAVAILABLE)
+        raise TensorwireError(
+            f"item {item.key[:64]!r} is held in RDMA slots only; the reader must support RDMA",
+            reason=Reason.PROVIDER_UNAVAILABLE,
+        )
     encode_tensor(item.tensors[0], receipt.embedding)
     for t in item.tensors[1:]:
         encode_tensor(t, receipt.extra_inputs.add())
@@ -95,8 +97,10 @@ def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
 
 def _check_count(n: int, context: grpc.ServicerContext) -> None:
     if n > MAX_GRANTS_PER_CALL:
-        wire.abort_with(context, InvalidPayload(f"{n} grants in one call exceed {MAX_GRANTS_PER_CALL}",
-                                                reason=Reason.INVALID_REQUEST))
+        wire.abort_with(
+            context,
+            InvalidPayload(f"{n} grants in one call exceed {MAX_GRANTS_PER_CALL}", reason=Reason.INVALID_REQUEST),
+        )
 
 
 class HeldStoreServicer:
@@ -122,8 +126,10 @@ class HeldStoreServicer:
             result = resp.results.add(key=g.key)
             if incompatible:  # refused before the store is asked: nothing of the item is handed out
                 result.error_reason = Reason.INCOMPATIBLE.value
-                result.error_message = (f"this store's compatibility hash {mine[:12]}... differs from the reader's "
-                                        f"{req.compat[:12]}... (vLLM version, model, dtype or tensorwire version)")
+                result.error_message = (
+                    f"this store's compatibility hash {mine[:12]}... differs from the reader's "
+                    f"{req.compat[:12]}... (vLLM version, model, dtype or tensorwire version)"
+                )
                 continue
             try:
                 item = self.store.lookup(g.key, bytes(g.secret))
@@ -147,16 +153,25 @@ class HeldStoreServicer:
         return hpb.ReleaseResponse(released=released).SerializeToString()
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(HELD_SERVICE, {
-            "Lookup": grpc.unary_unary_rpc_method_handler(self.lookup),
-            "Release": grpc.unary_unary_rpc_method_handler(self.release),
-            "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
-        })
+        return grpc.method_handlers_generic_handler(
+            HELD_SERVICE,
+            {
+                "Lookup": grpc.unary_unary_rpc_method_handler(self.lookup),
+                "Release": grpc.unary_unary_rpc_method_handler(self.release),
+                "LocalChannel": grpc.unary_unary_rpc_method_handler(self.local_channel),
+            },
+        )
 
     def service(self) -> Service:
         """The same methods as a ``GrpcHost`` service (its per-peer limits and request deadline)."""
-        return Service(HELD_SERVICE, (Method("Lookup", self.lookup), Method("Release", self.release),
-                                      Method("LocalChannel", self.local_channel)))
+        return Service(
+            HELD_SERVICE,
+            (
+                Method("Lookup", self.lookup),
+                Method("Release", self.release),
+                Method("LocalChannel", self.local_channel),
+            ),
+        )
 
     def local_methods(self) -> dict[str, Callable[[bytes, Any], bytes]]:
         """What the same-host socket serves: the same functions, so the same semantics and errors."""
@@ -188,10 +203,13 @@ class StagingServicer:
         return hpb.DropResponse(dropped=self.area.drop(list(req.keys))).SerializeToString()
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(STAGING_SERVICE, {
-            "Stage": grpc.unary_unary_rpc_method_handler(self.stage),
-            "Drop": grpc.unary_unary_rpc_method_handler(self.drop),
-        })
+        return grpc.method_handlers_generic_handler(
+            STAGING_SERVICE,
+            {
+                "Stage": grpc.unary_unary_rpc_method_handler(self.stage),
+                "Drop": grpc.unary_unary_rpc_method_handler(self.drop),
+            },
+        )
 
     def service(self) -> Service:
         """The same methods as a ``GrpcHost`` service (its per-peer limits and request deadline)."""
@@ -229,9 +247,17 @@ class StoreServer:
         self.stop()
 
 
-def serve_store(address: str, *, store: HeldStore | None = None, staging: StagingArea | None = None,
-                threads: int = 4, advertise_host: str = "", tls: TlsConfig | None = None,
-                insecure: bool = False, local_dir: str = "") -> StoreServer:
+def serve_store(
+    address: str,
+    *,
+    store: HeldStore | None = None,
+    staging: StagingArea | None = None,
+    threads: int = 4,
+    advertise_host: str = "",
+    tls: TlsConfig | None = None,
+    insecure: bool = False,
+    local_dir: str = "",
+) -> StoreServer:
     """Starts a StoreServer on ``address`` (``host:0`` picks a port; ``unix:/path`` a socket).
 
     ``local_dir`` (with a store on a TCP address): also serve Lookup/Release on a same-host Unix socket in that
@@ -258,10 +284,13 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
         names.append(STAGING_SERVICE)
     unix = address.startswith("unix:")
     if unix and tls is not None and tls.server_enabled:
-        raise ConfigError(f"serve_store({address!r}): TLS on a unix socket is not supported (the socket's directory "
-                          "is its access control); give a host:port address or no certificate")
-    host = GrpcHost("store server", services, work_slots=threads, thread_prefix="tensorwire-store", serving=names,
-                    tls=tls)
+        raise ConfigError(
+            f"serve_store({address!r}): TLS on a unix socket is not supported (the socket's directory "
+            "is its access control); give a host:port address or no certificate"
+        )
+    host = GrpcHost(
+        "store server", services, work_slots=threads, thread_prefix="tensorwire-store", serving=names, tls=tls
+    )
     # A unix socket never leaves the host: GrpcHost's loopback rule is about TCP addresses.
     port = host.bind(address, insecure=insecure or unix)
     local: LocalRpcServer | None = None
@@ -280,8 +309,13 @@ def serve_store(address: str, *, store: HeldStore | None = None, staging: Stagin
         dial = address
     else:
         dial = f"{advertise_host or host.host}:{port}"
-    log.info("store server on %s (%s, %s%s)", dial, ", ".join(names), host.tls.describe() if host.tls else "plaintext",
-             f"; same-host socket {local.path}" if local is not None else "")
+    log.info(
+        "store server on %s (%s, %s%s)",
+        dial,
+        ", ".join(names),
+        host.tls.describe() if host.tls else "plaintext",
+        f"; same-host socket {local.path}" if local is not None else "",
+    )
     return StoreServer(host, dial, port, local)
 
 
@@ -289,8 +323,9 @@ def serve_staging_local(path: str, staging: StagingArea) -> LocalRpcServer:
     """Stage and Drop of ``staging`` on a same-host socket at ``path`` (its directory must be private): the
     multiprocess executor's scheduler -> worker hop without gRPC's thread hand-offs. No deadline cap beyond the
     caller's (a Stage runs for its read budget)."""
-    return LocalRpcServer("staging", StagingServicer(staging).local_methods(), os.path.dirname(path), path=path,
-                          max_deadline_s=3600.0)
+    return LocalRpcServer(
+        "staging", StagingServicer(staging).local_methods(), os.path.dirname(path), path=path, max_deadline_s=3600.0
+    )
 
 
 @dataclass(frozen=True)
@@ -306,8 +341,9 @@ class _Client:
     """One channel to ``address``: TLS when ``tls`` has a CA or a certificate (``tensorwire._grpc.tls``), else
     plaintext (``unix:`` sockets are always plaintext)."""
 
-    def __init__(self, address: str, tls: TlsConfig | None = None, *,
-                 on_call: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self, address: str, tls: TlsConfig | None = None, *, on_call: Callable[[str, str], None] | None = None
+    ) -> None:
         self.address = address
         self._on_call = on_call or (lambda _m, _c: None)
         self._local: LocalRpcClient | None = None  # the same-host socket, when one is known (see _unary)
@@ -328,7 +364,8 @@ class _Client:
         call = self._calls.get(method)
         if call is None:  # a race builds two; either works
             call = self._calls[method] = self._channel.unary_unary(
-                method, request_serializer=None, response_deserializer=None)
+                method, request_serializer=None, response_deserializer=None
+            )
         try:
             raw = call(request.SerializeToString(), timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -341,8 +378,9 @@ class _Client:
         try:
             return response.FromString(raw)
         except DecodeError as exc:
-            raise ProtocolError(f"{what} on {self.address}: the answer does not parse: {exc}",
-                                reason=Reason.PROTOCOL_ERROR) from exc
+            raise ProtocolError(
+                f"{what} on {self.address}: the answer does not parse: {exc}", reason=Reason.PROTOCOL_ERROR
+            ) from exc
 
     def _unary(self, method: str, name: str, request: Any, response: Any, timeout_s: float) -> Any:
         """One call: over the same-host socket when there is one (a call that gets no answer there is made
@@ -407,8 +445,14 @@ class HeldStoreClient(_Client):
     ``local`` or ``grpc``) and each fallback (channel ``local_fallback``).
     """
 
-    def __init__(self, address: str, tls: TlsConfig | None = None, *, local_channel: bool = True,
-                 on_call: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        tls: TlsConfig | None = None,
+        *,
+        local_channel: bool = True,
+        on_call: Callable[[str, str], None] | None = None,
+    ) -> None:
         super().__init__(address, tls, on_call=on_call)
         self._local_wanted = local_channel and not address.startswith("unix:") and bool(_unix.host_token())
         self._local_due = 0.0  # monotonic time of the next discovery (inf: one is running)
@@ -432,22 +476,23 @@ class HeldStoreClient(_Client):
     def _discover(self) -> None:
         retry_s = 30.0
         try:
-            info = self._call(LOCAL_CHANNEL_METHOD, local_channel_request(), pb.LocalChannelInfo, 2.0,
-                              "LocalChannel")
+            info = self._call(LOCAL_CHANNEL_METHOD, local_channel_request(), pb.LocalChannelInfo, 2.0, "LocalChannel")
             if info.path and info.host_token == _unix.host_token():
                 _unix.check_socket_path(info.path)
                 with self._local_lock:
                     if not self._closed:
                         self._local = LocalRpcClient(info.path)
-                log.info("held-outputs store %s: Lookup/Release over the same-host socket %s", self.address,
-                         info.path)
+                log.info("held-outputs store %s: Lookup/Release over the same-host socket %s", self.address, info.path)
         except TensorwireError as exc:  # not up yet, an owner without LocalChannel (UNIMPLEMENTED), or closing
             transient = exc.reason in (Reason.PEER_UNAVAILABLE, Reason.DEADLINE_EXCEEDED)
             retry_s = 1.0 if transient else 30.0
             log.debug("held-outputs store %s: no same-host channel (%s)", self.address, exc)
         except (OSError, _unix.InsecurePath) as exc:
-            log.warning("held-outputs store %s advertised a same-host socket that fails its checks (%s); using gRPC",
-                        self.address, exc)
+            log.warning(
+                "held-outputs store %s advertised a same-host socket that fails its checks (%s); using gRPC",
+                self.address,
+                exc,
+            )
         finally:
             with self._local_lock:
                 self._local_due = time.monotonic() + retry_s
@@ -460,8 +505,9 @@ class HeldStoreClient(_Client):
         with self._local_lock:
             self._local_due = time.monotonic() + 1.0
 
-    def lookup(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float,
-               support_rdma: bool = True, compat: str = "") -> list[LookupOutcome]:
+    def lookup(
+        self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float, support_rdma: bool = True, compat: str = ""
+    ) -> list[LookupOutcome]:
         """One outcome per grant, in order. ``compat``: the caller's compatibility hash; a store with another
         answers every grant ``incompatible``."""
         req = hpb.LookupRequest(support_rdma=support_rdma, compat=compat)
@@ -470,8 +516,9 @@ class HeldStoreClient(_Client):
         resp = self._unary(LOOKUP_METHOD, "Lookup", req, hpb.LookupResponse, timeout_s)
         return self._outcomes(grants, resp)
 
-    def begin_lookup(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float,
-                     support_rdma: bool = True) -> PendingLookup | None:
+    def begin_lookup(
+        self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float, support_rdma: bool = True
+    ) -> PendingLookup | None:
         """Sends a Lookup over the same-host socket and returns at once (``PendingLookup.poll()`` collects the
         answer without blocking); None when there is no same-host socket (use ``lookup``). Raises
         ``LocalUnavailable`` when the request could not be written (the socket is dropped as ``lookup`` does)."""
@@ -492,20 +539,29 @@ class HeldStoreClient(_Client):
 
     def _outcomes(self, grants: Sequence[tuple[str, bytes]], resp: Any) -> list[LookupOutcome]:
         if len(resp.results) != len(grants):
-            raise ProtocolError(f"Lookup on {self.address}: {len(resp.results)} results for {len(grants)} grants",
-                                reason=Reason.PROTOCOL_ERROR)
+            raise ProtocolError(
+                f"Lookup on {self.address}: {len(resp.results)} results for {len(grants)} grants",
+                reason=Reason.PROTOCOL_ERROR,
+            )
         out = []
         for (key, _), r in zip(grants, resp.results, strict=True):
             if r.key != key:
-                raise ProtocolError(f"Lookup on {self.address}: result for {r.key[:64]!r} where {key[:64]!r} was "
-                                    "asked", reason=Reason.PROTOCOL_ERROR)
+                raise ProtocolError(
+                    f"Lookup on {self.address}: result for {r.key[:64]!r} where {key[:64]!r} was asked",
+                    reason=Reason.PROTOCOL_ERROR,
+                )
             if r.error_reason:
                 try:
                     reason = Reason(r.error_reason)
                 except ValueError:
                     reason = Reason.UNKNOWN
-                cls = (LeaseExpired if reason in (Reason.NOT_HELD, Reason.LEASE_EXPIRED)
-                       else ReadError if reason is Reason.NOT_READY else TensorwireError)
+                cls = (
+                    LeaseExpired
+                    if reason in (Reason.NOT_HELD, Reason.LEASE_EXPIRED)
+                    else ReadError
+                    if reason is Reason.NOT_READY
+                    else TensorwireError
+                )
                 out.append(LookupOutcome(key, None, cls(r.error_message or reason.value, reason=reason)))
             else:
                 out.append(LookupOutcome(key, r.receipt, None))
@@ -521,8 +577,9 @@ class HeldStoreClient(_Client):
 class PendingLookup:
     """A Lookup written to the same-host socket (``HeldStoreClient.begin_lookup``). Single-threaded."""
 
-    def __init__(self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall,
-                 grants: list[tuple[str, bytes]]) -> None:
+    def __init__(
+        self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall, grants: list[tuple[str, bytes]]
+    ) -> None:
         self._client = client
         self._local = local
         self._call = call
@@ -573,8 +630,14 @@ class StagingClient(_Client):
     the socket again: a worker that restarted serves it again at the same path.
     """
 
-    def __init__(self, address: str, tls: TlsConfig | None = None, *, local_path: str = "",
-                 on_call: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        tls: TlsConfig | None = None,
+        *,
+        local_path: str = "",
+        on_call: Callable[[str, str], None] | None = None,
+    ) -> None:
         super().__init__(address, tls, on_call=on_call)
         self._local_path = local_path
         if local_path:
@@ -602,10 +665,22 @@ class StagingClient(_Client):
         return int(resp.nbytes)
 
     def drop(self, keys: Sequence[str], *, timeout_s: float) -> int:
-        return int(self._unary(DROP_METHOD, "Drop", hpb.DropRequest(keys=list(keys)), hpb.DropResponse,
-                               timeout_s).dropped)
+        return int(
+            self._unary(DROP_METHOD, "Drop", hpb.DropRequest(keys=list(keys)), hpb.DropResponse, timeout_s).dropped
+        )
 
 
-__all__ = ["HeldStoreServicer", "StagingServicer", "StoreServer", "serve_store", "HeldStoreClient",
-           "StagingClient", "LookupOutcome", "PendingLookup", "receipt_for", "serve_staging_local", "HELD_SERVICE",
-           "STAGING_SERVICE"]
+__all__ = [
+    "HeldStoreServicer",
+    "StagingServicer",
+    "StoreServer",
+    "serve_store",
+    "HeldStoreClient",
+    "StagingClient",
+    "LookupOutcome",
+    "PendingLookup",
+    "receipt_for",
+    "serve_staging_local",
+    "HELD_SERVICE",
+    "STAGING_SERVICE",
+]

@@ -47,11 +47,11 @@ class Expect:
 
     def check(self, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
         if self.shape is not None and tuple(shape) != tuple(self.shape):
-            raise ProtocolError(f"{what}: shape {list(shape)} but {list(self.shape)} was expected",
-                                reason=Reason.RESULT_MISMATCH)
+            raise ProtocolError(
+                f"{what}: shape {list(shape)} but {list(self.shape)} was expected", reason=Reason.RESULT_MISMATCH
+            )
         if self.dtype is not None and dtype != self.dtype:
-            raise ProtocolError(f"{what}: dtype {dtype} but {self.dtype} was expected",
-                                reason=Reason.RESULT_MISMATCH)
+            raise ProtocolError(f"{what}: dtype {dtype} but {self.dtype} was expected", reason=Reason.RESULT_MISMATCH)
 
     def to_pb(self, req: object) -> None:
         if self.shape is not None:
@@ -88,8 +88,14 @@ class StagingArea:
     a coordinator that drops what it staged does not need it). The area owns its reader and closes it.
     """
 
-    def __init__(self, reader_factory: ReaderFactory | None, *, device: str = "cpu", ttl_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        reader_factory: ReaderFactory | None,
+        *,
+        device: str = "cpu",
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._factory = reader_factory
         self._device = torch.device(device)
         self._ttl_s = ttl_s
@@ -114,8 +120,15 @@ class StagingArea:
         except Exception:
             return False
 
-    def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int,
-              expect: Expect | None = None, into: Callable[[int], torch.Tensor] | None = None) -> int:
+    def stage(
+        self,
+        key: str,
+        receipt: pb.EncodeResponse,
+        *,
+        timeout_ms: int,
+        expect: Expect | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
+    ) -> int:
         """Reads the receipt's tensors and keeps them under ``key``; returns their bytes. Raises on any failure
         (then nothing is kept under ``key``; a previous item under it stays).
 
@@ -174,8 +187,9 @@ class StagingArea:
     def stats(self) -> StagingStats:
         with self._lock:
             self._sweep_locked()
-            return StagingStats(staged_items=len(self._items), staged_bytes=sum(e[1] for e in self._items.values()),
-                                **self._n)
+            return StagingStats(
+                staged_items=len(self._items), staged_bytes=sum(e[1] for e in self._items.values()), **self._n
+            )
 
     def close(self) -> None:
         """Drops everything and closes the reader. Idempotent."""
@@ -203,11 +217,15 @@ class StagingArea:
                 raise ClosedError("StagingArea is closed")
             if self._reader is None:
                 if self._factory is None:
-                    raise ReadError("this staging area has no RDMA reader; only inline receipts can be staged",
-                                    reason=Reason.PROVIDER_UNAVAILABLE)
+                    raise ReadError(
+                        "this staging area has no RDMA reader; only inline receipts can be staged",
+                        reason=Reason.PROVIDER_UNAVAILABLE,
+                    )
                 if self._reader_error is not None:
-                    raise ReadError(f"the RDMA reader could not be built: {self._reader_error}",
-                                    reason=getattr(self._reader_error, "reason", Reason.PROVIDER_UNAVAILABLE))
+                    raise ReadError(
+                        f"the RDMA reader could not be built: {self._reader_error}",
+                        reason=getattr(self._reader_error, "reason", Reason.PROVIDER_UNAVAILABLE),
+                    )
                 try:
                     self._reader = self._factory()
                 except Exception as exc:
@@ -217,16 +235,24 @@ class StagingArea:
                     raise
             return self._reader
 
-    def _read_rdma(self, key: str, receipt: pb.EncodeResponse, timeout_ms: int,
-                   expect: Expect, into: Callable[[int], torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _read_rdma(
+        self,
+        key: str,
+        receipt: pb.EncodeResponse,
+        timeout_ms: int,
+        expect: Expect,
+        into: Callable[[int], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         descs = []
         n_tensors = 0
         for i, slot in enumerate(receipt.rdma_slots):
             d = Descriptor.from_bytes(bytes(slot.descriptor))  # validates (bounds, dtypes, overlap)
             roles = list(slot.roles)
             if len(roles) != len(d.manifest) or any(r not in (pb.EMBEDDING, pb.EXTRA_INPUT) for r in roles):
-                raise ProtocolError(f"item {key[:64]!r} slot {i}: roles {roles} do not match its "
-                                    f"{len(d.manifest)} tensor(s)", reason=Reason.PROTOCOL_ERROR)
+                raise ProtocolError(
+                    f"item {key[:64]!r} slot {i}: roles {roles} do not match its {len(d.manifest)} tensor(s)",
+                    reason=Reason.PROTOCOL_ERROR,
+                )
             if i == 0:
                 first = d.manifest[0]
                 expect.check(first.shape, first.dtype, f"item {key[:64]!r}")
@@ -240,17 +266,24 @@ class StagingArea:
                 raise ValueError("into: needs a TensorReader")
             offsets = _packed([d.payload_bytes for d in descs])
             buf = into(offsets[-1])
-            tensors = reader.read(descs, timeout_ms=timeout_ms,
-                                  into=[buf[o:o + d.payload_bytes] for o, d in zip(offsets, descs, strict=False)])
+            tensors = reader.read(
+                descs,
+                timeout_ms=timeout_ms,
+                into=[buf[o : o + d.payload_bytes] for o, d in zip(offsets, descs, strict=False)],
+            )
         if len(tensors) != n_tensors:
-            raise ProtocolError(f"item {key[:64]!r}: read {len(tensors)} tensor(s), the receipt names {n_tensors}",
-                                reason=Reason.RESULT_MISMATCH)
+            raise ProtocolError(
+                f"item {key[:64]!r}: read {len(tensors)} tensor(s), the receipt names {n_tensors}",
+                reason=Reason.RESULT_MISMATCH,
+            )
         return tensors
 
     def _decode_inline(self, key: str, receipt: pb.EncodeResponse, expect: Expect) -> list[torch.Tensor]:
         if not receipt.HasField("embedding"):
-            raise InvalidPayload(f"item {key[:64]!r}: the receipt has neither RDMA slots nor an inline tensor",
-                                 reason=Reason.INVALID_PAYLOAD)
+            raise InvalidPayload(
+                f"item {key[:64]!r}: the receipt has neither RDMA slots nor an inline tensor",
+                reason=Reason.INVALID_PAYLOAD,
+            )
         first = decode_tensor(receipt.embedding, f"item {key[:64]!r}")
         expect.check(first.shape, first.dtype, f"item {key[:64]!r}")
         tensors = [first] + [decode_tensor(t, f"item {key[:64]!r} extra") for t in receipt.extra_inputs]
@@ -289,7 +322,7 @@ def _copy_into(tensors: list[torch.Tensor], into: Callable[[int], torch.Tensor])
     buf = into(offsets[-1])
     out = []
     for t, o, n in zip(tensors, offsets, sizes, strict=False):
-        view = buf[o:o + n].view(t.dtype).view(t.shape)
+        view = buf[o : o + n].view(t.dtype).view(t.shape)
         view.copy_(t)
         out.append(view)
     return out

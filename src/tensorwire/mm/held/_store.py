@@ -64,8 +64,9 @@ def check_grant(key: str, secret: bytes) -> None:
         raise InvalidPayload(f"grant key must be 1..{MAX_KEY_CHARS} characters", reason=Reason.INVALID_REQUEST)
     if not isinstance(secret, (bytes, bytearray)) or not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         n = len(secret) if isinstance(secret, (bytes, bytearray)) else -1
-        raise InvalidPayload(f"grant secret must be {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes, got {n}",
-                             reason=Reason.INVALID_REQUEST)
+        raise InvalidPayload(
+            f"grant secret must be {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes, got {n}", reason=Reason.INVALID_REQUEST
+        )
 
 
 def _digest(key: str, secret: bytes) -> bytes:
@@ -131,9 +132,15 @@ class HeldStore:
     bytes)`` is called (outside the lock) after the held set grew or shrank, for gauges.
     """
 
-    def __init__(self, exporter: Exporter | None, *, ttl_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[int, int], None] | None = None, compat: str = "") -> None:
+    def __init__(
+        self,
+        exporter: Exporter | None,
+        *,
+        ttl_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[int, int], None] | None = None,
+        compat: str = "",
+    ) -> None:
         self._exporter = exporter
         # The owner's compatibility hash: a Lookup that carries another is refused (incompatible). "": unchecked.
         self.compat = compat
@@ -147,8 +154,20 @@ class HeldStore:
         self._held: OrderedDict[str, _Held] = OrderedDict()  # insertion order == creation order (TTL sweep)
         self._pending: OrderedDict[tuple[str, bytes], float] = OrderedDict()  # (key, digest) -> created
         self._pending_by_key: dict[str, set[bytes]] = {}
-        self._n = dict.fromkeys(("holds", "hold_failures", "lookups", "lookup_misses", "releases",
-                                 "release_misses", "released_items", "expired_items", "expired_grants"), 0)
+        self._n = dict.fromkeys(
+            (
+                "holds",
+                "hold_failures",
+                "lookups",
+                "lookup_misses",
+                "releases",
+                "release_misses",
+                "released_items",
+                "expired_items",
+                "expired_grants",
+            ),
+            0,
+        )
 
     @property
     def ttl_s(self) -> float:
@@ -223,12 +242,18 @@ class HeldStore:
             self._n["lookups"] += 1
             if held is None and (key, d) in self._pending:
                 self._n["lookup_misses"] += 1
-                raise ReadError(f"the item under this grant for key {key[:64]!r} is not held yet (granted, "
-                                "still being encoded): retry", reason=Reason.NOT_READY)
+                raise ReadError(
+                    f"the item under this grant for key {key[:64]!r} is not held yet (granted, "
+                    "still being encoded): retry",
+                    reason=Reason.NOT_READY,
+                )
             if held is None or d not in held.grants:
                 self._n["lookup_misses"] += 1
-                raise LeaseExpired(f"no held item under this grant for key {key[:64]!r} (never held, released, "
-                                   f"or older than {self._ttl_s:.0f} s)", reason=Reason.NOT_HELD)
+                raise LeaseExpired(
+                    f"no held item under this grant for key {key[:64]!r} (never held, released, "
+                    f"or older than {self._ttl_s:.0f} s)",
+                    reason=Reason.NOT_HELD,
+                )
             return held.item
 
     def release(self, key: str, secret: bytes) -> bool:
@@ -369,13 +394,13 @@ class HeldStore:
             self._n["expired_grants"] += 1
         if expired:
             self._n["expired_items"] += len(expired)
-            log.warning("held store dropped %d item(s) older than %.0f s; are readers releasing?", len(expired),
-                        self._ttl_s)
+            log.warning(
+                "held store dropped %d item(s) older than %.0f s; are readers releasing?", len(expired), self._ttl_s
+            )
             # Under this store's lock: the exporter takes only its own lock and never calls back into the store.
             for item in expired:
                 self._end_item(item)
         return len(expired)
 
 
-__all__ = ["HeldStore", "HeldItem", "StoreStats", "StoreState", "new_secret", "check_grant",
-           "MIN_SECRET_BYTES"]
+__all__ = ["HeldStore", "HeldItem", "StoreStats", "StoreState", "new_secret", "check_grant", "MIN_SECRET_BYTES"]

@@ -62,8 +62,6 @@ ANSWER_SEND_S = 60.0
 REQUEST_FRAME_S = 10.0
 
 
-
-
 class _Mapped:
     """One connection's mapped receive buffers, at most ``MAX_BUFFERS_PER_CONN`` and ``cap_bytes`` together."""
 
@@ -76,8 +74,7 @@ class _Mapped:
         """Maps ``offer`` (``PlacementRefused``: not taken; ``fds`` are closed either way)."""
         try:
             if self._cap <= 0:
-                raise PlacementRefused("placed outputs are off on this worker (local_placement_bytes=0, or mode "
-                                       "grpc)")
+                raise PlacementRefused("placed outputs are off on this worker (local_placement_bytes=0, or mode grpc)")
             if offer.buffer_id in self._buffers:
                 raise PlacementRefused(f"buffer {offer.buffer_id} is already mapped on this connection")
             if len(self._buffers) >= MAX_BUFFERS_PER_CONN:
@@ -107,8 +104,9 @@ class LocalControlServer(UnixConnServer):
         self._metrics = service.transport.metrics
         cfg = service.transport.config
         self._placement_cap = cfg.local_placement_bytes if cfg.mode == MODE_AUTO else 0  # grpc: inline only
-        super().__init__(directory, prefix="mm", magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD,
-                         on_event=self._count)
+        super().__init__(
+            directory, prefix="mm", magic=HELLO_MAGIC, max_conns=max_conns, thread_name=_THREAD, on_event=self._count
+        )
 
     def _count(self, kind: str) -> None:
         self._metrics.control_streams.labels("encoder", _EVENT_LABELS[kind]).inc()
@@ -137,12 +135,17 @@ class LocalControlServer(UnixConnServer):
     def _serve_frame(self, conn: Conn, mapped: _Mapped, fds: list[int]) -> bool:
         """Reads and handles one frame; False when the connection is done."""
         try:
-            raw = _unix.recv_frame(conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds,
-                                   expect_wait=False)  # wait_readable said it is there
+            raw = _unix.recv_frame(
+                conn.sock, time.monotonic() + REQUEST_FRAME_S, wire.MAX_MESSAGE_BYTES, fds, expect_wait=False
+            )  # wait_readable said it is there
         except (ValueError, TimeoutError) as exc:  # a length over the limit (not read), or a frame that stalls
             self._metrics.errors.labels("encoder", "invalid_request").inc()
-            self._rl.log(logging.WARNING, "frame", "local control: %s; ending the connection",
-                         exc if isinstance(exc, ValueError) else "a request frame stalled")
+            self._rl.log(
+                logging.WARNING,
+                "frame",
+                "local control: %s; ending the connection",
+                exc if isinstance(exc, ValueError) else "a request frame stalled",
+            )
             return False
         if raw is None:
             return False
@@ -150,8 +153,9 @@ class LocalControlServer(UnixConnServer):
             msg = pb.StreamRequest.FromString(raw)  # type: ignore[arg-type]  # upb reads a bytearray: no copy
         except DecodeError as exc:
             self._metrics.errors.labels("encoder", "invalid_request").inc()
-            self._rl.log(logging.WARNING, "parse", "a local control message does not parse (%s); "
-                         "ending the connection", exc)
+            self._rl.log(
+                logging.WARNING, "parse", "a local control message does not parse (%s); ending the connection", exc
+            )
             return False
         kind = msg.WhichOneof("body")
         if kind == "offer":
@@ -168,8 +172,12 @@ class LocalControlServer(UnixConnServer):
             mapped.take(offer, fds)
         except PlacementRefused as exc:
             self._metrics.control_streams.labels("encoder", "local_offer_refused").inc()
-            self._rl.log(logging.INFO, "offer", "local control: a receive buffer was not taken (%s); that client's "
-                         "outputs use the other planes", exc)
+            self._rl.log(
+                logging.INFO,
+                "offer",
+                "local control: a receive buffer was not taken (%s); that client's outputs use the other planes",
+                exc,
+            )
         else:
             self._metrics.control_streams.labels("encoder", "local_offer_mapped").inc()
 
@@ -201,11 +209,13 @@ class LocalControlServer(UnixConnServer):
                     data = receipt.to_stream_pieces(msg.id)
                 except Exception as exc:
                     receipt = None
-                    data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
-                                             wire.stream_error_for(exc).SerializeToString())
+                    data = wire.stream_frame(
+                        msg.id, wire.STREAM_ERROR_FIELD, wire.stream_error_for(exc).SerializeToString()
+                    )
             try:
-                _unix.send_frame(sock, data, time.monotonic() + ANSWER_SEND_S if deadline is None
-                                 else deadline + ANSWER_SLACK_S)
+                _unix.send_frame(
+                    sock, data, time.monotonic() + ANSWER_SEND_S if deadline is None else deadline + ANSWER_SLACK_S
+                )
             except OSError:  # TimeoutError included: the client did not take the answer in time
                 if receipt is not None and receipt.message.rdma_slots:
                     self._service.discard_for_gone_caller(receipt, "while its local-channel answer was being sent")
@@ -215,12 +225,18 @@ class LocalControlServer(UnixConnServer):
             conn.set_busy(False)
 
 
-_EVENT_LABELS = {"refused_uid": "local_refused_uid", "refused_full": "local_refused", "opened": "local_opened",
-                 "ended": "local_ended", "idle": "local_idle"}
+_EVENT_LABELS = {
+    "refused_uid": "local_refused_uid",
+    "refused_full": "local_refused",
+    "opened": "local_opened",
+    "ended": "local_ended",
+    "idle": "local_idle",
+}
 
 
-def start_local_server(service: EncodeHandler, directory: str, max_conns: int,
-                       idle_s: float = 300.0) -> LocalControlServer | None:
+def start_local_server(
+    service: EncodeHandler, directory: str, max_conns: int, idle_s: float = 300.0
+) -> LocalControlServer | None:
     """A LocalControlServer, or None (logged) when the directory or the socket cannot be made safely."""
     try:
         return LocalControlServer(service, directory or _unix.default_runtime_dir(), max_conns, idle_s)

@@ -88,8 +88,13 @@ class OutputBuffers:
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and a.is_contiguous())
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.is_contiguous()
+    )
 
 
 def _default_exporter_factory(rdma_config: RdmaConfig) -> Exporter:
@@ -136,8 +141,11 @@ def plan_slots(
         if _align_up(rows_per_slot * row_bytes, align) > max_slot_bytes:
             rows_per_slot -= 1
     if rows_per_slot <= 0:
-        raise ExportError(f"one embedding row is {row_bytes} bytes; max_slot_bytes={max_slot_bytes} "
-                          f"(aligned to {align}) cannot hold it", reason=Reason.SLOT_TOO_LARGE)
+        raise ExportError(
+            f"one embedding row is {row_bytes} bytes; max_slot_bytes={max_slot_bytes} "
+            f"(aligned to {align}) cannot hold it",
+            reason=Reason.SLOT_TOO_LARGE,
+        )
     groups: list[tuple[list[torch.Tensor], list[pb.Role]]] = []
     footprints: list[int] = []
     for start in range(0, rows, rows_per_slot):
@@ -145,13 +153,17 @@ def plan_slots(
         chunk = embedding.narrow(0, start, n)
         groups.append(([chunk], [pb.EMBEDDING]))
         footprints.append(_align_up(n * row_bytes, align))
-    tail = ([(position_ids, pb.POS_ID)] if position_ids is not None else []) + \
-        [(t, pb.EXTRA_INPUT) for t in extra_inputs]
+    tail = ([(position_ids, pb.POS_ID)] if position_ids is not None else []) + [
+        (t, pb.EXTRA_INPUT) for t in extra_inputs
+    ]
     for t, role in tail:
         fp = _align_up(t.numel() * t.element_size(), align)
         if fp > max_slot_bytes:
-            raise ExportError(f"a {_codec.ROLE_LABELS[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
-                              f"max_slot_bytes={max_slot_bytes}", reason=Reason.SLOT_TOO_LARGE)
+            raise ExportError(
+                f"a {_codec.ROLE_LABELS[role]} tensor of {t.numel() * t.element_size()} bytes exceeds "
+                f"max_slot_bytes={max_slot_bytes}",
+                reason=Reason.SLOT_TOO_LARGE,
+            )
         if footprints[-1] + fp <= max_slot_bytes:
             groups[-1][0].append(t)
             groups[-1][1].append(role)
@@ -171,9 +183,15 @@ class OutputTransport:
     the exporter, after which ``transfer`` answers inline.
     """
 
-    def __init__(self, config: TransportConfig | None = None, *, exporter_factory: ExporterFactory | None = None,
-                 metrics: TransportMetrics | None = None, worker_id: str | None = None,
-                 worker_address: str = "") -> None:
+    def __init__(
+        self,
+        config: TransportConfig | None = None,
+        *,
+        exporter_factory: ExporterFactory | None = None,
+        metrics: TransportMetrics | None = None,
+        worker_id: str | None = None,
+        worker_address: str = "",
+    ) -> None:
         self.config = config if config is not None else TransportConfig()
         self.metrics = metrics if metrics is not None else metrics_for(None)
         self.worker_id = worker_id or self.config.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -190,8 +208,14 @@ class OutputTransport:
             self.metrics.fallbacks.labels("encoder", "rdma_init_failed").inc()
 
         self._holder: BackgroundInit[Exporter] = BackgroundInit(
-            "exporter", lambda: factory(self.rdma_config()), is_permanent, backoff_s=cfg.init_backoff_ms / 1000.0,
-            backoff_max_s=cfg.init_backoff_max_ms / 1000.0, on_ready=on_ready, on_failure=on_failure)
+            "exporter",
+            lambda: factory(self.rdma_config()),
+            is_permanent,
+            backoff_s=cfg.init_backoff_ms / 1000.0,
+            backoff_max_s=cfg.init_backoff_max_ms / 1000.0,
+            on_ready=on_ready,
+            on_failure=on_failure,
+        )
         self._rl = RateLimitedLog(log)
         self._closed = False
         self._buffers: dict[int, OutputBuffers] = {}  # embedding data_ptr -> allocation awaiting transfer()
@@ -217,8 +241,15 @@ class OutputTransport:
     def wait_ready(self, timeout_s: float) -> bool:
         return self._holder.wait_ready(timeout_s)
 
-    def allocate_output(self, rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16, *,
-                        position_cols: int = 0, position_dtype: torch.dtype = torch.int64) -> OutputBuffers | None:
+    def allocate_output(
+        self,
+        rows: int,
+        hidden: int,
+        dtype: torch.dtype = torch.bfloat16,
+        *,
+        position_cols: int = 0,
+        position_dtype: torch.dtype = torch.int64,
+    ) -> OutputBuffers | None:
         """Tensors for the encoder to write its output into, inside one registered slot (no export copy later).
 
         ``None`` when that cannot help (mode grpc, exporter not built, closed, the output needs more than one slot,
@@ -234,9 +265,16 @@ class OutputTransport:
         if placement is not None:
             placed = placement.views(specs)
             if placed is not None:
-                return self._keep(OutputBuffers(placed[0], placed[1] if position_cols else None, None,
-                                                threading.get_ident(), int((time.perf_counter() - t0) * 1e6),
-                                                placement))
+                return self._keep(
+                    OutputBuffers(
+                        placed[0],
+                        placed[1] if position_cols else None,
+                        None,
+                        threading.get_ident(),
+                        int((time.perf_counter() - t0) * 1e6),
+                        placement,
+                    )
+                )
         if self.config.mode != MODE_AUTO:
             return None
         exporter = self._holder.get()
@@ -248,8 +286,15 @@ class OutputTransport:
             if exc.reason is not Reason.SLOT_TOO_LARGE:  # too large for one slot: not a degrade, the copy path splits
                 self.metrics.fallbacks.labels("encoder", "allocate_" + exc.reason.value).inc()
             return None
-        return self._keep(OutputBuffers(tensors[0], tensors[1] if position_cols else None, lease,
-                                        threading.get_ident(), int((time.perf_counter() - t0) * 1e6)))
+        return self._keep(
+            OutputBuffers(
+                tensors[0],
+                tensors[1] if position_cols else None,
+                lease,
+                threading.get_ident(),
+                int((time.perf_counter() - t0) * 1e6),
+            )
+        )
 
     def _keep(self, buffers: OutputBuffers) -> OutputBuffers:
         with self._buffers_lock:
@@ -301,9 +346,16 @@ class OutputTransport:
             if ended:
                 self.release(ended)
 
-    def _transfer(self, request: pb.EncodeRequest, emb: torch.Tensor | None, splits: list[int],
-                  pos: torch.Tensor | None, extras: list[torch.Tensor],
-                  buffers: OutputBuffers | None, ends_allocations: bool) -> WireReceipt:
+    def _transfer(
+        self,
+        request: pb.EncodeRequest,
+        emb: torch.Tensor | None,
+        splits: list[int],
+        pos: torch.Tensor | None,
+        extras: list[torch.Tensor],
+        buffers: OutputBuffers | None,
+        ends_allocations: bool,
+    ) -> WireReceipt:
         out = WireReceipt()
         receipt = out.message
         receipt.worker.worker_id = self.worker_id
@@ -322,8 +374,13 @@ class OutputTransport:
             nbytes = self._pinned(payload)
             if not self.peer_leases.reserve(peer, nbytes):
                 exporter, why_not = None, Reason.PEER_QUOTA.value
-                self._rl.log(logging.INFO, "peer-quota", "a peer holds its quota of %d leased bytes; answering "
-                             "it inline until it releases (peer_leased_bytes)", self.peer_leases.cap_bytes)
+                self._rl.log(
+                    logging.INFO,
+                    "peer-quota",
+                    "a peer holds its quota of %d leased bytes; answering "
+                    "it inline until it releases (peer_leased_bytes)",
+                    self.peer_leases.cap_bytes,
+                )
         if exporter is not None:
             t0 = time.perf_counter()
             slots: list[pb.RdmaSlot] | None = None
@@ -336,8 +393,11 @@ class OutputTransport:
                 else:
                     slots = self._try_export(exporter, emb, pos, extras, leased)
             finally:
-                self.peer_leases.settle(peer, nbytes, [(d.lease_id, self._pinned(int(d.payload_bytes)))
-                                                       for d in leased] if slots is not None else [])
+                self.peer_leases.settle(
+                    peer,
+                    nbytes,
+                    [(d.lease_id, self._pinned(int(d.payload_bytes))) for d in leased] if slots is not None else [],
+                )
             if slots is not None:
                 receipt.rdma_slots.extend(slots)
                 receipt.encoder_stage_us["export"] = int((time.perf_counter() - t0) * 1e6)
@@ -361,8 +421,15 @@ class OutputTransport:
         self.metrics.requests.labels("encoder", "inline").inc()
         return out
 
-    def _try_place(self, placement: Placement, emb: torch.Tensor, pos: torch.Tensor | None,
-                   extras: list[torch.Tensor], buffers: OutputBuffers | None, receipt: pb.EncodeResponse) -> bool:
+    def _try_place(
+        self,
+        placement: Placement,
+        emb: torch.Tensor,
+        pos: torch.Tensor | None,
+        extras: list[torch.Tensor],
+        buffers: OutputBuffers | None,
+        receipt: pb.EncodeResponse,
+    ) -> bool:
         """Writes the output into the caller's receive buffer (in place already when it came from
         ``allocate_output``) and describes it in ``receipt.placed``; False (``placed.declined`` says why) when the
         output goes by another plane."""
@@ -386,8 +453,11 @@ class OutputTransport:
                 placed.needed_bytes = _placed.needed_bytes(tensors)
             # A tensor already in the buffer (from allocate_output, the rest of the output not) must sit where
             # the plan puts it: the copies of the others then never overwrite it.
-            elif any(lo <= t.data_ptr() < hi and (t.data_ptr() - lo != off or not t.is_contiguous())
-                     for t, off in zip(tensors, offsets, strict=True) if t.numel()):
+            elif any(
+                lo <= t.data_ptr() < hi and (t.data_ptr() - lo != off or not t.is_contiguous())
+                for t, off in zip(tensors, offsets, strict=True)
+                if t.numel()
+            ):
                 why = "output_overlaps_buffer"
         if why or offsets is None:
             placed.declined = why
@@ -404,8 +474,9 @@ class OutputTransport:
             torch.cuda.synchronize()
         for t, off, role in zip(tensors, offsets, roles, strict=True):
             nbytes = t.numel() * t.element_size()
-            placed.tensors.add(role=role, dtype=_codec.DTYPE_TO_WIRE[t.dtype], shape=list(t.shape), offset=off,
-                               nbytes=nbytes)
+            placed.tensors.add(
+                role=role, dtype=_codec.DTYPE_TO_WIRE[t.dtype], shape=list(t.shape), offset=off, nbytes=nbytes
+            )
             self.metrics.child(self.metrics.bytes, "encoder", "placed", _codec.ROLE_LABELS[role]).inc(nbytes)
         receipt.encoder_stage_us["place"] = int((time.perf_counter() - t0) * 1e6)
         if buffers is not None and in_place:
@@ -417,8 +488,9 @@ class OutputTransport:
         """Pool bytes ``payload`` bytes hold: the size of the slot it lands in (quotas count what is pinned)."""
         return bucket_bytes(payload, int(self.config.rdma.max_slot_bytes))
 
-    def _rdma_choice(self, request: pb.EncodeRequest, emb: torch.Tensor, pos: torch.Tensor | None,
-                     extras: list[torch.Tensor]) -> tuple[Exporter | None, str | None]:
+    def _rdma_choice(
+        self, request: pb.EncodeRequest, emb: torch.Tensor, pos: torch.Tensor | None, extras: list[torch.Tensor]
+    ) -> tuple[Exporter | None, str | None]:
         """(exporter, None) to try RDMA; (None, reason) for a counted degrade; (None, None) when not asked."""
         if self.config.mode != MODE_AUTO or not request.support_rdma or self._closed:
             return None, None
@@ -434,8 +506,15 @@ class OutputTransport:
                 return None, Reason.EMPTY_EXPORT.value
         return exporter, None
 
-    def _try_publish(self, exporter: Exporter, buffers: OutputBuffers, lease: Lease, emb: torch.Tensor,
-                     pos: torch.Tensor | None, leased: list[Descriptor]) -> list[pb.RdmaSlot] | None:
+    def _try_publish(
+        self,
+        exporter: Exporter,
+        buffers: OutputBuffers,
+        lease: Lease,
+        emb: torch.Tensor,
+        pos: torch.Tensor | None,
+        leased: list[Descriptor],
+    ) -> list[pb.RdmaSlot] | None:
         """The zero-copy path: the output already lives in the slot; publish it. None -> answer inline."""
         try:
             desc = exporter.export_allocated(lease)
@@ -455,29 +534,45 @@ class OutputTransport:
     def _count_degrade(self, exc: BaseException, rolled_back: int) -> None:
         reason = exc.reason.value if isinstance(exc, TensorwireError) else Reason.EXPORT_FAILED.value
         self.metrics.fallbacks.labels("encoder", reason).inc()
-        self._rl.log(logging.WARNING, "export-" + reason,
-                     "RDMA export failed (%s: %s); rolled back %d lease(s), answering inline",
-                     type(exc).__name__, exc, rolled_back)
+        self._rl.log(
+            logging.WARNING,
+            "export-" + reason,
+            "RDMA export failed (%s: %s); rolled back %d lease(s), answering inline",
+            type(exc).__name__,
+            exc,
+            rolled_back,
+        )
 
-    def _try_export(self, exporter: Exporter, emb: torch.Tensor, pos: torch.Tensor | None,
-                    extras: list[torch.Tensor], leased: list[Descriptor]) -> list[pb.RdmaSlot] | None:
+    def _try_export(
+        self,
+        exporter: Exporter,
+        emb: torch.Tensor,
+        pos: torch.Tensor | None,
+        extras: list[torch.Tensor],
+        leased: list[Descriptor],
+    ) -> list[pb.RdmaSlot] | None:
         descs: list[Descriptor] = []
         try:
             emb = emb.contiguous()
             pos = pos.to(emb.device).contiguous() if pos is not None else None
             extras = [e.to(emb.device).contiguous() for e in extras]
-            groups = plan_slots(emb, pos, extras, int(self.config.rdma.max_slot_bytes),
-                                int(self.config.rdma.slot_align))
+            groups = plan_slots(
+                emb, pos, extras, int(self.config.rdma.max_slot_bytes), int(self.config.rdma.slot_align)
+            )
             descs = list(exporter.export_batch([g for g, _ in groups]))
             leased.extend(descs)
             if len(descs) != len(groups):
-                raise ExportError(f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
-                                  reason=Reason.RESULT_MISMATCH)
+                raise ExportError(
+                    f"exporter returned {len(descs)} descriptors for {len(groups)} groups",
+                    reason=Reason.RESULT_MISMATCH,
+                )
             slots = []
             for desc, (tensors, roles) in zip(descs, groups, strict=True):
                 if len(desc.manifest) != len(roles):
-                    raise ExportError(f"descriptor manifest has {len(desc.manifest)} entries for {len(roles)} "
-                                      "tensors", reason=Reason.RESULT_MISMATCH)
+                    raise ExportError(
+                        f"descriptor manifest has {len(desc.manifest)} entries for {len(roles)} tensors",
+                        reason=Reason.RESULT_MISMATCH,
+                    )
                 slot = pb.RdmaSlot(descriptor=desc.to_bytes())
                 slot.roles.extend(roles)
                 slots.append(slot)
@@ -523,8 +618,9 @@ class OutputTransport:
         except Exception as exc:
             self.metrics.errors.labels("encoder", "rdma_release_error").inc()
             self.metrics.exported_leases_released.labels("error").inc(len(ids))
-            self._rl.log(logging.WARNING, "release", "releasing %d lease(s) failed: %r; the TTL GC reclaims them",
-                         len(ids), exc)
+            self._rl.log(
+                logging.WARNING, "release", "releasing %d lease(s) failed: %r; the TTL GC reclaims them", len(ids), exc
+            )
             return 0
         released = len(ids) if ended is None else int(ended)  # None: an exporter of the older protocol
         self.metrics.child(self.metrics.exported_leases_released, "ok").inc(released)
@@ -548,8 +644,11 @@ class OutputTransport:
         receipts it already sent can still read them."""
         left = self.live_leases()
         if left:
-            log.info("waiting up to %.1f s for %d exported lease(s) to be released",
-                     max(0.0, deadline - time.monotonic()), left)
+            log.info(
+                "waiting up to %.1f s for %d exported lease(s) to be released",
+                max(0.0, deadline - time.monotonic()),
+                left,
+            )
         while left and time.monotonic() < deadline:
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
             left = self.live_leases()

@@ -54,14 +54,16 @@ def _parse_or_abort(message: Any, raw: bytes, context: grpc.ServicerContext) -> 
     try:
         return message.FromString(raw)
     except DecodeError as exc:
-        wire.abort_with(context, InvalidPayload(f"{message.__name__} does not parse: {exc}",
-                                                reason=Reason.INVALID_REQUEST))
+        wire.abort_with(
+            context, InvalidPayload(f"{message.__name__} does not parse: {exc}", reason=Reason.INVALID_REQUEST)
+        )
         raise  # unreachable: abort raises
 
 
 def _draining() -> PeerUnavailable:
-    return PeerUnavailable("encoder is draining (shutting down); send the request to another worker",
-                           reason=Reason.PEER_UNAVAILABLE)
+    return PeerUnavailable(
+        "encoder is draining (shutting down); send the request to another worker", reason=Reason.PEER_UNAVAILABLE
+    )
 
 
 class _OpenStream:
@@ -126,11 +128,14 @@ class EncoderService:
             return
         if cfg.local_channel == "auto" and cfg.tls.mutual:
             # The socket authenticates by uid, not by certificate: with mTLS asked for, only an explicit "on" opens it.
-            log.info("same-host control channel off: the gRPC listener requires client certificates (mTLS); "
-                     "local_channel='on' serves it anyway, trusting processes of this uid")
+            log.info(
+                "same-host control channel off: the gRPC listener requires client certificates (mTLS); "
+                "local_channel='on' serves it anyway, trusting processes of this uid"
+            )
             return
-        self.local = start_local_server(self, cfg.local_channel_dir, cfg.local_channel_conns,
-                                        cfg.local_channel_idle_ms / 1000.0)
+        self.local = start_local_server(
+            self, cfg.local_channel_dir, cfg.local_channel_conns, cfg.local_channel_idle_ms / 1000.0
+        )
 
     def local_channel(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.LocalChannelRequest, raw, context)
@@ -142,8 +147,9 @@ class EncoderService:
         with self._streams_lock:
             return len(self._streams)
 
-    def run_encode(self, request: pb.EncodeRequest, is_active: Callable[[], bool], *,
-                   placement: Placement | None = None) -> WireReceipt:
+    def run_encode(
+        self, request: pb.EncodeRequest, is_active: Callable[[], bool], *, placement: Placement | None = None
+    ) -> WireReceipt:
         """Runs ``encode_fn`` then ``transfer``: the receipt, or raises the error the caller should get.
 
         Both control paths call this. Failures are counted and logged here. ``encode_fn`` runs inside the call's
@@ -160,15 +166,25 @@ class EncoderService:
         finally:
             self._encodes.exit()
 
-    def _run_encode(self, request: pb.EncodeRequest, inputs: list[MultimodalInput], is_active: Callable[[], bool],
-                    placement: Placement | None) -> WireReceipt:
+    def _run_encode(
+        self,
+        request: pb.EncodeRequest,
+        inputs: list[MultimodalInput],
+        is_active: Callable[[], bool],
+        placement: Placement | None,
+    ) -> WireReceipt:
         metrics = self.transport.metrics
         cfg = self.transport.config
-        budget_ms = wire.rpc_budget_ms((i.timeout_ms for i in inputs), worker_timeout_ms=cfg.worker_timeout_ms,
-                                       margin_ms=0)
+        budget_ms = wire.rpc_budget_ms(
+            (i.timeout_ms for i in inputs), worker_timeout_ms=cfg.worker_timeout_ms, margin_ms=0
+        )
         outer = current_call()
-        scope = CallScope(outer.peer, deadline=min(outer.deadline, time.monotonic() + budget_ms / 1000.0),
-                          is_active=is_active, placement=placement)
+        scope = CallScope(
+            outer.peer,
+            deadline=min(outer.deadline, time.monotonic() + budget_ms / 1000.0),
+            is_active=is_active,
+            placement=placement,
+        )
         with call_scope(scope):
             t0 = time.perf_counter()
             try:
@@ -207,13 +223,18 @@ class EncoderService:
         read (reading ``data`` once for the check and once for the input was two copies of the media)."""
         limits = self.transport.config.limits
         if len(request.inputs) > limits.max_request_items:
-            raise InvalidPayload(f"{len(request.inputs)} items in one request exceed max_request_items="
-                                 f"{limits.max_request_items}; split the request", reason=Reason.INVALID_REQUEST)
+            raise InvalidPayload(
+                f"{len(request.inputs)} items in one request exceed max_request_items="
+                f"{limits.max_request_items}; split the request",
+                reason=Reason.INVALID_REQUEST,
+            )
         inputs = _codec.inputs_from_pb(request)
         for i, item in enumerate(inputs):
             if len(item.data) > limits.max_item_bytes:
-                raise InvalidPayload(f"item {i} is {len(item.data)} bytes, over max_item_bytes="
-                                     f"{limits.max_item_bytes}", reason=Reason.INVALID_REQUEST)
+                raise InvalidPayload(
+                    f"item {i} is {len(item.data)} bytes, over max_item_bytes={limits.max_item_bytes}",
+                    reason=Reason.INVALID_REQUEST,
+                )
         return inputs
 
     def _count_failure(self, exc: BaseException, msg: str, *args: Any) -> None:
@@ -236,8 +257,13 @@ class EncoderService:
     def release_leases(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         request = _parse_or_abort(pb.ReleaseLeasesRequest, raw, context)
         if len(request.lease_ids) > MAX_RELEASE_IDS:
-            wire.abort_with(context, InvalidPayload(f"{len(request.lease_ids)} lease ids in one call exceed "
-                                                    f"{MAX_RELEASE_IDS}", reason=Reason.INVALID_REQUEST))
+            wire.abort_with(
+                context,
+                InvalidPayload(
+                    f"{len(request.lease_ids)} lease ids in one call exceed {MAX_RELEASE_IDS}",
+                    reason=Reason.INVALID_REQUEST,
+                ),
+            )
         ids = list(request.lease_ids)
         released = self.transport.release(ids)
         return pb.ReleaseLeasesResponse(released=released, unknown=len(ids) - released).SerializeToString()
@@ -256,12 +282,19 @@ class EncoderService:
             wire.abort_with(context, _draining())
         if full:
             metrics.control_streams.labels("encoder", "refused").inc()
-            self._rl.log(logging.INFO, "stream-refused", "refused an EncodeStream: %d open (server_stream_cap); "
-                         "the client uses the unary Encode", self.max_streams)
-            context.set_trailing_metadata(((wire.REASON_METADATA_KEY, Reason.POOL_EXHAUSTED.value),
-                                           wire.STREAM_REFUSED_METADATA))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{self.max_streams} EncodeStream call(s) already open (server_stream_cap); use Encode")
+            self._rl.log(
+                logging.INFO,
+                "stream-refused",
+                "refused an EncodeStream: %d open (server_stream_cap); the client uses the unary Encode",
+                self.max_streams,
+            )
+            context.set_trailing_metadata(
+                ((wire.REASON_METADATA_KEY, Reason.POOL_EXHAUSTED.value), wire.STREAM_REFUSED_METADATA)
+            )
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.max_streams} EncodeStream call(s) already open (server_stream_cap); use Encode",
+            )
         metrics.control_streams.labels("encoder", "opened").inc()
         metrics.encoder_streams_open.inc()
         context.add_callback(lambda: self._discard_unsent(stream))
@@ -274,8 +307,9 @@ class EncoderService:
             metrics.encoder_streams_open.dec()
             metrics.control_streams.labels("encoder", "ended").inc()
 
-    def _serve_stream(self, stream: _OpenStream, requests: Iterator[bytes],
-                      context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _serve_stream(
+        self, stream: _OpenStream, requests: Iterator[bytes], context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
         try:
             for raw in requests:
                 # A message that does not parse has no id an answer could name: it ends the stream.
@@ -297,8 +331,9 @@ class EncoderService:
                     data = encoded.to_stream_frame(msg.id)
                     receipt = encoded
                 except Exception as exc:
-                    data = wire.stream_frame(msg.id, wire.STREAM_ERROR_FIELD,
-                                             wire.stream_error_for(exc).SerializeToString())
+                    data = wire.stream_frame(
+                        msg.id, wire.STREAM_ERROR_FIELD, wire.stream_error_for(exc).SerializeToString()
+                    )
                 if not context.is_active():
                     return  # the caller went away; run_encode already released what it exported
                 if receipt is not None and receipt.message.rdma_slots:
@@ -318,8 +353,13 @@ class EncoderService:
         # TTL GC reclaims its leases.
         if len(request.lease_ids) > MAX_RELEASE_IDS:
             self.transport.metrics.errors.labels("encoder", Reason.INVALID_REQUEST.value).inc()
-            self._rl.log(logging.WARNING, "stream-release-too-large", "ignored a stream release of %d lease ids "
-                         "(over %d); the TTL GC reclaims them", len(request.lease_ids), MAX_RELEASE_IDS)
+            self._rl.log(
+                logging.WARNING,
+                "stream-release-too-large",
+                "ignored a stream release of %d lease ids (over %d); the TTL GC reclaims them",
+                len(request.lease_ids),
+                MAX_RELEASE_IDS,
+            )
             return
         self.transport.release(list(request.lease_ids))
 
@@ -362,8 +402,9 @@ class EncoderService:
             return
         left = self.transport.wait_released(deadline)
         if left:
-            log.warning("%d exported lease(s) still unreleased at the end of the grace; readers of them will fail",
-                        left)
+            log.warning(
+                "%d exported lease(s) still unreleased at the end of the grace; readers of them will fail", left
+            )
 
     def close_local(self, grace_s: float | None = 0.0) -> None:
         """Ends the same-host control channel: its busy connections get up to ``grace_s`` (None: no limit) to
@@ -376,12 +417,15 @@ class EncoderService:
     def methods(self) -> Service:
         """The EncoderService methods for ``GrpcHost``: Encode needs a work slot; ReleaseLeases and LocalChannel
         never wait for one."""
-        return Service(wire.SERVICE_NAME, (
-            Method("Encode", self.encode, lane=Lane.WORK),
-            Method("ReleaseLeases", self.release_leases),
-            Method("EncodeStream", self.encode_stream, kind="stream"),
-            Method("LocalChannel", self.local_channel),
-        ))
+        return Service(
+            wire.SERVICE_NAME,
+            (
+                Method("Encode", self.encode, lane=Lane.WORK),
+                Method("ReleaseLeases", self.release_leases),
+                Method("EncodeStream", self.encode_stream, kind="stream"),
+                Method("LocalChannel", self.local_channel),
+            ),
+        )
 
 
 class EncoderServer:
@@ -410,8 +454,9 @@ class EncoderServer:
         self._stopped = True
         until = None if grace is None else time.monotonic() + grace
         try:
-            self._host.stop(grace, drain=self.service.close_streams, quiesce=self.service.quiesce,
-                            settle=self.service.settle)
+            self._host.stop(
+                grace, drain=self.service.close_streams, quiesce=self.service.quiesce, settle=self.service.settle
+            )
         finally:
             try:
                 self.service.close_local(None if until is None else max(0.0, until - time.monotonic()))
@@ -429,20 +474,43 @@ class EncoderServer:
         self.stop()
 
 
-def encoder_host(what: str, services: Sequence[Service], cfg: TransportConfig, metrics: TransportMetrics, *,
-                 thread_prefix: str, extra_options: Sequence[tuple[str, Any]] = (),
-                 reuse_port: bool = False) -> GrpcHost:
+def encoder_host(
+    what: str,
+    services: Sequence[Service],
+    cfg: TransportConfig,
+    metrics: TransportMetrics,
+    *,
+    thread_prefix: str,
+    extra_options: Sequence[tuple[str, Any]] = (),
+    reuse_port: bool = False,
+) -> GrpcHost:
     """The ``GrpcHost`` of an encoder: ``server_threads`` work slots, the config's limits and TLS, refusals
     counted on ``tensorwire_mm_server_refused_total``."""
-    return GrpcHost(what, services, work_slots=cfg.server_threads, thread_prefix=thread_prefix, limits=cfg.limits,
-                    tls=cfg.tls, serving=(wire.SERVICE_NAME,), extra_options=extra_options, reuse_port=reuse_port,
-                    on_refuse=lambda reason: metrics.server_refused.labels(reason).inc())
+    return GrpcHost(
+        what,
+        services,
+        work_slots=cfg.server_threads,
+        thread_prefix=thread_prefix,
+        limits=cfg.limits,
+        tls=cfg.tls,
+        serving=(wire.SERVICE_NAME,),
+        extra_options=extra_options,
+        reuse_port=reuse_port,
+        on_refuse=lambda reason: metrics.server_refused.labels(reason).inc(),
+    )
 
 
-def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, address: str = "127.0.0.1:0", *,
-                  transport: OutputTransport | None = None, metrics: TransportMetrics | None = None,
-                  exporter_factory: ExporterFactory | None = None,
-                  extra_options: Sequence[tuple[str, Any]] = (), insecure: bool = False) -> EncoderServer:
+def serve_encoder(
+    encode_fn: EncodeFn,
+    config: TransportConfig | None = None,
+    address: str = "127.0.0.1:0",
+    *,
+    transport: OutputTransport | None = None,
+    metrics: TransportMetrics | None = None,
+    exporter_factory: ExporterFactory | None = None,
+    extra_options: Sequence[tuple[str, Any]] = (),
+    insecure: bool = False,
+) -> EncoderServer:
     """Starts a gRPC server with EncoderService and grpc.health.v1 on ``address`` ("host:0" picks a port).
 
     TLS and limits come from ``config.tls`` and ``config.limits``; a plaintext server on a non-loopback address
@@ -450,11 +518,18 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     waits for it). Raises ConfigError when the address cannot (or may not) be bound (the transport is closed).
     """
     cfg = config if config is not None else TransportConfig()
-    transport = transport if transport is not None else OutputTransport(cfg, exporter_factory=exporter_factory,
-                                                                        metrics=metrics)
+    transport = (
+        transport if transport is not None else OutputTransport(cfg, exporter_factory=exporter_factory, metrics=metrics)
+    )
     service = EncoderService(encode_fn, transport)
-    host = encoder_host("encoder server", (service.methods(),), cfg, transport.metrics,
-                        thread_prefix="tensorwire-mm-encoder", extra_options=extra_options)
+    host = encoder_host(
+        "encoder server",
+        (service.methods(),),
+        cfg,
+        transport.metrics,
+        thread_prefix="tensorwire-mm-encoder",
+        extra_options=extra_options,
+    )
     try:
         host.bind(address, insecure=insecure)
     except ConfigError:
@@ -464,8 +539,13 @@ def serve_encoder(encode_fn: EncodeFn, config: TransportConfig | None = None, ad
     transport.start()
     service.start_local()
     host.start()
-    log.info("encoder service on %s (worker %s, mode %s, rdma device %s)", host.address, transport.worker_id,
-             cfg.mode, getattr(cfg.rdma, "device", "?"))
+    log.info(
+        "encoder service on %s (worker %s, mode %s, rdma device %s)",
+        host.address,
+        transport.worker_id,
+        cfg.mode,
+        getattr(cfg.rdma, "device", "?"),
+    )
     return EncoderServer(host, service)
 
 

@@ -57,12 +57,12 @@ StreamResponse = encoder_pb2.StreamResponse
 StreamError = encoder_pb2.StreamError
 
 # StreamRequest/StreamResponse field numbers of their bodies (encoder.proto).
-STREAM_ENCODE_FIELD = 2   # StreamRequest.encode
+STREAM_ENCODE_FIELD = 2  # StreamRequest.encode
 STREAM_RELEASE_FIELD = 3  # StreamRequest.release
-STREAM_OFFER_FIELD = 4    # StreamRequest.offer
+STREAM_OFFER_FIELD = 4  # StreamRequest.offer
 STREAM_PLACEMENT_FIELD = 5  # StreamRequest.placement (a varint)
 STREAM_RECEIPT_FIELD = 2  # StreamResponse.receipt
-STREAM_ERROR_FIELD = 3    # StreamResponse.error
+STREAM_ERROR_FIELD = 3  # StreamResponse.error
 
 
 def stream_frame(message_id: int, field_number: int, body: bytes) -> bytes:

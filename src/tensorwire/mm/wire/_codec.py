@@ -53,8 +53,10 @@ def host_view(t: torch.Tensor, out: pb.Tensor, *, private: bool = False) -> memo
     """
     wire = DTYPE_TO_WIRE.get(t.dtype)
     if wire is None:
-        raise InvalidPayload(f"dtype {t.dtype} is not in the inline allow-list {sorted(map(str, SUPPORTED_DTYPES))}",
-                             reason=Reason.UNSUPPORTED_DTYPE)
+        raise InvalidPayload(
+            f"dtype {t.dtype} is not in the inline allow-list {sorted(map(str, SUPPORTED_DTYPES))}",
+            reason=Reason.UNSUPPORTED_DTYPE,
+        )
     out.dtype = wire
     out.shape[:] = list(t.shape)
     if t.numel() == 0:
@@ -88,12 +90,12 @@ def check_tensor(msg: pb.Tensor, nbytes: int, what: str = "tensor") -> tuple[tor
     dtype, the dims and the payload length disagree. Nothing is copied or allocated."""
     dtype = WIRE_TO_DTYPE.get(msg.dtype)
     if dtype is None:
-        raise InvalidPayload(f"{what}: dtype enum {msg.dtype} is not in the allow-list",
-                             reason=Reason.UNSUPPORTED_DTYPE)
+        raise InvalidPayload(
+            f"{what}: dtype enum {msg.dtype} is not in the allow-list", reason=Reason.UNSUPPORTED_DTYPE
+        )
     shape = list(msg.shape)
     if len(shape) > MAX_NDIM:
-        raise InvalidPayload(f"{what}: {len(shape)} dims exceed the limit of {MAX_NDIM}",
-                             reason=Reason.SIZE_OVERFLOW)
+        raise InvalidPayload(f"{what}: {len(shape)} dims exceed the limit of {MAX_NDIM}", reason=Reason.SIZE_OVERFLOW)
     numel = 1
     extent = 1  # product of the non-zero dims: a zero dim makes numel 0 but torch still computes the strides
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -104,11 +106,14 @@ def check_tensor(msg: pb.Tensor, nbytes: int, what: str = "tensor") -> tuple[tor
         extent *= max(d, 1)
         # Python ints do not overflow, but a C consumer would; stop as soon as the size cannot be real.
         if extent * itemsize > MAX_TENSOR_BYTES:
-            raise InvalidPayload(f"{what}: shape {shape} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes",
-                                 reason=Reason.SIZE_OVERFLOW)
+            raise InvalidPayload(
+                f"{what}: shape {shape} of {dtype} exceeds {MAX_TENSOR_BYTES} bytes", reason=Reason.SIZE_OVERFLOW
+            )
     if nbytes != numel * itemsize:
-        raise InvalidPayload(f"{what}: payload is {nbytes} bytes; shape {shape} of {dtype} needs {numel * itemsize}",
-                             reason=Reason.NBYTES_MISMATCH)
+        raise InvalidPayload(
+            f"{what}: payload is {nbytes} bytes; shape {shape} of {dtype} needs {numel * itemsize}",
+            reason=Reason.NBYTES_MISMATCH,
+        )
     return dtype, shape, numel
 
 
@@ -158,8 +163,12 @@ def split_per_item(
     extra_inputs: Sequence[torch.Tensor],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None, list[torch.Tensor]]:
     """Splits wire-form tensors per item after checking the invariants (ASSEMBLY_MISMATCH otherwise)."""
-    splits = check_layout(None if embedding is None else embedding.shape, split_sizes,
-                          None if position_ids is None else position_ids.shape, len(extra_inputs))
+    splits = check_layout(
+        None if embedding is None else embedding.shape,
+        split_sizes,
+        None if position_ids is None else position_ids.shape,
+        len(extra_inputs),
+    )
     if embedding is None:
         return [], None, []
     pos_parts: list[torch.Tensor] | None = None
@@ -170,14 +179,20 @@ def split_per_item(
     return embs, pos_parts, list(extra_inputs)
 
 
-def check_layout(embedding_shape: Sequence[int] | None, split_sizes: Sequence[int],
-                 position_shape: Sequence[int] | None, n_extras: int) -> list[int]:
+def check_layout(
+    embedding_shape: Sequence[int] | None,
+    split_sizes: Sequence[int],
+    position_shape: Sequence[int] | None,
+    n_extras: int,
+) -> list[int]:
     """The reassembly invariants on shapes alone (ASSEMBLY_MISMATCH otherwise); returns the split sizes."""
     splits = [int(s) for s in split_sizes]
     if embedding_shape is None:
         if splits or position_shape is not None or n_extras:
-            raise InvalidPayload("receipt has split sizes, position ids or extra inputs but no embedding",
-                                 reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                "receipt has split sizes, position ids or extra inputs but no embedding",
+                reason=Reason.ASSEMBLY_MISMATCH,
+            )
         return splits
     if len(embedding_shape) == 0:
         raise InvalidPayload("embedding is a scalar; it needs a row dimension", reason=Reason.ASSEMBLY_MISMATCH)
@@ -185,13 +200,16 @@ def check_layout(embedding_shape: Sequence[int] | None, split_sizes: Sequence[in
         raise InvalidPayload(f"negative split size in {splits}", reason=Reason.ASSEMBLY_MISMATCH)
     total = sum(splits)
     if not splits or total != embedding_shape[0]:
-        raise InvalidPayload(f"split sizes {splits} sum to {total}; the embedding has {embedding_shape[0]} rows",
-                             reason=Reason.ASSEMBLY_MISMATCH)
+        raise InvalidPayload(
+            f"split sizes {splits} sum to {total}; the embedding has {embedding_shape[0]} rows",
+            reason=Reason.ASSEMBLY_MISMATCH,
+        )
     if position_shape is not None:
         rows = position_shape[0] if len(position_shape) else -1
         if rows != total:
-            raise InvalidPayload(f"position ids have {rows} rows; split sizes sum to {total}",
-                                 reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"position ids have {rows} rows; split sizes sum to {total}", reason=Reason.ASSEMBLY_MISMATCH
+            )
     if n_extras and n_extras != len(splits):
         raise InvalidPayload(f"extra_input count {n_extras} != {len(splits)} items", reason=Reason.ASSEMBLY_MISMATCH)
     return splits
@@ -199,10 +217,16 @@ def check_layout(embedding_shape: Sequence[int] | None, split_sizes: Sequence[in
 
 def check_inline_receipt(receipt: pb.EncodeResponse) -> None:
     """What ``decode_inline_receipt`` checks, without copying a byte: InvalidPayload when it would fail."""
-    emb = (check_tensor(receipt.embedding, len(receipt.embedding.data), "embedding")[1]
-           if receipt.HasField("embedding") else None)
-    pos = (check_tensor(receipt.position_ids, len(receipt.position_ids.data), "position_ids")[1]
-           if receipt.HasField("position_ids") else None)
+    emb = (
+        check_tensor(receipt.embedding, len(receipt.embedding.data), "embedding")[1]
+        if receipt.HasField("embedding")
+        else None
+    )
+    pos = (
+        check_tensor(receipt.position_ids, len(receipt.position_ids.data), "position_ids")[1]
+        if receipt.HasField("position_ids")
+        else None
+    )
     for i, t in enumerate(receipt.extra_inputs):
         check_tensor(t, len(t.data), f"extra_inputs[{i}]")
     check_layout(emb, receipt.split_sizes, pos, len(receipt.extra_inputs))
@@ -217,10 +241,14 @@ def decode_inline_receipt(
     embedding = decode_tensor(m.embedding, "embedding", receipt.embedding) if m.HasField("embedding") else None
     pos = decode_tensor(m.position_ids, "position_ids", receipt.position_ids) if m.HasField("position_ids") else None
     if len(receipt.extra_inputs) != len(m.extra_inputs):
-        raise InvalidPayload(f"receipt has {len(m.extra_inputs)} extra inputs and {len(receipt.extra_inputs)} "
-                             "payloads for them", reason=Reason.ASSEMBLY_MISMATCH)
-    extras = [decode_tensor(t, f"extra_inputs[{i}]", p)
-              for i, (t, p) in enumerate(zip(m.extra_inputs, receipt.extra_inputs, strict=True))]
+        raise InvalidPayload(
+            f"receipt has {len(m.extra_inputs)} extra inputs and {len(receipt.extra_inputs)} payloads for them",
+            reason=Reason.ASSEMBLY_MISMATCH,
+        )
+    extras = [
+        decode_tensor(t, f"extra_inputs[{i}]", p)
+        for i, (t, p) in enumerate(zip(m.extra_inputs, receipt.extra_inputs, strict=True))
+    ]
     splits = [int(s) for s in m.split_sizes]
     embs, pos_parts, extra_list = split_per_item(embedding, splits, pos, extras)
     return embs, splits, pos_parts, extra_list, receipt.payload_bytes
@@ -241,8 +269,10 @@ def inputs_to_pb(inputs: Sequence[MultimodalInput], request: pb.EncodeRequest | 
 
 def inputs_from_pb(request: pb.EncodeRequest) -> list[MultimodalInput]:
     """The inputs an EncodeRequest carries (an empty kind reads as "image", the proto's documented default)."""
-    return [MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
-            for i in request.inputs]
+    return [
+        MultimodalInput(data=i.data, kind=i.kind or "image", params=dict(i.params), timeout_ms=int(i.timeout_ms))
+        for i in request.inputs
+    ]
 
 
 __all__ = [

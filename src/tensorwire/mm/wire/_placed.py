@@ -97,7 +97,7 @@ def needed_bytes(tensors: Sequence[torch.Tensor]) -> int:
 def typed_view(base: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``base`` (1-D uint8) bytes at ``offset`` as a contiguous tensor of ``shape``/``dtype``."""
     n = math.prod(shape) * dtype.itemsize
-    return base[offset:offset + n].view(dtype).view(tuple(shape))
+    return base[offset : offset + n].view(dtype).view(tuple(shape))
 
 
 # -- CUDA driver API ---------------------------------------------------------------------------------------
@@ -152,19 +152,26 @@ class _Driver:
 
     def ipc_handle(self, device: int, ptr: int) -> bytes:
         handle = _Handle()
-        self.call(device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)),
-                  "cuIpcGetMemHandle")
+        self.call(
+            device, lambda: self._lib.cuIpcGetMemHandle(ctypes.byref(handle), ctypes.c_uint64(ptr)), "cuIpcGetMemHandle"
+        )
         return bytes(handle)  # all 64 bytes (``handle.reserved`` would stop at the first NUL)
 
     def ipc_open(self, device: int, raw: bytes) -> tuple[int, int]:
         """(mapped base, size of the allocation) for a handle from another process."""
         handle = _Handle.from_buffer_copy(raw)
         ptr, base, size = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
-        self.call(device, lambda: self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, ctypes.c_uint(1)),
-                  "cuIpcOpenMemHandle")
+        self.call(
+            device,
+            lambda: self._lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), handle, ctypes.c_uint(1)),
+            "cuIpcOpenMemHandle",
+        )
         try:
-            self.call(device, lambda: self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                        ptr), "cuMemGetAddressRange")
+            self.call(
+                device,
+                lambda: self._lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ptr),
+                "cuMemGetAddressRange",
+            )
         except RuntimeError:
             self.ipc_close(device, int(ptr.value))
             raise
@@ -257,8 +264,9 @@ class RecvBuffer:
     def offer(self) -> tuple[pb.BufferOffer, list[int]]:
         """The offer frame's body and the descriptors to pass with it."""
         if self.device.type == "cuda":
-            return pb.BufferOffer(buffer_id=self.buffer_id, kind=pb.BufferOffer.CUDA, nbytes=self.nbytes,
-                                  cuda_ipc_handle=self._handle), []
+            return pb.BufferOffer(
+                buffer_id=self.buffer_id, kind=pb.BufferOffer.CUDA, nbytes=self.nbytes, cuda_ipc_handle=self._handle
+            ), []
         return pb.BufferOffer(buffer_id=self.buffer_id, kind=pb.BufferOffer.HOST, nbytes=self.nbytes), [self._fd]
 
     def wait_ready(self) -> None:
@@ -267,8 +275,9 @@ class RecvBuffer:
         if ready is not None:
             ready.synchronize()
 
-    def lend(self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]],
-             on_end: Callable[[RecvBuffer], None]) -> list[torch.Tensor]:
+    def lend(
+        self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]], on_end: Callable[[RecvBuffer], None]
+    ) -> list[torch.Tensor]:
         """A contiguous tensor for each ``(offset, shape, dtype)`` of ``parts`` (inside the buffer, aligned and
         disjoint: ``placed_views`` checked); the loan ends (``on_end(self)``) when the last tensor built on them
         is gone."""
@@ -276,13 +285,14 @@ class RecvBuffer:
             return self._lend_device(parts, on_end)
         assert self._array is not None
         used = max((off + math.prod(shape) * dtype.itemsize for off, shape, dtype in parts), default=0)
-        view = self._array[:max(used, 1)]
+        view = self._array[: max(used, 1)]
         weakref.finalize(view, on_end, self)
         base = torch.from_numpy(view)
         return [typed_view(base, off, shape, dtype) for off, shape, dtype in parts]
 
-    def _lend_device(self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]],
-                     on_end: Callable[[RecvBuffer], None]) -> list[torch.Tensor]:
+    def _lend_device(
+        self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]], on_end: Callable[[RecvBuffer], None]
+    ) -> list[torch.Tensor]:
         # Each tensor wraps its own bytes (one torch op, where a wrap of the buffer sliced and viewed took four per
         # tensor: ~10-40 us each on a cold path on the H200 VM); the loan ends with the last of their holders.
         # An empty tensor holds nothing of the buffer.
@@ -330,8 +340,9 @@ class RecvBuffer:
             self._fd = -1
 
 
-def placed_views(placed: pb.PlacedOutput, buf: RecvBuffer,
-                 on_end: Callable[[RecvBuffer], None]) -> tuple[list[torch.Tensor], list[int], int]:
+def placed_views(
+    placed: pb.PlacedOutput, buf: RecvBuffer, on_end: Callable[[RecvBuffer], None]
+) -> tuple[list[torch.Tensor], list[int], int]:
     """(tensors, roles, payload bytes) of a placed answer, viewing ``buf`` (lent until they are gone).
     ``ProtocolError(RESULT_MISMATCH)`` when the manifest does not fit the buffer (nothing is lent then)."""
     parts: list[tuple[int, tuple[int, ...], torch.dtype]] = []
@@ -353,8 +364,10 @@ def placed_views(placed: pb.PlacedOutput, buf: RecvBuffer,
         n = math.prod(shape) * dtype.itemsize
         off = t.offset
         if n != t.nbytes or off % dtype.itemsize or off + n > buf.nbytes:
-            raise _bad(f"placed tensor {i} ({shape}, {dtype}, {t.nbytes} bytes at {off}) does not fit a "
-                       f"{buf.nbytes}-byte buffer")
+            raise _bad(
+                f"placed tensor {i} ({shape}, {dtype}, {t.nbytes} bytes at {off}) does not fit a "
+                f"{buf.nbytes}-byte buffer"
+            )
         parts.append((off, shape, dtype))
         roles.append(role)
         total += n
@@ -394,7 +407,7 @@ class MappedBuffer:
         typed = self._typed.get(dtype)
         if typed is None:
             size = dtype.itemsize
-            typed = self._typed[dtype] = self.tensor[:self.nbytes - self.nbytes % size].view(dtype)
+            typed = self._typed[dtype] = self.tensor[: self.nbytes - self.nbytes % size].view(dtype)
         strides, step = [], 1
         for d in reversed(shape):
             strides.append(step)
@@ -503,5 +516,16 @@ class Placement:
         return [view(off, shape, dtype) for off, (shape, dtype) in zip(offsets, specs, strict=True)]
 
 
-__all__ = ["ALIGN", "MIN_BUFFER_BYTES", "MappedBuffer", "Placement", "PlacementRefused", "RecvBuffer", "buffer_bytes",
-           "map_offer", "needed_bytes", "placed_views", "plan"]
+__all__ = [
+    "ALIGN",
+    "MIN_BUFFER_BYTES",
+    "MappedBuffer",
+    "Placement",
+    "PlacementRefused",
+    "RecvBuffer",
+    "buffer_bytes",
+    "map_offer",
+    "needed_bytes",
+    "placed_views",
+    "plan",
+]

@@ -102,5 +102,17 @@ def records(buf: memoryview, start: int, end: int) -> Iterator[tuple[int, int, i
             raise WireError(f"field {field}: invalid wire type {wire_type}")
 
 
-__all__ = ["Buffer", "VARINT", "I64", "LEN", "I32", "FIXED_LEN_WIDTH", "WireError", "varint",
-           "fixed_varint", "tag", "read_varint", "records"]
+__all__ = [
+    "Buffer",
+    "VARINT",
+    "I64",
+    "LEN",
+    "I32",
+    "FIXED_LEN_WIDTH",
+    "WireError",
+    "varint",
+    "fixed_varint",
+    "tag",
+    "read_varint",
+    "records",
+]

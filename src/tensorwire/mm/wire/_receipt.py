@@ -124,11 +124,14 @@ class WireReceipt:
         if m.HasField("embedding"):
             out.append((EMBEDDING_FIELD, m.embedding, self.embedding if self.embedding is not None else _EMPTY))
         if m.HasField("position_ids"):
-            out.append((POSITION_IDS_FIELD, m.position_ids,
-                        self.position_ids if self.position_ids is not None else _EMPTY))
+            out.append(
+                (POSITION_IDS_FIELD, m.position_ids, self.position_ids if self.position_ids is not None else _EMPTY)
+            )
         if len(self.extra_inputs) != len(m.extra_inputs):
-            raise InvalidPayload(f"receipt has {len(m.extra_inputs)} extra inputs and {len(self.extra_inputs)} "
-                                 "payloads for them", reason=Reason.ASSEMBLY_MISMATCH)
+            raise InvalidPayload(
+                f"receipt has {len(m.extra_inputs)} extra inputs and {len(self.extra_inputs)} payloads for them",
+                reason=Reason.ASSEMBLY_MISMATCH,
+            )
         out.extend((EXTRA_INPUTS_FIELD, t, p) for t, p in zip(m.extra_inputs, self.extra_inputs, strict=True))
         return out
 
@@ -162,9 +165,11 @@ class WireReceipt:
 
 def _check_size(size: int) -> None:
     if size > wire.MAX_MESSAGE_BYTES:
-        raise InvalidPayload(f"inline receipt of {size} bytes exceeds protobuf's message limit of "
-                             f"{wire.MAX_MESSAGE_BYTES} bytes; such an output needs the RDMA plane",
-                             reason=Reason.SIZE_OVERFLOW)
+        raise InvalidPayload(
+            f"inline receipt of {size} bytes exceeds protobuf's message limit of "
+            f"{wire.MAX_MESSAGE_BYTES} bytes; such an output needs the RDMA plane",
+            reason=Reason.SIZE_OVERFLOW,
+        )
 
 
 def _tensor_record(number: int, meta: bytes, payload: Buffer, pos: int) -> list[Buffer]:
@@ -203,8 +208,9 @@ def parse_receipt(raw: Buffer, spans: Sequence[tuple[int, int]] | None = None) -
             if number == EMBEDDING_FIELD:
                 out.embedding = data if data is not None else (out.embedding if out.embedding is not None else _EMPTY)
             elif number == POSITION_IDS_FIELD:
-                out.position_ids = data if data is not None else (
-                    out.position_ids if out.position_ids is not None else _EMPTY)
+                out.position_ids = (
+                    data if data is not None else (out.position_ids if out.position_ids is not None else _EMPTY)
+                )
             else:
                 out.extra_inputs.append(data if data is not None else _EMPTY)
     try:
@@ -276,5 +282,13 @@ def _stream_body(mv: memoryview, number: int, spans: list[tuple[int, int]]) -> W
         raise WireError(str(exc)) from exc
 
 
-__all__ = ["ALIGN", "TENSOR_PAD_FIELD", "UPB_MAX_BYTES", "WireReceipt", "WireError", "parse_receipt",
-           "parse_stream_response", "read_stream_response"]
+__all__ = [
+    "ALIGN",
+    "TENSOR_PAD_FIELD",
+    "UPB_MAX_BYTES",
+    "WireReceipt",
+    "WireError",
+    "parse_receipt",
+    "parse_stream_response",
+    "read_stream_response",
+]

@@ -89,9 +89,17 @@ class MetadataServer:
     A daemon thread blocked in ``select`` when idle (no polling). ``close`` is idempotent.
     """
 
-    def __init__(self, bind_ip: str, port: int, snapshot: Snapshot, *, token: bytes,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, io_timeout_s: float = 2.0,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        bind_ip: str,
+        port: int,
+        snapshot: Snapshot,
+        *,
+        token: bytes,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        io_timeout_s: float = 2.0,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         if not token or len(token) > MAX_TOKEN:
             raise ValueError(f"metadata token must be 1..{MAX_TOKEN} bytes")
         family = socket.AF_INET6 if ":" in bind_ip else socket.AF_INET
@@ -242,8 +250,8 @@ class MetadataServer:
             return None
         if len(buf) > end:
             raise ValueError("bytes after the request")
-        wanted = bytes(buf[_V2_REQ.size:_V2_REQ.size + name_len])
-        token = bytes(buf[_V2_REQ.size + name_len:end])
+        wanted = bytes(buf[_V2_REQ.size : _V2_REQ.size + name_len])
+        token = bytes(buf[_V2_REQ.size + name_len : end])
         token_ok = hmac.compare_digest(token, self._token)  # checked before the snapshot is taken
         if token_ok:
             name, epoch, md = self._snapshot()
@@ -294,8 +302,15 @@ class MetadataServer:
         self._sel.close()
 
 
-def fetch(host: str, port: int, agent_name: str, *, token: bytes = b"", timeout_s: float,
-          connect_timeout_s: float | None = None) -> tuple[int, bytes]:
+def fetch(
+    host: str,
+    port: int,
+    agent_name: str,
+    *,
+    token: bytes = b"",
+    timeout_s: float,
+    connect_timeout_s: float | None = None,
+) -> tuple[int, bytes]:
     """(epoch, metadata) of ``agent_name`` at host:port; ``ReadError(METADATA_UNAVAILABLE)`` on any failure.
 
     ``token`` is the descriptor's ``metadata_token``; an empty one (an owner that predates tokens) speaks version 1.
@@ -308,8 +323,9 @@ def fetch(host: str, port: int, agent_name: str, *, token: bytes = b"", timeout_
     connect_s = timeout_s if connect_timeout_s is None else min(connect_timeout_s, timeout_s)
     raw = agent_name.encode()
     if len(raw) > MAX_NAME or len(token) > MAX_TOKEN:
-        raise ReadError(f"agent name or metadata token of {agent_name!r} is over the cap",
-                        reason=Reason.METADATA_UNAVAILABLE)
+        raise ReadError(
+            f"agent name or metadata token of {agent_name!r} is over the cap", reason=Reason.METADATA_UNAVAILABLE
+        )
     try:
         addr = _resolve(host, port, connect_s)
         with socket.create_connection(addr, timeout=max(min(connect_s, end - time.monotonic()), 0.001)) as conn:
@@ -320,15 +336,23 @@ def fetch(host: str, port: int, agent_name: str, *, token: bytes = b"", timeout_
             conn.settimeout(max(end - time.monotonic(), 0.001))
             status, epoch, name, md = _read_answer(conn, host, port, legacy=not token)
     except OSError as exc:
-        raise ReadError(f"owner metadata endpoint {host}:{port} unreachable within {timeout_s * 1000:.0f} ms: {exc}",
-                        reason=Reason.METADATA_UNAVAILABLE) from exc
+        raise ReadError(
+            f"owner metadata endpoint {host}:{port} unreachable within {timeout_s * 1000:.0f} ms: {exc}",
+            reason=Reason.METADATA_UNAVAILABLE,
+        ) from exc
     if status == STATUS_OK and (token or name == agent_name):
         return epoch, md
     if token:
-        raise ReadError(f"{host}:{port} refused the metadata request for {agent_name!r}: it is not that agent or the "
-                        "descriptor's token is not its own (owner restarted?)", reason=Reason.METADATA_UNAVAILABLE)
-    raise ReadError(f"{host}:{port} serves agent {name!r}, not {agent_name!r} (owner restarted, or it requires a "
-                    "metadata token this descriptor lacks)", reason=Reason.METADATA_UNAVAILABLE)
+        raise ReadError(
+            f"{host}:{port} refused the metadata request for {agent_name!r}: it is not that agent or the "
+            "descriptor's token is not its own (owner restarted?)",
+            reason=Reason.METADATA_UNAVAILABLE,
+        )
+    raise ReadError(
+        f"{host}:{port} serves agent {name!r}, not {agent_name!r} (owner restarted, or it requires a "
+        "metadata token this descriptor lacks)",
+        reason=Reason.METADATA_UNAVAILABLE,
+    )
 
 
 def _read_answer(conn: socket.socket, host: str, port: int, *, legacy: bool) -> tuple[int, int, str, bytes]:
@@ -337,18 +361,21 @@ def _read_answer(conn: socket.socket, host: str, port: int, *, legacy: bool) -> 
     if legacy:
         magic, version, status, epoch, name_len = _V1_RESP.unpack(_recv_exact(conn, _V1_RESP.size))
         if magic != MAGIC or version != LEGACY_VERSION or name_len > MAX_NAME:
-            raise ReadError(f"metadata endpoint {host}:{port} answered with a bad header",
-                            reason=Reason.METADATA_UNAVAILABLE)
+            raise ReadError(
+                f"metadata endpoint {host}:{port} answered with a bad header", reason=Reason.METADATA_UNAVAILABLE
+            )
         name = _recv_exact(conn, name_len).decode("utf-8", "replace")
         (md_len,) = _U32.unpack(_recv_exact(conn, _U32.size))
     else:
         magic, version, status, epoch, md_len = _V2_RESP.unpack(_recv_exact(conn, _V2_RESP.size))
         if magic != MAGIC or version != VERSION:
-            raise ReadError(f"metadata endpoint {host}:{port} answered with a bad header",
-                            reason=Reason.METADATA_UNAVAILABLE)
+            raise ReadError(
+                f"metadata endpoint {host}:{port} answered with a bad header", reason=Reason.METADATA_UNAVAILABLE
+            )
     if md_len > MAX_METADATA:
-        raise ReadError(f"metadata from {host}:{port} is {md_len} bytes, over {MAX_METADATA}",
-                        reason=Reason.METADATA_UNAVAILABLE)
+        raise ReadError(
+            f"metadata from {host}:{port} is {md_len} bytes, over {MAX_METADATA}", reason=Reason.METADATA_UNAVAILABLE
+        )
     return status, epoch, name, _recv_exact(conn, md_len)
 
 

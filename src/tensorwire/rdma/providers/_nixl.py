@@ -146,8 +146,14 @@ class NixlProvider(Provider):
         self._closed = False
         self._tally = Tally(NixlStats())  # counters only; stats() fills in the rest. Bumped by many reader threads
         self._xfers = XferCache()
-        log.info("NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
-                 self._agent_name, role, config.device, config.progress_delay_us, env)
+        log.info(
+            "NIXL agent %s created (role=%s, device=%s, progress_delay_us=%d, env=%s)",
+            self._agent_name,
+            role,
+            config.device,
+            config.progress_delay_us,
+            env,
+        )
 
     @classmethod
     def available(cls) -> bool:
@@ -181,8 +187,9 @@ class NixlProvider(Provider):
             try:
                 reg = self._agent.register_memory([(addr, nbytes, device_id, "")], mem_type)
             except Exception as exc:
-                raise ExportError(f"NIXL could not register {nbytes} bytes of {mem_type}: {exc}",
-                                  reason=Reason.REGISTRATION_FAILED) from exc
+                raise ExportError(
+                    f"NIXL could not register {nbytes} bytes of {mem_type}: {exc}", reason=Reason.REGISTRATION_FAILED
+                ) from exc
             self._epoch += 1
         return Registration(addr, nbytes, mem_type, device_id, reg)
 
@@ -205,8 +212,10 @@ class NixlProvider(Provider):
             try:
                 self._server = _metadata.MetadataServer(ep.bind_ip, cfg.port, self._snapshot, token=self._md_token)
             except OSError as exc:
-                raise ExportError(f"metadata endpoint {ep.bind_ip}:{cfg.port} ({ep.bind_rule}) could not listen: "
-                                  f"{exc}", reason=Reason.PROVIDER_UNAVAILABLE) from exc
+                raise ExportError(
+                    f"metadata endpoint {ep.bind_ip}:{cfg.port} ({ep.bind_rule}) could not listen: {exc}",
+                    reason=Reason.PROVIDER_UNAVAILABLE,
+                ) from exc
             self._advertised = ep.advertise_host
             _endpoint.announce(ep, self._server.port, self._agent_name, cfg.control_host)
         return Owner(self._agent_name, self._advertised, self._server.port, 0, self._md_token)
@@ -217,8 +226,16 @@ class NixlProvider(Provider):
 
     # -- reader side --
 
-    def read(self, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str, remote: Sequence[Range],
-             *, deadline: float) -> None:
+    def read(
+        self,
+        owner: Owner,
+        local_mem: str,
+        local: Sequence[Range],
+        remote_mem: str,
+        remote: Sequence[Range],
+        *,
+        deadline: float,
+    ) -> None:
         self._check_open()
         if len(local) != len(remote) or not local:
             raise ReadError(f"read needs matching non-empty range lists ({len(local)} vs {len(remote)})")
@@ -233,8 +250,16 @@ class NixlProvider(Provider):
                 rem.busy -= 1
                 rem.last_used = time.monotonic()
 
-    def _read_from(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
-                   remote: Sequence[Range], deadline: float) -> None:
+    def _read_from(
+        self,
+        rem: _Remote,
+        owner: Owner,
+        local_mem: str,
+        local: Sequence[Range],
+        remote_mem: str,
+        remote: Sequence[Range],
+        deadline: float,
+    ) -> None:
         key = MemPair(local_mem, remote_mem)
         if key not in rem.probed:
             # UCX prints its READ protocol table on the first READ of each memory-type pair (per endpoint config).
@@ -253,8 +278,11 @@ class NixlProvider(Provider):
             return
         with self._remotes_lock:
             self._next_sweep = now + min(self._idle_forget_s, 10.0)
-            idle = [r.name for r in self._remotes.values()
-                    if r.name != keep and r.busy == 0 and now - r.last_used > self._idle_forget_s]
+            idle = [
+                r.name
+                for r in self._remotes.values()
+                if r.name != keep and r.busy == 0 and now - r.last_used > self._idle_forget_s
+            ]
         for name in idle:
             self._forget(name)
         if idle:
@@ -278,26 +306,43 @@ class NixlProvider(Provider):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ReadTimeout(f"no time left to fetch metadata of {owner.agent_name}", reason=Reason.READ_TIMEOUT)
-        epoch, md = _metadata.fetch(owner.host, owner.port, owner.agent_name, token=owner.metadata_token,
-                                    timeout_s=remaining, connect_timeout_s=self.config.connect_timeout_ms / 1000.0)
+        epoch, md = _metadata.fetch(
+            owner.host,
+            owner.port,
+            owner.agent_name,
+            token=owner.metadata_token,
+            timeout_s=remaining,
+            connect_timeout_s=self.config.connect_timeout_ms / 1000.0,
+        )
         with self._tally.locked() as c:
             c.metadata_fetches += 1
         try:
             loaded = self._agent.add_remote_agent(md)
         except Exception as exc:
-            raise ReadError(f"NIXL rejected the metadata of {owner.agent_name}: {exc}",
-                            reason=Reason.METADATA_UNAVAILABLE) from exc
+            raise ReadError(
+                f"NIXL rejected the metadata of {owner.agent_name}: {exc}", reason=Reason.METADATA_UNAVAILABLE
+            ) from exc
         loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded_name != owner.agent_name:
             self._forget(loaded_name)
-            raise ReadError(f"metadata from {owner.endpoint} names agent {loaded_name!r}, not {owner.agent_name!r}",
-                            reason=Reason.METADATA_UNAVAILABLE)
+            raise ReadError(
+                f"metadata from {owner.endpoint} names agent {loaded_name!r}, not {owner.agent_name!r}",
+                reason=Reason.METADATA_UNAVAILABLE,
+            )
         # An epoch below the descriptor's (a forged or racing descriptor) is kept as is: the next such read refetches.
         rem.epoch = epoch
         self._xfers.invalidate(lambda key: key.owner == rem.name and key.epoch != epoch)
 
-    def _transfer(self, rem: _Remote, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str,
-                  remote: Sequence[Range], deadline: float) -> None:
+    def _transfer(
+        self,
+        rem: _Remote,
+        owner: Owner,
+        local_mem: str,
+        local: Sequence[Range],
+        remote_mem: str,
+        remote: Sequence[Range],
+        deadline: float,
+    ) -> None:
         agent = self._agent
         key = XferKey(rem.name, rem.epoch, local_mem, _ranges(local), remote_mem, _ranges(remote))
         token = self._xfers.token()
@@ -313,7 +358,9 @@ class NixlProvider(Provider):
                     if _is(exc, "NotFound"):
                         raise LeaseExpired(
                             f"{owner.agent_name} has no registered memory at the descriptor's range (slot released "
-                            "and freed, or a bad address)", reason=Reason.LEASE_EXPIRED) from exc
+                            "and freed, or a bad address)",
+                            reason=Reason.LEASE_EXPIRED,
+                        ) from exc
                     raise self._translate(exc, rem, owner) from exc
                 idx = list(range(len(local)))
                 xfer = agent.make_prepped_xfer("READ", handles[0], idx, handles[1], idx)
@@ -327,9 +374,11 @@ class NixlProvider(Provider):
                         rem.busy += 1  # until NIXL is done with it: the owner must not be swept meanwhile
                     pending = _NixlPending(agent, xfer, handles, lambda: self._unbusy(rem))
                     xfer, handles = None, []
-                    err = ReadTimeout(f"READ from {owner.agent_name} ({sum(n for _, n, _ in remote)} bytes) missed its "
-                                      "deadline; destination quarantined until NIXL finishes",
-                                      reason=Reason.READ_TIMEOUT)
+                    err = ReadTimeout(
+                        f"READ from {owner.agent_name} ({sum(n for _, n, _ in remote)} bytes) missed its "
+                        "deadline; destination quarantined until NIXL finishes",
+                        reason=Reason.READ_TIMEOUT,
+                    )
                     err.pending = pending
                     raise err
                 if now >= spin_until:
@@ -362,12 +411,15 @@ class NixlProvider(Provider):
             with self._tally.locked() as c:
                 c.peer_disconnects += 1
             self._forget(rem.name)
-            return ReadError(f"owner {owner.agent_name} at {owner.endpoint} disconnected (dead or restarted)",
-                             reason=Reason.PEER_DISCONNECTED)
+            return ReadError(
+                f"owner {owner.agent_name} at {owner.endpoint} disconnected (dead or restarted)",
+                reason=Reason.PEER_DISCONNECTED,
+            )
         with self._tally.locked() as c:
             c.nixl_read_errors += 1
-        return ReadError(f"NIXL READ from {owner.agent_name} failed: {type(exc).__name__}: {exc}",
-                         reason=Reason.RDMA_READ_ERROR)
+        return ReadError(
+            f"NIXL READ from {owner.agent_name} failed: {type(exc).__name__}: {exc}", reason=Reason.RDMA_READ_ERROR
+        )
 
     def _forget(self, name: str) -> None:
         self._xfers.invalidate(lambda key: key.owner == name)
@@ -381,18 +433,29 @@ class NixlProvider(Provider):
     def _learn_transport(self, text: str, owner: Owner, local_mem: str, remote_mem: str) -> None:
         found = _ucx_probe.parse_read_tables(text)
         if not found and "memory read" in text:
-            log.info("could not parse the UCX READ protocol table: %r",
-                     [ln for ln in text.splitlines() if "|" in ln][:12])
+            log.info(
+                "could not parse the UCX READ protocol table: %r", [ln for ln in text.splitlines() if "|" in ln][:12]
+            )
         for pair, transport in found.items():
             if self._transports.get(pair) != transport:
                 self._transports[pair] = transport
                 if "VRAM" in pair and _ucx_probe.is_slow_for_gpu(transport):
-                    log.warning("GPU READ (%s <- %s) from %s goes over %s, not cuda_ipc/RDMA: expect ~1000x lower "
-                                "bandwidth; check UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_TLS",
-                                pair.local, pair.remote, owner.agent_name, transport)
+                    log.warning(
+                        "GPU READ (%s <- %s) from %s goes over %s, not cuda_ipc/RDMA: expect ~1000x lower "
+                        "bandwidth; check UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y and UCX_TLS",
+                        pair.local,
+                        pair.remote,
+                        owner.agent_name,
+                        transport,
+                    )
                 else:
-                    log.info("rdma READ %s <- %s from %s uses UCX transport %s", pair.local, pair.remote,
-                             owner.agent_name, transport)
+                    log.info(
+                        "rdma READ %s <- %s from %s uses UCX transport %s",
+                        pair.local,
+                        pair.remote,
+                        owner.agent_name,
+                        transport,
+                    )
 
     def transport(self, local_mem: str | None = None, remote_mem: str | None = None) -> str:
         own = "VRAM" if self.config.is_cuda else "DRAM"

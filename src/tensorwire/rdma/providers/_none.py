@@ -44,8 +44,16 @@ class NoneProvider(Provider):
     def serve(self) -> Owner:
         _unreachable()
 
-    def read(self, owner: Owner, local_mem: str, local: Sequence[Range], remote_mem: str, remote: Sequence[Range],
-             *, deadline: float) -> None:
+    def read(
+        self,
+        owner: Owner,
+        local_mem: str,
+        local: Sequence[Range],
+        remote_mem: str,
+        remote: Sequence[Range],
+        *,
+        deadline: float,
+    ) -> None:
         _unreachable()
 
     def close(self) -> None:

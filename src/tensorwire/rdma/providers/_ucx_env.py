@@ -44,6 +44,12 @@ def apply_defaults(*, cuda: bool, probe_transport: bool = True) -> dict[str, str
         os.environ.setdefault("UCX_MEM_EVENTS", "no")
     if probe_transport:
         os.environ.setdefault("UCX_PROTO_INFO", PROTO_INFO_GLOB)
-    keys = ("NIXL_LOG_LEVEL", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "UCX_MEM_EVENTS", "UCX_PROTO_INFO", "UCX_TLS",
-            "UCX_NET_DEVICES")
+    keys = (
+        "NIXL_LOG_LEVEL",
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY",
+        "UCX_MEM_EVENTS",
+        "UCX_PROTO_INFO",
+        "UCX_TLS",
+        "UCX_NET_DEVICES",
+    )
     return {k: os.environ[k] for k in keys if k in os.environ}

@@ -87,7 +87,7 @@ def parse_read_tables(text: str) -> dict[MemPair, str]:
     for line in text.splitlines():
         if "|" not in line:
             continue
-        line = line[line.index("|"):]
+        line = line[line.index("|") :]
         m = _HEADER.search(line)
         if m:
             if current and found:
