@@ -57,10 +57,9 @@ test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm -m vllm -q -p no:cacheprovider --basetemp=build/test-vllm
 
 # ruff and mypy, both configured in pyproject.toml: mypy --strict on src/, and tests/ with check_untyped_defs.
-# `ruff format --check` joins once the tree has been formatted in one commit (until then it would fail on every file):
-#	$(PY) -m ruff format --check src tests scripts
 lint: install
 	$(PY) -m ruff check src tests scripts
+	$(PY) -m ruff format --check src tests scripts
 	$(PY) -m mypy
 
 test-gpu: install
