@@ -1,14 +1,8 @@
 """HealthService: the standard ``grpc.health.v1.Health`` (Check and Watch) over one status per service name.
 
-Why not grpc_health's reference ``HealthServicer``: a server that stops must end every open ``Watch`` (a Watch
-is an RPC that never finishes by itself, so ``grpc.Server.stop(grace)`` would wait out the whole grace for it),
-and the reference servicer has no way to do that. ``end_watches()`` here sends each watcher its last status and
-completes its call with OK; a watcher that calls again after that reaches a server that no longer accepts.
-
-Watch does not hold a server thread: it uses grpc's ``experimental_non_blocking`` handler form (a callback that
-sends a response, ``None`` ending the call), the same mechanism the reference servicer uses.
-
-Thread-safety: every method may be called from any thread; one lock guards the statuses and the watchers.
+``end_watches()`` sends each watcher its last status and completes its call with OK, so a stopping server does
+not wait out its grace for open Watches (grpc_health's servicer cannot). Watch holds no server thread.
+Thread-safe: one lock guards the statuses and the watchers.
 """
 
 from __future__ import annotations

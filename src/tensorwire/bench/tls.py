@@ -2,14 +2,9 @@
 
     python -m tensorwire.bench tls [--device cpu|cuda:N] [--rows 8 13760] [--rounds 5] [--iters 20]
 
-Two encoder processes (``bench transfer``'s encoder: a fixed bf16 output of ``rows`` x 4096) run at once, one
-plaintext and one with mTLS (a throwaway CA and certificates made at run time). The client fetches from both in
-alternating rounds (the order flips every round), so both see the same machine state: per size, the RDMA plane
-with a zero-copy output (the bulk bytes go over the data plane, only the receipt and the release over TLS) and
-the inline plane (the bytes themselves through TLS), both over the gRPC control plane (the same-host
-channel off: an mTLS worker does not open it). Medians over all rounds; ``tls_over_plaintext`` is the
-ratio of the medians. The target: the 112.7 MB GPU fetch (``--rows 13760 --device cuda:0``) within 10%.
-Writes benchmarks/results/tls-<machine>.json.
+Two encoder processes, one plaintext and one with mTLS (a throwaway CA made at run time), fetched in alternating
+rounds on the RDMA and inline planes; ``tls_over_plaintext`` is the ratio of the medians. Writes
+benchmarks/results/tls-<machine>.json.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python -m tensorwire.bench transfer --rows 128 1280 13760     # 1 MiB, 10 MiB, a 112.7 MB ViT output
 
 The encoder runs in a spawned process (real gRPC server, real exporter); this process fetches through a mode
-``auto`` transport (RDMA plane) and a mode ``grpc`` transport (inline plane). The headline payload is the
-seed's 112.7 MB ViT output (Qwen3-VL, one 2048x1365 image; 13760 x 2048 fp32): modelled as a bf16 embedding of
+``auto`` transport (RDMA plane) and a mode ``grpc`` transport (inline plane). The headline payload is a
+112.7 MB ViT output (Qwen3-VL, one 2048x1365 image; 13760 x 2048 fp32): modelled as a bf16 embedding of
 shape [13760, 4096] = 112,721,920 bytes (one row is 8 KiB either way). A size sweep (64 KiB .. 112.7 MB, same row
 width) follows.
 

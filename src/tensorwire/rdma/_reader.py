@@ -1,23 +1,21 @@
 """``TensorReader``: validates descriptors, READs the slots, checks generations, returns owned tensors.
 
-Destinations: a payload below ``LOAN_READ_BYTES`` lands in a pooled registered buffer and is cloned out. A
-larger payload is READ into a *loaned* registered buffer and the result tensors are views of it: no second copy
-(on the H200 the clone of 112.7 MB cost as much as the READ itself, and a 1 MiB device clone ~100 us, one more
-GPU operation per fetch), no page faults and no registration per read. Below the threshold a clone is cheap and
-a loan would pin a whole bucket for a few bytes. Host loans are numpy views (``torch.from_numpy``); device loans
-are small objects exposing ``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the
-tensor's storage). The loan ends when the caller drops the last result tensor (``weakref.finalize`` on that
-object), and the buffer goes back to its pool still registered. A device loan records a CUDA event on the
-dropping thread's current stream when it comes back (as does a pooled device buffer once the clones out of it
-are queued), and the next READ into that buffer waits for the event: like the caching allocator, work the caller
-queued on that stream before dropping the tensor is safe; work on other streams needs ``record_stream``-style
-care (keep the tensor until it is done). The tensors of one descriptor share that storage; they outlive the
-reader, later reads and the remote lease (at ``close`` the loaned buffers are deregistered but stay allocated
-while referenced). When loans exceed their share of the cap, host reads of ``LARGE_READ_BYTES`` or more fall
-back to fresh result tensors registered for the one read, other reads to the pooled buffer and a clone.
-After a ``ReadTimeout`` the destinations are quarantined until the provider reports the transfer finished; a
-quarantined pooled buffer is never handed out again before that, and a fresh tensor is never returned.
-"""
+Destinations: a payload below ``LOAN_READ_BYTES`` lands in a pooled registered buffer and is cloned out. A larger
+payload is READ into a *loaned* registered buffer and the result tensors are views of it: no second copy (one more
+GPU operation per fetch), no page faults and no registration per read. Below the threshold a clone is cheap and a
+loan would pin a whole bucket for a few bytes. Host loans are numpy views (``torch.from_numpy``); device loans are
+small objects exposing ``__cuda_array_interface__`` (``torch.as_tensor`` keeps them referenced from the tensor's
+storage). The loan ends when the caller drops the last result tensor (``weakref.finalize`` on that object), and the
+buffer goes back to its pool still registered. A device loan records a CUDA event on the dropping thread's current
+stream when it comes back (as does a pooled device buffer once the clones out of it are queued), and the next READ
+into that buffer waits for the event: like the caching allocator, work the caller queued on that stream before
+dropping the tensor is safe; work on other streams needs ``record_stream``-style care (keep the tensor until it is
+done). The tensors of one descriptor share that storage; they outlive the reader, later reads and the remote lease
+(at ``close`` the loaned buffers are deregistered but stay allocated while referenced). When loans exceed their
+share of the cap, host reads of ``LARGE_READ_BYTES`` or more fall back to fresh result tensors registered for the
+one read, other reads to the pooled buffer and a clone. After a ``ReadTimeout`` the destinations are quarantined
+until the provider reports the transfer finished; a quarantined pooled buffer is never handed out again before
+that, and a fresh tensor is never returned."""
 
 from __future__ import annotations
 

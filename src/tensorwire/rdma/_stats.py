@@ -48,7 +48,7 @@ class Tally(Generic[T]):
         self._counts = counts
         self._lock = threading.Lock()
         # One reusable context manager instead of a @contextmanager generator per update: a fetch bumps about ten
-        # counters, and the generator cost ~2.6 us each on the 2-core host (the reusable object ~0.8 us).
+        # counters, and a generator costs about three times as much per update.
         self._locked = _Locked(self)
 
     def locked(self) -> _Locked[T]:

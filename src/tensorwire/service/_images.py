@@ -1,11 +1,7 @@
 """ImageLimits: the pixel budget of one encoder worker, checked from the image headers before anything is decoded.
 
-A 65 KB PNG that declares 8192x8192 cost 1.5 s and 325 MB to decode. The header names the
-size, and Pillow reads only the header when it opens an image, so ``check_pixels`` refuses an item over
-``max_item_pixels`` or a request whose items add up to more than ``max_request_pixels`` (``InvalidPayload``,
-INVALID_ARGUMENT, reason ``invalid_request``) while the cost is still the few hundred bytes of a header. An item
-whose header does not parse is refused there too, as the decoder would refuse it (reason ``invalid_payload``).
-
+``check_pixels`` refuses an item over ``max_item_pixels`` or a request over ``max_request_pixels``
+(``InvalidPayload``, reason ``invalid_request``), and an item whose header does not parse (``invalid_payload``).
 Environment: ``TENSORWIRE_WORKER_<FIELD>``; flags ``--<field>`` of ``serve-encoder``.
 """
 

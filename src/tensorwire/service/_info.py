@@ -1,15 +1,8 @@
 """``WorkerInfo``: what a worker tells a proxy at start-up, and the proxy's checks on the answers.
 
-Decision: the proxy asks every worker for its RDMA
-listener settings with ``WorkerInfo/Get`` before it serves, and refuses to start when two workers on one host
-were given the same non-zero ``--rdma-port`` (only one of them could bind it; the other would serve inline
-forever without anyone noticing). Receipts are checked too, at run time: two workers whose descriptors name
-the same owner endpoint are logged and counted (``check_receipt_owner`` in the proxy).
-
-Who may ask: WorkerInfo names the worker's host, pid, ports and model, so a worker answers
-it only to loopback callers (of a trusted uid: ``GrpcHost`` refuses other users' processes before this runs) and
-to callers that presented a client certificate it verified (mTLS); anyone else gets PERMISSION_DENIED. A proxy
-on another host therefore needs mTLS, or ``--no-check-workers``.
+The proxy refuses to start when two workers on one host were given the same non-zero ``--rdma-port``. A worker
+answers only loopback callers of a trusted uid and mTLS-verified clients; anyone else gets PERMISSION_DENIED, so
+a proxy on another host needs mTLS or ``--no-check-workers``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The soak's inputs and the outputs they must produce.
 
-Decision: the expected output of every input is recomputed locally, in the soak's own process, by
-the same deterministic built-in ViT the workers run, from the same image bytes; clients compare a SHA-256 of
-each fetched output (shapes, dtypes and raw bytes of every embedding and position-id tensor) with it. A
-worker-published digest would only prove the worker agrees with itself; a local recomputation catches any
-byte the transport changed. The runner also checks, before any fault is injected, that a plain fetch matches
-the local digest, so a torch build that is not bit-reproducible across processes is reported as such and not
-as a transport error.
+The expected output of every input is recomputed in the soak's own process by the same deterministic built-in
+ViT the workers run; clients compare a SHA-256 of each fetched output (shapes, dtypes, raw bytes) with it. The
+runner first checks that a plain fetch matches, so a non-reproducible torch build is reported as such.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Receipt corruptions the transport must detect: each one breaks a rule the client or the rdma layer checks.
 
-The control plane has no integrity protection of its own (no MAC over receipts); a relay that rewrites a
-receipt into another *valid-looking* one (a different in-bounds offset, a swapped bit inside inline tensor
-data) can make a reader deliver wrong bytes, and only TLS/mTLS on the control plane prevents that
-(docs/reliability.md). So the soak injects the corruptions the protocol promises to catch, and the fuzzer
-(``tensorwire.soak.fuzz``, tests/fuzz) throws arbitrary bytes and only asks for a typed error or a valid parse.
+The control plane has no integrity protection of its own; a rewrite into another valid-looking receipt is
+prevented only by TLS (docs/reliability.md). So the soak injects only the corruptions the protocol promises to
+catch.
 """
 
 from __future__ import annotations

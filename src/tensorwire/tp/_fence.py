@@ -11,7 +11,7 @@ one instruction on x86-64 and AArch64, so single-copy atomic). What orders them:
 Implementation, best first:
 
 1. ``atomic_thread_fence`` from libatomic (GCC's runtime, present wherever GCC-built Python is): a real C11 fence
-   (``dmb ish``/``dmb ishld`` on AArch64, ``mfence`` on x86-64), called through ``ctypes.PyDLL`` (~0.15 us).
+   (``dmb ish``/``dmb ishld`` on AArch64, ``mfence`` on x86-64), called through ``ctypes.PyDLL``.
 2. x86-64 without libatomic: acquire/release are free under TSO (the opaque C calls around them already stop the
    compiler from reordering), and ``full()`` is an uncontended ``threading.Lock`` acquire/release, whose
    ``lock cmpxchg``/``lock xadd`` is a full barrier on x86.

@@ -1,11 +1,8 @@
 """The typed codec behind ``broadcast_object(obj, schema=T)``: msgpack through msgspec, decoded straight into ``T``.
 
-Why a second codec next to pickle: for a scheduler-output-like object almost all of a broadcast's latency is the
-serializer (pickle's ``dumps`` on rank 0, ``loads`` on every reader; the ring adds a few microseconds), so the
-only way to be faster than another queue that also pickles is to serialize faster. msgspec encodes a dataclass
-tree several times faster than ``pickle.dumps`` and decodes it faster than ``pickle.loads`` (measured in
-``docs/broadcaster.md``), and because readers decode into a declared type, nothing rank 0 sends can run code on a
-reader: a frame that does not fit ``T`` is a ``FrameMismatch``, not an arbitrary object.
+Why a second codec next to pickle: almost all of a broadcast's latency is the serializer, and msgspec encodes
+and decodes a dataclass tree faster than pickle (``docs/broadcaster.md``). Readers decode into a declared type,
+so nothing rank 0 sends can run code on a reader: a frame that does not fit ``T`` is a ``FrameMismatch``.
 
 What it costs the caller: every rank names the same ``schema``, and the value must be something msgspec can encode
 (dataclasses, ``msgspec.Struct``, ``TypedDict``/``NamedTuple``, builtin containers and scalars, enums, datetimes,

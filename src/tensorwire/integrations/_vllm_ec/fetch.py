@@ -17,9 +17,9 @@ wake up (inside a one-process engine each such wake-up can wait a GIL switch int
 otherwise a fetch thread runs the Lookup and the stages.
 
 The Release RPC is off the critical path: the last rank's countdown queues it on the release threads and the
-fetch answers at once (the tensors are local by then, so nothing the item's consumer does depends on it; the
-benchmark measured it at 1.3-1.8 ms of every item on a loaded 2-core box). A release that fails is counted
-(``releases{outcome="failed"}``) and left to the encoder's TTL GC; ``close()`` still sends every queued one.
+fetch answers at once (the tensors are local by then, so nothing the item's consumer does depends on it). A
+release that fails is counted (``releases{outcome="failed"}``) and left to the encoder's TTL GC; ``close()``
+still sends every queued one.
 
 Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor),
 ``segments.SegmentStager`` (CPU ranks of the multiprocess executor, vLLM's default on CPU even at TP=1) and

@@ -1,12 +1,10 @@
 """Unary calls over a same-host Unix socket for the held-outputs services: the lookup path without gRPC.
 
-Why: on a small host a gRPC unary call that follows a pause costs ~2 ms (measured on the 2-core CPU machine:
-0.55 ms back to back, 1.6-2.0 ms after 10 ms idle; a Unix-socket round trip after the same pause ~0.13 ms): the
-request crosses gRPC's poller, completion-queue and handler threads, each one a wake-up. The vLLM connector's
-Lookup follows exactly such a pause (the request travelled through a router), once per item. This module serves
-the same raw-bytes servicer methods (``HeldStoreServicer.lookup``/``release``: one implementation of the
-semantics, errors included) on a Unix socket, and calls them; gRPC stays the way in (discovery), the cross-host
-path and the fallback.
+Why: a gRPC unary call that follows a pause wakes gRPC's poller, completion-queue and handler threads, and the
+vLLM connector's Lookup follows exactly such a pause, once per item. This module serves the same raw-bytes
+servicer methods (``HeldStoreServicer.lookup``/``release``: one implementation of the semantics, errors
+included) on a Unix socket, and calls them; gRPC stays the way in (discovery), the cross-host path and the
+fallback.
 
 Access control (as the encoder's same-host channel, ``server._local``): the socket lives in a private directory
 (``_unix.ensure_private_dir``: 0700, ours), is 0600, and every accepted peer's SO_PEERCRED uid must be ours
@@ -18,7 +16,7 @@ Wire (stream socket, ``_unix`` frames)::
 
     server -> client   HELLO: b"TWR1" + status (0 ok, 1 full: use gRPC; nothing was run)
     client -> server   request:  <I deadline_ms (0: none)> <B len(method)> method(ascii) body(the gRPC request)
-    server -> client   answer:   b"\\x00" + the gRPC response bytes, or b"\\x01" + StreamError bytes
+    server -> client   answer:   b"\x00" + the gRPC response bytes, or b"\x01" + StreamError bytes
 
 One request at a time per connection, answered in order; a frame that does not parse ends the connection. A
 request over ``max_request_bytes`` ends it too (the frame is not read), as does one that does not arrive whole

@@ -1,7 +1,7 @@
 """PeerLeases: the bytes each peer holds leased on one encoder, so that one client cannot pin the slot pool.
 
-A client that never releases used to hold every slot until the GC window passed, and
-everyone else fell back to inline. With a quota of ``cap_bytes`` per peer (``TransportConfig.peer_leased_bytes``),
+Without a quota, a client that never releases would hold every slot until the GC window passed, and
+everyone else would fall back to inline. With a quota of ``cap_bytes`` per peer (``TransportConfig.peer_leased_bytes``),
 an output that would take a peer over it is answered inline instead (``tensorwire_mm_fallbacks_total{reason=
 "peer_quota"}``), and only that peer's outputs are.
 

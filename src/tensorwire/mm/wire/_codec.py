@@ -1,13 +1,9 @@
 """Wire form <-> Python values, shared by both sides and both planes: the inline tensor codec, reassembly,
 request inputs, and the metric label of each slot role.
 
-Decoding treats every byte as untrusted: the dtype, the dims, the element and byte counts and the exact payload
-length are checked before anything is materialized, so a malformed message costs an InvalidPayload, never an
-out-of-bounds read or a huge allocation.
-
-Copies (the inline plane's cost is its copies of 100+ MB payloads): ``host_view`` gives the encoder a tensor's
-bytes without copying a contiguous host tensor (a device tensor goes through reused pinned memory);
-``decode_tensor`` with a payload held outside the message (``_wire_receipt``) views it instead of copying.
+Decoding treats every byte as untrusted: dtype, dims, counts and the exact payload length are checked before
+anything is materialized (``InvalidPayload``). ``host_view`` and ``decode_tensor`` avoid copies where they can:
+a contiguous host tensor is viewed, a device tensor goes through reused pinned memory.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Placed outputs: on the same-host channel the LLM lends the encoder a receive buffer, the encoder
 writes its output there, and the answer carries only a manifest of where each tensor is.
 
-Why: between two processes on one GPU, a copy by the reader after the writer's work pays a GPU context switch
-(~0.3 ms on the H200 VM without MPS, ``docs/gpu.md`` "The floor of a same-host hand-over"), and the export,
-descriptor, READ and lease around it cost ~0.9 ms of Python. Written in place by the encoder, in its own context
-(straight from ``allocate_output``), the output needs no slot, lease, descriptor, READ or release.
+Why: written in place by the encoder, in its own context (straight from ``allocate_output``), the output needs
+no slot, lease, descriptor, READ or release, and the reader pays no copy after the writer's work.
 
 This module has the buffers on both sides and the checks; the channel (``client._local``, ``server._local``) moves
 the offers and answers, ``OutputTransport`` writes, ``RemoteOutputTransport`` takes the tensors.
@@ -294,7 +292,7 @@ class RecvBuffer:
         self, parts: Sequence[tuple[int, tuple[int, ...], torch.dtype]], on_end: Callable[[RecvBuffer], None]
     ) -> list[torch.Tensor]:
         # Each tensor wraps its own bytes (one torch op, where a wrap of the buffer sliced and viewed took four per
-        # tensor: ~10-40 us each on a cold path on the H200 VM); the loan ends with the last of their holders.
+        # tensor); the loan ends with the last of their holders.
         # An empty tensor holds nothing of the buffer.
         loan = _Loan(sum(0 not in shape for _, shape, _ in parts), lambda: self._end_device_loan(on_end))
         out = []

@@ -1,15 +1,9 @@
-"""The protobuf wire format by hand, for the few places where protobuf's Python objects would copy 100+ MB.
+"""The protobuf wire format by hand, for the inline tensors' ``data`` fields, which protobuf's Python objects
+would copy several times; every other field is left to protobuf.
 
-python-protobuf (upb) copies a ``bytes`` field when it is set, again when the message is serialized, again when
-it is parsed, and again on every read of the field: an inline receipt of a 112.7 MB output paid about
-eight copies of its payload between the encoder's tensor and the client's. ``_wire_receipt`` writes and reads
-the inline tensors' ``data`` fields with these helpers instead, and leaves every other field to protobuf.
-
-Reading treats the bytes as untrusted and follows upb's limits: a value varint has at most 10 bytes, a tag or a
-length at most 5 (a tag below 2**32), every length is checked against the end of its message, and a malformed
-record raises ``WireError`` (a ValueError) before anything is sliced.
-Groups (wire types 3 and 4, proto2 only) are refused: no tensorwire peer writes them; refusing is stricter than
-upb, which skips unknown groups.
+Reading treats the bytes as untrusted and follows upb's limits (a varint at most 10 bytes, a tag or length at
+most 5, every length checked against the end of its message); a malformed record or a group (wire types 3, 4)
+raises ``WireError`` (a ValueError) before anything is sliced.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """WireReceipt: a receipt as it crosses the wire, with the bytes of its inline tensors kept out of protobuf.
 
-Why: python-protobuf copies a ``bytes`` field when it is set, serialized, parsed and read. For a
-112.7 MB inline output that was four copies of the payload on each side, each into fresh memory (page faults
-included), which made the inline plane 2-3x slower than one plain gRPC call carrying the same bytes. Here the
-payload is copied once on the encoder (from the output tensor into the response bytes, ``bytes.join``) and not
-at all on the client (the decoded tensors view the received bytes); gRPC's own copies are what a plain call
-pays too.
+Why: python-protobuf copies a ``bytes`` field when it is set, serialized, parsed and read. Here the payload is
+copied once on the encoder (from the output tensor into the response bytes) and not at all on the client (the
+decoded tensors view the received bytes).
 
 Encoder: ``OutputTransport.transfer`` fills ``message`` (the whole EncodeResponse, the inline tensors' dtype and
 shape included, their ``data`` left empty) and one payload per inline tensor (a host view of the output tensor,
