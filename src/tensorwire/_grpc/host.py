@@ -10,50 +10,37 @@ Lifecycle (``HostState``)::
     NEW --bind(address)--> BOUND --start()--> SERVING --stop(grace)--> STOPPED
     NEW / BOUND --stop()--> STOPPED (nothing was serving)
 
-Health (``grpc.health.v1``, ``HealthService``) is separate from the lifecycle: ``start(serving=False)`` serves
-with every name NOT_SERVING (a worker loading its model) until ``set_serving(True)``; ``stop`` turns it to
-NOT_SERVING for good.
+Health (``grpc.health.v1``) is separate from the lifecycle: ``start(serving=False)`` serves NOT_SERVING until
+``set_serving(True)``; ``stop`` turns it to NOT_SERVING for good.
 
 Stop sequence (``stop(grace_s, drain, drain_s=, quiesce=, settle=)``), each step after the one before:
 
-1. health answers NOT_SERVING for every name; open Watch calls get it at once;
-2. for ``drain_s`` seconds nothing else changes: calls are served as before, so health checkers (a proxy, a
-   load balancer) see NOT_SERVING and move new work away before anything is refused;
-3. ``quiesce()``: the caller stops taking new work (the encoder refuses Encode) while the server still accepts
-   the calls that finish old work (ReleaseLeases, also on open EncodeStreams);
-4. ``settle(deadline)``: the caller waits for its in-flight calls and outstanding leases, until ``deadline``
-   (the grace, from the end of the drain period; readers of exported slots can still read and release);
-5. ``grpc.Server.stop(what is left of the grace)``: no new calls; calls still running get the rest of the
-   grace, then are cancelled; ``drain()``: the caller ends what would hold the stop for the rest of the grace
-   (idle EncodeStreams); every Watch ends (OK);
-6. wait for the server's termination, at most the rest of the grace + ``STOP_SLACK_S``.
+1. health answers NOT_SERVING (open Watches get it at once), then ``drain_s`` seconds pass with calls served
+   as before, so health checkers move new work away before anything is refused;
+2. ``quiesce()``: the caller stops taking new work; calls that finish old work (ReleaseLeases) still run;
+3. ``settle(deadline)``: the caller waits for its in-flight calls and leases until the grace ends;
+4. ``grpc.Server.stop(rest of the grace)``, ``drain()`` ends idle EncodeStreams, every Watch ends (OK);
+5. wait for termination, at most the rest of the grace + ``STOP_SLACK_S``.
 
-So a stop takes at most ``drain_s + grace_s + STOP_SLACK_S``, and less when the work finishes early.
+So a stop takes at most ``drain_s + grace_s + STOP_SLACK_S``.
 
-Port sharing: gRPC sets SO_REUSEPORT by default, so a second server on a port in use would bind it too and
-take half its connections. ``GrpcHost`` turns it off unless ``reuse_port=True``; binding a port in use is then a
-``ConfigError`` with reason ``BIND_FAILED``.
+Port sharing: SO_REUSEPORT is off unless ``reuse_port=True``; binding a port in use is a ``ConfigError``
+(``BIND_FAILED``).
 
-Calls. Methods are declared as ``Service``/``Method`` specs; the host registers every one
-of them behind the same guard, health included (Check, and Watch on a thread of its own):
+Calls: every ``Service``/``Method`` spec, health included, runs behind one guard:
 
-1. admission: the caller's ``Peer`` (``_scope``) may hold at most ``max_inflight_per_peer`` calls, of which at
-   most ``max_streams_per_peer`` streams; one more is refused at once with RESOURCE_EXHAUSTED (reason
-   ``peer_limit``; a refused stream also carries the stream-refused marker, so its client uses unary). The
-   server holds at most ``max_inflight_calls`` calls: gRPC refuses the next one before it takes a thread.
-2. the request: every method is registered with a streaming request side, so the guard runs when the call's
-   headers arrive and gives the request ``request_timeout_ms`` to arrive; a call that has not sent it by then is
-   cancelled and its thread is free again. A stream's later messages get ``stream_idle_timeout_ms`` each.
-3. lanes: a ``Lane.WORK`` method (Encode) runs only while it holds one of ``work_slots`` slots (waiting for one
-   within its deadline, stopping when its caller goes); ``Lane.CONTROL`` methods (ReleaseLeases, WorkerInfo,
-   health) never wait for one. Calls of both lanes have threads of their own (the pool has one per admissible
-   call), so a release or a health check never waits behind an Encode.
-4. scope: the handler runs inside a ``CallScope`` (peer, deadline, liveness, and ``work_slot`` for streams that
-   run work per message) that the code below reads with ``current_call()``.
+1. admission: at most ``max_inflight_per_peer`` calls (``max_streams_per_peer`` streams) per ``Peer``, else
+   RESOURCE_EXHAUSTED (``peer_limit``; a refused stream's client falls back to unary); at most
+   ``max_inflight_calls`` in all;
+2. the request must arrive within ``request_timeout_ms``, each later stream message within
+   ``stream_idle_timeout_ms``, else the call is cancelled;
+3. lanes: ``Lane.WORK`` (Encode) runs only holding one of ``work_slots``; ``Lane.CONTROL`` (releases,
+   WorkerInfo, health) never waits for one, nor behind an Encode;
+4. the handler runs inside a ``CallScope`` (``current_call()``).
 
-Transport security: ``tls`` with a certificate makes the listener TLS (mTLS unless ``client_auth`` is off), with
-certificate files reloaded when they change (``_tls``). Without TLS, ``bind`` refuses a non-loopback address
-unless ``insecure=True`` (the CLI's ``--insecure``): plaintext leaves the loopback only on purpose.
+Transport security: ``tls`` with a certificate makes the listener TLS (mTLS unless ``client_auth`` is off),
+reloading changed certificate files. Without TLS, ``bind`` refuses a non-loopback address unless
+``insecure=True``.
 """
 
 from __future__ import annotations

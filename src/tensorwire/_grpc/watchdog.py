@@ -1,11 +1,9 @@
 """DeadlineWatchdog: expires awaited answers whose deadline passed, for waits that have no timeout of their own
 (``next()`` on a gRPC stream has none).
 
-One thread per watchdog, started on first use, holding a heap of (deadline, seq, target, token). It sleeps until
-the earliest deadline and is woken only when a new earliest deadline arrives or on close, so a steady state of
-multi-second budgets costs no wake-ups. Answered entries (``target.waiting_for(token)`` is False) are dropped
-lazily, from the top, on ``watch`` and when the thread wakes; ``target.expire`` re-checks under its own lock, so
-an answer that arrives as the deadline passes is never cancelled by mistake.
+One thread per watchdog, started on first use, sleeping until the earliest deadline. Answered entries are
+dropped lazily; ``target.expire`` re-checks under its own lock, so an answer racing the deadline is never
+cancelled.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The ``bench broadcast`` figure: latency to the last reader per case and TP size, one line per backend.
 
-One panel per payload (columns) and message gap (rows); x: TP size; y: median latency (log scale, µs), with p99
-dashed; in each panel, tensorwire's shm over vLLM's MessageQueue per TP size. Only tensorwire (shm, shm_pickle,
-uds) and vLLM are drawn (gloo is in the JSON and the printed table). Needs matplotlib (``pip install matplotlib``;
-the H200 image ships it); without it the plot is skipped with that message and the JSON stands alone.
-Redraw from a result file with ``python -m tensorwire.bench broadcast --replot RESULT.json [--plot OUT.png]``.
+One panel per payload and message gap; median latency (log scale) with p99 dashed. Needs matplotlib; without
+it the plot is skipped with a message. Redraw:
+``python -m tensorwire.bench broadcast --replot RESULT.json [--plot OUT.png]``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What to do about a connection that failed for a reason gRPC describes in its own words.
 
-A TLS mismatch between two tensorwire processes shows up as a transport error that never says "TLS": a plaintext
-client against a TLS server sees the socket closed, a TLS client against a plaintext server sees OpenSSL's
-``WRONG_VERSION_NUMBER``, a client without a certificate against mTLS sees the socket closed. ``tls_hint`` turns
-such a message, with what this side was configured with, into the sentence an operator needs: that it is TLS,
-and which flags fix it.
+A TLS mismatch surfaces as a transport error that never says "TLS" (a closed socket, ``WRONG_VERSION_NUMBER``).
+``tls_hint`` turns such a message, with this side's configuration, into a sentence naming TLS and the flags.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""End-to-end numbers the CLI prints: one fetch (``tensorwire fetch``: :func:`fetch_result`,
-:func:`fetch_lines`) and the demo's rounds over both planes through one proxy (``tensorwire demo``:
-:func:`measure`, :func:`table`).
+"""End-to-end numbers the CLI prints: one fetch (``tensorwire fetch``) and the demo's rounds (``tensorwire demo``).
 
-Stage definitions (:func:`stage_split_ms`): *encoder compute* is the worker's forward pass (``encoder.encode``,
-measured on the worker); *output transfer* is everything else the caller waited for (export or serialization,
-the gRPC round trip, the RDMA read or inline decode, the release hand-off); *total* is the caller's wall time.
+:func:`stage_split_ms`: *encoder compute* is the worker's forward pass; *output transfer* is everything else the
+caller waited for (export, round trip, read or decode, release); *total* is the caller's wall time.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Reference vision encoders for the encoder service: image bytes in, embeddings + 2-D position ids out.
 
-- ``load_encoder("builtin")``: a small ViT defined here (deterministic seeded weights, fast on a CPU);
-- ``load_encoder("/path/to/dir")``: a Hugging Face CLIP/SigLIP vision model or Qwen2-VL vision tower from a local
-  directory (``pip install 'tensorwire[hf]'``): safetensors weights only, preprocessing by the directory's own
-  image processor; never downloads.
-
-This package knows nothing of transports; ``tensorwire.service`` adapts a ``VisionEncoder`` to the
-``EncodeFn`` that ``tensorwire.mm`` serves. ``sample_paths()`` lists the images shipped for the demo.
+``load_encoder("builtin")``: a small deterministic ViT; ``load_encoder("/path/to/dir")``: a local Hugging Face
+CLIP/SigLIP or Qwen2-VL vision tower (safetensors only; never downloads). Knows nothing of transports.
+``sample_paths()`` lists the demo's images.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """TransportConfig: every knob of the encoder-output transport, with its default, in one place.
 
-Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the original
-name, kept as the one-switch rollback) and ``TENSORWIRE_MM_<FIELD>`` for the other fields; the nested settings
-come from ``TENSORWIRE_MM_RDMA_<FIELD>`` (``RdmaConfig``), ``TENSORWIRE_MM_TLS_<FIELD>`` (``TlsConfig``) and
-``TENSORWIRE_MM_<FIELD>`` (``ServerLimits``, whose field names are distinct). The CLI builds its flags from
-:func:`fields_for_cli` and the nested dataclasses.
+Precedence: argument > CLI flag > environment > default. ``from_env`` reads ``MM_TRANSPORT_MODE`` (the rollback
+switch), ``TENSORWIRE_MM_<FIELD>`` and the nested ``TENSORWIRE_MM_RDMA_<FIELD>`` / ``TENSORWIRE_MM_TLS_<FIELD>``.
+The CLI builds its flags from :func:`fields_for_cli`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Prometheus metrics of the encoder-output transport, with bounded labels only.
 
-Labels: ``side`` (encoder/llm), ``plane`` (rdma/inline/placed), ``role`` (embedding/pos_id/extra_input), ``reason``
-(a :class:`~tensorwire.errors.Reason` value or one of the fixed strings below), ``mode`` (sync/async),
-``scope`` (endpoint/worker), ``state``, ``path`` (stream/unary: how an Encode reached the encoder) and ``event``
-(a control-stream lifecycle event, see ``control_streams``). Never endpoints, lease ids, shapes or free text.
-
-``TransportMetrics(registry)`` registers the family in ``registry``; ``metrics_for(None)`` returns the shared
-instance registered in prometheus_client's default registry. Tests pass their own ``CollectorRegistry``.
+Labels: ``side``, ``plane``, ``role``, ``reason`` (a :class:`~tensorwire.errors.Reason` or a fixed string),
+``mode``, ``scope``, ``state``, ``path``, ``event``; never endpoints, lease ids, shapes or free text.
+``TransportMetrics(registry)`` registers the family; ``metrics_for(None)`` returns the shared default instance.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``TensorExporter``: copies tensors into pooled registered slots and hands out descriptors + leases.
 
-Lease life: ``export``/``allocate`` create a lease on a busy slot. Its id is 128 bits from ``secrets`` (nothing
-about it is derived from another lease, the exporter or a counter), so the id is the lease's release capability:
-only whoever was handed the descriptor can name it; tensorwire never logs more of an id than
-``lease_ref`` shows. ``release`` (idempotent; returns how many ids named a live lease, counts the others as unknown)
-or the TTL GC (``slot_gc_timeout_ms`` after the lease was created) ends it: the slot's generation is bumped, then
-the slot goes back to its free list with its registration kept. ``close`` voids every lease.
+A lease id (128 bits from ``secrets``) is its release capability; no more of it than ``lease_ref`` is logged.
+``release`` (idempotent) or the TTL GC (``slot_gc_timeout_ms``) ends a lease: the slot's generation is bumped
+and it returns to its free list, registration kept. ``close`` voids every lease.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``Exporter`` and ``Reader``: the parts of ``TensorExporter`` / ``TensorReader`` that callers build on.
 
-Callers above the rdma layer (``tensorwire.mm``) type their exporter and reader with these, so a test double
-stands in without subclassing and without the caller probing for optional methods: a double implements every
-method below (one that cannot do something raises the ``tensorwire.errors`` exception the real class raises
-for it, e.g. ``ExportError`` from ``allocate``). Contracts (ownership, ordering, threads, errors) are those of
-the real classes: their docstrings and ``docs/rdma.md``.
+Callers above the rdma layer type with these, so a test double stands in without subclassing. A double
+implements every method and raises what the real class raises; contracts are those of the real classes and
+``docs/rdma.md``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
 """Runnable services around ``tensorwire.mm``: an encoder worker and a proxy in front of several workers.
 
-- ``EncoderWorker(encoder, TransportConfig)``: EncoderService + gRPC health + WorkerInfo on one port
-  (``tensorwire serve-encoder``);
-- ``EncoderProxy(ProxyConfig)``: spreads Encode over workers with retry, routes ReleaseLeases to the lease's
-  owner (``tensorwire serve-proxy``); ``RouteTable`` is its pure routing logic;
-- ``MetricsServer``, ``print_ready``/``parse_ready``, ``wait_for_signal``: the process plumbing the CLI uses
-  (``_runtime``, also ``stdout_to_stderr`` and ``drain_releases``); ``_child``: the CLI subprocesses the demo and
-  the integration tests start (``Child``, ``LoopbackDeployment``).
-
-grpc, torch and the encoders are imported when a name is first used, so ``import tensorwire.service`` is cheap.
+``EncoderWorker`` (``tensorwire serve-encoder``): EncoderService, health and WorkerInfo on one port.
+``EncoderProxy`` (``tensorwire serve-proxy``): Encode over workers with retry, releases to the lease's owner.
+``_runtime``, ``_child``: process plumbing. grpc, torch and the encoders are imported on first use.
 """
 
 from __future__ import annotations

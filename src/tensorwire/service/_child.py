@@ -1,11 +1,8 @@
 """``tensorwire`` CLI subprocesses (``serve-encoder``, ``serve-proxy``) as the demo and the tests run them.
 
-``Child`` starts ``python -m tensorwire.cli.main ARGV`` in its own process group (stdout piped for the READY
-line, stderr to ``<log_dir>/<name>.log``); ``ready()`` waits for the READY line and ``terminate()`` stops the
-whole group: SIGTERM, a grace period, then SIGKILL of every straggler, even when the leader already exited.
-``stop_children`` does that for several at once, with one deadline. Every child holds this process's lifeline
-(``tensorwire._lifeline``): it dies with its parent, however the parent dies.
-``LoopbackDeployment`` is the demo's layout: encoder workers and a proxy in front of them, ports from the OS.
+``Child`` runs the CLI in its own process group; ``ready()`` waits for the READY line; ``terminate()`` stops the
+whole group (SIGTERM, grace, SIGKILL of stragglers). Every child holds this process's lifeline: it dies with
+its parent. ``LoopbackDeployment``: encoder workers and a proxy, ports from the OS.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """An LLM-side client process of the soak: ``threads`` closed-loop fetchers sharing one RemoteOutputTransport.
 
-Every fetched output is hashed (``_corpus.output_digest``) and compared with the digest the parent computed
-locally; the child reports one message per finished request over its own pipe (one writer per pipe: a child
-killed in the middle of a send cannot wedge a lock another process needs). Shared counters (a RawArray the
-parent reads, also after a SIGKILL): requests started, requests finished.
-
-Reader kill (fault ``reader_kill``): when the parent sets this client's kill flag, the next RDMA read arms a
-timer that SIGKILLs the whole process 0-3 ms later, while the read is in flight. The stop flag is a lock-free
-RawValue for the same reason as the pipes: a SIGKILLed child must not leave a shared lock held.
+Each output's digest is checked; results go one message per request over the child's own pipe, counters in a
+RawArray the parent reads even after a SIGKILL, so a killed child wedges no lock. Fault ``reader_kill``: the
+next RDMA read arms a timer that SIGKILLs the process 0-3 ms later, mid-read.
 """
 
 from __future__ import annotations

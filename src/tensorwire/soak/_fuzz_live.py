@@ -1,15 +1,9 @@
 """Live fuzz targets: a real encoder server in a child process, and a real broadcaster rank 0.
 
-``LiveEncoder``: ``EncoderWorker`` (built-in ViT, RDMA on, short GC) in a spawned child. Raw request bytes go
-to ``Encode`` / ``ReleaseLeases`` over gRPC. Outcomes: ``ok`` (a receipt that parses; its leases are released
-at once), ``typed:<reason>`` (a status carrying the ``tensorwire-reason`` trailer), ``untyped:<code>`` (a status
-without one: the handler raised something it did not translate) and ``dead`` (the server process died or
-stopped answering). ``canary()`` sends a valid image and compares the output with the local digest: the server
-must keep serving correct answers whatever it was sent before.
-
-``hello_live``: rank 0 of a two-rank broadcaster bootstraps while a fuzz peer connects and sends the bytes;
-rank 0 must end with a typed ``BootstrapError`` (or time out with ``BootstrapTimeout``) and leave no socket
-file behind.
+``LiveEncoder``: raw bytes to ``Encode`` / ``ReleaseLeases``; outcomes ``ok``, ``typed:<reason>``,
+``untyped:<code>`` (a crash) or ``dead``; ``canary()`` checks the server still answers correctly.
+``hello_live``: rank 0 must end a fuzzed bootstrap with ``BootstrapError`` or ``BootstrapTimeout`` and leave no
+socket file behind.
 """
 
 from __future__ import annotations

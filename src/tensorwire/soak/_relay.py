@@ -1,17 +1,9 @@
 """A fault-injecting gRPC relay: forwards every unary call byte for byte to a target, unless told otherwise.
+EncodeStream is answered UNIMPLEMENTED, so clients fall back to the unary Encode.
 
-EncodeStream (the one streaming method) is answered UNIMPLEMENTED, so clients fall back to the unary Encode.
-
-Sits on the control plane between two peers of the soak (clients -> relay -> proxy, proxy -> relay -> worker).
-Faults, each switched on by the soak's scheduler (``FaultRelay.set_*``) or by a per-call probability:
-
-- ``unavailable_for(seconds)``: every call gets UNAVAILABLE until then (the control plane is down);
-- ``release_drop_p`` / ``release_delay_p``: ReleaseLeases is answered "released" without being forwarded, or
-  forwarded after a delay of up to ``release_delay_max_s`` (leases then outlive their reader; the owner's GC
-  must reclaim them);
-- ``corrupt_p``: an Encode receipt is rewritten by one of ``_corrupt.MUTATORS`` on its way back.
-
-``retarget(address)`` points the relay at a restarted worker. Thread-safe; ``close()`` is idempotent.
+Faults (``FaultRelay.set_*`` or a per-call probability): ``unavailable_for(seconds)``; ``release_drop_p`` /
+``release_delay_p`` (ReleaseLeases answered without forwarding, or delayed); ``corrupt_p`` (an Encode receipt
+rewritten by ``_corrupt.MUTATORS``). ``retarget(address)``. Thread-safe; ``close()`` is idempotent.
 """
 
 from __future__ import annotations

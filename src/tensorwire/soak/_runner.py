@@ -1,14 +1,9 @@
 """The soak / load runner: services on loopback, client processes, a fault scheduler, and the accounting.
 
-Topology (all on 127.0.0.1, ports from the OS)::
+    clients --> relay "front" --> EncoderProxy --> relay "w0" / "w1" --> worker children
 
-    client processes --> relay "front" --> EncoderProxy --> relay "w0" --> worker 0 (child process)
-      (N fetch threads each)                          \\--> relay "w1" --> worker 1 (tiny pool with "pool")
-
-The proxy and the relays run in this process; workers and clients are spawned children. Every fetched output
-is checked against a digest computed here (``_corpus``). At the end: clients stop and drain their release
-queues, faults are cleared, the runner waits out the workers' GC window, then reads every worker's exporter
-stats and every process's fds and threads. ``run()`` returns the report as a dict (``_report`` prints it).
+Outputs are checked against digests computed here. At the end clients drain, faults clear, the workers' GC
+window passes, then stats, fds and threads are read. ``run()`` returns the report as a dict.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Fault windows: when each injected fault was in effect, and which window each request fell in.
 
-A window is ``[start, end]`` on CLOCK_MONOTONIC (``time.monotonic``, shared by every process of one host, so the
-clients' request times compare with the runner's). Kinds:
-
-- ``client_cut``: the client-side link (relay "front") answered UNAVAILABLE; nothing behind it could help, so
-  these requests are outside the availability target;
-- ``worker_restart``: a worker was SIGKILLed until its replacement served behind its relay again;
-- ``worker_cut``: a worker's relay answered UNAVAILABLE (the worker is cut off).
-
-A request belongs to every window its ``[t0, t1]`` overlaps; it is attributed to the first of ``PRIORITY`` among
-them, or to ``none``. ``summarize`` gives per kind: requests, successes, failures by reason, success rate; and
-the availability figure the issue targets: the success rate of every request outside a client cut.
+Windows are ``[start, end]`` on CLOCK_MONOTONIC. Kinds: ``client_cut`` (outside the availability target),
+``worker_restart``, ``worker_cut``. A request goes to the first window of ``PRIORITY`` that its ``[t0, t1]``
+overlaps, else ``none``; ``summarize`` gives per kind the counts, failures by reason and success rate.
 """
 
 from __future__ import annotations

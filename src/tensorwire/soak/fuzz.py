@@ -1,15 +1,8 @@
 """High-volume fuzz driver: ``python -m tensorwire.soak.fuzz --inputs 1000000 [--seed N] [--json] [--save]``.
 
-Spreads ``--inputs`` over every decoder that reads another process's bytes (``_fuzz_targets``: descriptors,
-inline tensors, whole receipts through the real client, the client's receipt parse against protobuf's,
-broadcaster frame headers and tables, rank 0's
-handshake validation), plus a live encoder server (raw Encode / ReleaseLeases requests, images included, with a
-correctness canary every ``--canary-every`` inputs) and live rank-0 bootstraps (``_fuzz_live``). Inputs are
-seeds mutated at the byte level or field by field (``_mutate``), and pure random bytes.
-
-Counts per target: outcomes (``ok`` / ``typed:<reason>``), crashes (an exception that is not a tensorwire
-error, an untyped gRPC status, a dead server, a hung bootstrap, a socket file left behind) and inconsistent
-answers (a value that passed validation but breaks its own invariants). Exit code 0 when both are 0.
+Spreads ``--inputs`` over every decoder that reads another process's bytes (``_fuzz_targets``), a live encoder
+server and live rank-0 bootstraps (``_fuzz_live``). Counts per target: outcomes (``ok`` / ``typed:<reason>``),
+crashes and inconsistent answers. Exit code 0 when both are 0.
 """
 
 from __future__ import annotations

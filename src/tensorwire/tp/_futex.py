@@ -1,13 +1,8 @@
 """Linux futex wait/wake on a 32-bit word of a shared mapping, through ``syscall(2)`` (ctypes; no extension).
 
-The shm ring's readers sleep on the low half of the PUB word: ``wait(addr, seen, timeout_s)`` returns at once when
-the word no longer holds ``seen`` (the kernel compares and queues atomically with respect to ``wake``), so a writer
-that stores PUB and then calls ``wake`` can never lose a sleeper. The mapping is shared between processes, so the
-calls use the shared (not ``FUTEX_PRIVATE_FLAG``) form. ``wake`` on a word nobody waits on is one cheap syscall.
-
-``AVAILABLE`` is False off Linux or on an architecture whose syscall number we do not know; the ring then falls
-back to the socket wake-up. Calls through ``ctypes.CDLL`` release the GIL, so another thread can close the
-broadcaster (and ``wake`` this word) while a reader sleeps here.
+``wait(addr, seen, timeout_s)`` returns at once when the word no longer holds ``seen`` (atomic with ``wake``),
+so a writer that stores, then wakes, never loses a sleeper. ``AVAILABLE`` is False off Linux or on an unknown
+architecture (the ring then wakes by socket). The calls release the GIL.
 """
 
 from __future__ import annotations

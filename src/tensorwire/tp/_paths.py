@@ -1,12 +1,8 @@
 """Where the rendezvous socket lives: per-user private directory, session sanitizing, sun_path limit.
 
-Directory, first that applies: ``base_dir=``; ``$TENSORWIRE_BROADCAST_DIR``; ``$XDG_RUNTIME_DIR/tensorwire`` when
-``$XDG_RUNTIME_DIR`` is set and is a directory we own that no one else may write (else it is ignored, with a
-warning); ``$TMPDIR/tensorwire-<uid>`` (TMPDIR defaulting to /tmp). An explicit directory (the first two) that
-fails the checks of ``ensure_private_dir`` is an error. A default one that fails them (another user pre-created
-``/tmp/tensorwire-0``, for example) is skipped with a warning for ``~/.cache/tensorwire/<host>``, which only we
-can create: every rank skips the same directories, so the group still meets, and no other user can make every
-rank fail by planting a directory.
+First that applies: ``base_dir=``; ``$TENSORWIRE_BROADCAST_DIR``; ``$XDG_RUNTIME_DIR/tensorwire`` (if private);
+``$TMPDIR/tensorwire-<uid>``. An explicit one failing ``ensure_private_dir`` is an error; a default one is
+skipped with a warning for ``~/.cache/tensorwire/<host>``, so ranks still meet.
 """
 
 from __future__ import annotations

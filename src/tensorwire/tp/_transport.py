@@ -1,10 +1,8 @@
 """The seam between CpuTpBroadcaster and the ways a frame reaches the readers: the shm ring and the socket star.
 
-Four implementations, one per backend and side: ``ShmRoot`` / ``ShmReader`` (``_shm``), ``UdsRoot`` /
-``UdsReader`` (``_uds``). ``open_transport`` (``_connect``) bootstraps the group and returns the right one. The
-broadcaster never sees a socket, the ring or the watchdog; it frames tensors, keeps the sequence number and its
-lifecycle, and calls ``send``/``recv``/``abort``/``close``. ``RootSide`` and ``ReaderSide`` hold what the two
-backends share on each side (the links, the watchdog, the abort bookkeeping).
+``ShmRoot`` / ``ShmReader`` and ``UdsRoot`` / ``UdsReader``; ``open_transport`` bootstraps the group and
+returns one. The broadcaster frames tensors, keeps the sequence number and calls ``send``/``recv``/``abort``/
+``close``; ``RootSide`` and ``ReaderSide`` hold what the backends share.
 """
 
 from __future__ import annotations

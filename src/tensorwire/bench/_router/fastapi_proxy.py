@@ -2,13 +2,9 @@
 
     python -m tensorwire.bench._router.fastapi_proxy --port 0 --encoder URL --llm URL
 
-What users run today in front of ``vllm serve`` encoder and LLM instances: FastAPI on uvicorn (uvloop and httptools
-when installed, as in vLLM's environment), one pooled ``aiohttp.ClientSession`` per side made at start-up. A chat
-request with media: its JSON is parsed, a one-token, non-streamed copy goes to an encoder instance
-(round-robin) and its ``ec_transfer_params`` are added to the request, which goes to an LLM instance; a streamed
-answer is relayed through a ``StreamingResponse`` (``iter_chunked(1024)``), a plain one parsed and re-sent as a
-``JSONResponse``. No fallback, no param stripping, no timeouts beyond the sessions' total: the shape, not a
-product. Prints ``PORT <n>`` once listening.
+FastAPI on uvicorn, one ``aiohttp.ClientSession`` per side: a one-token copy goes to an encoder (round-robin),
+its ``ec_transfer_params`` join the request, which goes to an LLM instance. No fallback, no timeouts: the shape,
+not a product. Prints ``PORT <n>`` once listening.
 """
 
 from __future__ import annotations

@@ -2,13 +2,8 @@
 
     python -m tensorwire.bench._router.upstream --port 0 [--events 8] [--event-delay-ms 0] [--hang]
 
-A raw asyncio protocol (no HTTP framework: the stand-in must cost less than anything measured through it).
-HTTP/1.1 keep-alive, ``Content-Length`` request bodies. ``GET /health``: 200. A POST whose body has
-``"stream": true``: a chunked SSE answer of ``--events`` events (each its own chunk, ``--event-delay-ms`` apart),
-then ``data: [DONE]``; any other POST: a small JSON chat answer with ``ec_transfer_params`` (an encoder
-instance's answer as the router expects it; an LLM instance's answer has it too, which nobody reads). ``--hang``:
-accepts connections and never answers anything (a hung instance, ``/health`` included). Each answer goes out in
-one write. Prints ``PORT <n>`` once listening; runs until killed.
+Raw asyncio, HTTP/1.1 keep-alive. ``GET /health``: 200; a streamed POST: ``--events`` SSE chunks, then
+``data: [DONE]``; other POSTs: JSON with ``ec_transfer_params``. ``--hang`` never answers. Prints ``PORT <n>``.
 """
 
 from __future__ import annotations

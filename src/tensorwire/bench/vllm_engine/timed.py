@@ -1,16 +1,8 @@
 """EC connectors with timestamps: vLLM's and tensorwire's connectors, each subclassed the same way.
 
-Loaded inside the engines (``ec_connector_module_path: tensorwire.bench.vllm_engine.timed``), never by the
-driver. Each subclass calls the connector's own methods unchanged and records, with ``time.time_ns()`` (one
-clock for every process of the host), as JSON lines into ``$TW_EC_TIMES_DIR/<pid>.jsonl``:
-
-- ``save``: producer worker, ``save_caches`` start and end (``t0``, ``t1``) per ``mm_hash``;
-- ``seen``: consumer scheduler, the first ``ensure_cache_available`` or ``has_cache_item`` that names the item;
-- ``placed``: consumer worker, right after the ``start_load_caches`` call that put the item into vLLM's encoder
-  cache (the keys of the cache before and after the call).
-
-The cost of a record (a dict, a line written and flushed) is the same for every connector. Without
-``TW_EC_TIMES_DIR`` nothing is recorded.
+Loaded inside the engines, never by the driver. Each subclass calls the connector's methods unchanged and appends
+``time.time_ns()`` records to ``$TW_EC_TIMES_DIR/<pid>.jsonl``: ``save`` (producer worker), ``seen`` (consumer
+scheduler), ``placed`` (consumer worker). Without ``TW_EC_TIMES_DIR`` nothing is recorded.
 """
 
 from __future__ import annotations

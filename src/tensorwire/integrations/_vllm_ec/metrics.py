@@ -1,12 +1,8 @@
 """Prometheus metrics of the vLLM connector (``tensorwire_vllm_ec_*``), bounded labels only.
 
-Labels: ``plane`` (rdma/inline), ``reason`` (a :class:`~tensorwire.errors.Reason` value), ``outcome`` (fixed
-strings below). Never mm_hashes, endpoints, secrets or request ids.
-
-Each vLLM process registers its own (the scheduler side lives in the EngineCore process, workers in theirs).
-Under ``vllm serve`` (which sets ``PROMETHEUS_MULTIPROC_DIR`` before it starts the engine) prometheus_client's
-multiprocess mode writes them where vLLM's ``/metrics`` collects them; otherwise ``metrics_port`` serves a
-process's registry. Gauges use ``livesum`` so that multiprocess mode sums the live processes.
+Labels: ``plane``, ``reason`` (a :class:`~tensorwire.errors.Reason`), ``outcome``; never mm_hashes, endpoints,
+secrets or request ids. Each vLLM process registers its own; under ``vllm serve`` they go through multiprocess
+mode to vLLM's ``/metrics`` (gauges ``livesum``), otherwise ``metrics_port`` serves them.
 """
 
 from __future__ import annotations

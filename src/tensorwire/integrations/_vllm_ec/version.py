@@ -1,10 +1,8 @@
 """The vLLM versions the connector is verified with, and the import-time check (no vLLM import at module level).
 
-The encoder-cache connector API moves between vLLM releases (hooks are added, call order changes), so
-``tensorwire.integrations.vllm`` refuses to load outside the verified range with a message that names it. The
-range covers exactly the releases whose API surface is recorded under ``tests/unit/integrations/vllm_api/``
-(``scripts/check_vllm_api.py``; docs/vllm.md says which of them also ran real engines).
-``TENSORWIRE_VLLM_ALLOW_UNTESTED=1`` loads it anyway (with a warning), for trying a new release.
+``tensorwire.integrations.vllm`` refuses to load outside the verified range (the releases recorded under
+``tests/unit/integrations/vllm_api/``) with a message that names it. ``TENSORWIRE_VLLM_ALLOW_UNTESTED=1`` loads
+it anyway, with a warning.
 """
 
 from __future__ import annotations

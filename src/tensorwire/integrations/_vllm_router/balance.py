@@ -1,11 +1,7 @@
 """Which instance a request goes to: round-robin over the ones that are up; a failed one is out until it answers.
 
-An instance is *up* until a call to it fails (refused, timed out, a broken or 5xx encoder answer) or its
-``GET /health`` probe fails; it is *down* from then until a probe passes. ``order()`` gives the up instances,
-starting one further each call; ``order(include_down=True)`` appends the down ones after them (a last resort:
-the LLM step would otherwise answer 503 on a stale probe). Instances start up; the first probe runs at once.
-
-Thread-safety: none needed; every method runs on the router's event loop.
+An instance is down from a failed call or ``/health`` probe until a probe passes. ``order()`` gives the up ones,
+one further each call; ``include_down=True`` appends the down ones. Not thread-safe: runs on the event loop.
 """
 
 from __future__ import annotations

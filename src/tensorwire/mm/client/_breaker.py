@@ -1,17 +1,9 @@
-"""Consecutive-failure circuit breakers for the RDMA plane, keyed per endpoint and per worker.
+"""Consecutive-failure circuit breakers for the RDMA plane, keyed per endpoint and per worker. State machine::
 
-State machine (one breaker)::
+    CLOSED --failures_to_open failures--> OPEN --allow() after open_seconds--> HALF_OPEN (one probe)
+    HALF_OPEN --success--> CLOSED; --failure--> OPEN; --neutral--> OPEN, expired (next allow() probes)
 
-    CLOSED --failure x failures_to_open--> OPEN(until now + open_seconds)
-    OPEN --allow() after open_seconds--> HALF_OPEN (that allow() is the one probe; others get False)
-    HALF_OPEN --success--> CLOSED (count reset)
-    HALF_OPEN --failure--> OPEN (a new window)
-    HALF_OPEN --neutral (the probe never reached a read: inline answer, budget exhausted)--> OPEN, expired
-                                                              (the next allow() probes again)
-    CLOSED --success--> CLOSED (count reset)
-
-Budget exhaustion is the caller's own problem and is reported as ``neutral``, never as a failure. The clock is
-injectable so tests drive the windows without sleeping. Thread-safe.
+A success resets the failure count. Budget exhaustion is ``neutral``, never a failure. Injectable clock. Thread-safe.
 """
 
 from __future__ import annotations

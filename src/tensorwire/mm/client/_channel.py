@@ -1,13 +1,8 @@
 """The seam between the fetch policy and the control plane: ``ControlChannel`` and its per-fetch ``ControlSession``.
 
-``RemoteOutputTransport`` (the fetch policy: budget, planes, the one inline fallback, breakers, releases) reaches an
-encoder endpoint only through these two classes. ``GrpcControlChannel`` (``_grpc_channel.py``: unary RPCs and a
-pool of EncodeStreams) is the implementation today; a same-host channel fills the same contract, and
-transport security or per-peer limits (issues 15, 16) stay inside an implementation. The policy never learns which
-one it talks to, except through ``ControlSession.path``, a bounded metric label.
-
-Methods per class: a channel opens sessions, sends answered releases, and is drained then closed by its owner; a
-session carries one fetch's Encode request(s) and its success-path release.
+``RemoteOutputTransport`` reaches an encoder only through these and never learns which implementation it talks
+to, except through ``ControlSession.path`` (a metric label). A channel opens sessions, sends releases, and is
+drained then closed by its owner; a session carries one fetch's Encode(s) and its release.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """GrpcControlChannel: the control plane over gRPC, unary RPCs plus a pool of open EncodeStreams.
 
-A fetch's session checks out one of the channel's open EncodeStreams (or opens one, up to
-``control_stream_pool``) and sends its Encode(s) there, then its success-path release as a fire-and-forget
-message on the same stream before giving it back; with no stream to use (pool full, ``control_stream`` off, an
-encoder that refused a stream or has no EncodeStream, a drained channel) it uses the unary Encode RPC, and the
-caller's release queue for the release. Both paths raise the same exceptions; a request is sent over unary after
-a stream attempt only when the encoder cannot have run it. ``grpc.RpcError`` is translated here and in
-``_encode_stream``; nothing above sees it. Table of situations: docs/transport.md, "Control stream".
+A session uses a pooled EncodeStream for its Encode(s) and its release, else unary Encode and the release queue.
+Both raise the same exceptions; a request goes again over unary only when the encoder cannot have run it.
+``grpc.RpcError`` stays here. Table of situations: docs/transport.md, "Control stream".
 """
 
 from __future__ import annotations

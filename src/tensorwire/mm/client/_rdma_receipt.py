@@ -1,15 +1,9 @@
-"""An RDMA receipt on the LLM side, as pure functions: parse its slots, validate them, check what was read, and
-reassemble the output. Nothing here does I/O, counts metrics or keeps state; ``_client`` calls these in order::
+"""An RDMA receipt on the LLM side, as pure functions (no I/O, metrics or state), called in order:
+``parse_slots``, ``lease_ids`` (what to release whatever happens), ``validate_slots``, the read (elsewhere),
+``check_read``, ``assemble_output``.
 
-    parsed = parse_slots(receipt, parse)    # each slot's Descriptor, or the exception parsing it raised
-    ids = lease_ids(parsed)                 # what to release whatever happens next
-    descs, roles = validate_slots(receipt, parsed)
-    tensors = reader.read(descs, ...)       # the one batched read (not here)
-    check_read(descs, roles, tensors)
-    output = assemble_output(tensors, roles, receipt)
-
-Roles: ``EMBEDDING`` chunks in row order, at most one ``POS_ID``, ``EXTRA_INPUT`` in item order; slot order is
-reassembly order. Errors: ``InvalidDescriptor`` (from the parser), ``ProtocolError``, ``InvalidPayload`` and
+Slot order is reassembly order: ``EMBEDDING`` chunks in row order, at most one ``POS_ID``, ``EXTRA_INPUT`` in item
+order. Raises ``InvalidDescriptor``, ``ProtocolError``, ``InvalidPayload`` and
 ``ReadError`` (``RESULT_MISMATCH``), each with its reason.
 """
 

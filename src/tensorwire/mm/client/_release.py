@@ -1,14 +1,8 @@
 """ReleaseQueue: success-path lease release that never blocks the caller.
 
-Contract:
-- ``submit(endpoint, lease_ids)`` returns at once. When the pending total would exceed ``max_pending``
-  handles, or the queue is stopping, the ids are dropped and counted (``release_queue_full`` /
-  ``release_client_stopping``); the owner's TTL GC reclaims them. Metrics and logs happen outside the lock.
-- A background thread swaps the queue out, folds it into one batch per endpoint and sends one ReleaseLeases
-  RPC per endpoint with ``release_timeout_ms``. Failures are counted and logged (rate-limited), not retried.
-- ``close()`` abandons what is still queued (counted, logged once), wakes the thread and joins it for at most
-  ``shutdown_ms`` (it waits for at most the RPC in flight). Idempotent. ``pending`` returns to 0.
-- The sender owns nothing after it returns; the queue owns the id lists it was given.
+``submit(endpoint, lease_ids)`` returns at once; over ``max_pending`` or while stopping, the ids are dropped and
+counted (the owner's TTL GC reclaims them). A thread sends one ReleaseLeases per endpoint per batch; failures are
+counted, not retried. ``close()`` drops what is queued and joins for at most ``shutdown_ms``; idempotent.
 """
 
 from __future__ import annotations

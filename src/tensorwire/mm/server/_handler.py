@@ -1,13 +1,8 @@
 """EncodeHandler: what a control-channel server needs from the encoder to serve one connection.
 
-The gRPC servicer (``EncoderService``) implements it, and the local server (``LocalControlServer``'s
-connections) calls it, so both paths run the same encode, the same lease release and the same cleanup for a
-caller that went away; neither server module imports the other's class.
-
-Contract: ``run_encode`` runs the encode function then ``transfer`` and returns the receipt, or raises the error
-the caller should get (already counted). ``release_unanswered`` applies a fire-and-forget release and never
-raises. ``discard_for_gone_caller`` releases a receipt's leases exactly once. All three may run on many
-connection threads at once.
+``EncoderService`` implements it and the local server calls it, so both run the same encode, release and
+cleanup. ``run_encode`` returns the receipt or raises the caller's error (counted); ``release_unanswered`` never
+raises; ``discard_for_gone_caller`` releases once. All three are safe on many threads at once.
 """
 
 from __future__ import annotations

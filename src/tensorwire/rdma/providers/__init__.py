@@ -1,13 +1,8 @@
 """Provider registry and the provider interface (SPI), public for third-party providers.
 
-Public: this package's ``__all__`` and ``base`` (the ``Provider`` contract a third-party provider subclasses, with
-``PendingTransfer``, ``Registration``, ``Range``, ``ProviderStats`` and the role names), run against
-``tensorwire.testing.conformance``. Private: the built-in providers ``_nixl`` and ``_none`` (chosen by name
-through ``RdmaConfig.provider``, never imported by callers) and their helpers (``_metadata``, ``_ucx_env``,
-``_ucx_probe``, ``_xfer_cache``).
-
-Registry: ``nixl`` and ``none`` by name, more with ``register_provider``; ``auto`` picks nixl when it is
-importable. Providers are imported only when chosen, so ``tensorwire.rdma`` never imports NIXL unless it is used.
+Public: ``__all__`` and ``base`` (the ``Provider`` contract, checked by ``tensorwire.testing.conformance``).
+Private: the built-ins ``_nixl`` and ``_none`` and their helpers. ``auto`` picks nixl when importable; more
+providers with ``register_provider``. A provider is imported only when chosen.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Best-effort detection of the UCX transport a READ used, from UCX's ``UCX_PROTO_INFO`` tables.
 
-UCX prints a "remote memory read ... into <mem> memory from <mem>" table on stdout the first time it selects a
-READ protocol for an endpoint configuration. ``capture_stdout`` redirects fd 1 into a temporary file around the
-first READ to each peer (serialized by a lock, never on later reads), parses the tables, and writes every other
-line back to the real stdout. When nothing is printed (UCX_PROTO_INFO disabled by the operator, or the table was
-already printed for that configuration) the caller keeps its previous answer or "unknown".
+``capture_stdout`` redirects fd 1 around the first READ to each peer (under a lock), parses UCX's table and
+writes every other line back to stdout. When nothing is printed the caller keeps its previous answer or
+"unknown".
 """
 
 from __future__ import annotations
