@@ -38,6 +38,27 @@ def other_user() -> Iterator[tuple[int, int]]:
         )
         entry = pwd.getpwnam(OTHER_USER)
     assert entry.pw_uid != os.geteuid()
+    # The hostile side runs this interpreter: a checkout under a 0700 home (root's) is out of the other user's reach.
+    probe = subprocess.run(
+        [
+            "setpriv",
+            f"--reuid={entry.pw_uid}",
+            f"--regid={entry.pw_gid}",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            "import grpc",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=120,
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            f"{OTHER_USER} cannot run {sys.executable} with grpc ({probe.stderr.strip()[-200:]}): "
+            "put the checkout and its .venv where other users may enter"
+        )
     yield entry.pw_uid, entry.pw_gid
 
 
