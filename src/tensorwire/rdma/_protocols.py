@@ -51,9 +51,16 @@ class Exporter(Protocol):
 class Reader(Protocol):
     """The reader side as ``tensorwire.mm`` uses it (``TensorReader`` implements it). Thread-safe."""
 
-    def read(self, descriptors: Sequence[Descriptor], timeout_ms: int | None = None) -> list[torch.Tensor]:
+    def read(
+        self,
+        descriptors: Sequence[Descriptor],
+        timeout_ms: int | None = None,
+        *,
+        into: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Every descriptor's tensors, in descriptor x manifest order (InvalidDescriptor, ReadTimeout,
-        LeaseExpired, ReadError). ``TensorReader.read`` also takes descriptor bytes."""
+        LeaseExpired, ReadError); with ``into``, views of those caller-owned host buffers, one per descriptor.
+        ``TensorReader.read`` also takes descriptor bytes."""
         ...
 
     def transport(self, descriptor: Descriptor | None = None) -> str:
