@@ -275,7 +275,7 @@ class Fabric:
         _ip("-n", self.switch, "link", "set", self.hosts[name].switch_port, "up")
 
     def close(self) -> None:
-        """Kill tracked processes (their sessions), then delete every namespace. Idempotent."""
+        """Kill tracked processes (their sessions) and close their pipes, then delete every namespace. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -289,6 +289,9 @@ class Fabric:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 pass
+            for pipe in (proc.stdout, proc.stderr):  # what spawn() opened: closed here, not by the GC
+                if pipe is not None:
+                    pipe.close()
         for name in reversed(self._namespaces):
             _ip("netns", "del", name, check=False)
 

@@ -6,6 +6,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,7 @@ def test_peer_killed_with_sigkill_surfaces_on_every_live_rank(base, backend, vic
     procs = H.start(W.kill_mid_broadcast, [0, 1, 2], 3, (base, backend, victim, stamp), q)
     out = H.collect(q, procs, 2, 120)  # the victim never reports
     assert out.get(victim) is None
-    killed_at = float(open(stamp).read())
+    killed_at = float(Path(stamp).read_text())
     for r in set(range(3)) - {victim}:
         kind, res = out[r]
         assert kind == "ok", res
