@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally below still stops the children.
     previous = {s: signal.signal(s, interrupted) for s in stops}
+    interrupted_once = False
     log_dir = Path(tempfile.mkdtemp(prefix="tensorwire-demo-"))
     deployment = LoopbackDeployment(args.workers, args.device, log_dir)
 
@@ -121,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         say("interrupted; stopping children")
+        interrupted_once = True
         return 130
     except Exception as exc:  # report, then clean up the children
         print(f"error: demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -131,8 +133,12 @@ def run(args: argparse.Namespace) -> int:
         for sig in stops:
             signal.signal(sig, signal.SIG_IGN)
         codes = deployment.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if not interrupted_once:
+            # After an interruption the stop signals stay ignored until the process ends: a second Ctrl-C that
+            # lands after the clean-up would otherwise raise KeyboardInterrupt on the way out, and the process
+            # would end by SIGINT instead of exit code 130.
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     result["child_exit_codes"] = codes
     result["child_pids"] = {c.name: c.proc.pid for c in deployment.children}
     result["wall_s"] = time.monotonic() - t_start
