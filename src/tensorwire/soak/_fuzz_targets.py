@@ -176,9 +176,10 @@ class _MemReader:
 
     MAX_BYTES = 64 << 20  # a validated manifest may name up to max_slot_bytes; do not allocate that per input
 
-    def read(self, descriptors: Any, timeout_ms: int | None = None) -> list[torch.Tensor]:
+    def read(self, descriptors: Any, timeout_ms: int | None = None, *, into: Any = None) -> list[torch.Tensor]:
         from tensorwire.errors import ReadError
 
+        assert into is None, "the transport under fuzzing reads into memory of its own"
         if sum(m.nbytes for d in descriptors for m in d.manifest) > self.MAX_BYTES:
             raise ReadError("fuzz reader: manifest larger than the harness reads")
         out = []

@@ -109,7 +109,10 @@ class FakeReader:
         self.fabric = fabric
         self.config = config
 
-    def read(self, descriptors: Sequence[Descriptor], timeout_ms: int | None = None) -> list[torch.Tensor]:
+    def read(
+        self, descriptors: Sequence[Descriptor], timeout_ms: int | None = None, *, into: Any = None
+    ) -> list[torch.Tensor]:
+        assert into is None, "the fake fabric reads into memory of its own"
         self.fabric.reads.append((len(descriptors), timeout_ms))
         if self.fabric.read_error is not None:
             raise self.fabric.read_error()
