@@ -277,14 +277,17 @@ def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
     after = consumer.metrics()
     for n, g in zip(names, got, strict=True):
         assert_same(g, cluster["base"][n], n)
-    delivered = metric(after, "tensorwire_vllm_ec_delivered_total", plane="rdma") - metric(
-        before, "tensorwire_vllm_ec_delivered_total", plane="rdma"
+    delivered = metric(after, "tensorwire_vllm_ec_delivered_items_total", plane="rdma") - metric(
+        before, "tensorwire_vllm_ec_delivered_items_total", plane="rdma"
     )
     assert delivered == 5, (
         f"expected the RDMA plane to deliver 5 items, it delivered {delivered}; {diff(before, after)}"
     )
     assert metric(after, "tensorwire_vllm_ec_fallbacks_total") == metric(before, "tensorwire_vllm_ec_fallbacks_total")
-    assert metric(after, "tensorwire_vllm_ec_placed_total") - metric(before, "tensorwire_vllm_ec_placed_total") == 5
+    assert (
+        metric(after, "tensorwire_vllm_ec_placed_items_total") - metric(before, "tensorwire_vllm_ec_placed_items_total")
+        == 5
+    )
     assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
     # Once the same-host socket to the encoder instance is known, fetches run on the scheduler's thread.
     assert metric(after, "tensorwire_vllm_ec_fetch_paths_total", path="inline") > metric(
@@ -327,11 +330,11 @@ def test_tp2_every_rank_gets_the_item(cluster: Any) -> None:
     (delivered,) = tp2.generate([request("tp2", params)])
     after = tp2.metrics()
     d = diff(before, after)
-    assert d.get("tensorwire_vllm_ec_delivered_total{plane=rdma}") == 1, d
-    assert d.get("tensorwire_vllm_ec_placed_total{}") == 2, d  # both ranks' workers placed it
+    assert d.get("tensorwire_vllm_ec_delivered_items_total{plane=rdma}") == 1, d
+    assert d.get("tensorwire_vllm_ec_placed_items_total{}") == 2, d  # both ranks' workers placed it
     # One READ for the host: the scheduler process read the item once into a segment both ranks mapped.
     assert d.get("tensorwire_vllm_ec_read_bytes_total{plane=rdma}") == 16 * 128 * 4, d
-    assert d.get("tensorwire_vllm_ec_bytes_total{plane=rdma}") == 16 * 128 * 4, d
+    assert d.get("tensorwire_vllm_ec_staged_bytes_total{plane=rdma}") == 16 * 128 * 4, d
     assert "tensorwire_vllm_ec_fallbacks_total{reason=" not in str(d)
     # The same embedding handed to vLLM directly (no connector involved) gives the same tokens and logprobs;
     # a rank that placed anything else would change them (each rank computes its shard from its own copy).
@@ -355,7 +358,7 @@ def test_check_catches_a_zeroed_embedding_and_two_swapped_images(cluster: Any) -
     before = consumer.metrics()
     got_zero, got_swap = consumer.generate([request("zero", zero), request("swap", swap)])
     after = consumer.metrics()
-    delivered = diff(before, after).get("tensorwire_vllm_ec_delivered_total{plane=rdma}")
+    delivered = diff(before, after).get("tensorwire_vllm_ec_delivered_items_total{plane=rdma}")
     assert delivered == 3  # the LLM instance used what it was given, it did not encode
     assert not same(got_zero, cluster["base"]["zero"]), "a zeroed embedding went unnoticed"
     assert not same(got_swap, cluster["base"]["swap"]), "two swapped images went unnoticed"
@@ -492,7 +495,9 @@ def test_incompatible_producer_is_refused_and_the_item_encoded_locally(cluster: 
     d = diff(before, after)
     assert d.get("tensorwire_vllm_ec_fallbacks_total{reason=incompatible}") == 1, d
     assert d.get("tensorwire_vllm_ec_refusals_total{reason=incompatible}") == 1, d
-    assert not any(k.startswith(("tensorwire_vllm_ec_delivered_total", "tensorwire_vllm_ec_bytes_total")) for k in d), d
+    assert not any(
+        k.startswith(("tensorwire_vllm_ec_delivered_items_total", "tensorwire_vllm_ec_staged_bytes_total")) for k in d
+    ), d
     assert not any("method=Lookup" in k for k in d), d  # no lookup, so no read
     wait_nothing_held(cluster)  # the grant was given back
 

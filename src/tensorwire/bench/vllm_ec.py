@@ -357,7 +357,7 @@ class _Run:
         files = {p: files_left(root) for p, root in self.roots.items()}
         dirs = {p: sum(len(d) for _, d, _ in os.walk(root)) for p, root in self.roots.items()}
         releases = {
-            o: self.registry.get_sample_value("tensorwire_vllm_ec_releases_total", {"outcome": o}) or 0.0
+            o: self.registry.get_sample_value("tensorwire_vllm_ec_grant_releases_total", {"outcome": o}) or 0.0
             for o in ("ok", "unknown", "failed")
         }
         calls = {

@@ -429,14 +429,14 @@ def _leftovers(pairs: Sequence[Pair]) -> dict[str, Any]:
             out["tensorwire"] = {
                 "held_items": held,
                 "held_bytes": metric(m, "tensorwire_vllm_ec_held_bytes"),
-                "delivered_rdma": metric(c, "tensorwire_vllm_ec_delivered_total", plane="rdma"),
+                "delivered_rdma": metric(c, "tensorwire_vllm_ec_delivered_items_total", plane="rdma"),
                 "fallbacks": metric(c, "tensorwire_vllm_ec_fallbacks_total"),
-                "placed": metric(c, "tensorwire_vllm_ec_placed_total"),
+                "placed": metric(c, "tensorwire_vllm_ec_placed_items_total"),
                 "place_misses": metric(c, "tensorwire_vllm_ec_place_misses_total"),
                 "releases": {
                     k.split("{", 1)[1].rstrip("}"): v
                     for k, v in c.items()
-                    if k.startswith("tensorwire_vllm_ec_releases_total")
+                    if k.startswith("tensorwire_vllm_ec_grant_releases_total")
                 },
             }
         elif p.connector == "file" and p.file_dir is not None:

@@ -22,7 +22,7 @@ class ECMetrics:
         self.registry = reg
         # encoder instance
         self.saved = Counter(
-            "tensorwire_vllm_ec_saved_total",
+            "tensorwire_vllm_ec_saved_items_total",
             "Encoder outputs exported into the held-outputs store, by plane",
             ["plane"],
             registry=reg,
@@ -59,13 +59,16 @@ class ECMetrics:
             registry=reg,
         )
         self.delivered = Counter(
-            "tensorwire_vllm_ec_delivered_total",
+            "tensorwire_vllm_ec_delivered_items_total",
             "Items every rank holds, by the plane that carried them",
             ["plane"],
             registry=reg,
         )
         self.bytes = Counter(
-            "tensorwire_vllm_ec_bytes_total", "Payload bytes staged (all ranks), by plane", ["plane"], registry=reg
+            "tensorwire_vllm_ec_staged_bytes_total",
+            "Payload bytes staged (all ranks), by plane",
+            ["plane"],
+            registry=reg,
         )
         self.read_bytes = Counter(
             "tensorwire_vllm_ec_read_bytes_total",
@@ -109,7 +112,7 @@ class ECMetrics:
             registry=reg,
         )
         self.releases = Counter(
-            "tensorwire_vllm_ec_releases_total",
+            "tensorwire_vllm_ec_grant_releases_total",
             "Grant releases sent to encoder instances, by outcome (ok, failed, unknown: the encoder no longer held it)",
             ["outcome"],
             registry=reg,
@@ -129,7 +132,7 @@ class ECMetrics:
             multiprocess_mode="livesum",
         )
         self.placed = Counter(
-            "tensorwire_vllm_ec_placed_total", "Items a worker placed into vLLM's encoder cache", registry=reg
+            "tensorwire_vllm_ec_placed_items_total", "Items a worker placed into vLLM's encoder cache", registry=reg
         )
         self.place_misses = Counter(
             "tensorwire_vllm_ec_place_misses_total",

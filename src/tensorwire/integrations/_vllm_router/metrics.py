@@ -54,7 +54,7 @@ class RouterMetrics:
             "tensorwire_vllm_router_client_connections", "Open client connections", registry=self.registry
         )
         self.connections_refused = Counter(
-            "tensorwire_vllm_router_connections_refused_total",
+            "tensorwire_vllm_router_refused_connections_total",
             "Client connections answered 503 and closed: over --max-connections, or arriving while stopping",
             registry=self.registry,
         )
@@ -85,7 +85,7 @@ class RouterMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
         self.client_params_dropped = Counter(
-            "tensorwire_vllm_router_client_params_dropped_total",
+            "tensorwire_vllm_router_requests_with_client_params_total",
             "Client requests that carried their own ec_transfer_params or kv_transfer_params, on any path (removed: "
             "only encoder instances set them)",
             registry=self.registry,
