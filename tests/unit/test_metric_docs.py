@@ -16,6 +16,26 @@ from tensorwire.service._routes import RouteTable
 from tensorwire.service._runtime import ServedMetrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
+# Names that said what happened but not what they count, and what they are now (CHANGELOG, Unreleased).
+RENAMED = {
+    "tensorwire_vllm_ec_saved_total": "tensorwire_vllm_ec_saved_items_total",
+    "tensorwire_vllm_ec_delivered_total": "tensorwire_vllm_ec_delivered_items_total",
+    "tensorwire_vllm_ec_bytes_total": "tensorwire_vllm_ec_staged_bytes_total",
+    "tensorwire_vllm_ec_releases_total": "tensorwire_vllm_ec_grant_releases_total",
+    "tensorwire_vllm_ec_placed_total": "tensorwire_vllm_ec_placed_items_total",
+    "tensorwire_vllm_router_client_params_dropped_total": "tensorwire_vllm_router_requests_with_client_params_total",
+    "tensorwire_vllm_router_connections_refused_total": "tensorwire_vllm_router_refused_connections_total",
+    "tensorwire_mm_releases_total": "tensorwire_mm_release_leases_total",
+    "tensorwire_mm_release_queue_dropped_total": "tensorwire_mm_release_queue_dropped_leases_total",
+    "tensorwire_mm_release_queue_pending": "tensorwire_mm_release_queue_pending_leases",
+    "tensorwire_mm_encoder_released_total": "tensorwire_mm_encoder_released_leases_total",
+    "tensorwire_mm_control_streams_total": "tensorwire_mm_control_stream_events_total",
+    "tensorwire_mm_server_refused_total": "tensorwire_mm_server_refused_calls_total",
+    "tensorwire_mm_breaker_open": "tensorwire_mm_open_breakers",
+    "tensorwire_proxy_refused_total": "tensorwire_proxy_refused_calls_total",
+    "tensorwire_proxy_slots_possibly_orphaned_total": "tensorwire_proxy_possibly_orphaning_attempts_total",
+    "tensorwire_proxy_routes_expired_total": "tensorwire_proxy_expired_routes_total",
+}
 NAME = re.compile(r"`(tensorwire_[a-z0-9_]+)(?![a-z0-9_*])")  # not a glob like tensorwire_mm_*
 
 
@@ -88,6 +108,28 @@ def test_names_follow_the_prometheus_conventions() -> None:
             assert not name.endswith("_total"), f"{name} is a {kind} named like a counter"
         if kind == "histogram":
             assert name.endswith("_seconds"), name
+
+
+def test_names_say_what_they_count() -> None:
+    """A counter or gauge ends in the thing it counts or its unit (``_refused_calls_total``, ``_pending_leases``,
+    ``_bytes``), never in what happened to it (``_refused_total``, ``_pending``); 0/1 gauges end in the state."""
+    for name, kind in {**_mm(), **_proxy(), **_vllm(), **_served()}.items():
+        if kind == "histogram":
+            continue
+        last = name.removesuffix("_total").rsplit("_", 1)[1]
+        assert not last.endswith("ed") and last not in ("pending", "open"), (
+            f"{name} ({kind}) names what happened, not what it counts: add the thing (calls, leases, items) or unit"
+        )
+
+
+def test_renamed_metrics_are_gone_from_code_and_docs() -> None:
+    exported = set(_mm()) | set(_proxy()) | set(_vllm()) | set(_served())
+    assert set(RENAMED.values()) <= exported, sorted(set(RENAMED.values()) - exported)
+    assert not set(RENAMED) & exported
+    named = _documented(*(p.name for p in DOCS.glob("*.md"))) | set(
+        NAME.findall((DOCS.parent / "README.md").read_text())
+    )
+    assert not set(RENAMED) & named, sorted(set(RENAMED) & named)
 
 
 def test_latency_histograms_resolve_sub_millisecond_calls() -> None:

@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 for line in resp.read().decode().splitlines()
                 if line.startswith(
                     (
-                        "tensorwire_mm_server_refused_total",
-                        "tensorwire_mm_encoder_released_total",
+                        "tensorwire_mm_server_refused_calls_total",
+                        "tensorwire_mm_encoder_released_leases_total",
                         "tensorwire_mm_fallbacks_total",
                         "tensorwire_mm_errors_total",
                     )

@@ -118,19 +118,22 @@ class TransportMetrics:
             registry=reg,
         )
         self.releases = Counter(
-            "tensorwire_mm_releases_total", "Lease ids by release mode and outcome", ["mode", "outcome"], registry=reg
+            "tensorwire_mm_release_leases_total",
+            "Lease ids by release mode and outcome",
+            ["mode", "outcome"],
+            registry=reg,
         )
         self.release_queue_dropped = Counter(
-            "tensorwire_mm_release_queue_dropped_total",
+            "tensorwire_mm_release_queue_dropped_leases_total",
             "Lease ids dropped by the async release queue (the owner's GC reclaims)",
             ["reason"],
             registry=reg,
         )
         self.release_queue_pending = Gauge(
-            "tensorwire_mm_release_queue_pending", "Lease ids waiting in async release queues", registry=reg
+            "tensorwire_mm_release_queue_pending_leases", "Lease ids waiting in async release queues", registry=reg
         )
         self.exported_leases_released = Counter(
-            "tensorwire_mm_encoder_released_total",
+            "tensorwire_mm_encoder_released_leases_total",
             "Lease ids released on the encoder by ReleaseLeases",
             ["outcome"],
             registry=reg,
@@ -158,7 +161,7 @@ class TransportMetrics:
             "tensorwire_mm_encoder_exporter_ready", "1 when the encoder's RDMA exporter is built", registry=reg
         )
         self.breaker_open = Gauge(
-            "tensorwire_mm_breaker_open", "Circuit breakers not closed, by scope", ["scope"], registry=reg
+            "tensorwire_mm_open_breakers", "Circuit breakers not closed, by scope", ["scope"], registry=reg
         )
         self.breaker_transitions = Counter(
             "tensorwire_mm_breaker_transitions_total",
@@ -180,7 +183,7 @@ class TransportMetrics:
             registry=reg,
         )
         self.control_streams = Counter(
-            "tensorwire_mm_control_streams_total",
+            "tensorwire_mm_control_stream_events_total",
             "EncodeStream lifecycle events by side: llm opened/closed/broken/deadline/"
             "refused/unimplemented/protocol_error; encoder opened/ended/refused",
             ["side", "event"],
@@ -192,7 +195,7 @@ class TransportMetrics:
             registry=reg,
         )
         self.server_refused = Counter(
-            "tensorwire_mm_server_refused_total",
+            "tensorwire_mm_server_refused_calls_total",
             "Calls an encoder server refused or ended before serving them, by reason: "
             "peer_limit, request_timeout, stream_idle, work_wait, untrusted_caller",
             ["reason"],

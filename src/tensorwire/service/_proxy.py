@@ -14,7 +14,7 @@ concurrently; a route is dropped only after its worker confirmed the release.
 Orphans: a failed attempt may still have exported slots on that worker (it finished the forward, then the
 call timed out or the connection broke). Their lease ids never reach a reader; the worker's TTL GC reclaims
 them after ``slot_gc_timeout_ms``. Each such attempt is logged with the worker and counted in
-``tensorwire_proxy_slots_possibly_orphaned_total``; size the workers' pool for it (docs/deployment.md).
+``tensorwire_proxy_possibly_orphaning_attempts_total``; size the workers' pool for it (docs/deployment.md).
 
 Security and limits: the proxy's listener has the TLS and ``ServerLimits`` of its config, as a worker's
 has (``GrpcHost``: per-peer call limits, a request deadline, a work lane for the Encode forwards so ReleaseLeases
@@ -151,7 +151,7 @@ class _Metrics:
             "tensorwire_proxy_retries_total", "Encode attempts retried on another worker", registry=registry
         )
         self.orphaned = Counter(
-            "tensorwire_proxy_slots_possibly_orphaned_total",
+            "tensorwire_proxy_possibly_orphaning_attempts_total",
             "Failed attempts that may have left exported slots on the worker (its GC reclaims)",
             ["worker"],
             registry=registry,
@@ -173,7 +173,7 @@ class _Metrics:
             registry=registry,
         )
         self.refused = Counter(
-            "tensorwire_proxy_refused_total",
+            "tensorwire_proxy_refused_calls_total",
             "Calls the proxy refused or ended before serving them, by reason: peer_limit, "
             "request_timeout, work_wait, untrusted_caller",
             ["reason"],
@@ -199,7 +199,7 @@ class _RouteCollector:
                 s.collisions_total,
                 "Lease ids claimed by two workers (poisoned; both released)",
             ),
-            ("tensorwire_proxy_routes_expired", s.expired_total, "Routes dropped by TTL without a release"),
+            ("tensorwire_proxy_expired_routes", s.expired_total, "Routes dropped by TTL without a release"),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 

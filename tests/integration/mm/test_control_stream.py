@@ -41,7 +41,7 @@ def rpcs(env: Env, path: str) -> float:
 
 
 def stream_events(env: Env, event: str, side: str = "llm") -> float:
-    return env.sample("tensorwire_mm_control_streams_total", {"side": side, "event": event})
+    return env.sample("tensorwire_mm_control_stream_events_total", {"side": side, "event": event})
 
 
 def same_bits(a: Any, b: Any) -> bool:
@@ -309,9 +309,9 @@ def test_releases_ride_the_stream_and_free_every_lease(env: Env) -> None:
     assert env.names().count("release_stream") == 5 and "release_async" not in env.names()
     wait_for(lambda: not env.fabric.live())  # while the client is still open: not at close, not by a GC
     assert len(env.fabric.released) == len(env.fabric.exported) == 5
-    assert env.sample("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) == 5
-    assert env.sample("tensorwire_mm_encoder_released_total", {"outcome": "ok"}) == 5
-    assert env.sample("tensorwire_mm_releases_total", {"mode": "async", "outcome": "ok"}) == 0
+    assert env.sample("tensorwire_mm_release_leases_total", {"mode": "stream", "outcome": "sent"}) == 5
+    assert env.sample("tensorwire_mm_encoder_released_leases_total", {"outcome": "ok"}) == 5
+    assert env.sample("tensorwire_mm_release_leases_total", {"mode": "async", "outcome": "ok"}) == 0
     assert c.release_queue.sent == 0
 
 
@@ -416,5 +416,5 @@ def test_a_receipt_whose_send_failed_has_its_leases_released(env: Env, ended_by:
         assert not env.fabric.live()
     handler.close()
     assert not env.fabric.live() and len(env.fabric.released) == 1
-    assert env.sample("tensorwire_mm_encoder_released_total", {"outcome": "ok"}) == 1  # released once
+    assert env.sample("tensorwire_mm_encoder_released_leases_total", {"outcome": "ok"}) == 1  # released once
     assert srv.service.open_streams == 0

@@ -54,7 +54,7 @@ def rpcs(env: Env, path: str) -> float:
 
 
 def events(env: Env, event: str, side: str = "llm") -> float:
-    return env.sample("tensorwire_mm_control_streams_total", {"side": side, "event": event})
+    return env.sample("tensorwire_mm_control_stream_events_total", {"side": side, "event": event})
 
 
 def expected_path(env: Env) -> str:
@@ -78,7 +78,7 @@ def test_fetch_gives_the_bits_and_frees_every_lease(env: Env, mode: str) -> None
         wait_for(lambda: not env.fabric.live())  # the fire-and-forget releases reached the encoder
     if env.local == "auto":
         assert events(env, "local_opened") == 1 and srv.service.local.open_connections == 1  # one, reused
-        assert env.sample("tensorwire_mm_releases_total", {"mode": "local", "outcome": "sent"}) == (
+        assert env.sample("tensorwire_mm_release_leases_total", {"mode": "local", "outcome": "sent"}) == (
             5 if mode == "auto" else 0
         )
 

@@ -89,7 +89,10 @@ def test_rdma_success_path_over_nixl(path: str) -> None:
                 check(out, 11, [3, 5], 64)
             assert reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": path}) == 3
             if path == "local":
-                assert reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "local", "outcome": "sent"}) == 3
+                assert (
+                    reg.get_sample_value("tensorwire_mm_release_leases_total", {"mode": "local", "outcome": "sent"})
+                    == 3
+                )
             wait_for(lambda: live_stats(p, q).get("live_leases") == 0)
             live = live_stats(p, q)
             assert live.get("releases", 0) >= 3 and live.get("gc_reclaims", 0) == 0, live
@@ -144,7 +147,12 @@ def test_zero_copy_output_over_nixl() -> None:
                 assert same_bits(torch.cat(out.position_ids), ref.position_ids)  # type: ignore[arg-type]
             wait_for(
                 lambda: (
-                    (reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) or 0)
+                    (
+                        reg.get_sample_value(
+                            "tensorwire_mm_release_leases_total", {"mode": "stream", "outcome": "sent"}
+                        )
+                        or 0
+                    )
                     >= 3
                 )
             )
@@ -215,7 +223,12 @@ def test_concurrent_fetches_over_nixl() -> None:
             assert (reg.get_sample_value("tensorwire_mm_control_rpcs_total", {"path": "stream"}) or 0) >= 12
             wait_for(
                 lambda: (
-                    (reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "stream", "outcome": "sent"}) or 0)
+                    (
+                        reg.get_sample_value(
+                            "tensorwire_mm_release_leases_total", {"mode": "stream", "outcome": "sent"}
+                        )
+                        or 0
+                    )
                     >= 12
                 )
             )

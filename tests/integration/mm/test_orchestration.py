@@ -76,8 +76,8 @@ def test_rdma_success_path_reads_then_releases_async(env: Env, stream: bool) -> 
     wait_for(lambda: not env.fabric.live())  # the background release reached the encoder
     assert env.sample("tensorwire_mm_requests_total", {"side": "llm", "plane": "rdma"}) == 1
     assert env.sample("tensorwire_mm_control_rpcs_total", {"path": path}) == 1
-    wait_for(lambda: env.sample("tensorwire_mm_releases_total", {"mode": mode, "outcome": outcome}) == 1)
-    assert env.sample("tensorwire_mm_releases_total", {"mode": "sync", "outcome": "ok"}) == 0
+    wait_for(lambda: env.sample("tensorwire_mm_release_leases_total", {"mode": mode, "outcome": outcome}) == 1)
+    assert env.sample("tensorwire_mm_release_leases_total", {"mode": "sync", "outcome": "ok"}) == 0
     assert {"request", "read", "total", "encoder.export", "encoder.encode"} <= set(out.stage_ms)
 
 

@@ -55,7 +55,9 @@ def test_placed_fetch_gives_the_bits_and_leases_nothing(env: Env) -> None:
     assert not env.fabric.live() and not env.fabric.exported
     assert env.sample("tensorwire_mm_requests_total", {"side": "encoder", "plane": "placed"}) == 5
     assert env.sample("tensorwire_mm_requests_total", {"side": "llm", "plane": "placed"}) == 5
-    assert env.sample("tensorwire_mm_control_streams_total", {"side": "encoder", "event": "local_offer_mapped"}) == 1
+    assert (
+        env.sample("tensorwire_mm_control_stream_events_total", {"side": "encoder", "event": "local_offer_mapped"}) == 1
+    )
     gc.collect()
     assert placements(c).bytes_in_use == MIN_BUFFER_BYTES  # one buffer, lent and given back five times
 
@@ -160,7 +162,10 @@ def test_a_worker_that_takes_no_buffers_turns_offers_off(env: Env) -> None:
         out = c.fetch(INPUTS)
         assert out.plane is Plane.RDMA
         check_output(out)
-    assert env.sample("tensorwire_mm_control_streams_total", {"side": "encoder", "event": "local_offer_refused"}) == 1
+    assert (
+        env.sample("tensorwire_mm_control_stream_events_total", {"side": "encoder", "event": "local_offer_refused"})
+        == 1
+    )
     assert not placements(c).enabled()
 
 

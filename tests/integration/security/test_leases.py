@@ -56,6 +56,6 @@ def test_guessed_releases_release_nothing_and_are_answered_as_unknown(tmp_path: 
             assert hostile.guessed_release(ch, [victims[0].lease_id]) == ("ok", 0, 1)
         with urllib.request.urlopen(f"http://{ready['metrics']}/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        assert f'tensorwire_mm_encoder_released_total{{outcome="unknown"}} {float(len(guesses) + 1)}' in text
+        assert f'tensorwire_mm_encoder_released_leases_total{{outcome="unknown"}} {float(len(guesses) + 1)}' in text
     finally:
         worker.terminate(grace_s=5)

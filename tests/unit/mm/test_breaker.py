@@ -39,7 +39,7 @@ def test_half_open_single_probe_then_close_on_success() -> None:
     b = board(c, reg)
     for _ in range(3):
         b.record_failure("e")
-    assert reg.get_sample_value("tensorwire_mm_breaker_open", {"scope": "endpoint"}) == 1
+    assert reg.get_sample_value("tensorwire_mm_open_breakers", {"scope": "endpoint"}) == 1
     c.t += 29.9
     assert not b.allow("e")
     c.t += 0.2
@@ -48,7 +48,7 @@ def test_half_open_single_probe_then_close_on_success() -> None:
     assert not b.allow("e")  # only one probe at a time
     b.record_success("e")
     assert b.state("e") is BreakerState.CLOSED and b.allow("e")
-    assert reg.get_sample_value("tensorwire_mm_breaker_open", {"scope": "endpoint"}) == 0
+    assert reg.get_sample_value("tensorwire_mm_open_breakers", {"scope": "endpoint"}) == 0
     assert reg.get_sample_value("tensorwire_mm_breaker_transitions_total", {"scope": "endpoint", "state": "open"}) == 1
     assert (
         reg.get_sample_value("tensorwire_mm_breaker_transitions_total", {"scope": "endpoint", "state": "half_open"})
@@ -93,4 +93,4 @@ def test_reset_and_keys_not_closed() -> None:
     assert b.keys_not_closed() == ["a"] and b.is_blocked("a")
     b.reset("a")
     assert b.keys_not_closed() == [] and b.allow("a")
-    assert reg.get_sample_value("tensorwire_mm_breaker_open", {"scope": "endpoint"}) == 0
+    assert reg.get_sample_value("tensorwire_mm_open_breakers", {"scope": "endpoint"}) == 0

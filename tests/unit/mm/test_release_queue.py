@@ -72,7 +72,9 @@ def test_saturation_boundary_drops_and_counts_without_blocking(extra: int, accep
         assert time.perf_counter() - t0 < 0.05  # never blocks the caller
         assert ok is accepted
         assert q.pending == (1 + extra if accepted else 1)
-        dropped = reg.get_sample_value("tensorwire_mm_release_queue_dropped_total", {"reason": "release_queue_full"})
+        dropped = reg.get_sample_value(
+            "tensorwire_mm_release_queue_dropped_leases_total", {"reason": "release_queue_full"}
+        )
         assert (dropped or 0) == (0 if accepted else extra)
         s.gate.set()
         wait_for(lambda: q.pending == 0)
@@ -80,7 +82,7 @@ def test_saturation_boundary_drops_and_counts_without_blocking(extra: int, accep
         s.gate.set()
         q.close()
     assert q.pending == 0
-    assert reg.get_sample_value("tensorwire_mm_release_queue_pending") == 0
+    assert reg.get_sample_value("tensorwire_mm_release_queue_pending_leases") == 0
 
 
 @pytest.mark.timeout(30)
@@ -107,7 +109,8 @@ def test_close_abandons_queue_within_bound_and_later_submits_drop() -> None:
     q.close()  # idempotent
     assert not q.submit("e", ["late"])
     assert (
-        reg.get_sample_value("tensorwire_mm_release_queue_dropped_total", {"reason": "release_client_stopping"}) == 11
+        reg.get_sample_value("tensorwire_mm_release_queue_dropped_leases_total", {"reason": "release_client_stopping"})
+        == 11
     )
     s.gate.set()
     wait_for(lambda: q.pending == 0)
@@ -124,5 +127,8 @@ def test_sender_failure_is_counted_and_the_thread_survives() -> None:
         s.fail = False
         q.submit("e", ["b"])
         wait_for(lambda: q.sent == 1)
-    assert reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "async", "outcome": "peer_unavailable"}) == 1
-    assert reg.get_sample_value("tensorwire_mm_releases_total", {"mode": "async", "outcome": "ok"}) == 1
+    assert (
+        reg.get_sample_value("tensorwire_mm_release_leases_total", {"mode": "async", "outcome": "peer_unavailable"})
+        == 1
+    )
+    assert reg.get_sample_value("tensorwire_mm_release_leases_total", {"mode": "async", "outcome": "ok"}) == 1

@@ -111,7 +111,7 @@ def test_retry_on_another_worker_when_one_is_down(make) -> None:
     assert h.metric("tensorwire_proxy_retries_total") >= 1
     assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(1), code="UNAVAILABLE") >= 1
     # Connection refused: the worker never ran the request, so nothing can be orphaned.
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(1)) == 0
+    assert h.metric("tensorwire_proxy_possibly_orphaning_attempts_total", worker=h.addr(1)) == 0
 
 
 def test_request_errors_are_not_retried_and_keep_their_reason(make) -> None:
@@ -134,12 +134,12 @@ def test_retry_after_possible_export_is_counted_as_orphan(make) -> None:
     h.proxy._rr = iter(range(0, 10**6, 2))  # always start at w0
     resp = h.encode(item_timeout_ms=300)
     assert resp.worker.worker_id == "w1"
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(0)) == 1
+    assert h.metric("tensorwire_proxy_possibly_orphaning_attempts_total", worker=h.addr(0)) == 1
     assert h.metric("tensorwire_proxy_worker_errors_total", worker=h.addr(0), code="DEADLINE_EXCEEDED") == 1
     assert h.proxy.routes.lookup("slow-lease") is None  # the orphan never reached a reader or the table
     # Without RDMA nothing could be exported, so nothing is counted.
     assert h.encode(rdma=False, item_timeout_ms=300).worker.worker_id == "w1"
-    assert h.metric("tensorwire_proxy_slots_possibly_orphaned_total", worker=h.addr(0)) == 1
+    assert h.metric("tensorwire_proxy_possibly_orphaning_attempts_total", worker=h.addr(0)) == 1
 
 
 def test_may_have_orphaned_table() -> None:
@@ -243,7 +243,7 @@ def test_expired_routes_are_not_forwarded(make) -> None:
     assert h.release(ids) == 0
     assert h.workers[0].releases == []  # the worker's GC has reclaimed it by now; nothing to forward
     assert h.metric("tensorwire_proxy_release_leases_total", outcome="unknown") == 1
-    assert h.metric("tensorwire_proxy_routes_expired_total") == 1
+    assert h.metric("tensorwire_proxy_expired_routes_total") == 1
 
 
 # ---- health, routing around sick workers, broken receipts (issue 16)

@@ -485,7 +485,7 @@ def encoder_host(
     reuse_port: bool = False,
 ) -> GrpcHost:
     """The ``GrpcHost`` of an encoder: ``server_threads`` work slots, the config's limits and TLS, refusals
-    counted on ``tensorwire_mm_server_refused_total``."""
+    counted on ``tensorwire_mm_server_refused_calls_total``."""
     return GrpcHost(
         what,
         services,
