@@ -132,6 +132,23 @@ def test_renamed_metrics_are_gone_from_code_and_docs() -> None:
     assert not set(RENAMED) & named, sorted(set(RENAMED) & named)
 
 
+def test_each_mm_family_belongs_to_one_side_or_says_its_side() -> None:
+    """``LLM_ONLY`` and ``ENCODER_ONLY`` (what ``serve-encoder`` leaves out; what only a worker updates) name real
+    families; every other family carries the ``side`` label."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from tensorwire.mm._metrics import ENCODER_ONLY, LLM_ONLY
+
+    m = TransportMetrics(CollectorRegistry())
+    assert LLM_ONLY | ENCODER_ONLY <= set(_mm()) and not LLM_ONLY & ENCODER_ONLY
+    for metric in vars(m).values():
+        if isinstance(metric, MetricWrapperBase):
+            (family,) = metric.describe()
+            exposed = family.name + "_total" if family.type == "counter" else family.name
+            if exposed not in LLM_ONLY | ENCODER_ONLY:
+                assert "side" in metric._labelnames, f"{exposed}: shared by both sides but has no side label"
+
+
 def test_latency_histograms_resolve_sub_millisecond_calls() -> None:
     reg = CollectorRegistry()
     m = _Metrics(reg, RouteTable(1.0), ["127.0.0.1:7001"])

@@ -165,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorwire.cli._args import device_problem
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError
+    from tensorwire.mm._metrics import LLM_ONLY
     from tensorwire.service._flags import stop_config
     from tensorwire.service._runtime import (
         EXIT_USAGE,
@@ -207,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             worker.start(f"{args.host}:{args.port}", insecure=args.insecure)
             if args.metrics_port >= 0:
-                metrics = serve_metrics(args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure)
+                metrics = serve_metrics(
+                    args.metrics_port, args.metrics_host, tls=config.tls, insecure=args.insecure, exclude=LLM_ONLY
+                )
             log.info("listening on %s, NOT_SERVING while model %s loads", worker.address, args.model)
             worker.load()
         except (TensorwireError, ValueError, OSError) as exc:

@@ -3,6 +3,9 @@
 Labels: ``side``, ``plane``, ``role``, ``reason`` (a :class:`~tensorwire.errors.Reason` or a fixed string),
 ``mode``, ``scope``, ``state``, ``path``, ``event``; never endpoints, lease ids, shapes or free text.
 ``TransportMetrics(registry)`` registers the family; ``metrics_for(None)`` returns the shared default instance.
+
+``LLM_ONLY`` and ``ENCODER_ONLY`` name the families only one side updates (the others carry a ``side`` label); a
+process that is only one side (``serve-encoder``) leaves the other side's families out of its ``/metrics``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,39 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 # Encoder compute: a small image on a GPU takes milliseconds, a large batch on a CPU tens of seconds.
 _COMPUTE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+# Families (as exposed) only the reading side updates: a worker process never touches them.
+LLM_ONLY = frozenset(
+    {
+        "tensorwire_mm_read_seconds",
+        "tensorwire_mm_fetch_seconds",
+        "tensorwire_mm_release_seconds",
+        "tensorwire_mm_release_leases_total",
+        "tensorwire_mm_release_queue_dropped_leases_total",
+        "tensorwire_mm_release_queue_pending_leases",
+        "tensorwire_mm_open_breakers",
+        "tensorwire_mm_breaker_transitions_total",
+        "tensorwire_mm_rdma_staged_gpu_reads_total",
+        "tensorwire_mm_control_rpcs_total",
+    }
+)
+# Families only the encoder (the exporting side) updates.
+ENCODER_ONLY = frozenset(
+    {
+        "tensorwire_mm_encoder_released_leases_total",
+        "tensorwire_mm_encoder_gc_reclaimed_leases_total",
+        "tensorwire_mm_encoder_compute_seconds",
+        "tensorwire_mm_encoder_request_seconds",
+        "tensorwire_mm_encoder_exporter_ready",
+        "tensorwire_mm_encoder_control_streams",
+        "tensorwire_mm_server_refused_calls_total",
+        "tensorwire_mm_encoder_leases",
+        "tensorwire_mm_encoder_leased_bytes",
+        "tensorwire_mm_encoder_pool_bytes",
+        "tensorwire_mm_encoder_pool_capacity_bytes",
+    }
+)
 
 
 class _CountFromSource:
@@ -237,4 +273,4 @@ def metrics_for(registry: CollectorRegistry | None = None) -> TransportMetrics:
         return m
 
 
-__all__ = ["TransportMetrics", "metrics_for"]
+__all__ = ["ENCODER_ONLY", "LLM_ONLY", "TransportMetrics", "metrics_for"]

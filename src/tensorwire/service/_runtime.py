@@ -52,11 +52,14 @@ log = logging.getLogger(__name__)
 class ServedMetrics:
     """What ``/metrics`` of a serve command shows: ``registry``'s families without the ``*_created`` series
     prometheus_client adds to every counter and histogram (a timestamp per series that doubles the scrape and that
-    no tensorwire alert reads), plus ``tensorwire_build_info{version, python} 1``. A view: the registry itself, and
-    prometheus_client's process-wide settings, are left as they are (the library may share them with vLLM)."""
+    no tensorwire alert reads), without the families named in ``exclude`` (as exposed, counters with ``_total``:
+    another role's families this process never updates), plus ``tensorwire_build_info{version, python} 1``. A view:
+    the registry itself, and prometheus_client's process-wide settings, are left as they are (the library may share
+    them with vLLM)."""
 
-    def __init__(self, registry: Any) -> None:
+    def __init__(self, registry: Any, exclude: frozenset[str] = frozenset()) -> None:
         self._registry = registry
+        self._exclude = exclude
 
     def collect(self) -> Iterator[Any]:
         import platform
@@ -71,22 +74,34 @@ class ServedMetrics:
         info.add_metric([__version__, platform.python_version()], 1)
         yield info
         for family in self._registry.collect():
+            exposed = family.name + "_total" if family.type == "counter" else family.name
+            if exposed in self._exclude:
+                continue
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
 
     def restricted_registry(self, names: Any) -> Any:
         """The ``?name[]=...`` query of the exposition handler: the same view, those families only."""
-        return ServedMetrics(self._registry.restricted_registry(names))
+        return ServedMetrics(self._registry.restricted_registry(names), self._exclude)
 
 
 class MetricsServer:
     """Prometheus ``/metrics`` over HTTP (prometheus_client's server); ``port`` is the bound one. Idempotent close.
-    What it serves is ``ServedMetrics`` of ``registry`` (no ``*_created`` series, a build-info gauge).
+    What it serves is ``ServedMetrics`` of ``registry`` (no ``*_created`` series, no family in ``exclude``, a
+    build-info gauge).
 
     ``tls`` (a ``TlsConfig`` with a certificate): HTTPS with that certificate, and client certificates signed by
     its CA required when it asks for client authentication (the gRPC listener's rules)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", registry: Any = None, *, tls: Any = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        registry: Any = None,
+        *,
+        tls: Any = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> None:
         from prometheus_client import REGISTRY, start_http_server
 
         kwargs: dict[str, Any] = {}
@@ -95,7 +110,7 @@ class MetricsServer:
             if tls.mutual:
                 kwargs.update(client_cafile=tls.ca, client_auth_required=True)
         try:
-            served = ServedMetrics(registry or REGISTRY)
+            served = ServedMetrics(registry or REGISTRY, exclude)
             self._server, self._thread = start_http_server(port, addr=host, registry=served, **kwargs)
         except OSError as exc:
             why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
@@ -120,21 +135,24 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(port: int, host: str, *, tls: Any, insecure: bool) -> MetricsServer:
+def serve_metrics(
+    port: int, host: str, *, tls: Any, insecure: bool, exclude: frozenset[str] = frozenset()
+) -> MetricsServer:
     """The /metrics server of a serve command: plaintext on loopback (or anywhere with ``insecure``), HTTPS with the
     gRPC certificate elsewhere (client certificates required under mTLS); ConfigError for a plaintext non-loopback
-    address (/metrics stays on loopback unless it is protected or the operator says otherwise)."""
+    address (/metrics stays on loopback unless it is protected or the operator says otherwise). ``exclude``: the
+    families of other roles left out (``ServedMetrics``)."""
     from tensorwire._grpc.scope import is_loopback_host
     from tensorwire.errors import ConfigError
 
     if is_loopback_host(host) or insecure:
-        return MetricsServer(port, host)
+        return MetricsServer(port, host, exclude=exclude)
     if tls is None or not tls.server_enabled:
         raise ConfigError(
             f"refusing plaintext /metrics on {host!r} (not loopback): give the server a certificate "
             "(--tls-cert, --tls-key) or pass --insecure"
         )
-    return MetricsServer(port, host, tls=tls)
+    return MetricsServer(port, host, tls=tls, exclude=exclude)
 
 
 def print_ready(**fields: object) -> None:

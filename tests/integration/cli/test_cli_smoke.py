@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tensorwire.encoder import sample_paths
+from tensorwire.mm._metrics import LLM_ONLY
 from tensorwire.rdma import has_rdma
 from tensorwire.service._child import Child
 
@@ -58,6 +59,12 @@ def test_serve_fetch_metrics_and_sigterm(tmp_path: Path) -> None:
             text = resp.read().decode()
         assert 'tensorwire_mm_requests_total{plane="inline",side="encoder"}' in text
         assert 'tensorwire_mm_errors_total{reason="invalid_payload",side="encoder"} 1.0' in text
+        # Only the worker's own families: none of the LLM side's, which a worker never updates.
+        families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        assert "tensorwire_mm_encoder_compute_seconds" in families and "tensorwire_build_info" in families
+        llm_side = {f for f in families if f in LLM_ONLY or f + "_total" in LLM_ONLY}
+        assert not llm_side, f"the worker exports LLM-side families: {sorted(llm_side)}"
+        assert "_created{" not in text and "_created " not in text
         # Graceful shutdown on SIGTERM: exit 0, promptly.
         enc.proc.send_signal(signal.SIGTERM)
         assert enc.proc.wait(120) == 0
