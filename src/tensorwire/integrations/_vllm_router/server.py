@@ -39,21 +39,25 @@ waited for is logged; whatever still runs after the grace period is cut.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
+import functools
+import itertools
 import json
 import logging
+import os
 import signal
 import socket
 import ssl
 import threading
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from tensorwire.errors import ClosedError, ConfigError, DeadlineExceeded, PeerUnavailable, ProtocolError, Reason
 from tensorwire.integrations._vllm_router import rewrite
@@ -67,6 +71,8 @@ log = logging.getLogger("tensorwire.integrations.vllm_router")
 _FORWARDED_HEADERS = ("Authorization", "Accept", "Accept-Encoding", "User-Agent", "traceparent", "tracestate")
 _JSON_TYPES = ("application/json", "")
 _WHOLE_BYTES = 1 << 20  # answers up to this size with a Content-Length go out in one write
+_NO_WAIT_BYTES = 16 * 1024  # asyncio's and uvloop's default low-water mark (the high-water one is 64 KiB)
+_ACCEPT_BATCH = 512  # connections accepted per wake-up of the listener
 
 
 @dataclass
@@ -150,6 +156,11 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        # The labelled series, looked up once each (the label values are bounded: routes, instances, outcomes).
+        self._upstream_calls = functools.cache(self.metrics.upstream_calls.labels)
+        self._encoder_calls = functools.cache(self.metrics.encoder_calls.labels)
+        self._request_seconds = functools.cache(self.metrics.request_seconds.labels)
+        self._requests = functools.cache(self.metrics.requests.labels)
         self.encoders = Instances("encoder", config.encoders, lambda i, up: self._set_up("encoder", i, up))
         self.llms = Instances("llm", config.llms, lambda i, up: self._set_up("llm", i, up))
         for role, pool in (("encoder", self.encoders), ("llm", self.llms)):
@@ -166,6 +177,9 @@ class Router:
             connections=config.upstream_connections, keepalive_s=config.upstream_keepalive_s, ssl_context=upstream_ssl
         )
         self._sock = _listen(config)
+        self._port = int(self._sock.getsockname()[1])
+        self._accepting = False
+        self._adopting: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -180,7 +194,6 @@ class Router:
         self._closing = False
         self._active: dict[int, bool] = {}  # id(request) -> streamed
         self._web: web.Server | None = None
-        self._listener: asyncio.AbstractServer | None = None
         log.info(
             "vLLM EPD router on %s: %s; %s; fallback %s",
             self.address,
@@ -191,7 +204,7 @@ class Router:
 
     @property
     def port(self) -> int:
-        return int(self._sock.getsockname()[1])
+        return self._port
 
     @property
     def address(self) -> str:
@@ -288,9 +301,9 @@ class Router:
             logger=_QuietLog(logging.getLogger("tensorwire.integrations.vllm_router.http"), {}),
         )
         self.metrics.connections.set_function(lambda: len(self._web.connections) if self._web else 0)
-        self._listener = await loop.create_server(
-            self._protocol, sock=self._sock, ssl=self._server_ssl, backlog=self.config.backlog
-        )
+        self.metrics.in_flight.set_function(lambda: len(self._active))
+        loop.add_reader(self._sock.fileno(), self._accept)
+        self._accepting = True
         probes = asyncio.create_task(self._probe_forever())
         if self._pending_stop:
             self._request_stop(self._pending_stop > 1)
@@ -300,10 +313,56 @@ class Router:
             await self._stop_requested.wait()
             await self._drain()
         finally:
+            self._stop_accepting()
             probes.cancel()
-            await asyncio.gather(probes, return_exceptions=True)
+            for task in self._adopting:
+                task.cancel()
+            await asyncio.gather(probes, *self._adopting, return_exceptions=True)
             await self._up.close()
             self._loop = None
+
+    def _accept(self) -> None:
+        """The listener is readable: accepts every connection waiting, up to ``_ACCEPT_BATCH`` (uvloop's libuv
+        accepts one per loop iteration: under load a burst of new connections waited seconds behind the running
+        requests). Each is handed to the event loop (TLS handshake included) by ``_adopt``."""
+        loop = self._loop
+        assert loop is not None
+        for _ in range(_ACCEPT_BATCH):
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.error("cannot accept connections (%s): trying again in 1 s", exc.strerror or exc)
+                    loop.remove_reader(self._sock.fileno())
+                    loop.call_later(1.0, self._resume_accepting)
+                    return
+                continue  # that connection was reset before it was accepted
+            conn.setblocking(False)
+            task = loop.create_task(self._adopt(conn))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    async def _adopt(self, conn: socket.socket) -> None:
+        assert self._loop is not None
+        try:
+            await self._loop.connect_accepted_socket(self._protocol, conn, ssl=self._server_ssl)
+        except Exception as exc:  # a failed TLS handshake, a connection reset meanwhile: its problem
+            log.debug("connection not taken: %s", exc)
+            conn.close()
+
+    def _resume_accepting(self) -> None:
+        if self._accepting and self._loop is not None:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
+    def _stop_accepting(self) -> None:
+        """Closes the listener: new connections are refused by the kernel from here on."""
+        if self._accepting:
+            self._accepting = False
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
 
     def _protocol(self) -> asyncio.BaseProtocol:
         assert self._web is not None
@@ -313,7 +372,7 @@ class Router:
         return self._web()
 
     async def _drain(self) -> None:
-        assert self._web is not None and self._listener is not None and self._cut is not None
+        assert self._web is not None and self._cut is not None
         cfg = self.config
         self._healthy = False
         t0 = time.monotonic()
@@ -324,7 +383,7 @@ class Router:
             except TimeoutError:
                 pass
         self._closing = True
-        self._listener.close()
+        self._stop_accepting()
         for conn in self._web.connections:
             conn.close()  # idle ones close now, busy ones after their answer
         running = dict(self._active)
@@ -356,7 +415,6 @@ class Router:
         else:
             log.info("listener closed; no request in flight")
         await self._web.shutdown(0.5)
-        await self._listener.wait_closed()
 
     async def _wait_idle(self) -> None:
         assert self._idle is not None
@@ -385,7 +443,6 @@ class Router:
         t0 = time.monotonic()
         key = id(request)
         self._active[key] = False
-        self.metrics.in_flight.inc()
         state = _State(request_id(request))
         try:
             response = await self._dispatch(request, state, key)
@@ -394,9 +451,8 @@ class Router:
             return response
         finally:
             del self._active[key]
-            self.metrics.in_flight.dec()
-            self.metrics.request_seconds.labels(state.route).observe(time.monotonic() - t0)
-            state.count(self.metrics)
+            self._request_seconds(state.route).observe(time.monotonic() - t0)
+            state.count(self._requests)
             if not self._active and self._idle is not None:
                 self._idle.set()
 
@@ -506,9 +562,12 @@ class Router:
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
         chunks: list[bytes] = []
         total = 0
+        content = request.content
+        # A body that is all here already (the common case) is read without arming a timer.
+        bound = contextlib.nullcontext() if content.is_eof() else asyncio.timeout(self.config.body_timeout_s)
         try:
-            async with asyncio.timeout(self.config.body_timeout_s):
-                while chunk := await request.content.readany():
+            async with bound:
+                while chunk := await content.readany():
                     total += len(chunk)
                     if total > limit:
                         return _close(_error(413, f"request body over {limit} bytes", "BadRequestError", rid))
@@ -563,13 +622,13 @@ class Router:
                     self._encoder_failed(i, "bad_answer", "the answer is not JSON", result, rid)
                     continue
                 result.encoder = name
-                self.metrics.upstream_calls.labels(name, "encoder", "ok").inc()
+                self._upstream_calls(name, "encoder", "ok").inc()
                 if isinstance(params, dict) and params:
-                    self.metrics.encoder_calls.labels(name, "ok").inc()
+                    self._encoder_calls(name, "ok").inc()
                     self.metrics.encoder_seconds.observe(time.monotonic() - t0)
                     result.params = params
                 else:
-                    self.metrics.encoder_calls.labels(name, "not_announced").inc()
+                    self._encoder_calls(name, "not_announced").inc()
                     log.warning(
                         "%s (%s) answered without ec_transfer_params (request %s): is it started with the "
                         "tensorwire connector as ec_producer? The LLM instance encodes",
@@ -582,8 +641,8 @@ class Router:
                 detail = answer[:200].decode("utf-8", "replace")
                 self._encoder_failed(i, "error_status", f"HTTP {status} {detail}", result, rid)
                 continue
-            self.metrics.encoder_calls.labels(name, "rejected").inc()
-            self.metrics.upstream_calls.labels(name, "encoder", "ok").inc()
+            self._encoder_calls(name, "rejected").inc()
+            self._upstream_calls(name, "encoder", "ok").inc()
             result.encoder, result.refused = name, (status, ctype, answer)
             return result
         return result
@@ -591,8 +650,8 @@ class Router:
     def _encoder_failed(self, index: int, outcome: str, message: str, result: EncodeResult, rid: str) -> None:
         name, url = self.encoders.names[index], self.encoders.urls[index]
         self.encoders.failed(index, message)
-        self.metrics.encoder_calls.labels(name, outcome).inc()
-        self.metrics.upstream_calls.labels(name, "encoder", outcome).inc()
+        self._encoder_calls(name, outcome).inc()
+        self._upstream_calls(name, "encoder", outcome).inc()
         result.errors.append(f"{name}: {message}")
         log.warning("request %s: encoder instance %s (%s) failed (%s): %s", rid, name, url, outcome, message)
 
@@ -619,7 +678,7 @@ class Router:
                 upstream = await self._up.open(url, request.method, target, payload, headers, timeout=timeout)
             except PeerUnavailable as exc:
                 self.llms.failed(i, str(exc))
-                self.metrics.upstream_calls.labels(name, "llm", "unavailable").inc()
+                self._upstream_calls(name, "llm", "unavailable").inc()
                 failures.append(f"{name}: {exc}")
                 log.warning("request %s: LLM instance %s (%s) unavailable: %s", rid, name, url, exc)
                 continue
@@ -627,7 +686,7 @@ class Router:
                 timed_out = isinstance(exc, DeadlineExceeded)
                 if timed_out:
                     self.llms.failed(i, str(exc))
-                self.metrics.upstream_calls.labels(name, "llm", "timeout" if timed_out else "bad_answer").inc()
+                self._upstream_calls(name, "llm", "timeout" if timed_out else "bad_answer").inc()
                 state.route = "llm_failed"
                 status = 504 if timed_out else 502
                 log.error("request %s: %d from LLM instance %s (%s): %s", rid, status, name, url, exc)
@@ -646,9 +705,7 @@ class Router:
             body = await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             upstream.close()
-            self.metrics.upstream_calls.labels(
-                name, "llm", "timeout" if isinstance(exc, TimeoutError) else "bad_answer"
-            ).inc()
+            self._upstream_calls(name, "llm", "timeout" if isinstance(exc, TimeoutError) else "bad_answer").inc()
             state.route = "llm_failed"
             timed_out = isinstance(exc, TimeoutError)
             log.error(
@@ -666,19 +723,25 @@ class Router:
                 encoder,
             )
         upstream.release()
-        self.metrics.upstream_calls.labels(name, "llm", "ok").inc()
+        self._upstream_calls(name, "llm", "ok").inc()
         out = web.Response(status=upstream.status, reason=upstream.reason, body=body)
         for k, v in upstream.headers.items():
             if k.lower() not in HOP_BY_HOP:
                 out.headers.add(k, v)
         out.headers["X-Request-Id"] = state.rid
         out.headers["X-Tensorwire-Encoder"] = encoder or "none"
-        state.count(self.metrics)
+        state.count(self._requests)
         return out
 
-    async def _write(self, step: Any) -> None:
-        """One write to the client, within ``write_timeout_s``; ``_ClientGone`` when it stalls or went away."""
+    async def _write(self, request: web.BaseRequest, step: Any, size: int) -> None:
+        """One write of ``size`` bytes to the client, within ``write_timeout_s``; ``_ClientGone`` when it stalls or
+        went away. A write that leaves the connection's send buffer under ``_NO_WAIT_BYTES`` (below the
+        transport's low-water mark: nothing can pause it) cannot wait for the client, so no timer is armed."""
+        transport = request.transport
         try:
+            if transport is not None and transport.get_write_buffer_size() + size <= _NO_WAIT_BYTES:
+                await step
+                return
             async with asyncio.timeout(self.config.write_timeout_s):
                 await step
         except TimeoutError as exc:
@@ -701,7 +764,7 @@ class Router:
         length = upstream.content_length
         if length is not None and length <= _WHOLE_BYTES and "Content-Encoding" not in upstream.headers:
             return await self._relay_whole(request, state, upstream, name, encoder)
-        out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        out = _Relayed(status=upstream.status, reason=upstream.reason)
         for k, v in upstream.headers.items():
             if k.lower() not in HOP_BY_HOP:
                 out.headers.add(k, v)
@@ -712,11 +775,17 @@ class Router:
         self._active[key] = True
         outcome = "ok"
         try:
-            await self._write(out.prepare(request))
-            async for chunk in upstream.content.iter_any():
-                await self._write(out.write(chunk))
-            state.count(self.metrics)  # before the client can see the end of its answer
-            await self._write(out.write_eof())
+            await self._write(request, out.prepare(request), 0)
+            # The status line and headers go out with the first write: count them in it.
+            head = 64 + sum(len(k) + len(v) + 4 for k, v in out.headers.items())
+            content = upstream.content
+            while chunk := await content.readany():
+                if content.at_eof():  # the last piece: with the end of the answer in one send
+                    break
+                await self._write(request, out.write(chunk), head + len(chunk))
+                head = 0
+            state.count(self._requests)  # before the client can see the end of its answer
+            await self._write(request, out.write_eof(chunk), head + len(chunk))
         except (TimeoutError, aiohttp.ClientError) as exc:  # the instance stalled or broke mid-answer
             outcome = "cut"
             state.route = "llm_failed"
@@ -733,8 +802,15 @@ class Router:
             else:
                 upstream.close()
             if outcome != "client_gone":
-                self.metrics.upstream_calls.labels(name, "llm", outcome).inc()
+                self._upstream_calls(name, "llm", outcome).inc()
         return out
+
+
+class _Relayed(web.StreamResponse):
+    """A relayed answer whose status line and headers go out with its first bytes, in one send (a stream that
+    the instance sent whole goes out whole: headers, events and end; every send to the client wakes it once)."""
+
+    _send_headers_immediately = False
 
 
 @dataclass
@@ -743,10 +819,10 @@ class _State:
     route: str = "bad_request"
     counted: bool = False
 
-    def count(self, metrics: RouterMetrics) -> None:
+    def count(self, requests: Callable[[str], Counter]) -> None:
         if not self.counted:
             self.counted = True
-            metrics.requests.labels(self.route).inc()
+            requests(self.route).inc()
 
 
 class _ClientGone(Exception):
@@ -783,6 +859,14 @@ def loop_factory(kind: str) -> Any:
     return None
 
 
+_RID_PREFIX = os.urandom(8).hex()
+_rid_counter = itertools.count(1)
+
+
 def request_id(request: web.BaseRequest) -> str:
+    """The client's ``X-Request-Id`` when printable and at most 128 characters, else a new one: 32 hex digits, a
+    random per-process prefix and a counter (unique without a system call per request)."""
     given = request.headers.get("X-Request-Id", "")
-    return given if given and len(given) <= 128 and given.isprintable() else uuid.uuid4().hex
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return f"{_RID_PREFIX}{next(_rid_counter):016x}"
