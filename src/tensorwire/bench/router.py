@@ -1,9 +1,9 @@
 """``python -m tensorwire.bench router``: the EPD router against what users run instead, with stand-in instances.
 
-    python -m tensorwire.bench router [--seconds 3] [--old-src DIR] [--out FILE] [--skip SCENARIO ...]
+    python -m tensorwire.bench router [--seconds 1] [--repeats 5] [--old-src DIR] [--out FILE] [--skip SCENARIO ...]
 
 Stand-in ``vllm serve`` instances (``_router.upstream``: processes answering at once, plain JSON or SSE-streamed)
-leave only the proxy in front measured. In the same run, side by side, interleaved per cell:
+leave only the proxy in front measured. In the same run, side by side, taking turns in short slices:
 
 - ``direct``: the client talks to the LLM stand-in itself (the floor);
 - ``tensorwire``: ``python -m tensorwire.integrations.vllm_router``;
@@ -13,9 +13,12 @@ leave only the proxy in front measured. In the same run, side by side, interleav
 Scenarios (each bounded; loopback only):
 
 - ``closed_loop``: c = 1 / 16 / 64 / 256 connections, each sending a chat request with an image (encoder
-  stand-in, then LLM stand-in) as soon as its previous answer ended, plain and streamed (8 SSE events), for
-  ``--seconds`` after a ``--warmup``; the answers that ended in that window give p50/p99 latency (and first
-  body byte for streams) and throughput; errors, the proxy's CPU per answer, threads and RSS;
+  stand-in, then LLM stand-in) as soon as its previous answer ended, plain and streamed (8 SSE events). Per
+  cell (mode, c) the proxies take turns, ``--repeats`` times, in slices of ``--warmup`` + ``--seconds`` (the
+  order rotated each repeat); a slice's answers that ended in its measured window give p50/p99 latency (and
+  first body byte for streams) and throughput; the proxy's CPU per answer, the client's CPU, threads, RSS and
+  the load average go with it. A cell's figures are medians over its repeats, with their spread (min, max);
+  the ratios pair tensorwire's and the FastAPI proxy's slices of the same repeat;
 - ``idle_loris``: 1,000 idle keep-alive connections and 1,000 slow-loris connections (headers trickled a line a
   second) against each proxy; c=1 requests before and during; how many of the 2,000 each proxy closed within
   its idle timeout + 5 s; threads and RSS;
@@ -25,54 +28,39 @@ Scenarios (each bounded; loopback only):
   first-byte timeout (1 s) + 1 s; the FastAPI proxy for comparison (its requests to the hung one wait for the
   client's 10 s timeout).
 
-The client is an asyncio raw-HTTP/1.1 client in this process (keep-alive, one request at a time per connection;
-uvloop when installed). On a 2-core box everything shares the two cores (client, proxy, stand-ins): the numbers
-compare proxies in the same conditions; they are not the proxies' capacity.
+The closed loop's client (``_router.client``) is one process of its own for the whole run, the same for every
+proxy: a raw asyncio HTTP/1.1 client (keep-alive, one request at a time per connection; uvloop when installed)
+that drives the stand-in directly (``direct``) many times faster than through any proxy, so it is not what limits
+a proxy's figures. Each proxy is one process with one event loop (uvicorn: one worker). The other scenarios run
+their client in this process. On a 2-core box everything shares the two cores (client, proxy, stand-ins, and
+whatever else runs): the numbers compare proxies in the same conditions; they are not the proxies' capacity.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tensorwire.bench._common import summarize, write_result
+from tensorwire.bench._common import write_result
+from tensorwire.bench._router.client import chat as _chat
+from tensorwire.bench._router.client import closed_loop
+from tensorwire.bench._router.client import connect as _open
+from tensorwire.bench._router.client import loop_name as _loop_name
+from tensorwire.bench._router.client import run as _run
 
-PROXIES = ("direct", "tensorwire", "fastapi", "stdlib_old")
+PROXIES = ("direct", "tensorwire", "fastapi", "stdlib_old", "tensorwire_asyncio")
 CONCURRENCY = (1, 16, 64, 256)
 SRC = Path(__file__).resolve().parents[2]
-
-
-def _chat(stream: bool) -> bytes:
-    image = base64.b64encode(bytes(range(256)) * 6).decode()
-    body = {
-        "model": "m",
-        "max_tokens": 8,
-        "stream": stream,
-        "messages": [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-                    {"type": "text", "text": "What is in the image?"},
-                ],
-            }
-        ],
-    }
-    raw = json.dumps(body).encode()
-    return (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw)
-    )
 
 
 # -- processes -------------------------------------------------------------------------------------------------
@@ -159,6 +147,8 @@ def _upstream(*extra: str) -> Proc:
 
 def _proxy(kind: str, encoders: list[int], llm: int, old_src: Path | None, *extra: str) -> Proc | None:
     enc = [a for p in encoders for a in ("--encoder", f"http://127.0.0.1:{p}")]
+    if kind == "tensorwire_asyncio":  # the router on asyncio's event loop, whether or not uvloop is installed
+        return _proxy("tensorwire", encoders, llm, old_src, "--loop", "asyncio", *extra)
     if kind == "tensorwire":
         return _wait_health(
             _spawn(
@@ -213,164 +203,165 @@ def _proxy(kind: str, encoders: list[int], llm: int, old_src: Path | None, *extr
     return None
 
 
-# -- the client ------------------------------------------------------------------------------------------------
+# -- the load generator ----------------------------------------------------------------------------------------
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection; ``ask(request)`` -> (status, first body byte time, end time)."""
+class _Client:
+    """The load generator (``_router.client``) in a process of its own, the same one for every slice of the run."""
 
     def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[tuple[int, float, float]] | None = None
-        self.head_end = -1
-        self.first = 0.0
-        self.closed = False
+        env = dict(os.environ, PYTHONPATH=str(SRC))
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "tensorwire.bench._router.client"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport
+    def slice(self, port: int, stream: bool, c: int, seconds: float, warmup: float) -> dict[str, Any]:
+        assert self.popen.stdin is not None and self.popen.stdout is not None
+        cmd = {"port": port, "stream": stream, "c": c, "seconds": seconds, "warmup": warmup}
+        self.popen.stdin.write(json.dumps(cmd) + "\n")
+        self.popen.stdin.flush()
+        line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the load generator exited (code {self.popen.wait()})")
+        return cast(dict[str, Any], json.loads(line))
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.closed = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError("closed by the server"))
-
-    def data_received(self, data: bytes) -> None:
-        now = time.perf_counter()
-        self.buf += data
-        if self.head_end < 0:
-            self.head_end = self.buf.find(b"\r\n\r\n")
-            if self.head_end < 0:
-                return
-        if not self.first and len(self.buf) > self.head_end + 4:
-            self.first = now
-        head = bytes(self.buf[: self.head_end]).lower()
-        body_len = len(self.buf) - self.head_end - 4
-        done = False
-        i = head.find(b"content-length:")
-        if i >= 0:
-            n = int(head[i + 15 :].split(b"\r\n", 1)[0])
-            done = body_len >= n
-        elif b"chunked" in head:
-            done = self.buf.endswith(b"0\r\n\r\n") and body_len >= 5
-        if done and self.waiter is not None and not self.waiter.done():
-            status = int(self.buf[9:12])
-            self.waiter.set_result((status, self.first or now, now))
-
-    async def ask(self, request: bytes) -> tuple[int, float, float]:
-        assert self.transport is not None
-        self.buf.clear()
-        self.head_end = -1
-        self.first = 0.0
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
-        return await self.waiter
-
-
-async def _open(port: int) -> _Conn:
-    _, conn = await asyncio.get_running_loop().create_connection(_Conn, "127.0.0.1", port)
-    return conn
-
-
-@dataclass
-class _Tally:
-    latencies: list[float] = field(default_factory=list)
-    firsts: list[float] = field(default_factory=list)
-    errors: int = 0
-    done: int = 0
-
-
-async def _worker(port: int, request: bytes, t_start: float, t_end: float, tally: _Tally, timeout_s: float) -> None:
-    conn: _Conn | None = None
-    while time.perf_counter() < t_end:
+    def close(self) -> None:
+        for f in (self.popen.stdin, self.popen.stdout):
+            if f is not None:
+                f.close()
         try:
-            if conn is None or conn.closed:
-                conn = await asyncio.wait_for(_open(port), timeout_s)
-            t0 = time.perf_counter()
-            status, first, end = await asyncio.wait_for(conn.ask(request), timeout_s)
-        except (OSError, TimeoutError, ConnectionError):
-            if time.perf_counter() >= t_start:
-                tally.errors += 1
-            if conn is not None and conn.transport is not None:
-                conn.transport.abort()
-            conn = None
-            continue
-        if t_start <= end <= t_end:  # answers that ended in the window, whenever they started
-            if status != 200:
-                tally.errors += 1
-                continue
-            tally.latencies.append(end - t0)
-            tally.firsts.append(first - t0)
-            tally.done += 1
-    if conn is not None and conn.transport is not None:
-        conn.transport.close()
-
-
-async def closed_loop(
-    port: int, request: bytes, c: int, seconds: float, warmup_s: float = 0.5, timeout_s: float = 10.0
-) -> dict[str, Any]:
-    tally = _Tally()
-    t_start = time.perf_counter() + warmup_s
-    t_end = t_start + seconds
-    await asyncio.gather(*(_worker(port, request, t_start, t_end, tally, timeout_s) for _ in range(c)))
-    lat, first = summarize(tally.latencies), summarize(tally.firsts)
-    return {
-        "n": tally.done,
-        "errors": tally.errors,
-        "rps": tally.done / seconds,
-        "p50_ms": lat.get("median_ms"),
-        "p99_ms": lat.get("p99_ms"),
-        "max_ms": lat.get("max_ms"),
-        "first_byte_p50_ms": first.get("median_ms"),
-        "first_byte_p99_ms": first.get("p99_ms"),
-    }
-
-
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
 
 
 # -- scenarios -------------------------------------------------------------------------------------------------
 
 
 def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dict[str, Any]]:
+    """Every slice: (mode, c, repeat, proxy). Per cell (mode, c), the proxies take turns in short slices, the
+    order rotated each repeat, so that a burst of load from the neighbours lands on all of them alike."""
     enc, llm = _upstream(), _upstream()
     procs = {k: _proxy(k, [enc.port], llm.port, args.old_src) for k in kinds if k != "direct"}
     ports = {"direct": llm.port, **{k: p.port for k, p in procs.items() if p is not None}}
-    rows = []
+    order = list(ports)
+    client = _Client()
+    slices = []
     try:
         for mode in ("plain", "stream"):
-            request = _chat(mode == "stream")
             for c in args.concurrency:
-                for kind in ports:
-                    proc = procs.get(kind)
-                    cpu0 = proc.cpu_s() if proc else 0.0
-                    row = _run(closed_loop(ports[kind], request, c, args.seconds, warmup_s=args.warmup))
-                    # CPU the proxy spent per answer (warm-up included in both): robust on a busy box, where
-                    # latency and throughput also measure the neighbours.
-                    served = row["n"] * (args.seconds + args.warmup) / args.seconds
-                    row["proxy_cpu_ms_per_request"] = (
-                        ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served else None
-                    )
-                    row.update({"proxy": kind, "mode": mode, "c": c, **(proc.stats() if proc else {})})
-                    rows.append(row)
+                for rep in range(args.repeats):
+                    for kind in order[rep % len(order) :] + order[: rep % len(order)]:
+                        proc = procs.get(kind)
+                        cpu0 = proc.cpu_s() if proc else 0.0
+                        load = os.getloadavg()[0]
+                        row = client.slice(ports[kind], mode == "stream", c, args.seconds, args.warmup)
+                        # CPU the proxy spent per answer (warm-up included in both): robust on a busy box, where
+                        # latency and throughput also measure the neighbours.
+                        served = row["n"] * (args.seconds + args.warmup) / args.seconds
+                        row["proxy_cpu_ms_per_request"] = (
+                            ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served else None
+                        )
+                        row.update(
+                            {"proxy": kind, "mode": mode, "c": c, "repeat": rep, "load_1m": load}
+                            | (proc.stats() if proc else {})
+                        )
+                        slices.append(row)
+                for cell in _cells([r for r in slices if r["mode"] == mode and r["c"] == c]):
                     print(
-                        f"  {mode:6} c={c:<4} {kind:11} p50 {row['p50_ms'] or 0:8.2f} ms  p99 "
-                        f"{row['p99_ms'] or 0:8.2f} ms  {row['rps']:8.0f}/s  err {row['errors']:4}  cpu/req "
-                        f"{row['proxy_cpu_ms_per_request'] or 0:6.3f} ms  "
-                        f"threads {row.get('threads', '-')}  rss {row.get('rss_mb', 0):.0f} MB",
+                        f"  {mode:6} c={c:<4} {cell['proxy']:11} p50 {cell['p50_ms'] or 0:8.2f} ms  p99 "
+                        f"{cell['p99_ms'] or 0:8.2f} ms  {cell['rps']:7.0f}/s ({cell['rps_min']:.0f}-"
+                        f"{cell['rps_max']:.0f})  err {cell['errors']:3}  cpu/req "
+                        f"{cell['proxy_cpu_ms_per_request'] or 0:6.3f} ms  client {cell['client_cores']:.2f} "
+                        f"cores  threads {cell.get('threads', '-')}  rss {cell.get('rss_mb', 0):.0f} MB  "
+                        f"load {cell['load_1m']:.1f}",
                         flush=True,
                     )
     finally:
+        client.close()
         for p in (*procs.values(), enc, llm):
             if p is not None:
                 p.stop()
-    return rows
+    return slices
+
+
+def _median(values: list[Any]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _cells(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (proxy, mode, c): medians over the repeats, with the spread (min, max) of throughput, p50 and p99."""
+    out = []
+    keys = sorted({(r["mode"], r["c"], r["proxy"]) for r in slices}, key=lambda k: (k[0], k[1], PROXIES.index(k[2])))
+    for mode, c, proxy in keys:
+        rows = [r for r in slices if (r["mode"], r["c"], r["proxy"]) == (mode, c, proxy)]
+        cell: dict[str, Any] = {"proxy": proxy, "mode": mode, "c": c, "repeats": len(rows)}
+        cell["n"] = sum(r["n"] for r in rows)
+        cell["errors"] = sum(r["errors"] for r in rows)
+        for k in ("rps", "p50_ms", "p99_ms", "max_ms", "first_byte_p50_ms", "first_byte_p99_ms"):
+            cell[k] = _median([r[k] for r in rows])
+        for k in ("rps", "p50_ms", "p99_ms"):
+            got = [r[k] for r in rows if r[k] is not None]
+            cell[k.replace("_ms", "") + "_min" + ("_ms" if k != "rps" else "")] = min(got) if got else None
+            cell[k.replace("_ms", "") + "_max" + ("_ms" if k != "rps" else "")] = max(got) if got else None
+        cell["proxy_cpu_ms_per_request"] = _median([r["proxy_cpu_ms_per_request"] for r in rows])
+        cell["client_cores"] = _median([r["client_cpu_s"] / r["client_wall_s"] for r in rows]) or 0.0
+        cell["client_cpu_ms_per_request"] = _median(
+            [r["client_cpu_s"] * 1e3 / r["n"] if r["n"] else None for r in rows]
+        )
+        cell["load_1m"] = _median([r["load_1m"] for r in rows]) or 0.0
+        for k in ("threads", "rss_mb"):
+            if k in rows[-1]:
+                cell[k] = rows[-1][k]
+        out.append(cell)
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float | None]:
+    return {
+        "median": _median(values),
+        "min": min(values) if values else None,
+        "max": max(values) if values else None,
+    }
+
+
+def _ratios(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (mode, c), tensorwire against the FastAPI proxy, paired repeat by repeat (the two ran seconds apart):
+    the median ratio and its spread; the overhead over ``direct`` the same way. ``*_met``: the target holds at
+    the median."""
+    out = []
+    for mode in ("plain", "stream"):
+        for c in sorted({r["c"] for r in slices}):
+            reps: dict[int, dict[str, dict[str, Any]]] = {}
+            for r in slices:
+                if r["mode"] == mode and r["c"] == c:
+                    reps.setdefault(r["repeat"], {})[r["proxy"]] = r
+            entry: dict[str, Any] = {"mode": mode, "c": c}
+            pairs = [(p["tensorwire"], p["fastapi"]) for p in reps.values() if "tensorwire" in p and "fastapi" in p]
+            tput = [tw["rps"] / fa["rps"] for tw, fa in pairs if fa["rps"]]
+            p99 = [tw["p99_ms"] / fa["p99_ms"] for tw, fa in pairs if tw["p99_ms"] and fa["p99_ms"]]
+            if tput:
+                entry["throughput_tensorwire_over_fastapi"] = _spread(tput)
+                entry["throughput_met"] = bool(statistics.median(tput) >= 1.0)
+            if p99:
+                entry["p99_tensorwire_over_fastapi"] = _spread(p99)
+                entry["p99_met"] = bool(statistics.median(p99) <= 1.0)
+            for kind in ("tensorwire", "fastapi", "stdlib_old"):
+                over = [
+                    p[kind]["p50_ms"] - p["direct"]["p50_ms"]
+                    for p in reps.values()
+                    if kind in p and "direct" in p and p[kind]["p50_ms"] and p["direct"]["p50_ms"]
+                ]
+                if over:
+                    entry[f"overhead_p50_ms_{kind}"] = _spread(over)
+            out.append(entry)
+    return out
 
 
 async def _idle_and_loris(port: int, n: int) -> tuple[list[Any], list[Any]]:
@@ -462,7 +453,7 @@ def scenario_idle_loris(args: argparse.Namespace, kinds: list[str]) -> dict[str,
         assert proc is not None
         try:
             out[kind] = _run(
-                _idle_loris_run(proc.port, args.idle_connections, _chat(False), args.seconds, idle_s, proc)
+                _idle_loris_run(proc.port, args.idle_connections, _chat(False), max(args.seconds, 3.0), idle_s, proc)
             )
         finally:
             for p in (proc, enc, llm):
@@ -555,35 +546,20 @@ def scenario_hung_encoder(args: argparse.Namespace, kinds: list[str]) -> dict[st
     return out
 
 
-def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for mode in ("plain", "stream"):
-        for c in sorted({r["c"] for r in rows}):
-            cell = {r["proxy"]: r for r in rows if r["mode"] == mode and r["c"] == c}
-            tw, fa, direct = cell.get("tensorwire"), cell.get("fastapi"), cell.get("direct")
-            entry: dict[str, Any] = {"mode": mode, "c": c}
-            if tw and fa and fa["rps"] and tw["p99_ms"] and fa["p99_ms"]:
-                entry["throughput_tensorwire_over_fastapi"] = tw["rps"] / fa["rps"]
-                entry["p99_tensorwire_over_fastapi"] = tw["p99_ms"] / fa["p99_ms"]
-            if tw and direct and tw["p50_ms"] and direct["p50_ms"]:
-                entry["overhead_p50_ms_tensorwire"] = tw["p50_ms"] - direct["p50_ms"]
-            if fa and direct and fa["p50_ms"] and direct["p50_ms"]:
-                entry["overhead_p50_ms_fastapi"] = fa["p50_ms"] - direct["p50_ms"]
-            old = cell.get("stdlib_old")
-            if old and direct and old["p50_ms"] and direct["p50_ms"]:
-                entry["overhead_p50_ms_stdlib_old"] = old["p50_ms"] - direct["p50_ms"]
-            out.append(entry)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tensorwire.bench router", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=3.0, help="measured time per closed-loop cell (default 3)")
+    ap.add_argument("--seconds", type=float, default=1.0, help="measured time per closed-loop slice (default 1)")
     ap.add_argument(
         "--warmup",
         type=float,
-        default=1.0,
-        help="seconds per closed-loop cell before measuring (connections open, pools fill; default 1)",
+        default=0.3,
+        help="seconds per closed-loop slice before measuring (connections open, pools fill; default 0.3)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="slices per proxy and cell, the proxies taking turns (default 5); figures are medians over them",
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     ap.add_argument(
@@ -596,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigterms", type=int, default=20)
     ap.add_argument("--hung-seconds", type=float, default=10.0)
     ap.add_argument("--skip", nargs="*", default=[], choices=("closed_loop", "idle_loris", "sigterm", "hung_encoder"))
-    ap.add_argument("--proxies", nargs="+", default=list(PROXIES), choices=PROXIES)
+    ap.add_argument("--proxies", nargs="+", default=list(PROXIES[:4]), choices=PROXIES)
     ap.add_argument("--note", default="", help="free text stored in the JSON (e.g. how busy the machine was)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -612,19 +588,22 @@ def main(argv: list[str] | None = None) -> int:
         "note": args.note,
         "python": sys.executable,
         "proxies": kinds,
-        "seconds_per_cell": args.seconds,
+        "seconds_per_slice": args.seconds,
         "warmup_s": args.warmup,
+        "repeats": args.repeats,
         "loop": _loop_name(),
+        "stacks": _stacks(),
         "load_average_before": os.getloadavg(),
     }
     t0 = time.monotonic()
     if "closed_loop" not in args.skip:
         print("closed loop (chat with an image: encoder stand-in, then LLM stand-in)", flush=True)
-        rows = scenario_closed_loop(args, kinds)
-        result["closed_loop"] = rows
-        result["ratios"] = _ratios(rows)
+        slices = scenario_closed_loop(args, kinds)
+        result["closed_loop"] = _cells(slices)
+        result["ratios"] = _ratios(slices)
+        result["closed_loop_slices"] = slices
         for entry in result["ratios"]:
-            print("  " + json.dumps(entry), flush=True)
+            print("  " + _ratio_line(entry), flush=True)
     if "idle_loris" not in args.skip:
         print(f"{args.idle_connections} idle keep-alive + {args.idle_connections} slow-loris connections", flush=True)
         result["idle_loris"] = scenario_idle_loris(args, kinds)
@@ -641,13 +620,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _loop_name() -> str:
-    try:
-        import uvloop  # noqa: F401
+def _ratio_line(entry: dict[str, Any]) -> str:
+    def f(key: str, fmt: str = ".2f") -> str:
+        s = entry.get(key)
+        return "-" if s is None else f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
-        return "uvloop"
-    except ImportError:
-        return "asyncio"
+    return (
+        f"{entry['mode']:6} c={entry['c']:<4} throughput tw/fastapi {f('throughput_tensorwire_over_fastapi')}  "
+        f"p99 tw/fastapi {f('p99_tensorwire_over_fastapi')}  overhead p50 tw {f('overhead_p50_ms_tensorwire', '.3f')} "
+        f"ms, fastapi {f('overhead_p50_ms_fastapi', '.3f')} ms"
+    )
+
+
+def _stacks() -> dict[str, str]:
+    """What each proxy runs on, with this interpreter: both get one process and one event loop."""
+
+    def has(name: str) -> bool:
+        try:
+            __import__(name)
+        except ImportError:
+            return False
+        return True
+
+    loop = "uvloop" if has("uvloop") else "asyncio"
+    return {
+        "tensorwire": f"1 process, 1 event loop ({loop}); aiohttp server and client (C HTTP parser: "
+        f"{'yes' if has('aiohttp._http_parser') else 'no'})",
+        "fastapi": f"uvicorn, 1 worker, 1 event loop ({loop}), HTTP parser "
+        f"{'httptools' if has('httptools') else 'h11'}; aiohttp client",
+        "client": f"1 process of its own for the whole run ({loop}), raw asyncio protocol",
+    }
 
 
 if __name__ == "__main__":
