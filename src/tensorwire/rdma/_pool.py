@@ -15,8 +15,10 @@ Deregistration is not enforced by every transport (CMA reads deregistered memory
 detected by the protocol, not by the transport:
 
 1. The exporter keeps a *generation table*: one 8-byte word per slot in host memory that stays registered for the
-   exporter's lifetime. Values come from one per-exporter counter that only grows, so a (word, value) pair is
-   never issued twice, even when the word is later given to another slot.
+   exporter's lifetime. Values are fresh random 63-bit numbers (never the word's previous value), so a (word,
+   value) pair repeats with probability 2**-63, even when the word is later given to another slot, and a
+   descriptor is unguessable: one built from a guessed slot address fails the check below, so holding a
+   descriptor is what lets a reader use a slot's bytes.
 2. A descriptor carries the slot's value at export time (``generation``) and the word's address.
 3. Before a slot is reused, freed by shrink or reclaimed by GC, the exporter stores a fresh value into its word.
    That store completes (program order; a plain aligned 8-byte store on the CPU) before any byte of a new tenant
@@ -27,7 +29,7 @@ detected by the protocol, not by the transport:
 Soundness: suppose the payload READ observed a byte of a new tenant. That byte was written after the bump (3),
 and it was observed before the payload READ completed, which is before the generation READ started (4). So the
 bump completed before the generation READ started, and the reader sees a value different from the descriptor's
-(1: values never repeat), and rejects. A torn 8-byte read cannot defeat this: the bump had completed before the
+(1: values do not repeat), and rejects. A torn 8-byte read cannot defeat this: the bump had completed before the
 generation READ began. Release without reuse also bumps, so any read after ``release`` fails even if the old
 bytes are still there. The argument does not depend on the slot memory still being mapped: only the table must
 be, and it is registered until ``close``.
@@ -88,7 +90,6 @@ class GenerationTable:
     def __init__(self, provider: Provider, words: int = GENERATION_WORDS) -> None:
         self._words = torch.zeros(words, dtype=torch.int64)
         self._view = self._words.numpy()
-        self._next_value = 1
         self._free = collections.deque(range(words))
         self._lock = threading.Lock()
         self.reg: Registration | None = provider.register(self._words.data_ptr(), words * 8, "DRAM", 0)
@@ -111,9 +112,11 @@ class GenerationTable:
             self._free.append(index)
 
     def bump(self, index: int) -> int:
+        """Stores a fresh random value (1 .. 2**63-1, not the current one) in word ``index``; returns it."""
         with self._lock:
-            value = self._next_value
-            self._next_value += 1
+            value = secrets.randbits(63) or 1
+            while value == self._view[index]:
+                value = secrets.randbits(63) or 1
             self._view[index] = value
         return value
 

@@ -58,6 +58,23 @@ def test_generation_bumps_on_release_and_never_repeats() -> None:
     assert gens.current(s2.gen_index) not in seen
 
 
+def test_generations_are_unguessable() -> None:
+    # A descriptor forged from a guessed slot address must fail the reader's generation check: the values are
+    # random 63-bit numbers, not a counter a peer could predict from one descriptor it was given.
+    prov, gens, pool = make()
+    s = pool.acquire(100)
+    values = []
+    for _ in range(200):
+        pool.release(s)
+        values.append(gens.current(s.gen_index))
+        assert pool.acquire(100) is s
+    assert len(set(values)) == len(values)
+    assert all(0 < v < 2**63 for v in values)
+    steps = {b - a for a, b in zip(values, values[1:], strict=False)}
+    assert len(steps) > 100  # no fixed stride
+    assert max(values) > 2**60  # spread over the whole range, not a small counter
+
+
 def test_cap_triggers_shrink_half_then_all_then_exhausted() -> None:
     prov, gens, pool = make(cap=64 * KIB, max_slot=64 * KIB)
     small = [pool.acquire(4 * KIB) for _ in range(8)]  # 32 KiB in 8 slots
