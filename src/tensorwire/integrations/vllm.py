@@ -116,11 +116,15 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             if self.is_producer:
                 exporting = self._rank == 0 and get_pp_group().is_first_rank
                 store = None
+                board = None
                 if exporting:
                     store = rt.producer_runtime(
                         self._cfg, self._name, device, on_change=self._held_changed, compat=self._compat_hash()
                     ).store
-                self._producer_worker = ProducerWorker(store, self._metrics)
+                    if self._cfg.receipts:
+                        board = rt.receipt_board(self._cfg, self._name)
+                        board.clear()  # a dead instance's leftovers under the same name
+                self._producer_worker = ProducerWorker(store, self._metrics, board)
             elif self._host_stages(device):
                 self._consumer_worker = ConsumerWorker(None, self._metrics)  # maps the host's segments
             else:
@@ -146,6 +150,10 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         ec = vllm_config.ec_transfer_config
         assert ec is not None
         widths = ec.mm_encoder_output_widths
+        board = None
+        if self._cfg.receipts:
+            board = rt.receipt_board(self._cfg, self._name)
+            board.reader_here()  # a worker in this process leaves its receipts in memory
         self._producer_sched = ProducerScheduler(
             lambda: rt.producer_endpoint(self._cfg, self._name),
             self._metrics,
@@ -154,6 +162,7 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
             ttl_ms=self._cfg.lease_ttl_ms,
             item_metadata=self._vllm_item_metadata,
             compat=self._compat_hash(),
+            board=board,
         )
 
     def _compat_hash(self) -> str:

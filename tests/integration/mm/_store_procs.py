@@ -15,6 +15,7 @@ import torch
 
 
 def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    from tensorwire.integrations._vllm_ec.receipts import announceable
     from tensorwire.mm.held._rpc import serve_store
     from tensorwire.mm.held._store import HeldStore
     from tensorwire.rdma import RdmaConfig, TensorExporter
@@ -34,6 +35,13 @@ def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtyp
             conn.send(t.cpu())
         elif msg[0] == "stats":
             conn.send((store.stats().held_items, exporter.stats().live_leases))
+        elif msg[0] == "lookups":
+            conn.send(store.stats().lookups)
+        elif msg[0] == "receipt":  # what the vLLM producer puts in the params
+            item = store.peek(msg[1])
+            conn.send(None if item is None else announceable(item))
+        elif msg[0] == "drop":
+            conn.send(store.drop(msg[1]))
         else:
             break
     server.stop(0)

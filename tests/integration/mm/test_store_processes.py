@@ -16,6 +16,7 @@ import torch
 from _store_procs import StoreProcs
 from prometheus_client import CollectorRegistry
 
+from tensorwire.errors import Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, RemoteStager
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
@@ -108,5 +109,116 @@ def test_the_host_reads_once_over_nixl_into_a_segment_and_the_lease_ends_at_once
         wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds the item after the read")
         fetcher.drop_async(["k3"])
         wait_until(lambda: stager.staged == 0, "the segment was not dropped")
+    finally:
+        fetcher.close()
+
+
+# -- receipts in the params: read with no lookup --------------------------------------------------------------------
+
+
+def _host_fetcher() -> tuple[Fetcher, ECMetrics, Any]:
+    from tensorwire.integrations._vllm_ec.segments import SegmentStager
+    from tensorwire.rdma import RdmaConfig, TensorReader
+
+    stager = SegmentStager(lambda: TensorReader(RdmaConfig()))
+    metrics = ECMetrics(CollectorRegistry())
+    cfg = ECConfig(host="127.0.0.1", fetch_timeout_ms=60000, lookup_timeout_ms=10000)
+    return Fetcher(cfg, [stager], metrics), metrics, stager
+
+
+def _counted(counter: Any, label: str) -> float:
+    return float(counter.labels(label)._value.get())
+
+
+def _staged(fetcher: Fetcher, key: str) -> torch.Tensor:
+    from tensorwire.integrations._vllm_ec.segments import SegmentRef, map_segment
+
+    ref = fetcher.load_ref(key)
+    assert isinstance(ref, SegmentRef)
+    return map_segment(ref)
+
+
+def _grant_with_receipt(procs: StoreProcs, key: str, seed: int) -> tuple[ItemGrant, torch.Tensor]:
+    secret = new_secret()
+    want = procs.ask(procs.owner, "hold", key, secret, seed)
+    receipt = procs.ask(procs.owner, "receipt", key)
+    assert receipt, "an RDMA-held item has a receipt to announce"
+    return ItemGrant(procs.endpoint, key, secret, SHAPE, "float32", receipt=receipt), want
+
+
+def test_a_receipt_in_the_params_is_read_with_no_lookup_once_the_owner_is_known(procs: StoreProcs) -> None:
+    fetcher, metrics, _ = _host_fetcher()
+    try:
+        # First item of this owner: its receipt names an owner not met yet (params never carry the metadata
+        # token), so it is looked up, which introduces the owner.
+        first, want1 = _grant_with_receipt(procs, "r-1", 11)
+        res = fetcher.start(first, "k1", Expect(SHAPE, torch.float32)).result(timeout=90)
+        assert res.ok and torch.equal(_staged(fetcher, res.staging_key), want1), res
+        assert _counted(metrics.receipts, "unknown_owner") == 1
+        lookups = procs.ask(procs.owner, "lookups")
+        assert lookups == 1
+        # Every later item is read straight from its receipt, on this thread, with no call to the owner.
+        for i, seed in enumerate((12, 13, 14), start=2):
+            grant, want = _grant_with_receipt(procs, f"r-{i}", seed)
+            fut = fetcher.start(grant, f"k{i}", Expect(SHAPE, torch.float32))
+            assert fut.done(), "a receipt read is done when start returns"
+            res = fut.result()
+            assert res.ok and res.nbytes == want.numel() * 4 and torch.equal(_staged(fetcher, f"k{i}"), want), res
+        assert procs.ask(procs.owner, "lookups") == lookups
+        assert _counted(metrics.receipts, "used") == 3 and _counted(metrics.fetch_paths, "params") == 3
+        # ... and each grant still goes back to the owner after its read.
+        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds items after the reads")
+    finally:
+        fetcher.close()
+
+
+def test_a_receipt_of_a_released_item_never_delivers_the_slots_new_bytes(procs: StoreProcs) -> None:
+    fetcher, metrics, _ = _host_fetcher()
+    try:
+        intro, _ = _grant_with_receipt(procs, "intro", 20)
+        assert fetcher.start(intro, "k0", Expect(SHAPE, torch.float32)).result(timeout=90).ok
+        old, _ = _grant_with_receipt(procs, "old", 21)
+        assert procs.ask(procs.owner, "drop", "old")  # released early (TTL, say): the slot goes back to the pool
+        _, newer = _grant_with_receipt(procs, "new", 22)  # another item takes the freed slot
+        res = fetcher.start(old, "k1", Expect(SHAPE, torch.float32)).result(timeout=90)
+        # The read from the stale receipt fails its generation check; the lookup then says the item is gone.
+        assert not res.ok and res.reason is Reason.NOT_HELD, res
+        assert _counted(metrics.receipts, "read_failed") == 1
+        assert fetcher.load_ref("k1") is None and fetcher.load_ref("k1.l") is None
+    finally:
+        fetcher.close()
+
+
+def test_a_receipt_pointing_at_another_items_slot_is_not_read_as_this_item(procs: StoreProcs) -> None:
+    """A forged receipt: this item's grant, another item's slot address, a guessed generation. Generations are
+    random, so the read fails its check; the lookup then delivers this item's own bytes."""
+    import dataclasses
+
+    from tensorwire.mm._proto import encoder_pb2 as epb
+    from tensorwire.rdma import Descriptor
+
+    fetcher, metrics, _ = _host_fetcher()
+    try:
+        intro, _ = _grant_with_receipt(procs, "intro", 30)
+        assert fetcher.start(intro, "k0", Expect(SHAPE, torch.float32)).result(timeout=90).ok
+        theirs, other = _grant_with_receipt(procs, "theirs", 32)
+        assert theirs.receipt is not None
+        d_theirs = Descriptor.from_bytes(epb.EncodeResponse.FromString(theirs.receipt).rdma_slots[0].descriptor)
+        for i, delta in enumerate((0, 1, 2)):
+            mine, want = _grant_with_receipt(procs, f"mine-{i}", 40 + i)
+            assert mine.receipt is not None
+            r_mine = epb.EncodeResponse.FromString(mine.receipt)
+            d_mine = Descriptor.from_bytes(r_mine.rdma_slots[0].descriptor)
+            guess = (d_mine.generation + delta) if delta < 2 else (d_theirs.generation ^ 1)
+            forged = dataclasses.replace(
+                d_mine, slot_addr=d_theirs.slot_addr, generation_addr=d_theirs.generation_addr, generation=guess
+            )
+            r_mine.rdma_slots[0].descriptor = forged.to_bytes()
+            grant = dataclasses.replace(mine, receipt=r_mine.SerializeToString())
+            res = fetcher.start(grant, f"k-{i}", Expect(SHAPE, torch.float32)).result(timeout=90)
+            assert res.ok, res
+            got = _staged(fetcher, res.staging_key)
+            assert torch.equal(got, want) and not torch.equal(got, other)
+        assert _counted(metrics.receipts, "read_failed") == 3 and _counted(metrics.receipts, "used") == 0
     finally:
         fetcher.close()

@@ -36,7 +36,9 @@ class ECConfig:
     host written into ``ec_transfer_params`` and into the RDMA descriptors (default: ``host`` when it is a specific
     address, else this host's detected address; the RDMA metadata endpoint follows ``host``); ``lease_ttl_ms`` is
     how long an item stays exported without being released (the rdma slot GC);
-    ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced).
+    ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced); ``receipts``
+    (default true) puts each item's slot descriptor in the params, so that an LLM instance reads it without a
+    Lookup (``receipts``; false: every item is looked up).
 
     Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every
     rank holding the tensors (lookup, reads, the hold on the request); ``lookup_timeout_ms`` and
@@ -97,6 +99,7 @@ class ECConfig:
     tls_server_name: str = ""
     tls_client_auth: bool = True
     insecure: bool = False
+    receipts: bool = True
 
     def __post_init__(self) -> None:
         _int("port", self.port, 0, 65535)
@@ -129,6 +132,8 @@ class ECConfig:
             raise ConfigError(f"ec_connector_extra_config.device={self.device!r}: expected auto, cpu or cuda:N")
         if not isinstance(self.insecure, bool):
             raise ConfigError(f"ec_connector_extra_config.insecure={self.insecure!r}: expected a boolean")
+        if not isinstance(self.receipts, bool):
+            raise ConfigError(f"ec_connector_extra_config.receipts={self.receipts!r}: expected a boolean")
         try:
             self.tls  # noqa: B018 (validates the TLS keys together)
         except ConfigError as exc:

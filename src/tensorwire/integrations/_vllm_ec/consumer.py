@@ -173,6 +173,8 @@ class ConsumerScheduler:
             fetch = item.fetch
             if fetch is None:  # could not start (bad params, mismatch): decided in _begin
                 continue
+            if fetch.state is FetchState.FETCHING and fetch.future.done():
+                self._harvest(fetch)  # read at once (a receipt in the params): ready in this pass
             if fetch.state is FetchState.FETCHING:
                 pending = True
             elif fetch.state is FetchState.FAILED:
@@ -264,6 +266,7 @@ class ConsumerScheduler:
                 if f.future.done():
                     res = _result(f)
                     if res.ok:
+                        f.staging_key = res.staging_key
                         self._drop(f)
                 else:
                     keep.append(f)
@@ -385,10 +388,19 @@ class ConsumerScheduler:
         item.status = ItemStatus.READY
         self._give_back(item)  # this request's own grant is not needed: the item came through another
 
+    def _harvest(self, f: _Fetch) -> None:
+        """Takes a finished fetch out of the in-flight list and records its result now."""
+        try:
+            self._inflight.remove(f)
+        except ValueError:
+            return
+        self._finish(f, _result(f))
+
     def _finish(self, f: _Fetch, res: FetchResult) -> None:
         if not res.ok:
             self._fail(f, res.reason or Reason.UNKNOWN, res.error)
             return
+        f.staging_key = res.staging_key  # the fetcher may have staged under another key (a lookup after a receipt)
         f.state = FetchState.READY
         self._metrics.fetches.labels("delivered").inc()
         self._metrics.delivered.labels(res.plane or "rdma").inc()

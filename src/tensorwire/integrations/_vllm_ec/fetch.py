@@ -1,4 +1,4 @@
-"""The LLM side's fetch of one item: lookup -> every reader stages it -> the grant is released.
+"""The LLM side's fetch of one item: (lookup ->) every reader stages it -> the grant is released.
 
 Who reads: one *stager* per reader. GPU ranks in other processes each read the item into their own device
 (one :class:`RemoteStager` per rank); CPU ranks in other processes share one READ made by the scheduler's
@@ -10,7 +10,14 @@ answered, success or not (:class:`RankCountdown`, one reference per stager); the
 backstop for a release that is lost. Only when every stager succeeded is the item delivered; the scheduler then
 announces it to vLLM, so a failed read never reaches a worker.
 
-Two ways to run a fetch (:class:`Fetcher`): *inline*, when the one stager needs no RPC and the encoder
+No lookup at all when the params carry the item's receipt (``receipts``) and its owner is one this fetcher met
+through a Lookup answer (which brings the owner's metadata token; params never carry it): the item is read at
+once, on the caller's thread when the one stager needs no RPC (vLLM's scheduler thread, so the item is ready in
+the same scheduling pass), else on a fetch thread. Nothing of the encoder instance has to run for that: the
+read is one-sided. A receipt that fails (a released or reused slot fails the generation check) falls back to the
+lookup within the budget.
+
+Two ways to run a fetch with a lookup (:class:`Fetcher`): *inline*, when the one stager needs no RPC and the encoder
 instance's store answers on a same-host socket: the Lookup is written and collected without blocking by
 ``advance`` (vLLM's scheduler thread, every step) and the item staged on that thread, so no thread of ours must
 wake up (inside a one-process engine each such wake-up can wait a GIL switch interval behind the engine loop);
@@ -36,6 +43,7 @@ after short pauses while the budget lasts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -49,11 +57,13 @@ from tensorwire.errors import DeadlineExceeded, ReadTimeout, Reason, TensorwireE
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
+from tensorwire.integrations._vllm_ec.receipts import parse_receipt
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._breaker import BreakerBoard
 from tensorwire.mm.held._local import LocalUnavailable
 from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, StagingClient
 from tensorwire.mm.held._staging import Expect, StagingArea
+from tensorwire.rdma import Descriptor
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +86,9 @@ _NEUTRAL = frozenset(
 # TENSORWIRE_VLLM_EC_TRACE=1: one INFO line per inline fetch with where its time went.
 _TRACE = os.environ.get("TENSORWIRE_VLLM_EC_TRACE", "") == "1"
 _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
+# Owners (agent, metadata endpoint) whose metadata token a Lookup answer brought (the token is per owner
+# process; a new registration epoch of the same owner needs none), at most.
+_MAX_OWNERS = 4096
 
 
 class Stager(Protocol):
@@ -266,6 +279,8 @@ class Fetcher:
         # same-host socket run on the caller's thread, advanced by advance() (see _Inline).
         self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
         self._inline: list[_Inline] = []
+        # Owners met through a Lookup answer -> their metadata token (what lets a receipt from params be read).
+        self._owners: dict[tuple[str, str, int], bytes] = {}
 
     @property
     def ranks(self) -> int:
@@ -276,6 +291,18 @@ class Fetcher:
         deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
         fut: Future[FetchResult] = Future()
         fut.set_running_or_notify_cancel()
+        receipt = self._receipt_from_params(grant)
+        if receipt is not None and not self._closed and self.breakers.allow(grant.endpoint):
+            self._metrics.fetch_paths.labels("params").inc()
+            if self._inline_ok:
+                res = self._stage_from_params(grant, staging_key, receipt, expect, deadline)
+                if res is not None:
+                    fut.set_result(res)
+                    return fut
+                staging_key += ".l"  # looked up below: a fresh key (a failed read leaves nothing staged)
+            else:
+                self._pool.submit(self._answer_then_release, fut, grant, staging_key, expect, deadline, receipt)
+                return fut
         if self._inline_ok and not self._closed and self._start_inline(fut, grant, staging_key, expect, deadline):
             self._metrics.fetch_paths.labels("inline").inc()
             return fut
@@ -361,12 +388,25 @@ class Fetcher:
         return int((deadline - self._clock()) * 1000)
 
     def _answer_then_release(
-        self, fut: Future[FetchResult], grant: ItemGrant, key: str, expect: Expect, deadline: float
+        self,
+        fut: Future[FetchResult],
+        grant: ItemGrant,
+        key: str,
+        expect: Expect,
+        deadline: float,
+        receipt: pb.EncodeResponse | None = None,
     ) -> None:
         """Runs the fetch, answers ``fut``, and only then queues the release, so that the caller wakes before the
-        release thread does (on a loaded machine each wake-up can cost a scheduler slice)."""
+        release thread does (on a loaded machine each wake-up can cost a scheduler slice). With ``receipt`` (from
+        the params) the item is read first without a lookup; a failed read is looked up under a fresh key."""
         later: list[ItemGrant] = []
         try:
+            if receipt is not None:
+                res = self._stage_from_params(grant, key, receipt, expect, deadline)
+                if res is not None:
+                    fut.set_result(res)
+                    return
+                key += ".l"
             fut.set_result(self._run(grant, key, expect, deadline, later))
         except BaseException as exc:
             fut.set_exception(exc)
@@ -389,7 +429,81 @@ class Fetcher:
             if exc.reason is not Reason.NOT_HELD:
                 self.release_async([grant])  # the owner may still hold it (lookup timed out, say)
             return self._failed(key, t0, exc.reason, str(exc))
+        self._learn_owners(receipt)
         return self._stage_and_judge(grant, key, receipt, expect, deadline, later)
+
+    def _learn_owners(self, receipt: pb.EncodeResponse) -> None:
+        """Remembers the owners (and their metadata tokens) a Lookup answer names: receipts in params from them
+        may be read without a lookup."""
+        for slot in receipt.rdma_slots:
+            try:
+                owner = Descriptor.from_bytes(bytes(slot.descriptor)).owner
+            except TensorwireError:
+                return  # the stage that follows reports it
+            k = (owner.agent_name, owner.host, owner.port)
+            if k not in self._owners:
+                if len(self._owners) >= _MAX_OWNERS:
+                    self._owners.clear()  # owners come and go with encoder instances: relearn the live ones
+                self._owners[k] = owner.metadata_token
+
+    def _receipt_from_params(self, grant: ItemGrant) -> pb.EncodeResponse | None:
+        """The receipt the params carry, with its owners' metadata tokens filled in, when every owner it names
+        was met through a Lookup answer; else None (the item is looked up)."""
+        if grant.receipt is None or not self._support_rdma:
+            return None
+        receipt = parse_receipt(grant.receipt)
+        if receipt is None:
+            self._metrics.receipts.labels("invalid").inc()
+            return None
+        for slot in receipt.rdma_slots:
+            try:
+                d = Descriptor.from_bytes(bytes(slot.descriptor))
+            except TensorwireError:
+                self._metrics.receipts.labels("invalid").inc()
+                return None
+            o = d.owner
+            token = self._owners.get((o.agent_name, o.host, o.port))
+            if token is None:
+                self._metrics.receipts.labels("unknown_owner").inc()
+                return None
+            if token != o.metadata_token:
+                slot.descriptor = dataclasses.replace(d, owner=dataclasses.replace(o, metadata_token=token)).to_bytes()
+        return receipt
+
+    def _stage_from_params(
+        self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect, deadline: float
+    ) -> FetchResult | None:
+        """Stages the item from the params' receipt on this thread; the result when it worked (the grant's release
+        queued), None when the item must be looked up instead (nothing staged, the grant kept, no breaker fault:
+        a released or reused slot says nothing about the encoder instance's health)."""
+        t0 = self._clock()
+        if len(self._stagers) == 1:
+            # Bounded like the inline READ: a stuck same-host READ stalls the caller's thread at most this long.
+            stage_deadline = min(deadline, t0 + self._cfg.lookup_timeout_ms / 1000.0)
+        else:
+            stage_deadline = deadline
+        later: list[ItemGrant] = []
+        countdown = RankCountdown(len(self._stagers), lambda: later.append(grant))
+        try:
+            res = self._stage_everywhere(grant, key, receipt, expect, stage_deadline, countdown)
+        except Exception as exc:  # a stager that raised past its own handling
+            res = self._failed(key, t0, getattr(exc, "reason", Reason.UNKNOWN), repr(exc))
+        if not res.ok:
+            self._metrics.receipts.labels("read_failed").inc()
+            log.info(
+                "item %.16s: the read from the receipt in its params failed (%s: %s); looking it up",
+                grant.key,
+                (res.reason or Reason.UNKNOWN).value,
+                res.error,
+            )
+            return None
+        self._metrics.receipts.labels("used").inc()
+        self.breakers.record_success(grant.endpoint)
+        for g in later:
+            self._release_later(g)
+        if _TRACE:
+            log.info("params fetch %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, res.nbytes)
+        return FetchResult(True, key, plane=res.plane, nbytes=res.nbytes, seconds=self._clock() - t0)
 
     def _stage_and_judge(
         self,
@@ -482,6 +596,7 @@ class Fetcher:
                 f.future.set_result(self._failed(f.key, f.t0, err.reason, str(err)))
                 return True
             assert outcome.receipt is not None
+            self._learn_owners(outcome.receipt)
             # The READ runs on the scheduler's thread: bounded by lookup_timeout_ms as well as by the item's budget,
             # so a stuck same-host READ stalls the engine for at most that long (then the item is encoded locally).
             stage_deadline = min(f.deadline, self._clock() + self._cfg.lookup_timeout_ms / 1000.0)

@@ -80,8 +80,17 @@ class ECMetrics:
         )
         self.fetch_paths = Counter(
             "tensorwire_vllm_ec_fetch_paths_total",
-            "Item fetches by path (inline: advanced on the scheduler's thread; thread: a fetch thread)",
+            "Item fetches by path (params: read at once from the receipt in the params, no Lookup; "
+            "inline: advanced on the scheduler's thread; thread: a fetch thread)",
             ["path"],
+            registry=reg,
+        )
+        self.receipts = Counter(
+            "tensorwire_vllm_ec_receipts_total",
+            "Receipts carried in params, by outcome: used (read with no Lookup), unknown_owner "
+            "(an owner not met through a Lookup yet: looked up), invalid (looked up), "
+            "read_failed (the read failed, e.g. a released slot: looked up)",
+            ["outcome"],
             registry=reg,
         )
         self.fetch_seconds = Histogram(

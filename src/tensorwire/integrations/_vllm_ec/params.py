@@ -8,7 +8,7 @@ OpenAI-compatible field) to its connector. vLLM's own convention keys the dict b
     {"<mm_hash>": {"item_indices": [0], "metadata": {...},
                    "tensorwire": {"v": 1, "endpoint": "10.0.0.5:41234", "key": "<mm_hash>",
                                   "secret": "<32+ hex chars>", "shape": [576, 4096], "dtype": "bfloat16",
-                                  "ttl_ms": 60000, "compat": "<64 hex chars>"}}}
+                                  "ttl_ms": 60000, "compat": "<64 hex chars>", "receipt": "<base64>"}}}
 
 ``endpoint``: the encoder instance's HeldOutputs gRPC service (``host:port``); ``key``: the store key (the
 mm_hash); ``secret``: the item's grant (>= 128 random bits, hex): lookup and release need it, so whoever holds
@@ -16,12 +16,17 @@ the params holds the lease; ``shape``/``dtype``: what the encoder will hand out 
 LLM instance checks the item against them and against its own placeholder count before reading);
 ``ttl_ms``: how long the encoder keeps an unreleased item; ``compat``: the encoder instance's compatibility hash
 (``trust.compat_hash``: vLLM version, model, dtype, this schema's version), which the LLM instance compares with
-its own before anything is read. The params come from a client: everything is
-validated (:func:`parse_entry`) and a malformed entry is treated as "not available", never trusted.
+its own before anything is read; ``receipt`` (optional): the item's slot descriptor (``receipts.announceable``:
+no metadata token), so that the LLM instance can read at once without a Lookup (it does so only from owners it
+met through a Lookup; without a receipt, or when the read fails, it looks the item up). The params come from a
+client: everything is validated (:func:`parse_entry`) and a malformed entry is treated as "not available", never
+trusted.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ _HEX = re.compile(r"^[0-9a-f]{32,512}$")
 _COMPAT = re.compile(r"^[0-9a-f]{16,128}$")
 _HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 MAX_DIMS = 8
+MAX_RECEIPT_CHARS = 22000  # base64 of receipts.MAX_RECEIPT_BYTES (16 KiB), rounded up
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class ItemGrant:
     dtype: str | None = None
     ttl_ms: int = 0
     compat: str | None = None
+    receipt: bytes | None = None  # the slot descriptor(s) as announced (no metadata token), if any
 
     @property
     def grant_id(self) -> tuple[str, str, bytes]:
@@ -64,6 +71,8 @@ class ItemGrant:
             out["ttl_ms"] = int(self.ttl_ms)
         if self.compat is not None:
             out["compat"] = self.compat
+        if self.receipt is not None:
+            out["receipt"] = base64.b64encode(self.receipt).decode("ascii")
         return out
 
     def __repr__(self) -> str:  # never print the secret
@@ -118,7 +127,15 @@ def parse_entry(mm_hash: str, entry: Any) -> ItemGrant | None:
     compat = tw.get("compat")
     if compat is not None and (not isinstance(compat, str) or not _COMPAT.match(compat)):
         raise _bad(mm_hash, "compat is not 16..128 lower-case hex characters")
-    return ItemGrant(endpoint, key, bytes.fromhex(secret), shape, dtype, ttl, compat)
+    receipt = tw.get("receipt")
+    if receipt is not None:
+        if not isinstance(receipt, str) or not 0 < len(receipt) <= MAX_RECEIPT_CHARS:
+            raise _bad(mm_hash, f"receipt is not a base64 string of at most {MAX_RECEIPT_CHARS} characters")
+        try:
+            receipt = base64.b64decode(receipt, validate=True)
+        except (binascii.Error, ValueError):
+            raise _bad(mm_hash, "receipt is not base64") from None
+    return ItemGrant(endpoint, key, bytes.fromhex(secret), shape, dtype, ttl, compat, receipt)
 
 
 def parse_params(params: Any) -> dict[str, ItemGrant | InvalidPayload]:

@@ -11,12 +11,14 @@ encoder-only instance's worker metadata never reaches its scheduler, and ``reque
 - worker ``start_save_caches`` (before the step's encoder runs): each grant is added to the held-outputs store
   (:class:`tensorwire.mm.HeldStore`); an item already in vLLM's encoder cache but not held (vLLM will
   not encode it again) is exported from there.
-- worker ``save_caches`` (vLLM just encoded an item): exported under its mm_hash; pending grants attach.
+- worker ``save_caches`` (vLLM just encoded an item): exported under its mm_hash; pending grants attach; the
+  item's receipt goes on the instance's :class:`~tensorwire.integrations._vllm_ec.receipts.ReceiptBoard`.
 - ``request_finished``: the params (endpoint, key, secret, shape, dtype, compatibility hash) of every item of the
   request. The
   endpoint is the worker's store server (same process: asked directly; other process: the rendezvous file the
   worker wrote, see ``runtime``); the shape is the item's placeholder count by the encoder output width vLLM
-  measured at start-up; the dtype the model's.
+  measured at start-up; the dtype the model's; the receipt the worker left on the board (the step that held the
+  item ended before this runs), else none (the LLM instance then looks the item up).
 - A request that does not finish normally (aborted, error) is not announced; its grants are revoked in the next
   step's metadata, and the TTL reclaims them if no step comes.
 
@@ -26,6 +28,7 @@ Only the first tensor-parallel rank exports (every rank computes the same encode
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +38,14 @@ import torch
 from tensorwire.errors import Reason, TensorwireError
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant, entry_for
+from tensorwire.integrations._vllm_ec.receipts import ReceiptBoard, announceable
 from tensorwire.mm.held._store import HeldStore, new_secret
 
 log = logging.getLogger(__name__)
+
+# Receipts the scheduler took from the board, kept for later requests of the same item (the worker holds an
+# item once, so its receipt reaches the board once). A stale one only costs the LLM instance a Lookup.
+_RECENT_RECEIPTS = 1024
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -60,7 +68,8 @@ class ProducerScheduler:
 
     ``width(modality)`` is the encoder output width (None: unknown, the shape is then not announced);
     ``item_metadata(request)`` returns vLLM's own per-item entries (placeholder metadata) to merge in;
-    ``compat`` is this instance's compatibility hash (``trust.compat_hash``), announced with every item.
+    ``compat`` is this instance's compatibility hash (``trust.compat_hash``), announced with every item;
+    ``board`` where the worker leaves each held item's receipt (None: items are announced without one).
     """
 
     def __init__(
@@ -73,8 +82,11 @@ class ProducerScheduler:
         ttl_ms: int,
         item_metadata: Callable[[Any], Mapping[str, Any]] | None = None,
         compat: str | None = None,
+        board: ReceiptBoard | None = None,
     ) -> None:
         self._endpoint = endpoint
+        self._board = board
+        self._recent: OrderedDict[str, bytes] = OrderedDict()
         self._compat = compat
         self._metrics = metrics
         self._dtype = _DTYPE_NAMES.get(dtype)
@@ -115,6 +127,9 @@ class ProducerScheduler:
                 )
             self._revokes.extend(mine.items())
             self._metrics.grants.labels("revoked").inc(len(mine))
+            if self._board is not None:
+                for mm_hash in mine:
+                    self._board.discard(mm_hash)
             return None
         vllm_entries: Mapping[str, Any] = {}
         if self._item_metadata is not None:
@@ -129,17 +144,42 @@ class ProducerScheduler:
                 continue
             width = self._width(feat.modality)
             shape = (int(feat.mm_position.get_num_embeds()), int(width)) if width else None
-            grant = ItemGrant(endpoint, feat.identifier, secret, shape, self._dtype, self._ttl_ms, self._compat)
+            grant = ItemGrant(
+                endpoint,
+                feat.identifier,
+                secret,
+                shape,
+                self._dtype,
+                self._ttl_ms,
+                self._compat,
+                self._receipt(feat.identifier),
+            )
             params[feat.identifier] = entry_for(grant, vllm_entries.get(feat.identifier))
         self._metrics.grants.labels("announced").inc(len(params))
         return params or None
 
+    def _receipt(self, mm_hash: str) -> bytes | None:
+        if self._board is None:
+            return None
+        data = self._board.take(mm_hash)
+        if data is not None:
+            self._recent[mm_hash] = data
+            if len(self._recent) > _RECENT_RECEIPTS:
+                self._recent.popitem(last=False)
+            return data
+        data = self._recent.get(mm_hash)
+        if data is not None:
+            self._recent.move_to_end(mm_hash)
+        return data
+
 
 class ProducerWorker:
-    """The worker half: exports into the store (``store`` None on ranks that do not export)."""
+    """The worker half: exports into the store (``store`` None on ranks that do not export) and leaves each held
+    item's receipt on ``board`` (None: none are left)."""
 
-    def __init__(self, store: HeldStore | None, metrics: ECMetrics) -> None:
+    def __init__(self, store: HeldStore | None, metrics: ECMetrics, board: ReceiptBoard | None = None) -> None:
         self.store = store
+        self._board = board
         self._metrics = metrics
         self._plane = "rdma" if store is not None and store.is_rdma else "inline"
 
@@ -163,6 +203,10 @@ class ProducerWorker:
         try:
             if self.store.hold(mm_hash, [tensor.detach()]):
                 self._metrics.saved.labels(self._plane).inc()
+                item = self.store.peek(mm_hash) if self._board is not None else None
+                data = announceable(item) if item is not None else None
+                if data is not None and self._board is not None:
+                    self._board.put(mm_hash, data)
         except TensorwireError as exc:
             # Not held: a lookup answers not_held and the LLM instance falls back; vLLM keeps running.
             self._metrics.save_failures.labels(exc.reason.value).inc()

@@ -8,6 +8,8 @@ between the halves, or found by the other process, lives here, keyed by the *ins
 - Producer: the worker (first rank) owns a :class:`ProducerRuntime` (exporter, HeldStore, its gRPC server).
   Its scheduler finds the endpoint in this process's registry, else in ``<runtime_dir>/<name>.producer.json``
   (written atomically by the worker at start-up, removed at shutdown), else from a fixed ``port``.
+  Each held item's receipt goes from the worker to the scheduler through the instance's
+  :class:`~tensorwire.integrations._vllm_ec.receipts.ReceiptBoard` (``receipt_board``).
 - Consumer: each worker rank owns a :class:`StagingRuntime` (StagingArea on the rank's device). When the
   scheduler is in another process it serves the Staging service on ``unix:<runtime_dir>/<name>-tp<rank>.sock``
   (the directory is created 0700: the socket is the access control); in the same process the scheduler uses
@@ -29,6 +31,7 @@ from tensorwire._local import unix as _unix
 from tensorwire._local.unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
+from tensorwire.integrations._vllm_ec.receipts import ReceiptBoard
 from tensorwire.integrations._vllm_ec.segments import SegmentStager
 from tensorwire.mm.held._local import LocalRpcServer
 from tensorwire.mm.held._rpc import StoreServer, serve_staging_local, serve_store
@@ -42,6 +45,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _producers: dict[str, ProducerRuntime] = {}
 _staging: dict[tuple[str, int], StagingRuntime] = {}
+_boards: dict[str, ReceiptBoard] = {}
 _metrics_servers: set[int] = set()
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _MAX_SLOT = 1024**3
@@ -236,8 +240,27 @@ def producer_endpoint(cfg: ECConfig, name: str) -> str | None:
 def close_producer(name: str) -> None:
     with _lock:
         rt = _producers.pop(name, None)
+        board = _boards.pop(name, None)
     if rt is not None:
         rt.close()
+    if board is not None:
+        board.clear()
+        board.close()
+
+
+def receipt_board(cfg: ECConfig, name: str) -> ReceiptBoard:
+    """This process's receipt board of instance ``name`` (one per process: the scheduler and worker halves of a
+    one-process engine share it). Without a private runtime directory it keeps receipts in memory only."""
+    with _lock:
+        board = _boards.get(name)
+        if board is None:
+            try:
+                _, fd = open_runtime_dir(cfg)
+            except ConfigError as exc:
+                log.warning("no private runtime dir for receipts (%s): LLM instances look items up", exc)
+                fd = None
+            board = _boards[name] = ReceiptBoard(name, fd)
+        return board
 
 
 def staging_address(cfg: ECConfig, name: str, rank: int) -> str:
@@ -364,6 +387,7 @@ __all__ = [
     "producer_runtime",
     "producer_endpoint",
     "close_producer",
+    "receipt_board",
     "StagingRuntime",
     "staging_runtime",
     "close_staging",

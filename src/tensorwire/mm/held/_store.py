@@ -15,6 +15,7 @@ Lifecycle of one key::
     grant(key, s1)          pending grant (the item is not held yet), or a new grant on the held item
     hold(key, tensors)      exported now (copy into a slot); pending grants attach; a second hold is a no-op
     lookup(key, s1)         -> HeldItem (descriptor or inline copies), any number of times while s1 is live
+    peek(key)               -> HeldItem for the owner itself (it announces the descriptor to whoever it grants)
     release(key, s1)        s1 ends; the item's lease is released when its last grant ends
     (TTL)                   items and pending grants older than ttl_s are dropped; the exporter's own GC
                             (slot_gc_timeout_ms) reclaims a slot whose lease was never released
@@ -255,6 +256,13 @@ class HeldStore:
                     reason=Reason.NOT_HELD,
                 )
             return held.item
+
+    def peek(self, key: str) -> HeldItem | None:
+        """The held item under ``key`` without a grant, for the owner itself (to announce it): never expose this
+        to a peer, which must present a grant (``lookup``)."""
+        with self._lock:
+            held = self._held.get(key)
+            return None if held is None else held.item
 
     def release(self, key: str, secret: bytes) -> bool:
         """Ends the grant (idempotent: False when it did not exist). The last grant of an item releases it."""
