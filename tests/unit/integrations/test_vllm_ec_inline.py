@@ -313,3 +313,33 @@ def test_a_segment_reference_that_does_not_fit_its_segment_is_refused() -> None:
     finally:
         stager.close()
         store.close()
+
+
+def test_segments_are_made_ahead_and_each_is_used_once() -> None:
+    store = HeldStore(None, ttl_s=60)
+    stager = SegmentStager(None)
+    try:
+        refs = []
+        for i in range(4):
+            secret = new_secret()
+            store.grant(f"a{i}", secret)
+            store.hold(f"a{i}", [torch.full(SHAPE, float(i))])
+            stager.stage(
+                f"k{i}",
+                receipt_for(store.lookup(f"a{i}", secret), rdma=False),
+                timeout_ms=5000,
+                expect=Expect(SHAPE, torch.float32),
+            )
+            ref = stager.ref(f"k{i}")
+            assert ref is not None
+            refs.append(ref)
+            # A spare of this size is made in the background for the next item.
+            size = ref.size
+            _wait(lambda: stager.spare_bytes >= size, "no spare segment was made ahead")  # noqa: B023
+        assert len({r.name for r in refs}) == 4  # never the same segment twice
+        for i, ref in enumerate(refs):  # earlier items are intact: a segment in use is never handed out again
+            assert torch.equal(map_segment(ref), torch.full(SHAPE, float(i)))
+    finally:
+        stager.close()
+        store.close()
+    assert stager.spare_bytes == 0

@@ -1,11 +1,14 @@
 """One READ per item and host: the LLM instance's scheduler process reads an item into a shared-memory segment
 that every local tensor-parallel rank maps.
 
-Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` creates an anonymous
-``memfd`` (``tw-ec-<staging key>``, sized for the item, its pages allocated up front), READs the item into it
-with this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open
-until ``drop``. Nothing is named in a file system: the segment cannot be opened by another user, and it is freed
-when the scheduler has dropped it and the last rank's mapping is gone (a crashed engine leaves nothing behind).
+Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` takes an anonymous
+``memfd`` (``tw-ec-<pid>-<n>``, sized for the item, its pages allocated up front), READs the item into it with
+this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open until
+``drop``. Allocating and populating a segment costs about 0.5 ms per MB, so segments of the sizes recently staged
+are made ahead, on a background thread (at most ``SPARES_PER_SIZE`` per size and ``SPARE_BYTES`` in all); a
+segment is still used once. Nothing is named in a file system: the segment cannot be opened by another user, and
+it is freed when the scheduler has dropped it and the last rank's mapping is gone (a crashed engine leaves
+nothing behind).
 
 Worker side (:func:`map_segment`): the step's metadata carries a :class:`SegmentRef` (the scheduler's pid, the
 descriptor number, the memfd's name, size and the first tensor's layout); the rank opens
@@ -21,10 +24,13 @@ which the ranks of one vLLM instance have.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +39,12 @@ from tensorwire.errors import ProtocolError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
 
+log = logging.getLogger(__name__)
+
 _PREFIX = "tw-ec-"
+SPARES_PER_SIZE = 2
+SPARE_BYTES = 512 * 1024**2
+_names = itertools.count(1)
 _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (
@@ -67,8 +78,8 @@ class SegmentRef:
 class _Segment:
     """A memfd of ``size`` bytes mapped in this process; ``tensor`` is a uint8 view of the whole mapping."""
 
-    def __init__(self, key: str, size: int) -> None:
-        self.name = f"{_PREFIX}{key}"
+    def __init__(self, size: int) -> None:
+        self.name = f"{_PREFIX}{os.getpid()}-{next(_names)}"
         self.size = max(1, size)
         self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
@@ -96,10 +107,55 @@ class SegmentStager:
     name = "host"
     inline = True  # no RPC: the fetch may run it on the calling (scheduler) thread
 
-    def __init__(self, reader_factory: ReaderFactory | None) -> None:
+    def __init__(self, reader_factory: ReaderFactory | None, *, spares: bool = True) -> None:
         self.area = StagingArea(reader_factory, device="cpu")
         self._lock = threading.Lock()
         self._segments: dict[str, tuple[_Segment, SegmentRef]] = {}
+        self._spares: dict[int, list[_Segment]] = {}
+        self._spare_bytes = 0
+        self._closed = False
+        self._maker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-segments") if spares else None
+
+    @property
+    def spare_bytes(self) -> int:
+        with self._lock:
+            return self._spare_bytes
+
+    def _take(self, nbytes: int) -> _Segment:
+        size = max(1, nbytes)
+        with self._lock:
+            ready = self._spares.get(size)
+            if ready:
+                seg = ready.pop()
+                self._spare_bytes -= seg.size
+                return seg
+        return _Segment(size)
+
+    def _make_spare(self, size: int) -> None:
+        with self._lock:
+            if self._closed or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
+                return
+            if self._spare_bytes + size > SPARE_BYTES:
+                return
+        try:
+            seg = _Segment(size)
+        except OSError as exc:
+            log.debug("no spare segment of %d bytes: %s", size, exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._spares.setdefault(size, []).append(seg)
+                self._spare_bytes += seg.size
+                return
+        seg.close()
+
+    def _refill(self, size: int) -> None:
+        if self._maker is None:
+            return
+        try:
+            self._maker.submit(self._make_spare, max(1, size))
+        except RuntimeError:  # shut down
+            pass
 
     def warm_up(self) -> bool:
         return self.area.warm_up()
@@ -108,8 +164,9 @@ class SegmentStager:
         made: list[_Segment] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
-            seg = _Segment(key, nbytes)
+            seg = self._take(nbytes)
             made.append(seg)
+            self._refill(nbytes)
             return seg.tensor
 
         try:
@@ -162,8 +219,15 @@ class SegmentStager:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             gone, self._segments = list(self._segments.values()), {}
+            spares = [seg for segs in self._spares.values() for seg in segs]
+            self._spares, self._spare_bytes = {}, 0
+        if self._maker is not None:
+            self._maker.shutdown(wait=True, cancel_futures=True)
         for seg, _ in gone:
+            seg.close()
+        for seg in spares:
             seg.close()
         self.area.close()
 
