@@ -316,8 +316,10 @@ def run_set(
     model: Path,
     work: Path,
     seed0: int,
+    settle_s: float = 0.0,
 ) -> dict[str, Any]:
-    """One topology and one item size: every instance alive at once, requests interleaved."""
+    """One topology and one item size: every instance alive at once, requests interleaved; ``settle_s`` is the
+    pause before each request (so that other instances' workers, which busy-poll after a step, are idle again)."""
     from tensorwire.bench.vllm_engine.tiny_llava import PROMPT, side_for_tokens
 
     tokens = SIZES_MB[size_mb]
@@ -378,6 +380,8 @@ def run_set(
             rot = order[r % len(order) :] + order[: r % len(order)]
             pending: list[dict[str, Any]] = []
             for who in rot:
+                if settle_s:
+                    time.sleep(settle_s)
                 if who == "baseline":
                     t0 = time.monotonic()
                     ans = base.generate([{"image": image, "prompt": PROMPT, "max_tokens": max_tokens}])
@@ -517,6 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens the LLM instance generates per request")
     ap.add_argument("--hog", action="store_true", help="run beside a CPU-bound process (one core spinning)")
     ap.add_argument(
+        "--settle-ms",
+        type=float,
+        default=None,
+        help="pause before each request (default: 1200 in the mp topology, where vLLM's workers busy-poll for 1 s "
+        "after each step, 0 in uniproc)",
+    )
+    ap.add_argument(
         "--model-dir",
         type=Path,
         default=Path("build/vllm-engine-models"),
@@ -558,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                 "connectors": args.connectors,
                 "warmup_rounds": args.warmup,
                 "max_tokens": args.max_tokens,
+                "settle_ms": {t: _settle_s(args.settle_ms, t) * 1000 for t in topologies},
                 "hog": args.hog,
                 "quick": args.quick,
                 "consumer_budgets": CONSUMER_BUDGETS,
@@ -587,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
                         model,
                         work / f"{topo}-{size}mb",
                         seed0=1000 * size,
+                        settle_s=_settle_s(args.settle_ms, topo),
                     )
                 except Exception as exc:  # an instance died or hung: recorded, the other sets still run
                     print(f"[{topo} {size} MB] failed: {exc}", file=sys.stderr, flush=True)
@@ -606,6 +619,15 @@ def main(argv: list[str] | None = None) -> int:
     out = write(runs, partial=False)
     print(f"\nwrote {out}")
     return 1 if failed else 0
+
+
+def _settle_s(settle_ms: float | None, topology: str) -> float:
+    """The pause before each request: given, else 1.2 s in the multiprocess topology (vLLM's workers busy-poll
+    their queue for 1 s after each step, so every instance just used would compete with the next request for
+    the cores: a co-location the benchmark makes, not the deployment) and none in the one-process one."""
+    if settle_ms is not None:
+        return max(0.0, settle_ms / 1000.0)
+    return 1.2 if topology == "mp" else 0.0
 
 
 def _vllm_version() -> str | None:
