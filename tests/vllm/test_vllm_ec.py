@@ -59,6 +59,7 @@ REQUESTS: dict[str, tuple[str, tuple[int, ...]]] = {
     "a": (SINGLE, (10,)),
     "b": (SINGLE, (11,)),
     "c": (SINGLE, (12,)),
+    "fresh": (SINGLE, (15,)),
     "two": (DOUBLE, (13, 14)),
     "zero": (SINGLE, (20,)),
     "swap": (DOUBLE, (21, 22)),
@@ -289,11 +290,25 @@ def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
         == 5
     )
     assert metric(after, "tensorwire_vllm_ec_place_misses_total") == 0
-    # Once the same-host socket to the encoder instance is known, fetches run on the scheduler's thread.
-    assert metric(after, "tensorwire_vllm_ec_fetch_paths_total", path="inline") > metric(
-        before, "tensorwire_vllm_ec_fetch_paths_total", path="inline"
-    ), diff(before, after)
+    # Fetches run on the scheduler's thread: from the receipt in the params (once this encoder instance is known),
+    # or looked up over the same-host socket.
+    on_thread = sum(
+        metric(after, "tensorwire_vllm_ec_fetch_paths_total", path=p)
+        - metric(before, "tensorwire_vllm_ec_fetch_paths_total", path=p)
+        for p in ("params", "inline")
+    )
+    assert on_thread > 0, diff(before, after)
     wait_nothing_held(cluster)
+    # Now the encoder instance is known: a new item is read from the receipt in its params, with no Lookup.
+    fresh = produce(cluster, "fresh")
+    assert "receipt" in next(iter(fresh.values()))["tensorwire"]
+    before = consumer.metrics()
+    (g,) = consumer.generate([request("fresh", fresh)])
+    d = diff(before, consumer.metrics())
+    assert_same(g, cluster["base"]["fresh"], "fresh")
+    assert d.get("tensorwire_vllm_ec_receipts_total{outcome=used}") == 1, d
+    assert not any("method=Lookup" in k for k in d), d
+    wait_nothing_held(cluster)  # and its grant went back
     # The same image again: the encoder instance has it in its encoder cache and does not encode it again, so
     # it is exported from there (start_save_caches) under a new grant.
     again = produce(cluster, "a")

@@ -86,8 +86,8 @@ _NEUTRAL = frozenset(
 # TENSORWIRE_VLLM_EC_TRACE=1: one INFO line per inline fetch with where its time went.
 _TRACE = os.environ.get("TENSORWIRE_VLLM_EC_TRACE", "") == "1"
 _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
-# Owners (agent, metadata endpoint) whose metadata token a Lookup answer brought (the token is per owner
-# process; a new registration epoch of the same owner needs none), at most.
+# Owners (store endpoint, agent, metadata endpoint) whose metadata token a Lookup answer of that store brought
+# (the token is per owner process; a new registration epoch of the same owner needs none), at most.
 _MAX_OWNERS = 4096
 
 
@@ -280,7 +280,7 @@ class Fetcher:
         self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
         self._inline: list[_Inline] = []
         # Owners met through a Lookup answer -> their metadata token (what lets a receipt from params be read).
-        self._owners: dict[tuple[str, str, int], bytes] = {}
+        self._owners: dict[tuple[str, str, str, int], bytes] = {}
 
     @property
     def ranks(self) -> int:
@@ -429,18 +429,18 @@ class Fetcher:
             if exc.reason is not Reason.NOT_HELD:
                 self.release_async([grant])  # the owner may still hold it (lookup timed out, say)
             return self._failed(key, t0, exc.reason, str(exc))
-        self._learn_owners(receipt)
+        self._learn_owners(grant.endpoint, receipt)
         return self._stage_and_judge(grant, key, receipt, expect, deadline, later)
 
-    def _learn_owners(self, receipt: pb.EncodeResponse) -> None:
-        """Remembers the owners (and their metadata tokens) a Lookup answer names: receipts in params from them
-        may be read without a lookup."""
+    def _learn_owners(self, endpoint: str, receipt: pb.EncodeResponse) -> None:
+        """Remembers the owners (and their metadata tokens) a Lookup answer of ``endpoint`` names: receipts in
+        params that name the same endpoint and owner may be read without a lookup."""
         for slot in receipt.rdma_slots:
             try:
                 owner = Descriptor.from_bytes(bytes(slot.descriptor)).owner
             except TensorwireError:
                 return  # the stage that follows reports it
-            k = (owner.agent_name, owner.host, owner.port)
+            k = (endpoint, owner.agent_name, owner.host, owner.port)
             if k not in self._owners:
                 if len(self._owners) >= _MAX_OWNERS:
                     self._owners.clear()  # owners come and go with encoder instances: relearn the live ones
@@ -448,7 +448,7 @@ class Fetcher:
 
     def _receipt_from_params(self, grant: ItemGrant) -> pb.EncodeResponse | None:
         """The receipt the params carry, with its owners' metadata tokens filled in, when every owner it names
-        was met through a Lookup answer; else None (the item is looked up)."""
+        was met through a Lookup answer of the grant's endpoint; else None (the item is looked up)."""
         if grant.receipt is None or not self._support_rdma:
             return None
         receipt = parse_receipt(grant.receipt)
@@ -462,7 +462,7 @@ class Fetcher:
                 self._metrics.receipts.labels("invalid").inc()
                 return None
             o = d.owner
-            token = self._owners.get((o.agent_name, o.host, o.port))
+            token = self._owners.get((grant.endpoint, o.agent_name, o.host, o.port))
             if token is None:
                 self._metrics.receipts.labels("unknown_owner").inc()
                 return None
@@ -596,7 +596,7 @@ class Fetcher:
                 f.future.set_result(self._failed(f.key, f.t0, err.reason, str(err)))
                 return True
             assert outcome.receipt is not None
-            self._learn_owners(outcome.receipt)
+            self._learn_owners(f.grant.endpoint, outcome.receipt)
             # The READ runs on the scheduler's thread: bounded by lookup_timeout_ms as well as by the item's budget,
             # so a stuck same-host READ stalls the engine for at most that long (then the item is encoded locally).
             stage_deadline = min(f.deadline, self._clock() + self._cfg.lookup_timeout_ms / 1000.0)
