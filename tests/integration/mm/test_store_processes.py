@@ -222,3 +222,24 @@ def test_a_receipt_pointing_at_another_items_slot_is_not_read_as_this_item(procs
         assert _counted(metrics.receipts, "read_failed") == 3 and _counted(metrics.receipts, "used") == 0
     finally:
         fetcher.close()
+
+
+def test_every_rank_reads_from_the_receipt_with_no_lookup(procs: StoreProcs) -> None:
+    """Ranks in other processes (GPU workers' layout): a fetch thread hands the params' receipt to every rank."""
+    metrics = ECMetrics(CollectorRegistry())
+    stagers = [RemoteStager(f"unix:{s}", f"tp{i}") for i, s in enumerate(procs.socks)]
+    fetcher = Fetcher(ECConfig(host="127.0.0.1", fetch_timeout_ms=60000, lookup_timeout_ms=10000), stagers, metrics)
+    try:
+        intro, _ = _grant_with_receipt(procs, "intro", 50)
+        assert fetcher.start(intro, "k0", Expect(SHAPE, torch.float32)).result(timeout=90).ok
+        lookups = procs.ask(procs.owner, "lookups")
+        grant, want = _grant_with_receipt(procs, "item", 51)
+        res = fetcher.start(grant, "k1", Expect(SHAPE, torch.float32)).result(timeout=90)
+        assert res.ok and res.nbytes == 2 * want.numel() * 4, res
+        for r in procs.ranks:
+            _, got = procs.ask(r, "get", "k1")
+            assert torch.equal(got, want)
+        assert procs.ask(procs.owner, "lookups") == lookups and _counted(metrics.receipts, "used") == 1
+        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the grant did not go back after both ranks")
+    finally:
+        fetcher.close()
