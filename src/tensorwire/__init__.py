@@ -8,10 +8,16 @@ Layers (imports point down only)::
     cli  ->  bench, soak (measurements, fault injection: they drive the layers above)
     integrations (vLLM connector)  ->  mm  ->  rdma  ->  errors; only integrations/vllm.py imports vLLM
 
-``import tensorwire`` is cheap: torch, grpc and nixl are imported only by the subpackages that need them.
+``import tensorwire`` is cheap: torch, grpc and nixl are imported only by the subpackages that need them. Its first
+statement makes Ctrl-C one line and exit code 130 in a process started as the ``tensorwire`` command, and does
+nothing otherwise (``tensorwire._startup``).
 """
 
-from tensorwire._version import __version__
-from tensorwire.errors import Reason, TensorwireError
+from tensorwire import _startup
+
+_startup.arm()
+
+from tensorwire._version import __version__  # noqa: E402
+from tensorwire.errors import Reason, TensorwireError  # noqa: E402
 
 __all__ = ["Reason", "TensorwireError", "__version__"]

@@ -11,10 +11,12 @@ imports nothing heavy at module level, only the command being run gets its flags
 imports no torch, so ``tensorwire --help`` and ``tensorwire COMMAND --help`` answer in a fraction of a second.
 
 Every mistake in the arguments is one line on stderr (``tensorwire COMMAND: error: ...``) and exit code 2;
-Ctrl-C at any point, imports included, is one line and exit code 130. Unless ``--log-level DEBUG``, gRPC's own
-log lines (its C core writes them to stderr) are turned off for the CLI's process and its children
-(``GRPC_VERBOSITY=NONE`` before gRPC is imported, unless the environment already sets it); the library itself
-never changes that.
+Ctrl-C at any point, imports included, is one line and exit code 130: until the command's ``run`` starts, SIGINT
+ends the process at once (``tensorwire._startup``, armed by the package's first statement); from then on it is a
+``KeyboardInterrupt``, which the command may handle (stop its children) and ``main`` ends the same way. Unless
+``--log-level DEBUG``, gRPC's own log lines (its C core writes them to stderr) are turned off for the CLI's process
+and its children (``GRPC_VERBOSITY=NONE`` before gRPC is imported, unless the environment already sets it); the
+library itself never changes that.
 """
 
 from __future__ import annotations
@@ -108,9 +110,10 @@ def _wanted_level(argv: Sequence[str]) -> str:
 def _main(argv: Sequence[str]) -> int:
     if _wanted_level(argv) != "DEBUG":
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    from tensorwire._lifeline import arm_from_env
+    if any(k.startswith("TENSORWIRE_LIFELINE_") for k in os.environ):
+        from tensorwire._lifeline import arm_from_env  # imports logging and ctypes: only in a child
 
-    arm_from_env()  # started by a tensorwire parent (the demo): die with it, however it dies
+        arm_from_env()  # started by a tensorwire parent (the demo): die with it, however it dies
     command = _command_in(argv)
     parser = build_parser(*([command] if command else []))
     args = parser.parse_args(argv)
@@ -120,6 +123,9 @@ def _main(argv: Sequence[str]) -> int:
     import logging
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tensorwire import _startup
+
+    _startup.disarm()  # the command's work: Ctrl-C is a KeyboardInterrupt it may clean up after
     code = int(args._module.run(args) or 0)
     if getattr(args._module, "FAST_EXIT", False):
         from tensorwire.service._runtime import exit_now
@@ -129,6 +135,9 @@ def _main(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from tensorwire import _startup
+
+    previous = _startup.arm(force=True)  # start-up: Ctrl-C ends the process at once, one line, 130
     try:
         return _main(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:
@@ -142,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # No interpreter finalization after an interruption: joining what the command left running (gRPC's and the
         # transport's threads) could be interrupted again and end the process by SIGINT instead of exit code 130.
         os._exit(EXIT_INTERRUPTED)
+    finally:
+        _startup.disarm(previous)
 
 
 if __name__ == "__main__":
