@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -88,6 +87,8 @@ def _read(path: str, what: str) -> bytes:
 
 def _check_pair(cert: str, key: str) -> None:
     """Raises ConfigError unless ``key`` is the private key of ``cert`` (a half-rotated pair would fail handshakes)."""
+    import ssl  # here, not at import: the CLI's --help builds TLS flags and never loads OpenSSL
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         ctx.load_cert_chain(cert, key)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tensorwire.cli._schema import FETCH_SCHEMA, FETCH_SCHEMA_VERSION
+
 if TYPE_CHECKING:
     import torch
 
@@ -22,27 +24,9 @@ if TYPE_CHECKING:
 
 SEED_IMAGE = "scene_2048x1365.jpg"
 
-# ``tensorwire fetch --json``: one object, also on failure. The version goes up when a key changes meaning or
-# goes away; new keys may appear without it.
-FETCH_SCHEMA = "tensorwire.fetch"
-FETCH_SCHEMA_VERSION = 1
-FETCH_JSON_HELP = f"""\
---json output: one JSON object on stdout, schema "{FETCH_SCHEMA}" version {FETCH_SCHEMA_VERSION}.
-  always:     schema (str), schema_version (int), ok (bool), endpoint (str)
-  ok=true:    plane ("rdma" | "inline"), fallback_reason (str | null: why RDMA fell back to inline),
-              worker_id (str), items (list, one per image: image, shape, dtype, device,
-              position_ids_shape), encoder_ms, transfer_ms (total minus the encoder's forward),
-              total_ms (float), stage_ms (object: stage -> ms), payload_bytes (int),
-              wall_ms (object: total, start_up, fetch, release_and_close: the command's wall
-              time from its start, split; fetch is the call whose stages are stage_ms)
-  ok=false:   error: {{type (exception class, e.g. "PeerUnavailable"), reason (a stable
-              tensorwire reason, e.g. "peer_unavailable"), message (str), exit_code (int),
-              hint (str, when there is one: e.g. a TLS mismatch and the flags that fix it)}}
-"""
-
 
 def fetch_document(result: dict[str, Any], endpoint: str) -> dict[str, Any]:
-    """:func:`fetch_result` inside the ``--json`` envelope (``FETCH_JSON_HELP``)."""
+    """:func:`fetch_result` inside the ``--json`` envelope (``_schema.FETCH_JSON_HELP``)."""
     return {"schema": FETCH_SCHEMA, "schema_version": FETCH_SCHEMA_VERSION, "ok": True, "endpoint": endpoint, **result}
 
 

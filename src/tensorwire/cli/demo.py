@@ -17,12 +17,9 @@ log lines on stderr), 2 bad arguments, 130 interrupted.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 HELP = "run the encoder -> LLM demo on loopback: two encoder workers, a proxy, both planes, a table"
 
@@ -64,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
     from tensorwire.cli._args import device_problem
     from tensorwire.cli._measure import measure, table
     from tensorwire.encoder import sample_paths

@@ -10,7 +10,7 @@ before connecting), 130 interrupted.
 On a terminal (and without ``--json``) a status line on stderr says what the command waits for (the RDMA reader,
 the answer) and for how long; the text output ends with the command's wall time split into start-up, the fetch
 itself (whose stage times are printed) and the release hand-off and close. A connection refused for a TLS
-mismatch says so and names the flags that fix it (``_hints.tls_hint``).
+mismatch says so and names the flags that fix it (``tensorwire._grpc.hints.tls_hint``).
 
 TLS: ``--tls-ca`` (verify the server), ``--tls-cert``/``--tls-key`` (mTLS), ``--tls-server-name``, or the same
 ``TENSORWIRE_MM_TLS_*`` variables the servers read.
@@ -19,14 +19,11 @@ TLS: ``--tls-ca`` (verify the server), ``--tls-cert``/``--tls-key`` (mTLS), ``--
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from tensorwire.cli._measure import FETCH_JSON_HELP
+from tensorwire.cli._schema import FETCH_JSON_HELP
 
 HELP = "fetch encoder output for images from an encoder or proxy (the LLM side)"
 EPILOG = FETCH_JSON_HELP + (
@@ -88,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _error(args: argparse.Namespace, exc: BaseException, code: int, hint: str | None = None) -> int:
     """Reports a failure: one JSON object with ``--json``, else one ``error:`` line on stderr (``hint`` appended)."""
+    import json
+
     from tensorwire.cli._measure import fetch_error_document
     from tensorwire.errors import TensorwireError
 
@@ -104,10 +103,14 @@ def _error(args: argparse.Namespace, exc: BaseException, code: int, hint: str | 
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from tensorwire._grpc.hints import tls_hint
     from tensorwire._grpc.tls import TlsConfig
     from tensorwire.cli import STARTED
     from tensorwire.cli._args import device_problem
-    from tensorwire.cli._hints import tls_hint
     from tensorwire.cli._measure import fetch_document, fetch_lines, fetch_result
     from tensorwire.cli._progress import Ticker, on_terminal
     from tensorwire.errors import ConfigError, TensorwireError

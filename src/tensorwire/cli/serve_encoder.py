@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -31,8 +30,6 @@ if TYPE_CHECKING:
 HELP = "run a vision-encoder worker (gRPC EncoderService, health, Prometheus /metrics)"
 
 FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (service._runtime.exit_now)
-
-log = logging.getLogger(__name__)
 
 # TransportConfig fields only the LLM side reads; an encoder flag for them would do nothing.
 _CLIENT_ONLY = (
@@ -162,6 +159,9 @@ def build_image_limits(args: argparse.Namespace) -> ImageLimits:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
+    log = logging.getLogger(__name__)
     from tensorwire.cli._args import device_problem
     from tensorwire.encoder import load_encoder
     from tensorwire.errors import TensorwireError

@@ -19,7 +19,6 @@ A plaintext listener on a non-loopback address needs ``--insecure``; ``/metrics`
 from __future__ import annotations
 
 import argparse
-import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,8 +27,6 @@ if TYPE_CHECKING:
 HELP = "run a proxy that spreads Encode over encoder workers and routes lease releases to their owners"
 
 FAST_EXIT = True  # once stopped, exit without the seconds of native teardown (service._runtime.exit_now)
-
-log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +89,9 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    import logging
+
+    log = logging.getLogger(__name__)
     from tensorwire.errors import TensorwireError
     from tensorwire.service._flags import stop_config
     from tensorwire.service._proxy import EncoderProxy

@@ -8,7 +8,6 @@ slots after the GC window, fds and threads back), 1 otherwise, 2 on bad argument
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 HELP = "fault-injection soak / closed-loop load run on loopback; checks outputs bit for bit and accounts leaks"
@@ -60,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
+
     from tensorwire.errors import ConfigError
     from tensorwire.soak._config import SoakConfig, parse_faults
     from tensorwire.soak._report import format_report

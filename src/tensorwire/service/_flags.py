@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from tensorwire.errors import ConfigError
 
 _TYPES = {int: int, float: float, str: str}
 
@@ -69,10 +72,24 @@ def flag_values(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[s
     return out
 
 
+@dataclass(frozen=True)
+class StopConfig:
+    """How a server stops on SIGTERM/SIGINT (the ``GrpcHost`` stop sequence); flags ``--drain-s``, ``--grace-s``."""
+
+    # Health says NOT_SERVING this long before new work is refused, so proxies and load balancers move away
+    # (the proxy probes every second by default).
+    drain_s: float = 2.0
+    # Then in-flight calls get this long to finish and their exported leases to be released.
+    grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("drain_s", "grace_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+
+
 def add_stop_flags(parser: argparse.ArgumentParser | Any) -> None:
     """``--drain-s``, ``--grace-s`` (``StopConfig``) and ``--reuse-port`` for a serve command."""
-    from tensorwire.service._runtime import StopConfig
-
     add_flags(
         parser,
         StopConfig,
@@ -91,9 +108,7 @@ def add_stop_flags(parser: argparse.ArgumentParser | Any) -> None:
 
 def stop_config(args: argparse.Namespace) -> Any:
     """The ``StopConfig`` of the parsed flags."""
-    from tensorwire.service._runtime import StopConfig
-
     return StopConfig(**flag_values(args, StopConfig))
 
 
-__all__ = ["add_flags", "add_stop_flags", "flag_values", "stop_config"]
+__all__ = ["StopConfig", "add_flags", "add_stop_flags", "flag_values", "stop_config"]

@@ -19,31 +19,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tensorwire.mm import RemoteOutputTransport
 
 from tensorwire.errors import ConfigError, Reason
+from tensorwire.service._flags import StopConfig  # defined beside its flags; the stop sequence reads it here
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BIND = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class StopConfig:
-    """How a server stops on SIGTERM/SIGINT (the ``GrpcHost`` stop sequence); flags ``--drain-s``, ``--grace-s``."""
-
-    # Health says NOT_SERVING this long before new work is refused, so proxies and load balancers move away
-    # (the proxy probes every second by default).
-    drain_s: float = 2.0
-    # Then in-flight calls get this long to finish and their exported leases to be released.
-    grace_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("drain_s", "grace_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
 
 log = logging.getLogger(__name__)

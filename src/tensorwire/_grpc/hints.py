@@ -1,7 +1,8 @@
 """What to do about a connection that failed for a reason gRPC describes in its own words.
 
 A TLS mismatch surfaces as a transport error that never says "TLS" (a closed socket, ``WRONG_VERSION_NUMBER``).
-``tls_hint`` turns such a message, with this side's configuration, into a sentence naming TLS and the flags.
+``tls_hint`` turns such a message, with this side's configuration, into a sentence naming TLS and the flags (the
+same ``--tls-*`` flags on every command: ``fetch``, and ``serve-proxy`` towards its workers).
 """
 
 from __future__ import annotations
