@@ -124,22 +124,50 @@ def make_info(
     )
 
 
-def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float) -> WorkerInfo:
-    """Ask one worker, waiting up to ``timeout_s`` for it to come up; raises ``PeerUnavailable``."""
+# A connection failure that names TLS (tls_hint) this many times in a row is a configuration mismatch, which
+# waiting does not mend: the wait ends there instead of at its deadline.
+TLS_FAILURES_TO_GIVE_UP = 3
+
+
+def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: Any = None) -> WorkerInfo:
+    """Ask one worker, waiting up to ``timeout_s`` for it to come up; raises ``PeerUnavailable``.
+
+    Each attempt fails fast while the connection cannot be made (no ``wait_for_ready``), so the reason is seen:
+    a worker not up yet is asked again (gRPC's reconnect backoff paces the attempts); a connection refused for a
+    TLS mismatch with ``tls`` (this side's ``TlsConfig``) ends the wait with the mismatch and the flags that fix it
+    (``tensorwire._grpc.hints.tls_hint``) once it repeats, instead of a timeout without a reason."""
+    import time
+
+    from tensorwire._grpc.hints import tls_hint
+
     call = channel.unary_unary(
         INFO_METHOD,
         request_serializer=pb.WorkerInfoRequest.SerializeToString,
         response_deserializer=pb.WorkerInfoResponse.FromString,
     )
-    try:
-        msg = call(pb.WorkerInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-    except grpc.RpcError as exc:
-        code = exc.code().name if hasattr(exc, "code") else "UNKNOWN"
-        raise PeerUnavailable(
-            f"worker {address} did not answer WorkerInfo within {timeout_s:.1f} s ({code}); is it a "
-            "`tensorwire serve-encoder` and is it up?"
-        ) from exc
-    return WorkerInfo.from_pb(address, msg)
+    deadline = time.monotonic() + timeout_s
+    hint, repeats, pause_s = None, 0, 0.1
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            msg = call(pb.WorkerInfoRequest(), timeout=max(left, 0.05), wait_for_ready=False)
+            return WorkerInfo.from_pb(address, msg)
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+            details = (exc.details() if hasattr(exc, "details") else "") or ""
+            found = tls_hint(details, tls) if code == grpc.StatusCode.UNAVAILABLE else None
+            hint, repeats = (found, repeats + 1 if found == hint else 1) if found else (hint, 0)
+            if found and repeats >= TLS_FAILURES_TO_GIVE_UP:
+                raise PeerUnavailable(f"worker {address} refused the connection: {found}") from exc
+            left = deadline - time.monotonic()
+            if code != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                last = f"; {hint}" if hint else (f"; last error: {details}" if details else "")
+                raise PeerUnavailable(
+                    f"worker {address} did not answer WorkerInfo within {timeout_s:.1f} s ({code.name}); is it a "
+                    f"`tensorwire serve-encoder` and is it up?{last}"
+                ) from exc
+        time.sleep(min(pause_s, max(left, 0.0)))  # gRPC's reconnect backoff paces the connection attempts
+        pause_s = min(pause_s * 2, 1.0)
 
 
 def check_workers(infos: Sequence[WorkerInfo]) -> None:

@@ -354,7 +354,9 @@ class EncoderProxy:
 
     def _ask_workers(self) -> list[WorkerInfo]:
         pending = {
-            self._pool.submit(fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s): w
+            self._pool.submit(
+                fetch_info, w.channel, w.address, timeout_s=self.config.worker_wait_s, tls=self.config.tls
+            ): w
             for w in self._workers
         }
         infos = []

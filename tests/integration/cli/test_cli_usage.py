@@ -277,6 +277,34 @@ def test_tls_mismatches_name_tls_and_the_flags_that_fix_them(pki) -> None:  # ty
         mtls.stop(None)
 
 
+@pytest.mark.timeout(900)
+def test_serve_proxy_names_tls_when_its_workers_speak_otherwise(pki) -> None:  # type: ignore[no-untyped-def]
+    """The proxy's wait for a worker's WorkerInfo ends with the TLS mismatch and the flags, not a silent wait and a
+    timeout (the worker never answers until the flags change)."""
+    plain, plain_ep = _grpc_server(None)
+    creds = grpc.ssl_server_credentials(
+        [(pki["server"].key.read_bytes(), pki["server"].cert.read_bytes())],
+        root_certificates=pki.ca.read_bytes(),
+        require_client_auth=True,
+    )
+    mtls, mtls_ep = _grpc_server(creds)
+    proxy = ["serve-proxy", "--worker-wait-s", "30", "--metrics-port", "-1"]
+    own_tls = ["--tls-cert", str(pki["client"].cert), "--tls-key", str(pki["client"].key), "--tls-ca", str(pki.ca)]
+    try:
+        cases = [
+            ([*proxy, "--worker", mtls_ep], ["requires TLS", "--tls-ca"]),
+            ([*proxy, "--worker", plain_ep, *own_tls], ["TLS mismatch", "plaintext", "--tls-"]),
+            ([*proxy, "--worker", mtls_ep, "--tls-ca", str(pki.ca)], ["client certificate", "--tls-cert"]),
+        ]
+        for argv, words in cases:
+            r = _cli(*argv)
+            assert r.returncode == 1 and len(_lines(r.stderr)) == 1, (argv, r.stderr)
+            assert all(w in r.stderr for w in words) and "within 30.0 s" not in r.stderr, (argv, r.stderr)
+    finally:
+        plain.stop(None)
+        mtls.stop(None)
+
+
 def _on_tty(argv: list[str], timeout: float = 300) -> tuple[int, str]:
     """Runs the CLI with stderr on a pseudo-terminal; (exit code, what the terminal showed)."""
     master, slave = pty.openpty()
