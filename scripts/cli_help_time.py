@@ -3,7 +3,9 @@ children's user + system time, which a busy host inflates less than wall time), 
 
     python scripts/cli_help_time.py [--runs 10] [--src DIR] [--out PATH]
 
-``--src`` puts another source tree first on the path (e.g. an older checkout, to compare).
+``--src`` puts another source tree first on the path (e.g. an older checkout, to compare). The result also holds
+the largest imports of one ``tensorwire serve-encoder --help`` (``python -X importtime``: top-level imports by
+cumulative microseconds; wall time, so inflated on a busy host like the rest).
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def _time(argv: list[str], runs: int, env: dict[str, str]) -> dict[str, float]:
     }
 
 
+def _importtime(argv: list[str], env: dict[str, str], top: int = 12) -> dict[str, int]:
+    """The ``top`` largest top-level imports (cumulative us) of one run under ``-X importtime``."""
+    r = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, env=env, check=True)
+    rows = []
+    for line in r.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) == 3 and parts[1].strip().isdigit() and not parts[2].startswith("  "):
+            rows.append((int(parts[1]), parts[2].strip()))
+    return {name: us for us, name in sorted(rows, reverse=True)[:top]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10)
@@ -56,6 +69,9 @@ def main() -> None:
     for cmd in COMMANDS:
         key = "tensorwire " + " ".join([*cmd, "--help"])
         result[key] = _time([sys.executable, "-m", "tensorwire.cli.main", *cmd, "--help"], args.runs, env)
+    result["importtime serve-encoder --help (top-level, cumulative us)"] = _importtime(
+        ["-m", "tensorwire.cli.main", "serve-encoder", "--help"], env
+    )
     result["load_avg_1m_after"] = os.getloadavg()[0]
     print(json.dumps(result, indent=1))
     if args.out:

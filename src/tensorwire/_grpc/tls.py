@@ -19,9 +19,7 @@ Environment: ``TENSORWIRE_MM_TLS_<FIELD>`` (``TENSORWIRE_MM_TLS_CERT``, ``..._KE
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,7 +29,13 @@ from tensorwire.errors import ConfigError
 if TYPE_CHECKING:
     import grpc
 
-log = logging.getLogger(__name__)
+
+def _log() -> Any:
+    """This module's logger (logging is imported on first use: the CLI's --help builds TLS flags without it)."""
+    import logging
+
+    return logging.getLogger(__name__)
+
 
 ENV_TLS_PREFIX = "TENSORWIRE_MM_TLS_"
 RELOAD_CHECK_S = 1.0  # how often a handshake may stat the certificate files
@@ -102,6 +106,8 @@ class _ServerCertificates:
     def __init__(self, tls: TlsConfig) -> None:
         self._tls = tls
         self._paths = [p for p in (tls.cert, tls.key, tls.ca) if p]
+        import threading
+
         self._lock = threading.Lock()
         self._next_check = 0.0
         self._stamp = self._stamps()
@@ -139,11 +145,11 @@ class _ServerCertificates:
             try:
                 config = self._build()
             except ConfigError as exc:  # mid-rotation (key and certificate disagree) or unreadable: keep the old
-                log.warning("TLS certificate files changed but do not load (%s); serving the previous ones", exc)
+                _log().warning("TLS certificate files changed but do not load (%s); serving the previous ones", exc)
                 return None
             self._stamp = stamp
             self.reloads += 1
-        log.info("TLS certificate files changed; new connections use the new certificate (reload %d)", self.reloads)
+        _log().info("TLS certificate files changed; new connections use the new certificate (reload %d)", self.reloads)
         return config
 
 
@@ -207,7 +213,7 @@ def _warn_plaintext(target: str) -> None:
     if "plaintext" in _warned:
         return
     _warned.add("plaintext")
-    log.warning(
+    _log().warning(
         "plaintext gRPC channel to %s (not loopback): anyone on the path can read and change requests and "
         "receipts; set --tls-ca (TENSORWIRE_MM_TLS_CA) to use TLS",
         target,
