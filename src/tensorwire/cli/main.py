@@ -110,7 +110,7 @@ def _wanted_level(argv: Sequence[str]) -> str:
 def _main(argv: Sequence[str]) -> int:
     if _wanted_level(argv) != "DEBUG":
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    if any(k.startswith("TENSORWIRE_LIFELINE_") for k in os.environ):
+    if any(k in os.environ for k in ("TENSORWIRE_LIFELINE_FD", "TENSORWIRE_LIFELINE_PDEATHSIG")):
         from tensorwire._lifeline import arm_from_env  # imports logging and ctypes: only in a child
 
         arm_from_env()  # started by a tensorwire parent (the demo): die with it, however it dies
