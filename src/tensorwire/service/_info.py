@@ -124,9 +124,10 @@ def make_info(
     )
 
 
-# A connection failure that names TLS (tls_hint) this many times in a row is a configuration mismatch, which
-# waiting does not mend: the wait ends there instead of at its deadline.
-TLS_FAILURES_TO_GIVE_UP = 3
+# A connection failure that names TLS (tls_hint), the same for this long (several connection attempts: gRPC's
+# reconnect backoff starts at 1 s), is a configuration mismatch, which waiting does not mend: the wait ends there
+# instead of at its deadline.
+TLS_MISMATCH_GIVE_UP_S = 2.0
 
 
 def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: Any = None) -> WorkerInfo:
@@ -135,7 +136,8 @@ def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: An
     Each attempt fails fast while the connection cannot be made (no ``wait_for_ready``), so the reason is seen:
     a worker not up yet is asked again (gRPC's reconnect backoff paces the attempts); a connection refused for a
     TLS mismatch with ``tls`` (this side's ``TlsConfig``) ends the wait with the mismatch and the flags that fix it
-    (``tensorwire._grpc.hints.tls_hint``) once it repeats, instead of a timeout without a reason."""
+    (``tensorwire._grpc.hints.tls_hint``) once it persists ``TLS_MISMATCH_GIVE_UP_S``, instead of a timeout without a
+    reason."""
     import time
 
     from tensorwire._grpc.hints import tls_hint
@@ -146,7 +148,7 @@ def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: An
         response_deserializer=pb.WorkerInfoResponse.FromString,
     )
     deadline = time.monotonic() + timeout_s
-    hint, repeats, pause_s = None, 0, 0.1
+    hint, since, pause_s = None, 0.0, 0.05
     while True:
         left = deadline - time.monotonic()
         try:
@@ -156,8 +158,10 @@ def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: An
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
             details = (exc.details() if hasattr(exc, "details") else "") or ""
             found = tls_hint(details, tls) if code == grpc.StatusCode.UNAVAILABLE else None
-            hint, repeats = (found, repeats + 1 if found == hint else 1) if found else (hint, 0)
-            if found and repeats >= TLS_FAILURES_TO_GIVE_UP:
+            if found != hint or not found:
+                since = time.monotonic()  # a new reason (or none): the mismatch must persist from here
+            hint = found or hint
+            if found and time.monotonic() - since >= TLS_MISMATCH_GIVE_UP_S:
                 raise PeerUnavailable(f"worker {address} refused the connection: {found}") from exc
             left = deadline - time.monotonic()
             if code != grpc.StatusCode.UNAVAILABLE or left <= 0:
@@ -167,7 +171,7 @@ def fetch_info(channel: grpc.Channel, address: str, *, timeout_s: float, tls: An
                     f"`tensorwire serve-encoder` and is it up?{last}"
                 ) from exc
         time.sleep(min(pause_s, max(left, 0.0)))  # gRPC's reconnect backoff paces the connection attempts
-        pause_s = min(pause_s * 2, 1.0)
+        pause_s = min(pause_s * 2, 0.25)  # a worker that comes up is seen within 0.25 s
 
 
 def check_workers(infos: Sequence[WorkerInfo]) -> None:

@@ -22,7 +22,7 @@ from tensorwire.service._runtime import ServedMetrics
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENT = ROOT / "docs" / "deployment.md"
 SRC = ROOT / "src" / "tensorwire"
-# Not product code: benchmarks and the test harness read variables of their own (docs/development.md).
+# Not product code: the benchmarks and the test harness read variables of their own, documented where used.
 NOT_PRODUCT = ("bench", "testing")
 
 
