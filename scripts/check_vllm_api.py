@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 BASE_MODULE = "vllm.distributed.ec_transfer.ec_connector.base"
-# module -> the names in it that tensorwire's connector (or its tests' instance.py) uses.
+# module -> the names in it that tensorwire's connector (or tensorwire.bench.vllm_engine.instance, the instance
+# of its tests and benchmark) uses.
 WANTED: dict[str, tuple[str, ...]] = {
     BASE_MODULE: ("ECConnectorBase", "ECConnectorMetadata", "ECConnectorRole"),
     "vllm.distributed.ec_transfer.ec_connector.utils": ("PlaceholderMetadataResolver", "collect_ec_item_metadata"),

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
+from tensorwire.bench.vllm_engine.driver import png as _png
 
 
 def png(seed: int) -> bytes:
-    from PIL import Image
-
-    arr = np.random.default_rng(seed).integers(0, 255, (64, 64, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
+    return _png(seed, 64)

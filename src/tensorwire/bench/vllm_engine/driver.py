@@ -13,12 +13,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from multiprocessing.connection import Client
 from pathlib import Path
 from typing import Any
 
 import tensorwire
 from tensorwire.bench._common import write_result
+from tensorwire.bench.vllm_engine.procs import Instance, logging_config, metric, same, wait_ready
 
 SIZES_MB = {1: 64, 10: 625, 100: 6400}  # image tokens per item; x 4096 float32 = 1.05 / 10.2 / 105 MB
 COLS = 4096
@@ -26,21 +26,9 @@ TOPOLOGIES = ("uniproc", "mp")
 CONNECTORS = ("tensorwire", "file", "mooncake")
 CLASSES = {"tensorwire": "TimedTensorwireEC", "file": "TimedExampleEC", "mooncake": "TimedMooncakeEC"}
 METRICS = ("handoff", "fetch", "save", "llm_request", "e2e")
-START_TIMEOUT_S = float(os.environ.get("TW_VLLM_START_TIMEOUT_S", "900"))
-CALL_TIMEOUT_S = 600.0
 # Generous on a busy 2-core box: a fetch that falls back would encode locally and be counted as failed.
 # (A fetch that misses it is counted as failed, so a stuck read costs a round this long, not a whole run.)
 CONSUMER_BUDGETS = {"fetch_timeout_ms": 15000, "lookup_timeout_ms": 10000, "release_timeout_ms": 10000}
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"f": {"format": "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "f", "stream": "ext://sys.stdout"}},
-    "loggers": {
-        "vllm": {"handlers": ["out"], "level": "WARNING", "propagate": False},
-        "tensorwire": {"handlers": ["out"], "level": "INFO", "propagate": False},
-    },
-}
 MOONCAKE_NOT_RUN = (
     "vLLM's ECMooncakeConnector is not wired into this benchmark: it needs mooncake-transfer-engine-non-cuda "
     "(--no-deps) and Debian's libibverbs1/librdmacm1/libnl-3-200/libnl-route-3-200, and on vLLM's V1 runner a "
@@ -110,8 +98,8 @@ class Events:
         return out
 
 
-class Instance:
-    """One ``instance.py`` process (its own session: vLLM's engine-core and worker processes die with it)."""
+class BenchInstance(Instance):
+    """An instance of the benchmark: its connector's timestamps recorded in ``<name>-times`` (``timed``)."""
 
     def __init__(
         self,
@@ -125,119 +113,19 @@ class Instance:
         extra: dict[str, Any] | None = None,
         max_model_len: int,
     ) -> None:
-        self.name = name
-        self.sock = str(work / f"{name}.sock")
-        self.log_path = work / f"{name}.log"
         self.times = work / f"{name}-times"
         self.times.mkdir()
-        prom = work / f"{name}-prom"
-        prom.mkdir()
-        self.authkey = os.urandom(16).hex()
-        full_env = dict(
-            env, TW_BENCH_AUTHKEY=self.authkey, TW_EC_TIMES_DIR=str(self.times), PROMETHEUS_MULTIPROC_DIR=str(prom)
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "tensorwire.bench.vllm_engine.instance",
-            "--role",
-            role,
-            "--model",
-            str(model),
-            "--socket",
-            self.sock,
-            "--max-model-len",
-            str(max_model_len),
-        ]
+        args = ["--max-model-len", str(max_model_len)]
         if connector:
-            cmd += ["--connector", CLASSES[connector], "--extra", json.dumps(extra or {})]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
+            args += ["--connector", CLASSES[connector], "--extra", json.dumps(extra or {})]
+        super().__init__(name, role, work, model, dict(env, TW_EC_TIMES_DIR=str(self.times)), args)
         self.events = Events(self.times)
-        self._conn: Any = None
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def try_connect(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-        if os.path.exists(self.sock):
-            try:
-                self._conn = Client(self.sock, family="AF_UNIX", authkey=self.authkey.encode())
-                return True
-            except (ConnectionRefusedError, FileNotFoundError):
-                pass
-        return False
-
-    def call(self, msg: dict[str, Any], timeout_s: float = CALL_TIMEOUT_S) -> dict[str, Any]:
-        self._conn.send(msg)
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"{self.name} did not answer {msg.get('op')} within {timeout_s:.0f} s:\n{self.tail()}")
-        answer: dict[str, Any] = self._conn.recv()
-        if "error" in answer:
-            raise RuntimeError(f"{self.name}: {answer['error']}\n{answer.get('traceback', '')}")
-        return answer
-
-    def generate(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
-        return self.call({"op": "generate", "requests": requests})
-
-    def metrics(self) -> dict[str, float]:
-        return dict(self.call({"op": "metrics"})["metrics"])
-
-    def log_count(self, needle: str) -> int:
-        try:
-            return sum(needle in line for line in self.log_path.read_text(errors="replace").splitlines())
-        except OSError:
-            return 0
-
-    def stop(self) -> None:
-        if self.proc.poll() is None and self._conn is not None:
-            try:
-                self.call({"op": "quit"}, timeout_s=30)
-                self.proc.wait(timeout=60)
-            except Exception:
-                pass
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        self._log.close()
-
-
-def wait_ready(insts: Sequence[Instance]) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    starting = list(insts)
-    while starting:
-        starting = [i for i in starting if not i.try_connect()]
-        if starting and time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{[i.name for i in starting]} not ready after {START_TIMEOUT_S:.0f} s:\n"
-                + "\n".join(i.tail() for i in starting)
-            )
-        time.sleep(0.5)
-
-
-def metric(m: dict[str, float], name: str, **labels: str) -> float:
-    want = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-    return sum(v for k, v in m.items() if k.split("{")[0] == name and (not labels or k.endswith("{" + want + "}")))
-
-
-def _same(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    return bool(got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"])
 
 
 class Pair:
     """A connector's encoder instance and LLM instance, and what one request through them measured."""
 
-    def __init__(self, connector: str, producer: Instance, consumer: Instance, file_dir: Path | None) -> None:
+    def __init__(self, connector: str, producer: BenchInstance, consumer: BenchInstance, file_dir: Path | None) -> None:
         self.connector = connector
         self.producer = producer
         self.consumer = consumer
@@ -247,19 +135,20 @@ class Pair:
 
     def run(self, image: bytes, prompt: str, max_tokens: int, want: dict[str, Any] | None) -> dict[str, Any]:
         t0 = time.monotonic()
-        prod = self.producer.generate([{"image": image, "prompt": prompt, "max_tokens": 1}])
-        params = prod["results"][0]["ec_transfer_params"]
-        cons = self.consumer.generate([{"image": image, "prompt": prompt, "params": params, "max_tokens": max_tokens}])
+        (prod,) = self.producer.generate([{"images": [image], "prompt": prompt, "max_tokens": 1}])
+        params = prod["ec_transfer_params"]
+        (got,) = self.consumer.generate(
+            [{"images": [image], "prompt": prompt, "params": params, "max_tokens": max_tokens}]
+        )
         e2e_ms = (time.monotonic() - t0) * 1e3
-        got = cons["results"][0]
         self.last_got = got
         saves = [e for e in self.producer.events.new() if e["ev"] == "save"]
         cons_events = self.consumer.events.new()
         sample: dict[str, Any] = {
             "e2e": e2e_ms,
-            "llm_request": cons["seconds"] * 1e3,
+            "llm_request": got["seconds"] * 1e3,
             "producer_request": prod["seconds"] * 1e3,
-            "identical": None if want is None else _same(got, want),
+            "identical": None if want is None else same(got, want),
         }
         if len(saves) == 1:
             save = saves[0]
@@ -326,10 +215,9 @@ def run_set(
     side = side_for_tokens(tokens)
     max_model_len = max(512, tokens + 256)
     work.mkdir(parents=True)
-    (work / "logging.json").write_text(json.dumps(LOGGING))
-    env = dict(_instance_env(topology), VLLM_LOGGING_CONFIG_PATH=str(work / "logging.json"))
+    env = dict(_instance_env(topology), VLLM_LOGGING_CONFIG_PATH=str(logging_config(work)))
     shm = Path(tempfile.mkdtemp(prefix="tw-bench-engine-", dir="/dev/shm"))
-    insts: dict[str, Instance] = {}
+    insts: dict[str, BenchInstance] = {}
     pairs: list[Pair] = []
     runtimes: list[Path] = []
     result: dict[str, Any] = {
@@ -342,7 +230,7 @@ def run_set(
     }
     t_start = time.monotonic()
     try:
-        insts["baseline"] = Instance("baseline", "baseline", work, model, env, max_model_len=max_model_len)
+        insts["baseline"] = BenchInstance("baseline", "baseline", work, model, env, max_model_len=max_model_len)
         for c in connectors:
             if c == "tensorwire":
                 # The connector's sockets: a 0700 directory of this user, short enough for a unix socket path.
@@ -356,15 +244,15 @@ def run_set(
                 pe = ce = {"shared_storage_path": str(file_dir)}
             else:
                 raise ValueError(f"connector {c!r} is not supported by this benchmark")
-            p = Instance(
+            p = BenchInstance(
                 f"{c}-producer", "producer", work, model, env, connector=c, extra=pe, max_model_len=max_model_len
             )
-            q = Instance(
+            q = BenchInstance(
                 f"{c}-consumer", "consumer", work, model, env, connector=c, extra=ce, max_model_len=max_model_len
             )
             insts[p.name], insts[q.name] = p, q
             pairs.append(Pair(c, p, q, file_dir))
-        wait_ready(list(insts.values()))
+        wait_ready(list(insts.values()), lambda i: i.try_connect())
         result["startup_s"] = round(time.monotonic() - t_start, 1)
         print(f"[{topology} {size_mb} MB] {len(insts)} instances ready in {result['startup_s']} s", flush=True)
         base = insts["baseline"]
@@ -384,12 +272,13 @@ def run_set(
                     time.sleep(settle_s)
                 if who == "baseline":
                     t0 = time.monotonic()
-                    ans = base.generate([{"image": image, "prompt": PROMPT, "max_tokens": max_tokens}])
-                    want = ans["results"][0]
+                    (want,) = base.generate([{"images": [image], "prompt": PROMPT, "max_tokens": max_tokens}])
                     if measured:
-                        base_samples.append({"llm_request": ans["seconds"] * 1e3, "e2e": (time.monotonic() - t0) * 1e3})
+                        base_samples.append(
+                            {"llm_request": want["seconds"] * 1e3, "e2e": (time.monotonic() - t0) * 1e3}
+                        )
                     for s in pending:
-                        s["identical"] = _same(s.pop("_got"), want)
+                        s["identical"] = same(s.pop("_got"), want)
                     pending = []
                 else:
                     s = who.run(image, PROMPT, max_tokens, want)
