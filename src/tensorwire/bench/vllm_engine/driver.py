@@ -68,6 +68,25 @@ def stats_of(samples: Sequence[float]) -> dict[str, float]:
     }
 
 
+def load_class(loadavg: dict[str, float], cores: int) -> str:
+    """``quiet`` when the 1-minute load average stayed below ``cores + 1`` during a set, else ``busy``."""
+    return "quiet" if loadavg["max"] < cores + 1 else "busy"
+
+
+def load_note(runs: Sequence[dict[str, Any]], cores: int, hog: bool) -> str:
+    """The JSON's ``note``: what the box's load did during the sets (each set's ``loadavg_1m``) and the hog."""
+    loads = [r["loadavg_1m"] for r in runs if "loadavg_1m" in r]
+    if not loads:
+        seen = "load not recorded (no set completed)"
+    else:
+        busy = sum(load_class(x, cores) == "busy" for x in loads)
+        lo, hi = min(x["min"] for x in loads), max(x["max"] for x in loads)
+        state = "quiet" if busy == 0 else "busy" if busy == len(loads) else f"busy in {busy} of {len(loads)} sets"
+        seen = f"{state}: 1-minute load average {lo:.1f}-{hi:.1f} during the sets (quiet: below {cores + 1})"
+    beside = "beside a CPU-bound process (--hog: one core spinning)" if hog else "no --hog process"
+    return f"{cores}-core CPU, {seen}; {beside}"
+
+
 def png(seed: int, side: int) -> bytes:
     """A seeded random RGB image, ``side`` pixels square (each seed a distinct image, so a distinct mm_hash)."""
     import numpy as np
@@ -290,6 +309,7 @@ def run_set(
                         who.samples.append(s)
             loads.append(os.getloadavg()[0])
         result["loadavg_1m"] = {"min": min(loads), "max": max(loads)}
+        result["load"] = load_class(result["loadavg_1m"], os.cpu_count() or 1)
         result["baseline"] = {m: stats_of([s[m] for s in base_samples]) for m in ("llm_request", "e2e")}
         result["connectors"] = {p.connector: _summarize(p.samples) for p in pairs}
         result["samples"] = {p.connector: p.samples for p in pairs}
@@ -448,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write(runs: list[dict[str, Any]], partial: bool) -> Path:
         payload = {
-            "note": "2-core CPU VM, busy: other jobs (tests of other engineers) ran on it during the run",
+            "note": load_note(runs, os.cpu_count() or 1, args.hog),
             "condition": "hog" if args.hog else "quiet",
             "vllm": _vllm_version(),
             "partial": partial,
