@@ -59,7 +59,8 @@ class Reader(Protocol):
         into: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Every descriptor's tensors, in descriptor x manifest order (InvalidDescriptor, ReadTimeout,
-        LeaseExpired, ReadError); with ``into``, views of those caller-owned host buffers, one per descriptor.
+        LeaseExpired, ReadError); with ``into``, views of those caller-owned host buffers, one per descriptor
+        (InvalidPayload, reason INVALID_REQUEST, for a wrong one: nothing read).
         ``TensorReader.read`` also takes descriptor bytes."""
         ...
 

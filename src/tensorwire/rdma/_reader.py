@@ -34,6 +34,7 @@ import torch
 from tensorwire.errors import (
     ClosedError,
     InvalidDescriptor,
+    InvalidPayload,
     LeaseExpired,
     PoolExhausted,
     ReadError,
@@ -188,7 +189,10 @@ class TensorReader:
         ``into``: one caller-owned destination per descriptor (a contiguous uint8 host tensor of at least the
         descriptor's payload bytes, for example a shared-memory mapping), registered for this read only; the
         tensors returned are then views of it. Host readers only.
-        Raises InvalidDescriptor before touching memory, ReadTimeout, LeaseExpired (stale generation), ReadError.
+        Raises, before touching memory, InvalidDescriptor and InvalidPayload (reason INVALID_REQUEST: an ``into``
+        of another length than ``descriptors``, on a GPU reader, or a destination that is not a contiguous uint8
+        host tensor of at least its descriptor's payload bytes); then ReadTimeout, LeaseExpired (stale
+        generation), ReadError.
         """
         if self._closed:
             raise ClosedError("TensorReader is closed")
@@ -196,18 +200,7 @@ class TensorReader:
         deadline = time.monotonic() + timeout / 1000.0
         descs = self._validate(descriptors)
         if into is not None:
-            if len(into) != len(descs) or self._device.type != "cpu":
-                raise ValueError("into: one host destination per descriptor, on a host reader")
-            for d, t in zip(descs, into, strict=True):
-                if (
-                    t.device.type != "cpu"
-                    or t.dtype != torch.uint8
-                    or not t.is_contiguous()
-                    or t.numel() < d.payload_bytes
-                ):
-                    raise ValueError(
-                        f"into: a contiguous uint8 host tensor of >= {d.payload_bytes} bytes per descriptor"
-                    )
+            _check_into(into, descs, self._device)
         if timeout <= 0:
             raise ReadTimeout(f"read budget {timeout} ms is already exhausted", reason=Reason.READ_TIMEOUT)
         self._drain_quarantine()
@@ -569,6 +562,34 @@ def _groups(dests: list[_Dest], *, by_memory: bool) -> list[_Group]:
         _Group(max((x.d.owner for x in g), key=lambda o: o.registration_epoch), k.local_mem, k.remote_mem, g)
         for k, g in groups.items()
     ]
+
+
+def _check_into(into: Sequence[torch.Tensor], descs: list[Descriptor], device: torch.device) -> None:
+    """InvalidPayload (INVALID_REQUEST) unless ``into`` is one host destination per descriptor, each a contiguous
+    uint8 CPU tensor of at least that descriptor's payload bytes, for a host reader."""
+    if device.type != "cpu":
+        raise InvalidPayload(f"into: host readers only, this one reads to {device}", reason=Reason.INVALID_REQUEST)
+    if len(into) != len(descs):
+        raise InvalidPayload(
+            f"into: one destination per descriptor, got {len(into)} for {len(descs)}", reason=Reason.INVALID_REQUEST
+        )
+    for i, (d, t) in enumerate(zip(descs, into, strict=True)):
+        if not isinstance(t, torch.Tensor):
+            wrong = f"a {type(t).__name__}"
+        elif t.device.type != "cpu":
+            wrong = f"a tensor on {t.device}"
+        elif t.dtype != torch.uint8:
+            wrong = f"a {t.dtype} tensor"
+        elif not t.is_contiguous():
+            wrong = "a tensor that is not contiguous"
+        elif t.numel() < d.payload_bytes:
+            wrong = f"{t.numel()} bytes"
+        else:
+            continue
+        raise InvalidPayload(
+            f"into[{i}]: a contiguous uint8 host tensor of >= {d.payload_bytes} bytes expected, got {wrong}",
+            reason=Reason.INVALID_REQUEST,
+        )
 
 
 def _ready(pool: SlotPool, slot: Slot) -> Slot:
