@@ -171,8 +171,8 @@ def test_server_stop_is_prompt_and_a_restart_on_the_port_recovers(env: Env) -> N
     c = env.client(srv.address, TransportConfig(open_seconds=0.2))
     check_output(c.fetch(INPUTS))
     t0 = time.monotonic()
-    srv.stop(grace=5.0)  # idle connections must not hold the stop for the whole grace
-    assert time.monotonic() - t0 < 1.0
+    srv.stop(grace=60.0)  # idle connections must not hold the stop for the whole grace
+    assert time.monotonic() - t0 < 15.0  # well short of it, with a busy box's slack
     with pytest.raises(PeerUnavailable):
         c.fetch(INPUTS, timeout_ms=2000)
     restarted = env.server(TransportConfig(worker_id="worker-2"), address=srv.address)

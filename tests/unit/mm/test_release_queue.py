@@ -104,8 +104,8 @@ def test_close_abandons_queue_within_bound_and_later_submits_drop() -> None:
     assert s.entered.wait(5)
     q.submit("e", ids("q", 10))
     t0 = time.perf_counter()
-    q.close()  # the RPC in flight is stuck; close still returns within shutdown_ms
-    assert time.perf_counter() - t0 < 1.0
+    q.close()  # the RPC in flight is stuck (until the gate opens below); close still returns after shutdown_ms
+    assert time.perf_counter() - t0 < 5.0  # bounded with a busy box's slack; the stuck RPC would hold it 10 s
     q.close()  # idempotent
     assert not q.submit("e", ["late"])
     assert (
