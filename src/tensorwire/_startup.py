@@ -10,10 +10,9 @@ when the command starts its work, which then ends the same way (one line, 130) a
 Before this module runs, SIGINT is Python's: during the interpreter's own start-up (before it installs its handler)
 the process is killed by SIGINT, which a shell reports as 130; during ``site`` (the environment's ``.pth`` files)
 or ``runpy``, Python prints its own traceback. Only standard-library modules the interpreter has already loaded
-are used here (``_signal``, not ``signal``, which imports ``enum``), so the window before ``arm()`` stays short.
+are used here (``_signal``, not ``signal``, which imports ``enum``; no ``__future__``), so the window before ``arm()``
+stays short.
 """
-
-from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # the C module under ``signal``, loaded at interpreter start
 import os
@@ -47,7 +46,7 @@ def started_as_command(orig_argv: list[str] | None = None) -> bool:
     return False
 
 
-def interrupted(signum: int = 0, frame: Any = None) -> None:
+def interrupted(signum: int = 0, frame: "Any" = None) -> None:
     """The start-up SIGINT handler: one line, exit code 130, no clean-up (nothing has started)."""
     try:
         os.write(2, b"interrupted\n")
@@ -56,7 +55,7 @@ def interrupted(signum: int = 0, frame: Any = None) -> None:
     os._exit(EXIT_INTERRUPTED)
 
 
-def arm(*, force: bool = False) -> Any:
+def arm(*, force: bool = False) -> "Any":
     """Install ``interrupted`` for SIGINT when started as the command (or ``force``); returns the handler it
     replaced, or None when it installed nothing (a library import, a thread other than the main one)."""
     if not (force or started_as_command()):
@@ -67,7 +66,7 @@ def arm(*, force: bool = False) -> Any:
         return None
 
 
-def disarm(previous: Any = None) -> None:
+def disarm(previous: "Any" = None) -> None:
     """SIGINT raises ``KeyboardInterrupt`` again (or ``previous``, a handler ``arm`` returned)."""
     try:
         _signal.signal(_signal.SIGINT, previous if previous is not None else _signal.default_int_handler)
