@@ -23,10 +23,12 @@ instance's store answers on a same-host socket: the Lookup is written and collec
 wake up (inside a one-process engine each such wake-up can wait a GIL switch interval behind the engine loop);
 otherwise a fetch thread runs the Lookup and the stages.
 
-The Release RPC is off the critical path: the last rank's countdown queues it on the release threads and the
-fetch answers at once (the tensors are local by then, so nothing the item's consumer does depends on it). A
-release that fails is counted (``releases{outcome="failed"}``) and left to the encoder's TTL GC; ``close()``
-still sends every queued one.
+The Release RPC is off the critical path. A fetch that ran on the caller's thread writes it to the same-host
+socket from that thread and ``advance`` collects the answer later (no thread of ours is woken: inside the engine
+every wake-up takes the GIL from the engine loop); otherwise the last rank's countdown queues it on the release
+threads. Either way the fetch answers at once (the tensors are local by then, so nothing the item's consumer
+does depends on it). A release that fails is counted (``releases{outcome="failed"}``) and left to the encoder's
+TTL GC; ``close()`` still sends every queued one.
 
 Stagers: :class:`LocalStager` (the rank's StagingArea is in this process: vLLM's uniproc executor),
 ``segments.SegmentStager`` (CPU ranks of the multiprocess executor, vLLM's default on CPU even at TP=1) and
@@ -61,7 +63,7 @@ from tensorwire.integrations._vllm_ec.receipts import parse_receipt
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._breaker import BreakerBoard
 from tensorwire.mm.held._local import LocalUnavailable
-from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, StagingClient
+from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, PendingRelease, StagingClient
 from tensorwire.mm.held._staging import Expect, StagingArea
 from tensorwire.rdma import Descriptor
 
@@ -279,6 +281,7 @@ class Fetcher:
         # same-host socket run on the caller's thread, advanced by advance() (see _Inline).
         self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
         self._inline: list[_Inline] = []
+        self._releasing: list[tuple[ItemGrant, PendingRelease]] = []  # written here, answers collected by advance
         # Owners met through a Lookup answer -> their metadata token (what lets a receipt from params be read).
         self._owners: dict[tuple[str, str, str, int], bytes] = {}
 
@@ -295,7 +298,7 @@ class Fetcher:
         if receipt is not None and not self._closed and self.breakers.allow(grant.endpoint):
             self._metrics.fetch_paths.labels("params").inc()
             if self._inline_ok:
-                res = self._stage_from_params(grant, staging_key, receipt, expect, deadline)
+                res = self._stage_from_params(grant, staging_key, receipt, expect, deadline, here=True)
                 if res is not None:
                     fut.set_result(res)
                     return fut
@@ -313,7 +316,9 @@ class Fetcher:
     def advance(self) -> None:
         """Advances the inline fetches without blocking on a peer: collects Lookup answers that have arrived and
         stages those items (a same-host READ, bounded by the item's budget). Call it from the thread that called
-        ``start`` (vLLM's scheduler thread, every step)."""
+        ``start`` (vLLM's scheduler thread, every step). Also collects the answers of releases written here."""
+        if self._releasing:
+            self._collect_releases()
         if not self._inline:
             return
         still: list[_Inline] = []
@@ -339,9 +344,18 @@ class Fetcher:
 
     def wait_released(self, timeout_s: float) -> bool:
         """Waits until no queued release is left (True), or ``timeout_s`` passed (False). For callers that
-        must see the grants back (a benchmark's final count, a test), never needed for correctness."""
+        must see the grants back (a benchmark's final count, a test), never needed for correctness; call it from
+        the thread that calls ``advance`` (it collects the answers of releases written on that thread)."""
+        deadline = time.monotonic() + timeout_s
+        while self._releasing:
+            self._collect_releases()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
         with self._releases_cv:
-            return self._releases_cv.wait_for(lambda: self._releases_queued == 0, timeout=timeout_s)
+            return self._releases_cv.wait_for(
+                lambda: self._releases_queued == 0, timeout=max(0.0, deadline - time.monotonic())
+            )
 
     def drop_async(self, staging_keys: Sequence[str]) -> None:
         """Forgets staged items on every rank."""
@@ -359,6 +373,11 @@ class Fetcher:
             self._release_even_closed(f.grant)
             f.future.set_result(self._failed(f.key, f.t0, Reason.CLOSED, "the fetcher closed"))
         self._inline = []
+        for grant, pending in self._releasing:  # unanswered: sent again (Release is idempotent)
+            pending.cancel()
+            self._release_even_closed(grant)
+            self._release_done()
+        self._releasing = []
         # Queued releases still go out (they end leases on encoder instances); running fetches finish.
         for pool in (self._pool, self._rank_pool, self._side_pool):
             if pool is not None:
@@ -471,7 +490,14 @@ class Fetcher:
         return receipt
 
     def _stage_from_params(
-        self, grant: ItemGrant, key: str, receipt: pb.EncodeResponse, expect: Expect, deadline: float
+        self,
+        grant: ItemGrant,
+        key: str,
+        receipt: pb.EncodeResponse,
+        expect: Expect,
+        deadline: float,
+        *,
+        here: bool = False,
     ) -> FetchResult | None:
         """Stages the item from the params' receipt on this thread; the result when it worked (the grant's release
         queued), None when the item must be looked up instead (nothing staged, the grant kept, no breaker fault:
@@ -500,7 +526,7 @@ class Fetcher:
         self._metrics.receipts.labels("used").inc()
         self.breakers.record_success(grant.endpoint)
         for g in later:
-            self._release_later(g)
+            self._release_here(g) if here else self._release_later(g)
         if _TRACE:
             log.info("params fetch %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, res.nbytes)
         return FetchResult(True, key, plane=res.plane, nbytes=res.nbytes, seconds=self._clock() - t0)
@@ -627,8 +653,47 @@ class Fetcher:
                 f.future.set_exception(exc)
         finally:
             for g in later:
-                self._release_later(g)
+                self._release_here(g)
         return True
+
+    def _release_here(self, grant: ItemGrant) -> None:
+        """Writes the release to the same-host socket from this thread (``advance`` collects the answer); the
+        release threads send it when there is no socket."""
+        pending = None
+        if not self._closed:
+            try:
+                pending = self._client(grant.endpoint).begin_release(
+                    [(grant.key, grant.secret)], timeout_s=self._cfg.release_timeout_ms / 1000.0
+                )
+            except (LocalUnavailable, TensorwireError):
+                pending = None
+        if pending is None:
+            self._release_later(grant)
+            return
+        with self._releases_cv:
+            self._releases_queued += 1
+        self._releasing.append((grant, pending))
+
+    def _collect_releases(self) -> None:
+        still: list[tuple[ItemGrant, PendingRelease]] = []
+        for grant, pending in self._releasing:
+            try:
+                n = pending.poll()
+            except LocalUnavailable:  # no answer on the socket: the release threads send it again
+                self._release_later(grant)
+                self._release_done()
+                continue
+            except Exception as exc:
+                self._metrics.releases.labels("failed").inc()
+                log.info("release of an item grant on %s failed (%s); its TTL GC reclaims it", grant.endpoint, exc)
+                self._release_done()
+                continue
+            if n is None:
+                still.append((grant, pending))
+                continue
+            self._metrics.releases.labels("ok" if n else "unknown").inc()
+            self._release_done()
+        self._releasing = still
 
     def _release_even_closed(self, grant: ItemGrant) -> None:
         """Queues the release, or sends it here once the release threads are shut down."""

@@ -166,7 +166,6 @@ class SegmentStager:
         def alloc(nbytes: int) -> torch.Tensor:
             seg = self._take(nbytes)
             made.append(seg)
-            self._refill(nbytes)
             return seg.tensor
 
         try:
@@ -192,6 +191,9 @@ class SegmentStager:
             for seg in made:
                 seg.close()
             raise
+        finally:
+            for seg in made:  # after the READ: the maker thread does not compete with it for the GIL
+                self._refill(seg.size)
         with self._lock:
             old = self._segments.pop(key, None)
             self._segments[key] = (seg, ref)

@@ -573,6 +573,25 @@ class HeldStoreClient(_Client):
             req.grants.add(key=key, secret=secret)
         return int(self._unary(RELEASE_METHOD, "Release", req, hpb.ReleaseResponse, timeout_s).released)
 
+    def begin_release(self, grants: Sequence[tuple[str, bytes]], *, timeout_s: float) -> PendingRelease | None:
+        """Sends a Release over the same-host socket and returns at once (``PendingRelease.poll()`` collects the
+        answer without blocking), so that a caller on a busy thread wakes no other thread; None when there is no
+        same-host socket (use ``release``). Raises ``LocalUnavailable`` when the request could not be written."""
+        local = self._local
+        if local is None:
+            self._local_missing()
+            return None
+        req = hpb.ReleaseRequest()
+        for key, secret in grants:
+            req.grants.add(key=key, secret=secret)
+        try:
+            call = local.begin("Release", req.SerializeToString(), timeout_s, f"Release on {self.address}")
+        except LocalUnavailable:
+            self._local_failed(local)
+            self._on_call("Release", "local_fallback")
+            raise
+        return PendingRelease(self, local, call)
+
 
 class PendingLookup:
     """A Lookup written to the same-host socket (``HeldStoreClient.begin_lookup``). Single-threaded."""
@@ -601,6 +620,35 @@ class PendingLookup:
             return None
         self._client._on_call("Lookup", "local")
         return self._client._outcomes(self._grants, self._client._parse_answer(hpb.LookupResponse, raw, "Lookup"))
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class PendingRelease:
+    """A Release written to the same-host socket (``HeldStoreClient.begin_release``). Single-threaded."""
+
+    def __init__(self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall) -> None:
+        self._client = client
+        self._local = local
+        self._call = call
+
+    def poll(self) -> int | None:
+        """The number of grants released once answered (None: not yet). Raises ``LocalUnavailable`` when the
+        socket gave no answer (Release is idempotent: send it again with ``release``)."""
+        try:
+            raw = self._call.poll()
+        except TensorwireError:
+            self._client._on_call("Release", "local")
+            raise
+        except LocalUnavailable:
+            self._client._local_failed(self._local)
+            self._client._on_call("Release", "local_fallback")
+            raise
+        if raw is None:
+            return None
+        self._client._on_call("Release", "local")
+        return int(self._client._parse_answer(hpb.ReleaseResponse, raw, "Release").released)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -679,6 +727,7 @@ __all__ = [
     "StagingClient",
     "LookupOutcome",
     "PendingLookup",
+    "PendingRelease",
     "receipt_for",
     "serve_staging_local",
     "HELD_SERVICE",
