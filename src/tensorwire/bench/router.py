@@ -14,11 +14,11 @@ Scenarios (each bounded; loopback only):
 
 - ``closed_loop``: c = 1 / 16 / 64 / 256 connections, each sending a chat request with an image (encoder
   stand-in, then LLM stand-in) as soon as its previous answer ended, plain and streamed (8 SSE events). Per
-  cell (mode, c) the proxies take turns, ``--repeats`` times, in slices of ``--warmup`` + ``--seconds`` (the
-  order rotated each repeat); a slice's answers that ended in its measured window give p50/p99 latency (and
-  first body byte for streams) and throughput; the proxy's CPU per answer, the client's CPU, threads, RSS and
-  the load average go with it. A cell's figures are medians over its repeats, with their spread (min, max);
-  the ratios pair tensorwire's and the FastAPI proxy's slices of the same repeat;
+  concurrency the proxies take turns, ``--repeats`` times, in slices of ``--warmup`` + ``--seconds``, plain and
+  streamed alternating (the order rotated each repeat); a slice's answers that ended in its measured window
+  give p50/p99 latency (and first body byte for streams) and throughput; the proxy's CPU per answer, the
+  client's CPU, threads, RSS and the load average go with it. A cell's figures are medians over its repeats,
+  with their spread (min, max); the ratios pair tensorwire's and the FastAPI proxy's slices of the same repeat;
 - ``idle_loris``: 1,000 idle keep-alive connections and 1,000 slow-loris connections (headers trickled a line a
   second) against each proxy; c=1 requests before and during; how many of the 2,000 each proxy closed within
   its idle timeout + 5 s; threads and RSS;
@@ -244,8 +244,9 @@ class _Client:
 
 
 def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dict[str, Any]]:
-    """Every slice: (mode, c, repeat, proxy). Per cell (mode, c), the proxies take turns in short slices, the
-    order rotated each repeat, so that a burst of load from the neighbours lands on all of them alike."""
+    """Every slice: (c, repeat, mode, proxy). Per concurrency, the proxies take turns in short slices, plain and
+    streamed alternating, the order rotated each repeat, so that a burst of load from the neighbours lands on all
+    of them (and on both modes) alike."""
     enc, llm = _upstream(), _upstream()
     procs = {k: _proxy(k, [enc.port], llm.port, args.old_src) for k in kinds if k != "direct"}
     ports = {"direct": llm.port, **{k: p.port for k, p in procs.items() if p is not None}}
@@ -253,9 +254,9 @@ def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dic
     client = _Client()
     slices = []
     try:
-        for mode in ("plain", "stream"):
-            for c in args.concurrency:
-                for rep in range(args.repeats):
+        for c in args.concurrency:
+            for rep in range(args.repeats):
+                for mode in ("plain", "stream"):
                     for kind in order[rep % len(order) :] + order[: rep % len(order)]:
                         proc = procs.get(kind)
                         cpu0 = proc.cpu_s() if proc else 0.0
@@ -272,16 +273,16 @@ def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dic
                             | (proc.stats() if proc else {})
                         )
                         slices.append(row)
-                for cell in _cells([r for r in slices if r["mode"] == mode and r["c"] == c]):
-                    print(
-                        f"  {mode:6} c={c:<4} {cell['proxy']:11} p50 {cell['p50_ms'] or 0:8.2f} ms  p99 "
-                        f"{cell['p99_ms'] or 0:8.2f} ms  {cell['rps']:7.0f}/s ({cell['rps_min']:.0f}-"
-                        f"{cell['rps_max']:.0f})  err {cell['errors']:3}  cpu/req "
-                        f"{cell['proxy_cpu_ms_per_request'] or 0:6.3f} ms  client {cell['client_cores']:.2f} "
-                        f"cores  threads {cell.get('threads', '-')}  rss {cell.get('rss_mb', 0):.0f} MB  "
-                        f"load {cell['load_1m']:.1f}",
-                        flush=True,
-                    )
+            for cell in _cells([r for r in slices if r["c"] == c]):
+                print(
+                    f"  {cell['mode']:6} c={c:<4} {cell['proxy']:11} p50 {cell['p50_ms'] or 0:8.2f} ms  p99 "
+                    f"{cell['p99_ms'] or 0:8.2f} ms  {cell['rps']:7.0f}/s ({cell['rps_min']:.0f}-"
+                    f"{cell['rps_max']:.0f})  err {cell['errors']:3}  cpu/req "
+                    f"{cell['proxy_cpu_ms_per_request'] or 0:6.3f} ms  client {cell['client_cores']:.2f} "
+                    f"cores  threads {cell.get('threads', '-')}  rss {cell.get('rss_mb', 0):.0f} MB  "
+                    f"load {cell['load_1m']:.1f}",
+                    flush=True,
+                )
     finally:
         client.close()
         for p in (*procs.values(), enc, llm):
