@@ -14,10 +14,12 @@ Scenarios (each bounded; loopback only):
 
 - ``closed_loop``: c = 1 / 16 / 64 / 256 connections, each sending a chat request with an image (encoder
   stand-in, then LLM stand-in) as soon as its previous answer ended, plain and streamed (8 SSE events). Per
-  concurrency the proxies take turns, ``--repeats`` times, in slices of ``--warmup`` + ``--seconds``, plain and
-  streamed alternating (the order rotated each repeat); a slice's answers that ended in its measured window
-  give p50/p99 latency (and first body byte for streams) and throughput; the proxy's CPU per answer, the
-  client's CPU, threads, RSS and the load average go with it. A cell's figures are medians over its repeats,
+  concurrency the proxies take turns, ``--repeats`` times, in slices of ``--warmup`` + a measured window, plain
+  and streamed alternating (the order rotated each repeat). A window lasts ``--seconds``, longer until c x
+  ``--waves`` answers ended in it (at c=256 one answer can take longer than a second on a busy box). A slice's
+  answers that ended in its window give p50/p99 latency (and first body byte for streams) and throughput (their
+  number over the window); the proxy's CPU per answer, the client's CPU, threads, RSS and the load average go
+  with it. A cell's figures are medians over its repeats,
   with their spread (min, max); the ratios pair tensorwire's and the FastAPI proxy's slices of the same repeat;
 - ``idle_loris``: 1,000 idle keep-alive connections and 1,000 slow-loris connections (headers trickled a line a
   second) against each proxy; c=1 requests before and during; how many of the 2,000 each proxy closed within
@@ -219,9 +221,9 @@ class _Client:
             env=env,
         )
 
-    def slice(self, port: int, stream: bool, c: int, seconds: float, warmup: float) -> dict[str, Any]:
+    def slice(self, port: int, stream: bool, c: int, seconds: float, warmup: float, waves: int) -> dict[str, Any]:
         assert self.popen.stdin is not None and self.popen.stdout is not None
-        cmd = {"port": port, "stream": stream, "c": c, "seconds": seconds, "warmup": warmup}
+        cmd = {"port": port, "stream": stream, "c": c, "seconds": seconds, "warmup": warmup, "waves": waves}
         self.popen.stdin.write(json.dumps(cmd) + "\n")
         self.popen.stdin.flush()
         line = self.popen.stdout.readline()
@@ -261,10 +263,10 @@ def scenario_closed_loop(args: argparse.Namespace, kinds: list[str]) -> list[dic
                         proc = procs.get(kind)
                         cpu0 = proc.cpu_s() if proc else 0.0
                         load = os.getloadavg()[0]
-                        row = client.slice(ports[kind], mode == "stream", c, args.seconds, args.warmup)
+                        row = client.slice(ports[kind], mode == "stream", c, args.seconds, args.warmup, args.waves)
                         # CPU the proxy spent per answer (warm-up included in both): robust on a busy box, where
                         # latency and throughput also measure the neighbours.
-                        served = row["n"] * (args.seconds + args.warmup) / args.seconds
+                        served = row["n"] * (row["window_s"] + args.warmup) / row["window_s"]
                         row["proxy_cpu_ms_per_request"] = (
                             ((proc.cpu_s() - cpu0) * 1e3 / served) if proc and served else None
                         )
@@ -557,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds per closed-loop slice before measuring (connections open, pools fill; default 0.3)",
     )
     ap.add_argument(
+        "--waves",
+        type=int,
+        default=3,
+        help="a closed-loop slice's window lasts until c x this many answers ended in it (at most 10x --seconds; "
+        "default 3)",
+    )
+    ap.add_argument(
         "--repeats",
         type=int,
         default=5,
@@ -592,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_per_slice": args.seconds,
         "warmup_s": args.warmup,
         "repeats": args.repeats,
+        "waves": args.waves,
         "loop": _loop_name(),
         "stacks": _stacks(),
         "load_average_before": os.getloadavg(),

@@ -3,7 +3,7 @@
     python -m tensorwire.bench._router.client
 
 As a process (the way ``bench router`` runs it, one for the whole run, the same for every proxy): reads one JSON
-command a line on stdin, ``{"port", "stream", "c", "seconds", "warmup"}``, runs that closed loop and writes one
+command a line on stdin, ``{"port", "stream", "c", "seconds", "warmup", "waves"}``, runs that closed loop and writes one
 JSON line with its result, the client's own CPU seconds included; ends at end of input. uvloop when installed.
 
 The client is deliberately cheap: a protocol per connection that finds the end of an answer by its
@@ -107,52 +107,72 @@ async def connect(port: int) -> Conn:
 
 @dataclass
 class _Tally:
+    t_start: float
+    t_min_end: float  # the window lasts at least until here ...
+    t_end: float  # ... and until ``min_answers`` ended in it, at most until here
+    min_answers: int
     latencies: list[float] = field(default_factory=list)
     firsts: list[float] = field(default_factory=list)
     errors: int = 0
     done: int = 0
 
+    def ended(self, now: float) -> None:
+        """One more answer ended in the window: close the window once it is long and full enough."""
+        self.done += 1
+        if now >= self.t_min_end and self.done >= self.min_answers and now < self.t_end:
+            self.t_end = now
 
-async def _worker(port: int, request: bytes, t_start: float, t_end: float, tally: _Tally, timeout_s: float) -> None:
+
+async def _worker(port: int, request: bytes, tally: _Tally, timeout_s: float) -> None:
     conn: Conn | None = None
-    while time.perf_counter() < t_end:
+    while time.perf_counter() < tally.t_end:
         try:
             if conn is None or conn.closed:
                 conn = await asyncio.wait_for(connect(port), timeout_s)
             t0 = time.perf_counter()
             status, first, end = await asyncio.wait_for(conn.ask(request), timeout_s)
         except (OSError, TimeoutError, ConnectionError):
-            if time.perf_counter() >= t_start:
+            if time.perf_counter() >= tally.t_start:
                 tally.errors += 1
             if conn is not None and conn.transport is not None:
                 conn.transport.abort()
             conn = None
             continue
-        if t_start <= end <= t_end:  # answers that ended in the window, whenever they started
+        if tally.t_start <= end <= tally.t_end:  # answers that ended in the window, whenever they started
             if status != 200:
                 tally.errors += 1
                 continue
             tally.latencies.append(end - t0)
             tally.firsts.append(first - t0)
-            tally.done += 1
+            tally.ended(end)
     if conn is not None and conn.transport is not None:
         conn.transport.close()
 
 
 async def closed_loop(
-    port: int, request: bytes, c: int, seconds: float, warmup_s: float = 0.5, timeout_s: float = 10.0
+    port: int,
+    request: bytes,
+    c: int,
+    seconds: float,
+    warmup_s: float = 0.5,
+    timeout_s: float = 10.0,
+    waves: int = 0,
 ) -> dict[str, Any]:
     """``c`` connections, each sending ``request`` again as soon as its previous answer ended, for ``warmup_s``
-    then ``seconds``; the answers that ended in the measured window give the figures."""
-    tally = _Tally()
+    then a measured window of ``seconds``, longer until ``waves * c`` answers ended in it (at most ten times
+    ``seconds``): at high concurrency an answer can take longer than a short window, and a window holding
+    fewer than a few rounds of answers counts whole rounds or none. The answers that ended in the window give
+    the figures; throughput is their number over the window's length."""
     t_start = time.perf_counter() + warmup_s
-    t_end = t_start + seconds
-    await asyncio.gather(*(_worker(port, request, t_start, t_end, tally, timeout_s) for _ in range(c)))
+    tally = _Tally(t_start, t_start + seconds, t_start + seconds * (10 if waves else 1), waves * c)
+    await asyncio.gather(*(_worker(port, request, tally, timeout_s) for _ in range(c)))
+    window_s = tally.t_end - tally.t_start
     lat, first = summarize(tally.latencies), summarize(tally.firsts)
     return {
         "n": tally.done,
         "errors": tally.errors,
-        "rps": tally.done / seconds,
+        "window_s": window_s,
+        "rps": tally.done / window_s,
         "p50_ms": lat.get("median_ms"),
         "p99_ms": lat.get("p99_ms"),
         "max_ms": lat.get("max_ms"),
@@ -190,7 +210,11 @@ def main() -> int:
             continue
         cmd = json.loads(line)
         cpu0, t0 = _cpu_s(), time.perf_counter()
-        row = run(closed_loop(cmd["port"], requests[bool(cmd["stream"])], cmd["c"], cmd["seconds"], cmd["warmup"]))
+        row = run(
+            closed_loop(
+                cmd["port"], requests[bool(cmd["stream"])], cmd["c"], cmd["seconds"], cmd["warmup"], waves=cmd["waves"]
+            )
+        )
         row["client_cpu_s"] = _cpu_s() - cpu0
         row["client_wall_s"] = time.perf_counter() - t0
         print(json.dumps(row), flush=True)
