@@ -188,6 +188,55 @@ def test_streamed_answer_is_relayed_and_a_stall_is_cut_off(fakes: list[Fake]) ->
         conn.close()
 
 
+def test_a_stream_the_instance_sent_whole_reaches_the_client_in_one_send(
+    fakes: list[Fake], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each send to the client wakes it once more (a scheduling delay each on a busy box): status line, headers,
+    # events and end go in one when the instance's answer is all there. Counted at aiohttp's writer, on the
+    # router's client connections only (its upstream requests use the same writer class).
+    from aiohttp.http_writer import StreamWriter
+    from aiohttp.web_protocol import RequestHandler
+
+    sends: list[bytes] = []
+    write, writelines = StreamWriter._write, StreamWriter._writelines
+
+    def counted_write(self: StreamWriter, chunk: Any) -> None:
+        if isinstance(self.protocol, RequestHandler):
+            sends.append(bytes(chunk))
+        write(self, chunk)
+
+    def counted_writelines(self: StreamWriter, chunks: Any) -> None:
+        chunks = tuple(chunks)
+        if isinstance(self.protocol, RequestHandler):
+            sends.append(b"".join(bytes(c) for c in chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(StreamWriter, "_write", counted_write)
+    monkeypatch.setattr(StreamWriter, "_writelines", counted_writelines)
+    events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
+
+    def whole(h: BaseHTTPRequestHandler) -> None:  # the answer in one write, as a fast instance's arrives
+        body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+        h.wfile.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+        )
+
+    llm = fake(fakes, lambda p, b: (200, whole))
+    with Router(RouterConfig(encoders=(closed_url(),), llms=(llm.url,), port=0)) as router:
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(dict(TEXT_CHAT, stream=True)).encode(),
+            {"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read() == b"".join(events)
+        conn.close()
+    assert len(sends) == 1, sends
+    assert sends[0].startswith(b"HTTP/1.1 200 ") and sends[0].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+
+
 def test_llm_down_or_hung_gives_a_clear_error(fakes: list[Fake]) -> None:
     enc = fake(fakes, encoder_answer("e"))
     dead = closed_url()
