@@ -418,3 +418,55 @@ def test_a_receipt_whose_send_failed_has_its_leases_released(env: Env, ended_by:
     assert not env.fabric.live() and len(env.fabric.released) == 1
     assert env.sample("tensorwire_mm_encoder_released_leases_total", {"outcome": "ok"}) == 1  # released once
     assert srv.service.open_streams == 0
+
+
+def _cancelled_after(*messages: bytes, then: str) -> Any:
+    """A stream's request iterator: ``messages``, then the client's cancel (gRPC raises RpcError in the handler's
+    read) or its half-close."""
+    yield from messages
+    if then == "cancel":
+        raise grpc.RpcError()
+
+
+@pytest.mark.parametrize("then", ["cancel", "release_then_cancel", "half_close"])
+def test_an_answer_sent_as_the_caller_cancelled_has_its_leases_released(env: Env, then: str) -> None:
+    # The send of the answer completed on the server, but the client cancelled at its deadline before the answer
+    # reached it (gRPC drops it on the client): the handler resumes, the call then ends cancelled. Nothing said the
+    # client had the answer (no later message on the stream), so its leases are released at once, counted as a
+    # cancelled caller. A client that sent its release first, or half-closed (it ended cleanly: it holds the
+    # answer), keeps them.
+    srv = env.server()
+    request = pb.StreamRequest(
+        id=1,
+        encode=pb.EncodeRequest(
+            support_rdma=True,
+            inputs=[pb.MultimodalInput(data=b"a", kind="image"), pb.MultimodalInput(data=b"b", kind="image")],
+        ),
+    )
+    answered = threading.Event()
+
+    def requests() -> Any:
+        yield request.SerializeToString()
+        assert answered.is_set()  # read again only after the answer was handed to gRPC and the handler resumed
+        later = []
+        if then == "release_then_cancel":
+            later.append(pb.StreamRequest(release=pb.ReleaseLeasesRequest(lease_ids=sorted(env.fabric.live()))))
+        yield from _cancelled_after(
+            *(m.SerializeToString() for m in later), then="half_close" if then == "half_close" else "cancel"
+        )
+
+    handler = srv.service.encode_stream(requests(), EndingContext())  # type: ignore[arg-type]
+    answer = pb.StreamResponse.FromString(next(handler))
+    assert answer.id == 1 and len(answer.receipt.rdma_slots) == 1 and len(env.fabric.live()) == 1
+    answered.set()
+    with pytest.raises(StopIteration):
+        next(handler)  # the send completed: the handler resumes and reads on
+    cancelled = env.sample("tensorwire_mm_errors_total", {"side": "encoder", "reason": "cancelled"})
+    if then == "half_close":
+        assert len(env.fabric.live()) == 1 and cancelled == 0  # the client's to read and release
+        srv.transport.release(sorted(env.fabric.live()))
+    else:
+        assert cancelled == (1 if then == "cancel" else 0)
+    assert not env.fabric.live() and len(env.fabric.released) == 1
+    assert env.sample("tensorwire_mm_encoder_released_leases_total", {"outcome": "ok"}) == 1  # released once
+    assert srv.service.open_streams == 0

@@ -67,12 +67,19 @@ def _draining() -> PeerUnavailable:
 
 
 class _OpenStream:
-    """One EncodeStream on the server. ``busy`` while an Encode runs; ``unsent`` is the receipt being sent.
+    """One EncodeStream on the server. ``busy`` while an Encode runs; ``unsent`` is the receipt being sent;
+    ``unacked`` the last receipt sent that the client has not shown it received.
 
     A receipt with leases is ``unsent`` from the moment it is handed to gRPC until the generator resumes (gRPC
     resumes it only after the send completed). If the call ends in between, whoever takes it first (the
     generator's ``finally`` or the call's termination callback) discards its leases; ``take_unsent`` makes
     that happen once.
+
+    A completed send is not a delivery: a client that cancels at its deadline drops an answer still on the
+    wire, and its cancel can reach the server after the send completed. So the sent receipt stays ``unacked``
+    (with ``sent_at``) until the next message on the stream: the client sends one (its release, its next
+    Encode) only after it read the answer, and one caller at a time uses a stream, in order. The stream ending
+    by cancellation while an answer is unacked means the caller never had it: its leases are released at once.
     """
 
     def __init__(self, context: grpc.ServicerContext) -> None:
@@ -80,6 +87,8 @@ class _OpenStream:
         self.lock = threading.Lock()
         self.busy = False
         self.unsent: WireReceipt | None = None
+        self.unacked: WireReceipt | None = None
+        self.sent_at = 0.0
 
     def take_unsent(self) -> WireReceipt | None:
         with self.lock:
@@ -312,6 +321,7 @@ class EncoderService:
     ) -> Iterator[bytes]:
         try:
             for raw in requests:
+                stream.unacked = None  # sent after the client read the last answer: those leases are its own
                 # A message that does not parse has no id an answer could name: it ends the stream.
                 msg = _parse_or_abort(pb.StreamRequest, raw, context)
                 kind = msg.WhichOneof("body")
@@ -340,13 +350,15 @@ class EncoderService:
                     with stream.lock:
                         stream.unsent = receipt
                 yield data
-                with stream.lock:  # resumed: gRPC sent it, the leases belong to the caller now
-                    stream.unsent = None
+                with stream.lock:  # resumed: gRPC sent it; the leases are the caller's once it shows it read it
+                    stream.unacked, stream.unsent = stream.unsent, None
+                    stream.sent_at = time.monotonic()
                     stream.busy = False
                 if self._closing:
                     return
         except grpc.RpcError:
-            return  # the client cancelled the call (deadline, close) or the server cancelled it on stop
+            # The client cancelled the call (deadline, close) or the server cancelled it (idle, stop).
+            self._discard_unacked(stream)
 
     def release_unanswered(self, request: pb.ReleaseLeasesRequest) -> None:
         # Never answered (fire and forget): a release that cannot be applied is counted and logged here, and the
@@ -362,6 +374,27 @@ class EncoderService:
             )
             return
         self.transport.release(list(request.lease_ids))
+
+    def _discard_unacked(self, stream: _OpenStream) -> None:
+        """The stream was cancelled with an answer sent but not acknowledged: the caller cancelled before that
+        answer reached it (its deadline, its close, its process gone), so nobody will read or release the
+        leases. A server-side idle end comes ``stream_idle_timeout_ms`` after the answer at the earliest, while
+        the client may still hold it: that one is left to the client and the TTL GC. Counted (and logged) as
+        ``discard_for_gone_caller`` counts, only when a lease was still live (the client may have released it
+        on another path)."""
+        receipt, stream.unacked = stream.unacked, None
+        if receipt is None:
+            return
+        idle_s = self.transport.config.limits.stream_idle_timeout_ms / 1000.0
+        if time.monotonic() - stream.sent_at >= idle_s:
+            return
+        released = self.transport.discard(receipt)
+        if released:
+            self.transport.metrics.errors.labels("encoder", Reason.CANCELLED.value).inc()
+            log.info(
+                "caller cancelled its EncodeStream before its answer reached it; released %d lease(s) at once",
+                released,
+            )
 
     def _discard_unsent(self, stream: _OpenStream) -> None:
         receipt = stream.take_unsent()
