@@ -593,65 +593,67 @@ class HeldStoreClient(_Client):
         return PendingRelease(self, local, call)
 
 
-class PendingLookup:
-    """A Lookup written to the same-host socket (``HeldStoreClient.begin_lookup``). Single-threaded."""
+class _Pending:
+    """A unary call written to the same-host socket, its answer collected without blocking. Single-threaded."""
 
-    def __init__(
-        self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall, grants: list[tuple[str, bytes]]
-    ) -> None:
-        self._client = client
-        self._local = local
-        self._call = call
-        self._grants = grants
-
-    def poll(self) -> list[LookupOutcome] | None:
-        """The outcomes once answered (None: not yet). Raises what ``lookup`` raises; ``LocalUnavailable`` when the
-        socket gave no answer (the client then uses gRPC: call ``lookup``, the method is idempotent)."""
-        try:
-            raw = self._call.poll()
-        except TensorwireError:
-            self._client._on_call("Lookup", "local")
-            raise
-        except LocalUnavailable:
-            self._client._local_failed(self._local)
-            self._client._on_call("Lookup", "local_fallback")
-            raise
-        if raw is None:
-            return None
-        self._client._on_call("Lookup", "local")
-        return self._client._outcomes(self._grants, self._client._parse_answer(hpb.LookupResponse, raw, "Lookup"))
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
-
-class PendingRelease:
-    """A Release written to the same-host socket (``HeldStoreClient.begin_release``). Single-threaded."""
+    method = ""
 
     def __init__(self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall) -> None:
         self._client = client
         self._local = local
         self._call = call
 
-    def poll(self) -> int | None:
-        """The number of grants released once answered (None: not yet). Raises ``LocalUnavailable`` when the
-        socket gave no answer (Release is idempotent: send it again with ``release``)."""
+    def _answer(self) -> bytes | None:
+        """The answer's bytes once there (None: not yet), each outcome counted as the blocking call counts it."""
         try:
             raw = self._call.poll()
         except TensorwireError:
-            self._client._on_call("Release", "local")
+            self._client._on_call(self.method, "local")
             raise
         except LocalUnavailable:
             self._client._local_failed(self._local)
-            self._client._on_call("Release", "local_fallback")
+            self._client._on_call(self.method, "local_fallback")
             raise
-        if raw is None:
-            return None
-        self._client._on_call("Release", "local")
-        return int(self._client._parse_answer(hpb.ReleaseResponse, raw, "Release").released)
+        if raw is not None:
+            self._client._on_call(self.method, "local")
+        return raw
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+class PendingLookup(_Pending):
+    """A Lookup written to the same-host socket (``HeldStoreClient.begin_lookup``). Single-threaded."""
+
+    method = "Lookup"
+
+    def __init__(
+        self, client: HeldStoreClient, local: LocalRpcClient, call: PendingCall, grants: list[tuple[str, bytes]]
+    ) -> None:
+        super().__init__(client, local, call)
+        self._grants = grants
+
+    def poll(self) -> list[LookupOutcome] | None:
+        """The outcomes once answered (None: not yet). Raises what ``lookup`` raises; ``LocalUnavailable`` when the
+        socket gave no answer (the client then uses gRPC: call ``lookup``, the method is idempotent)."""
+        raw = self._answer()
+        if raw is None:
+            return None
+        return self._client._outcomes(self._grants, self._client._parse_answer(hpb.LookupResponse, raw, "Lookup"))
+
+
+class PendingRelease(_Pending):
+    """A Release written to the same-host socket (``HeldStoreClient.begin_release``). Single-threaded."""
+
+    method = "Release"
+
+    def poll(self) -> int | None:
+        """The number of grants released once answered (None: not yet). Raises ``LocalUnavailable`` when the
+        socket gave no answer (Release is idempotent: send it again with ``release``)."""
+        raw = self._answer()
+        if raw is None:
+            return None
+        return int(self._client._parse_answer(hpb.ReleaseResponse, raw, "Release").released)
 
 
 # A failed Stage comes back as a status (INTERNAL for read failures) plus the reader's reason; rebuild the read
