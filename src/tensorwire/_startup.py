@@ -66,9 +66,13 @@ def arm(*, force: bool = False) -> "Any":
         return None
 
 
-def disarm(previous: "Any" = None) -> None:
-    """SIGINT raises ``KeyboardInterrupt`` again (or ``previous``, a handler ``arm`` returned)."""
+def disarm(previous: "Any" = None, *, keep_ignored: bool = False) -> None:
+    """SIGINT raises ``KeyboardInterrupt`` again (or ``previous``, a handler ``arm`` returned). ``keep_ignored``:
+    leave an ignored SIGINT ignored (a command that, once interrupted, ignores the stop signals until the process
+    ends, so that a second Ctrl-C cannot end it by SIGINT instead of exit code 130)."""
     try:
+        if keep_ignored and _signal.getsignal(_signal.SIGINT) == _signal.SIG_IGN:
+            return
         _signal.signal(_signal.SIGINT, previous if previous is not None else _signal.default_int_handler)
     except (ValueError, TypeError):
         pass

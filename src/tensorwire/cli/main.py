@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # transport's threads) could be interrupted again and end the process by SIGINT instead of exit code 130.
         os._exit(EXIT_INTERRUPTED)
     finally:
-        _startup.disarm(previous)
+        _startup.disarm(previous, keep_ignored=True)  # an interrupted demo ignores SIGINT until it exits
 
 
 if __name__ == "__main__":

@@ -41,3 +41,23 @@ def test_the_command_is_recognised(orig_argv: list[str]) -> None:
 )
 def test_other_processes_are_left_alone(orig_argv: list[str]) -> None:
     assert not started_as_command(orig_argv)
+
+
+def test_the_command_leaves_an_ignored_sigint_ignored() -> None:
+    # The demo, once interrupted, ignores the stop signals until the process ends; re-enabling SIGINT on the way out
+    # of main() let a second Ctrl-C end the process by SIGINT (-2) instead of exit code 130.
+    import signal
+
+    from tensorwire import _startup
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        previous = _startup.arm(force=True)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the interrupted command did
+        _startup.disarm(previous, keep_ignored=True)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        _startup.arm(force=True)  # not ignored: handed back as before
+        _startup.disarm(previous, keep_ignored=True)
+        assert signal.getsignal(signal.SIGINT) is previous
+    finally:
+        signal.signal(signal.SIGINT, before)
