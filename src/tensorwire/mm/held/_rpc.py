@@ -522,20 +522,26 @@ class HeldStoreClient(_Client):
         """Sends a Lookup over the same-host socket and returns at once (``PendingLookup.poll()`` collects the
         answer without blocking); None when there is no same-host socket (use ``lookup``). Raises
         ``LocalUnavailable`` when the request could not be written (the socket is dropped as ``lookup`` does)."""
+        begun = self._begin_local("Lookup", hpb.LookupRequest(support_rdma=support_rdma), grants, timeout_s)
+        return None if begun is None else PendingLookup(self, *begun, list(grants))
+
+    def _begin_local(
+        self, method: str, req: Any, grants: Sequence[tuple[str, bytes]], timeout_s: float
+    ) -> tuple[LocalRpcClient, PendingCall] | None:
+        """Writes ``req`` with ``grants`` to the same-host socket; None when there is none (discovery is asked
+        for again). ``LocalUnavailable`` when the request could not be written (the socket is dropped)."""
         local = self._local
         if local is None:
             self._local_missing()
             return None
-        req = hpb.LookupRequest(support_rdma=support_rdma)
         for key, secret in grants:
             req.grants.add(key=key, secret=secret)
         try:
-            call = local.begin("Lookup", req.SerializeToString(), timeout_s, f"Lookup on {self.address}")
+            return local, local.begin(method, req.SerializeToString(), timeout_s, f"{method} on {self.address}")
         except LocalUnavailable:
             self._local_failed(local)
-            self._on_call("Lookup", "local_fallback")
+            self._on_call(method, "local_fallback")
             raise
-        return PendingLookup(self, local, call, list(grants))
 
     def _outcomes(self, grants: Sequence[tuple[str, bytes]], resp: Any) -> list[LookupOutcome]:
         if len(resp.results) != len(grants):
@@ -577,20 +583,8 @@ class HeldStoreClient(_Client):
         """Sends a Release over the same-host socket and returns at once (``PendingRelease.poll()`` collects the
         answer without blocking), so that a caller on a busy thread wakes no other thread; None when there is no
         same-host socket (use ``release``). Raises ``LocalUnavailable`` when the request could not be written."""
-        local = self._local
-        if local is None:
-            self._local_missing()
-            return None
-        req = hpb.ReleaseRequest()
-        for key, secret in grants:
-            req.grants.add(key=key, secret=secret)
-        try:
-            call = local.begin("Release", req.SerializeToString(), timeout_s, f"Release on {self.address}")
-        except LocalUnavailable:
-            self._local_failed(local)
-            self._on_call("Release", "local_fallback")
-            raise
-        return PendingRelease(self, local, call)
+        begun = self._begin_local("Release", hpb.ReleaseRequest(), grants, timeout_s)
+        return None if begun is None else PendingRelease(self, *begun)
 
 
 class _Pending:
