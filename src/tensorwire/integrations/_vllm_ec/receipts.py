@@ -30,9 +30,9 @@ import dataclasses
 import hashlib
 import logging
 import os
-import stat
 import threading
 
+from tensorwire._local import unix as _unix
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._rpc import receipt_for
 from tensorwire.mm.held._store import HeldItem
@@ -119,20 +119,14 @@ class ReceiptBoard:
             return data
         name = self._file(key)
         try:
-            f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
-        except OSError:
+            data = _unix.read_private_file(fd, name, MAX_RECEIPT_BYTES + 1)
+        except FileNotFoundError:
             return None
-        try:
-            st = os.fstat(f)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                return None
-            data = os.read(f, MAX_RECEIPT_BYTES + 1)
-        except OSError as exc:
+        except (OSError, _unix.InsecurePath) as exc:  # a symlink, not ours, unreadable: not a receipt
             log.debug("receipt of %.16s unreadable (%s)", key, exc)
-            return None
-        finally:
-            os.close(f)
             self._unlink(name)
+            return None
+        self._unlink(name)
         return data if 0 < len(data) <= MAX_RECEIPT_BYTES else None
 
     def discard(self, key: str) -> None:
