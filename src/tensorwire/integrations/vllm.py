@@ -44,6 +44,7 @@ from tensorwire.integrations._vllm_ec.consumer import ConsumerScheduler, Consume
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RemoteStager  # noqa: E402
 from tensorwire.integrations._vllm_ec.metrics import metrics_for  # noqa: E402
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerStep, ProducerWorker  # noqa: E402
+from tensorwire.integrations._vllm_ec.segments import SegmentSpares  # noqa: E402
 from tensorwire.integrations._vllm_ec.trust import ProducerGate, ProducerTrust, compat_hash  # noqa: E402
 
 if TYPE_CHECKING:
@@ -184,8 +185,9 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
     def _init_consumer_scheduler(self) -> None:
         stagers: list[Any]
         if self._in_process:
-            area = rt.staging_runtime(self._cfg, self._name, 0, self._worker_device(), serve=False).area
-            stagers = [LocalStager(area)]
+            device = self._worker_device()
+            area = rt.staging_runtime(self._cfg, self._name, 0, device, serve=False).area
+            stagers = [LocalStager(area, spares=SegmentSpares() if device == "cpu" else None)]
         elif self._host_stages(self._worker_device()):
             stagers = [rt.segment_stager(self._cfg)]
         else:

@@ -113,6 +113,55 @@ def test_the_host_reads_once_over_nixl_into_a_segment_and_the_lease_ends_at_once
         fetcher.close()
 
 
+def test_the_uniproc_rank_reads_over_nixl_into_spare_segments_and_keeps_every_item(procs: StoreProcs) -> None:
+    """vLLM's uniproc executor (the rank's StagingArea in the scheduler's process): each item is READ straight into
+    a segment made ahead, never into the reader's pool (whose loans vLLM's encoder cache would keep), and an item
+    staged earlier keeps its bytes while later ones land."""
+    from tensorwire.integrations._vllm_ec.fetch import LocalStager
+    from tensorwire.integrations._vllm_ec.segments import SegmentSpares
+    from tensorwire.mm.held._staging import StagingArea
+    from tensorwire.rdma import RdmaConfig, TensorReader
+
+    area = StagingArea(lambda: TensorReader(RdmaConfig()))
+    spares = SegmentSpares()
+    taken: list[tuple[int, int]] = []
+    take = spares.take
+
+    def recording_take(nbytes: int) -> Any:
+        seg = take(nbytes)
+        taken.append((seg.tensor.data_ptr(), seg.size))
+        return seg
+
+    spares.take = recording_take  # type: ignore[method-assign]
+    cfg = ECConfig(host="127.0.0.1", fetch_timeout_ms=60000, lookup_timeout_ms=10000)
+    fetcher = Fetcher(cfg, [LocalStager(area, spares=spares)], ECMetrics(CollectorRegistry()))
+    try:
+        wants, kept = [], []
+        for i in range(3):
+            secret = new_secret()
+            wants.append(procs.ask(procs.owner, "hold", f"item-u{i}", secret, 20 + i))
+            grant = ItemGrant(procs.endpoint, f"item-u{i}", secret, SHAPE, "float32")
+            res = fetcher.start(grant, f"u{i}", Expect(SHAPE, torch.float32)).result(timeout=90)
+            assert res.ok and res.plane == "rdma", res
+            staged = area.get(f"u{i}")
+            assert staged is not None
+            kept.append(staged[0])  # what vLLM's encoder cache would hold
+            if i == 0:
+                wait_until(lambda: spares.spare_bytes > 0, "no segment was made ahead after the first READ")
+        assert len(taken) == 3 and len({ptr for ptr, _ in taken}) == 3
+        for t, (ptr, size) in zip(kept, taken, strict=True):
+            assert ptr <= t.data_ptr() < ptr + size  # a view of its own segment
+        fetcher.drop_async([f"u{i}" for i in range(3)])
+        wait_until(lambda: not area.keys(), "the area kept a dropped item")
+        for t, want in zip(kept, wants, strict=True):
+            assert torch.equal(t, want)  # dropped from the area, the encoder cache's tensors keep their bytes
+        wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds an item after the reads")
+    finally:
+        fetcher.close()
+        area.close()
+    assert spares.spare_bytes == 0  # closed with the fetcher
+
+
 # -- receipts in the params: read with no lookup --------------------------------------------------------------------
 
 

@@ -4,8 +4,9 @@ that every local tensor-parallel rank maps.
 Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` takes an anonymous
 ``memfd`` (``tw-ec-<pid>-<n>``, sized for the item, its pages allocated up front), READs the item into it with
 this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open until
-``drop``. Allocating and populating a segment costs about 0.5 ms per MB, so segments of the sizes recently staged
-are made ahead, on a background thread (at most ``SPARES_PER_SIZE`` per size and ``SPARE_BYTES`` in all); a
+``drop``. Allocating a segment's pages costs about 0.4 ms per MB, so segments of the sizes recently staged are
+made ahead (:class:`SegmentSpares`, also used by the uniproc rank's ``fetch.LocalStager``) on a background thread
+that allocates them without holding the GIL (at most ``SPARES_PER_SIZE`` per size and ``SPARE_BYTES`` in all); a
 segment is still used once. Nothing is named in a file system: the segment cannot be opened by another user, and
 it is freed when the scheduler has dropped it and the last rank's mapping is gone (a crashed engine leaves
 nothing behind).
@@ -24,6 +25,8 @@ which the ranks of one vLLM instance have.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import itertools
 import logging
 import mmap
@@ -32,6 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,7 +80,8 @@ class SegmentRef:
 
 
 class _Segment:
-    """A memfd of ``size`` bytes mapped in this process; ``tensor`` is a uint8 view of the whole mapping."""
+    """A memfd of ``size`` bytes mapped in this process, its pages allocated; ``tensor`` is a uint8 view of the
+    whole mapping."""
 
     def __init__(self, size: int) -> None:
         self.name = f"{_PREFIX}{os.getpid()}-{next(_names)}"
@@ -84,11 +89,18 @@ class _Segment:
         self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.size)
-            self._map: mmap.mmap | None = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+            populated = _populate_write is not None
+            flags = mmap.MAP_SHARED if populated else mmap.MAP_SHARED | _POPULATE
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, self.size, flags=flags)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+            if populated and not _populate(self.tensor.data_ptr(), self.size):
+                self.tensor = None  # type: ignore[assignment]  # (its mapping goes with the last reference)
+                self._map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE)
+                self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         except BaseException:
+            self.tensor, self._map = None, None  # type: ignore[assignment]  # the mapping's own descriptor too
             os.close(self.fd)
             raise
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
         """Closes the descriptor; this process's mapping goes when the last view of it does."""
@@ -99,6 +111,105 @@ class _Segment:
 
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Allocating a segment's pages takes ~0.4 ms per MB. CPython's mmap() holds the GIL throughout, so MAP_POPULATE
+# on the maker thread stalled the engine's scheduler thread for as long (~5 ms per 10 MB item in a real engine,
+# between the READ and the worker's load); a ctypes call releases the GIL, so the pages are allocated by
+# madvise(MADV_POPULATE_WRITE) through ctypes instead. Older kernels keep MAP_POPULATE.
+_populate_write = _libc_madvise()
+
+
+def _populate(addr: int, nbytes: int) -> bool:
+    """Allocates every page of the mapping at ``addr`` without the GIL; False when the kernel cannot."""
+    global _populate_write
+    fn = _populate_write
+    if fn is None:
+        return False
+    if fn(addr, nbytes, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:  # a kernel before 5.14: never again in this process
+        _populate_write = None
+        return False
+    raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of a {nbytes}-byte segment: {os.strerror(err)}")
+
+
+class SegmentSpares:
+    """Segments of the sizes recently taken, made ahead on one background thread (at most ``SPARES_PER_SIZE`` per
+    size and ``SPARE_BYTES`` in all): ``take`` hands out a ready one, or makes one now when none is; each taken
+    segment is used once. Call ``refill`` after the READ that used a taken one. Thread-safe."""
+
+    def __init__(self, *, background: bool = True) -> None:
+        self._lock = threading.Lock()
+        self._spares: dict[int, list[_Segment]] = {}
+        self._bytes = 0
+        self._closed = False
+        self._maker = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-segments") if background else None
+        )
+
+    @property
+    def spare_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def take(self, nbytes: int) -> _Segment:
+        size = max(1, nbytes)
+        with self._lock:
+            ready = self._spares.get(size)
+            if ready:
+                seg = ready.pop()
+                self._bytes -= seg.size
+                return seg
+        return _Segment(size)
+
+    def refill(self, size: int) -> None:
+        if self._maker is None:
+            return
+        try:
+            self._maker.submit(self._make, max(1, size))
+        except RuntimeError:  # shut down
+            pass
+
+    def _make(self, size: int) -> None:
+        with self._lock:
+            if self._closed or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
+                return
+            if self._bytes + size > SPARE_BYTES:
+                return
+        try:
+            seg = _Segment(size)
+        except OSError as exc:
+            log.debug("no spare segment of %d bytes: %s", size, exc)
+            return
+        with self._lock:
+            if not self._closed:
+                self._spares.setdefault(size, []).append(seg)
+                self._bytes += seg.size
+                return
+        seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            spares = [seg for segs in self._spares.values() for seg in segs]
+            self._spares, self._bytes = {}, 0
+        if self._maker is not None:
+            self._maker.shutdown(wait=True, cancel_futures=True)
+        for seg in spares:
+            seg.close()
 
 
 class SegmentStager:
@@ -111,51 +222,11 @@ class SegmentStager:
         self.area = StagingArea(reader_factory, device="cpu")
         self._lock = threading.Lock()
         self._segments: dict[str, tuple[_Segment, SegmentRef]] = {}
-        self._spares: dict[int, list[_Segment]] = {}
-        self._spare_bytes = 0
-        self._closed = False
-        self._maker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-segments") if spares else None
+        self._spares = SegmentSpares(background=spares)
 
     @property
     def spare_bytes(self) -> int:
-        with self._lock:
-            return self._spare_bytes
-
-    def _take(self, nbytes: int) -> _Segment:
-        size = max(1, nbytes)
-        with self._lock:
-            ready = self._spares.get(size)
-            if ready:
-                seg = ready.pop()
-                self._spare_bytes -= seg.size
-                return seg
-        return _Segment(size)
-
-    def _make_spare(self, size: int) -> None:
-        with self._lock:
-            if self._closed or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
-                return
-            if self._spare_bytes + size > SPARE_BYTES:
-                return
-        try:
-            seg = _Segment(size)
-        except OSError as exc:
-            log.debug("no spare segment of %d bytes: %s", size, exc)
-            return
-        with self._lock:
-            if not self._closed:
-                self._spares.setdefault(size, []).append(seg)
-                self._spare_bytes += seg.size
-                return
-        seg.close()
-
-    def _refill(self, size: int) -> None:
-        if self._maker is None:
-            return
-        try:
-            self._maker.submit(self._make_spare, max(1, size))
-        except RuntimeError:  # shut down
-            pass
+        return self._spares.spare_bytes
 
     def warm_up(self) -> bool:
         return self.area.warm_up()
@@ -164,7 +235,7 @@ class SegmentStager:
         made: list[_Segment] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
-            seg = self._take(nbytes)
+            seg = self._spares.take(nbytes)
             made.append(seg)
             return seg.tensor
 
@@ -192,8 +263,8 @@ class SegmentStager:
                 seg.close()
             raise
         finally:
-            for seg in made:  # after the READ: the maker thread does not compete with it for the GIL
-                self._refill(seg.size)
+            for seg in made:
+                self._spares.refill(seg.size)
         with self._lock:
             old = self._segments.pop(key, None)
             self._segments[key] = (seg, ref)
@@ -221,15 +292,9 @@ class SegmentStager:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
             gone, self._segments = list(self._segments.values()), {}
-            spares = [seg for segs in self._spares.values() for seg in segs]
-            self._spares, self._spare_bytes = {}, 0
-        if self._maker is not None:
-            self._maker.shutdown(wait=True, cancel_futures=True)
+        self._spares.close()
         for seg, _ in gone:
-            seg.close()
-        for seg in spares:
             seg.close()
         self.area.close()
 
@@ -252,7 +317,10 @@ def map_segment(ref: SegmentRef, *, opener: Callable[[str], int] | None = None) 
                 f"segment {ref.name!r} ({size} bytes) does not hold {list(ref.shape)}/{ref.dtype} at {ref.offset}",
                 reason=Reason.RESULT_MISMATCH,
             )
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        # Not populated: the pages exist (the scheduler's READ wrote them); mapping them in now would hold this
+        # worker's GIL ~1 ms per 10 MB (CPython's mmap() keeps it), where faulting them in on first use maps 16
+        # pages per fault, as the file connector's safetensors mapping does.
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
     base = torch.frombuffer(m, dtype=torch.uint8)
@@ -266,4 +334,4 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["SegmentRef", "SegmentStager", "map_segment"]
+__all__ = ["SegmentRef", "SegmentSpares", "SegmentStager", "map_segment"]
