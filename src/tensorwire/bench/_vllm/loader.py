@@ -190,7 +190,10 @@ def _importable(name: str) -> bool:
     ``sys.path`` (a namespace package: a ``vllm/`` directory under the working directory, or pytest putting
     ``tests/``, with its ``tests/vllm/``, on the path), which would pass for an installed vllm."""
     if name in sys.modules:
-        return not (getattr(sys.modules[name], "__doc__", None) or "").startswith("tensorwire bench stand-in")
+        mod = sys.modules[name]
+        if (getattr(mod, "__doc__", None) or "").startswith("tensorwire bench stand-in"):
+            return False
+        return getattr(mod, "__file__", None) is not None  # an imported namespace package has no file
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):
