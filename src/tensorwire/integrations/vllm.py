@@ -42,7 +42,7 @@ from tensorwire.integrations._vllm_ec import runtime as rt  # noqa: E402
 from tensorwire.integrations._vllm_ec.config import ECConfig  # noqa: E402
 from tensorwire.integrations._vllm_ec.consumer import ConsumerScheduler, ConsumerWorker  # noqa: E402
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager, RemoteStager  # noqa: E402
-from tensorwire.integrations._vllm_ec.metrics import metrics_for  # noqa: E402
+from tensorwire.integrations._vllm_ec.metrics import CONSUMER, PRODUCER, metrics_for  # noqa: E402
 from tensorwire.integrations._vllm_ec.producer import ProducerScheduler, ProducerStep, ProducerWorker  # noqa: E402
 from tensorwire.integrations._vllm_ec.segments import SegmentSpares  # noqa: E402
 from tensorwire.integrations._vllm_ec.trust import ProducerGate, ProducerTrust, compat_hash  # noqa: E402
@@ -93,7 +93,7 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         self._in_process = backend in _IN_PROCESS_BACKENDS
         self._tp = pc.tensor_parallel_size
         self._name = rt.instance_name(ec.engine_id, getattr(pc, "data_parallel_rank", 0) or 0)
-        self._metrics = metrics_for(None)
+        self._metrics = metrics_for(None, PRODUCER if self.is_producer else CONSUMER)
         self._model_config = vllm_config.model_config
         self._resolver: Any = None
         self._producer_sched: ProducerScheduler | None = None

@@ -2,25 +2,95 @@
 
 Labels: ``plane``, ``reason`` (a :class:`~tensorwire.errors.Reason`), ``outcome``; never mm_hashes, endpoints,
 secrets or request ids. Each vLLM process registers its own; under ``vllm serve`` they go through multiprocess
-mode to vLLM's ``/metrics`` (gauges ``livesum``), otherwise ``metrics_port`` serves them.
+mode to vLLM's ``/metrics`` (gauges ``livesum``), otherwise ``metrics_port`` serves them. A process exports the
+families of its role only (``PRODUCER`` on the encoder instance, ``CONSUMER`` on the LLM instance): the other
+role's are not even created (in multiprocess mode a family that exists is exported, registered or not), and
+their attributes count nothing.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-class ECMetrics:
-    """The connector's metric family; one instance per registry (``metrics_for``)."""
+PRODUCER = "producer"
+CONSUMER = "consumer"
+ROLES = (PRODUCER, CONSUMER)
+_FAMILIES = {
+    PRODUCER: ("saved", "save_failures", "grants", "held_items", "held_bytes"),
+    CONSUMER: (
+        "fetches",
+        "delivered",
+        "bytes",
+        "read_bytes",
+        "fetch_paths",
+        "receipts",
+        "fetch_seconds",
+        "fallbacks",
+        "refusals",
+        "unavailable",
+        "releases",
+        "control_calls",
+        "held_requests",
+        "placed",
+        "place_misses",
+    ),
+}
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        reg = registry if registry is not None else REGISTRY
-        self.registry = reg
-        # encoder instance
+
+class _Unexported:
+    """Stands in for a family of a role this process does not play: counts nothing, exports nothing (in
+    multiprocess mode a family that exists is exported, registered or not)."""
+
+    def labels(self, *args: object, **kwargs: object) -> _Unexported:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def dec(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+_UNEXPORTED: Any = _Unexported()
+
+
+class ECMetrics:
+    """The connector's metric family; one instance per registry (``metrics_for``). ``roles``: whose families are
+    created and registered now (default both); ``export`` adds another role's later. Until then that role's
+    attributes count nothing."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, roles: Iterable[str] = ROLES) -> None:
+        self.registry = registry if registry is not None else REGISTRY
+        self._exported: set[str] = set()
+        self._lock = threading.Lock()
+        for name in _FAMILIES[PRODUCER] + _FAMILIES[CONSUMER]:
+            setattr(self, name, _UNEXPORTED)
+        for role in roles:
+            self.export(role)
+
+    def export(self, role: str) -> None:
+        """Creates and registers ``role``'s families (once; idempotent)."""
+        make = {PRODUCER: self._make_producer, CONSUMER: self._make_consumer}[role]  # KeyError: not a role
+        with self._lock:
+            if role in self._exported:
+                return
+            self._exported.add(role)
+            make(self.registry)
+
+    def _make_producer(self, reg: CollectorRegistry) -> None:
         self.saved = Counter(
             "tensorwire_vllm_ec_saved_items_total",
             "Encoder outputs exported into the held-outputs store, by plane",
@@ -51,7 +121,8 @@ class ECMetrics:
             registry=reg,
             multiprocess_mode="livesum",
         )
-        # LLM instance
+
+    def _make_consumer(self, reg: CollectorRegistry) -> None:
         self.fetches = Counter(
             "tensorwire_vllm_ec_fetches_total",
             "Item fetches by outcome (delivered: every rank holds it; failed)",
@@ -158,14 +229,17 @@ _lock = threading.Lock()
 _by_registry: dict[int, ECMetrics] = {}
 
 
-def metrics_for(registry: CollectorRegistry | None) -> ECMetrics:
-    """The shared ECMetrics of ``registry`` (None: prometheus_client's default registry)."""
+def metrics_for(registry: CollectorRegistry | None, role: str | None = None) -> ECMetrics:
+    """The shared ECMetrics of ``registry`` (None: prometheus_client's default registry), with ``role``'s families
+    exported (None: both)."""
     reg = registry if registry is not None else REGISTRY
     with _lock:
         m = _by_registry.get(id(reg))
         if m is None:
-            m = _by_registry[id(reg)] = ECMetrics(reg)
-        return m
+            m = _by_registry[id(reg)] = ECMetrics(reg, roles=())
+    for r in ROLES if role is None else (role,):
+        m.export(r)
+    return m
 
 
-__all__ = ["ECMetrics", "metrics_for"]
+__all__ = ["ECMetrics", "metrics_for", "PRODUCER", "CONSUMER", "ROLES"]
