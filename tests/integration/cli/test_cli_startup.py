@@ -37,6 +37,12 @@ def silent_endpoint() -> Iterator[str]:
         sock.close()
 
 
+def _as_from_a_terminal() -> None:
+    """A child's SIGINT as a shell at a terminal hands it over. A suite started as a background job (``make test &``,
+    nohup) runs with SIGINT ignored, which children inherit and Python then leaves alone."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(launcher: list[str], endpoint: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [*launcher, "fetch", "--endpoint", endpoint, "--mode", "grpc", "--timeout-ms", "200000", IMAGE],
@@ -44,6 +50,7 @@ def _start(launcher: list[str], endpoint: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
+        preexec_fn=_as_from_a_terminal,
     )
 
 
@@ -115,5 +122,12 @@ def test_importing_tensorwire_as_a_library_leaves_sigint_alone() -> None:
         "import signal, tensorwire, tensorwire.cli.main\n"
         "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.getsignal(signal.SIGINT)\n"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=os.environ)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ,
+        preexec_fn=_as_from_a_terminal,
+    )
     assert r.returncode == 0, r.stderr

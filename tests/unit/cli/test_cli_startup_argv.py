@@ -52,6 +52,7 @@ def test_the_command_leaves_an_ignored_sigint_ignored() -> None:
 
     before = signal.getsignal(signal.SIGINT)
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as Python sets it up, unless started ignored
         previous = _startup.arm(force=True)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # what the interrupted command did
         _startup.disarm(previous, keep_ignored=True)
