@@ -112,10 +112,10 @@ class Stager(Protocol):
 class LocalStager:
     """A StagingArea in this process (vLLM's uniproc executor: the worker shares the scheduler's process).
 
-    On host memory the item is READ straight into a segment made ahead (``segments.SegmentSpares``): the staged
-    tensors are views of it. Without one the reader lands the bytes in a pooled buffer and clones them out, or,
-    once its loans are all held by vLLM's encoder cache, allocates and registers fresh tensors per read: 12-14 ms
-    more per 10 MB item, measured in a real engine."""
+    With ``spares`` (host memory) an RDMA item is READ straight into a segment taken from them, used once: the
+    staged tensors are views of it, so vLLM's encoder cache may keep them after ``drop``. Without, the reader's
+    own destinations are used (whose loans the encoder cache would keep, leaving later reads to allocate and
+    register fresh tensors); inline items are always decoded by the area."""
 
     inline = True  # no RPC: the fetch may run it on the scheduler's thread
 
