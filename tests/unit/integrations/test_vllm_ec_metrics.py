@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
 
+from tensorwire.integrations._vllm_ec import metrics as ec_metrics
 from tensorwire.integrations._vllm_ec.metrics import CONSUMER, PRODUCER, ECMetrics, metrics_for
 
 PRODUCER_NAMES = {
@@ -37,6 +39,18 @@ def test_one_role_exports_its_own_families_and_the_others_count_nothing() -> Non
     assert reg.get_sample_value("tensorwire_vllm_ec_saved_items_total", {"plane": "rdma"}) == 1.0
 
 
+def test_each_role_lists_exactly_the_families_it_creates() -> None:
+    """The stand-ins cover every family of a role not exported, and exporting replaces exactly those."""
+    for role in (PRODUCER, CONSUMER):
+        m = ECMetrics(CollectorRegistry(), roles=())
+        before = {k for k, v in vars(m).items() if v is ec_metrics._UNEXPORTED}
+        assert before == set(ec_metrics._FAMILIES[PRODUCER] + ec_metrics._FAMILIES[CONSUMER])
+        m.export(role)
+        made = {k for k, v in vars(m).items() if isinstance(v, MetricWrapperBase)}
+        assert made == set(ec_metrics._FAMILIES[role])
+        assert {k for k, v in vars(m).items() if v is ec_metrics._UNEXPORTED} == before - made
+
+
 def test_metrics_for_exports_each_role_asked_for_once() -> None:
     reg = CollectorRegistry()
     consumer = metrics_for(reg, CONSUMER)
@@ -55,6 +69,7 @@ def test_in_multiprocess_mode_an_encoder_instance_writes_no_llm_side_family(tmp_
 import os
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = {str(tmp_path)!r}
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
 from tensorwire.integrations._vllm_ec.metrics import PRODUCER, metrics_for
 m = metrics_for(CollectorRegistry(), PRODUCER)
 m.saved.labels("rdma").inc()
