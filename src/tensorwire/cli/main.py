@@ -2,7 +2,8 @@
 
     HELP: str                                    one line for ``tensorwire --help``
     EPILOG: str (optional)                       text after the flags in ``tensorwire <command> --help``
-    FAST_EXIT: bool (optional)                   skip interpreter finalization after ``run`` (servers)
+    FAST_EXIT: bool (optional)                   skip interpreter finalization after ``run`` (servers; every
+                                                 command that returns 130, interrupted, skips it too)
     def add_arguments(parser) -> None            its flags
     def run(args) -> int                         the exit code
 
@@ -126,11 +127,23 @@ def _main(argv: Sequence[str]) -> int:
     from tensorwire import _startup
 
     _startup.disarm()  # the command's work: Ctrl-C is a KeyboardInterrupt it may clean up after
-    code = int(args._module.run(args) or 0)
-    if getattr(args._module, "FAST_EXIT", False):
+    return run_command(args._module, args)
+
+
+def run_command(module: object, args: argparse.Namespace) -> int:
+    """``module.run(args)``'s exit code; the process ends here (no interpreter finalization) for a ``FAST_EXIT``
+    command and for one that answered ``EXIT_INTERRUPTED``.
+
+    Why an interrupted command may not go through finalization: CPython ends the process by SIGINT at exit, whatever
+    exit code was asked for, once a ``KeyboardInterrupt`` has left code run by ``exec()`` of a string, even if it
+    was caught later (``dataclasses`` and ``namedtuple`` build their methods that way, so a Ctrl-C that lands in an
+    import is enough). The command has cleaned up by then, so nothing is lost by skipping it.
+    """
+    code = int(module.run(args) or 0)  # type: ignore[attr-defined]
+    if code == EXIT_INTERRUPTED or getattr(module, "FAST_EXIT", False):
         from tensorwire.service._runtime import exit_now
 
-        exit_now(code)  # a stopped server has nothing left to finalize (see exit_now)
+        exit_now(code)  # flushes logs and stdio first
     return code
 
 

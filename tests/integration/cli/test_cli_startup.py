@@ -131,3 +131,32 @@ def test_importing_tensorwire_as_a_library_leaves_sigint_alone() -> None:
         preexec_fn=_as_from_a_terminal,
     )
     assert r.returncode == 0, r.stderr
+
+
+_INTERRUPTED_IN_EXEC = """
+import argparse, sys, types
+from tensorwire.cli.main import run_command
+
+def run(args):
+    try:
+        exec("raise KeyboardInterrupt")  # as a Ctrl-C landing while dataclasses builds a class during an import
+    except KeyboardInterrupt:
+        return 130  # the command cleaned up and says so
+
+command = types.SimpleNamespace(run=run)
+sys.exit(run_command(command, argparse.Namespace()) if sys.argv[1] == "tensorwire" else run(None))
+"""
+
+
+def test_an_interrupted_command_ends_with_130_even_after_a_keyboardinterrupt_left_exec(tmp_path: Path) -> None:
+    """CPython ends a process started with ``-m`` by SIGINT at exit once a KeyboardInterrupt has left ``exec()`` of
+    a string, even a caught one; ``run_command`` ends an interrupted command before that can happen."""
+    (tmp_path / "interrupted_in_exec.py").write_text(_INTERRUPTED_IN_EXEC)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    rcs = {
+        how: subprocess.run(
+            [sys.executable, "-m", "interrupted_in_exec", how], capture_output=True, text=True, timeout=120, env=env
+        ).returncode
+        for how in ("plain", "tensorwire")
+    }
+    assert rcs["tensorwire"] == 130, f"exit codes: {rcs} (plain: the interpreter's own exit, for comparison)"
