@@ -7,11 +7,11 @@ one prints a traceback. ``arm()`` is the package's first statement: in a process
 (vLLM, a test, a benchmark) it changes nothing. ``tensorwire.cli.main`` hands SIGINT back to ``KeyboardInterrupt``
 when the command starts its work, which then ends the same way (one line, 130) after the command's own clean-up.
 
-Before this module runs, SIGINT is Python's: during the interpreter's own start-up (before it installs its handler)
-the process is killed by SIGINT, which a shell reports as 130; during ``site`` (the environment's ``.pth`` files)
-or ``runpy``, Python prints its own traceback. Only standard-library modules the interpreter has already loaded
-are used here (``_signal``, not ``signal``, which imports ``enum``; no ``__future__``), so the window before ``arm()``
-stays short.
+Until ``arm()`` has installed the handler, SIGINT is Python's: during the interpreter's own start-up (before it
+installs its handler) the process is killed by SIGINT, which a shell reports as 130; during ``site`` (the
+environment's ``.pth`` files), ``runpy``, the loading of this module and ``arm()`` itself, Python prints its own
+``KeyboardInterrupt`` traceback. Only standard-library modules the interpreter has already loaded are used here
+(``_signal``, not ``signal``, which imports ``enum``; no ``__future__``), so that last window stays short.
 """
 
 import _signal  # type: ignore[import-not-found]  # the C module under ``signal``, loaded at interpreter start

@@ -6,6 +6,7 @@ they were started, and once while ``import torch`` is under way."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import tensorwire
 from tensorwire.encoder import sample_paths
 
 IMAGE = str(sample_paths()[0])
@@ -64,13 +66,41 @@ def _interrupt(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+_FRAME = re.compile(r'^\s*File "(?P<path>[^"]+)", line (?P<line>\d+), in \S+$')
+_PACKAGE = Path(tensorwire.__file__).resolve().parent
+# ``import tensorwire`` runs these statements before its SIGINT handler is installed: loading ``_startup`` and
+# ``arm()`` up to the moment the handler takes over (the window the ``_startup`` docstring names).
+_ARM_LINE = next(
+    n for n, text in enumerate((_PACKAGE / "__init__.py").read_text().splitlines(), 1) if text == "_startup.arm()"
+)
+
+
+def _mentions_tensorwire_after_arm(err: str) -> bool:
+    """A line of ``err`` names the package (the console script is pip's: ``bin/tensorwire``, no separator after it)
+    and is not one of the frames that run before the handler is installed: ``__init__.py`` up to its
+    ``_startup.arm()`` line, ``_startup.py`` itself."""
+    for text in err.splitlines():
+        if f"{os.sep}tensorwire{os.sep}" not in text:
+            continue
+        frame = _FRAME.match(text)
+        if frame is None:
+            return True
+        path = Path(frame["path"]).resolve()
+        if path == _PACKAGE / "_startup.py":
+            continue
+        if path == _PACKAGE / "__init__.py" and int(frame["line"]) <= _ARM_LINE:
+            continue
+        return True
+    return False
+
+
 def _outcome(rc: int, out: str, err: str) -> str:
-    """``tensorwire`` (the one-line exit), ``python`` (Python's own start-up: nothing of tensorwire ran), or what
-    went wrong."""
+    """``tensorwire`` (the one-line exit), ``python`` (before tensorwire's handler: Python's own start-up, or the
+    statements that install the handler), or what went wrong."""
     lines = [line for line in err.splitlines() if line.strip()]
     if rc == 130 and lines == ["interrupted"] and out == "":
         return "tensorwire"
-    ours = f"{os.sep}tensorwire{os.sep}" in err  # a frame in the package (the console script is pip's)
+    ours = _mentions_tensorwire_after_arm(err)
     if not ours and out == "" and (rc == -signal.SIGINT or (rc == 1 and err.rstrip().endswith("KeyboardInterrupt"))):
         # Killed before the interpreter installed its handler (-2), or a KeyboardInterrupt in Python's own start-up:
         # `site` ("Fatal Python error: init_import_site", 1), importing `runpy` ("Could not import runpy module", 1),
