@@ -58,6 +58,11 @@ def test_quick_run_writes_a_complete_json(tmp_path: Path) -> None:
         assert st["item_bytes"] == run["item_bytes"], (name, st)
         for m in ("handoff", "fetch", "save", "llm_request", "e2e"):
             assert st[m]["n"] == 2 and 0 < st[m]["p50_ms"] <= st[m]["p90_ms"] <= st[m]["p99_ms"], (name, m, st[m])
+        # The fetch's three stretches happen in that order (the scheduler's and the worker's clocks agree) and
+        # add up to it.
+        for sample in run["samples"][name]:
+            stages = [sample[m] for m in ("until_ready", "to_worker", "worker_load")]
+            assert min(stages) >= 0 and abs(sum(stages) - sample["fetch"]) < 1e-6, (name, sample)
         # The bit-identical check ran for every measured request (True: equal to the baseline's output).
         assert [s["identical"] for s in run["samples"][name]] == [True, True], run["samples"][name]
     assert run["baseline"]["llm_request"]["n"] == 2

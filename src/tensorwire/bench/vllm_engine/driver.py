@@ -26,6 +26,8 @@ TOPOLOGIES = ("uniproc", "mp")
 CONNECTORS = ("tensorwire", "file", "mooncake")
 CLASSES = {"tensorwire": "TimedTensorwireEC", "file": "TimedExampleEC", "mooncake": "TimedMooncakeEC"}
 METRICS = ("handoff", "fetch", "save", "llm_request", "e2e")
+# The fetch in three stretches (the LLM instance's timeline): the connector's, vLLM's, the worker's.
+FETCH_STAGES = ("until_ready", "to_worker", "worker_load")
 # Generous on a busy 2-core box: a fetch that falls back would encode locally and be counted as failed.
 # (A fetch that misses it is counted as failed, so a stuck read costs a round this long, not a whole run.)
 CONSUMER_BUDGETS = {"fetch_timeout_ms": 15000, "lookup_timeout_ms": 10000, "release_timeout_ms": 10000}
@@ -41,6 +43,11 @@ DEFINITIONS = {
     "handoff": "encoder instance's save_caches start -> the item in the LLM instance's encoder cache",
     "fetch": "LLM instance's scheduler first sees the item -> the item in its encoder cache",
     "save": "save_caches on the encoder instance (its duration)",
+    "until_ready": "fetch, first stretch: the scheduler's first look -> the connector first answers the item "
+    "available (ensure_cache_available True)",
+    "to_worker": "fetch, second stretch: available -> the worker's start_load_caches call that loads it begins "
+    "(vLLM's scheduling, the step's metadata, the hop to the worker process in the multiprocess topology)",
+    "worker_load": "fetch, third stretch: that start_load_caches call -> the item in the encoder cache",
     "llm_request": "the LLM instance's LLM.generate call (the request with the params)",
     "e2e": "the encoder instance's request (max_tokens 1) + the LLM instance's, as the driver saw them",
     "ratios_vs_file": "the file connector's figure over the other's: above 1, that connector is faster",
@@ -180,6 +187,11 @@ class Pair:
                 sample["nbytes"] = placed[0]["nbytes"]
                 if seen:
                     sample["fetch"] = (placed[0]["t"] - seen[0]["t"]) / 1e6
+                ready = [e for e in cons_events if e["ev"] == "ready" and e["mm_hash"] == h]
+                if seen and ready and "t_load" in placed[0]:
+                    sample["until_ready"] = (ready[0]["t"] - seen[0]["t"]) / 1e6
+                    sample["to_worker"] = (placed[0]["t_load"] - ready[0]["t"]) / 1e6
+                    sample["worker_load"] = (placed[0]["t"] - placed[0]["t_load"]) / 1e6
             else:
                 sample["failed"] = "not placed in the LLM instance's encoder cache (encoded locally?)"
             if self.file_dir is not None:  # vLLM's example connector never deletes its files
@@ -205,7 +217,7 @@ def _instance_env(topology: str) -> dict[str, str]:
 
 
 def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {m: stats_of([s[m] for s in samples if m in s]) for m in METRICS}
+    out: dict[str, Any] = {m: stats_of([s[m] for s in samples if m in s]) for m in (*METRICS, *FETCH_STAGES)}
     out["producer_request"] = stats_of([s["producer_request"] for s in samples if "producer_request" in s])
     out["requests"] = len(samples)
     out["failed"] = sum("failed" in s for s in samples)
@@ -391,10 +403,10 @@ def print_set(res: dict[str, Any]) -> None:
     if "file" in conns:
         head += "".join(f"{'file/' + c + ' p50 (p99)':>26}" for c in conns if c != "file")
     print(head)
-    for m in METRICS:
-        row = f"{m:<13}"
+    for m in (*METRICS, *FETCH_STAGES):
+        row = f"{(m if m in METRICS else '  ' + m):<13}"
         for c in conns:
-            st = res["connectors"][c][m]
+            st = res["connectors"][c].get(m, {})
             row += f"{st['p50_ms']:>12.1f} /{st['p90_ms']:>8.1f} /{st['p99_ms']:>8.1f}" if st.get("n") else f"{'-':>34}"
         for c in conns:
             if c == "file":

@@ -2,7 +2,9 @@
 
 Loaded inside the engines, never by the driver. Each subclass calls the connector's methods unchanged and appends
 ``time.time_ns()`` records to ``$TW_EC_TIMES_DIR/<pid>.jsonl``: ``save`` (producer worker), ``seen`` (consumer
-scheduler), ``placed`` (consumer worker). Without ``TW_EC_TIMES_DIR`` nothing is recorded.
+scheduler: vLLM's first look at the item), ``ready`` (consumer scheduler: the connector first answered that the item
+is available), ``placed`` (consumer worker: the item entered the encoder cache; ``t_load`` is when that
+``start_load_caches`` call began). Without ``TW_EC_TIMES_DIR`` nothing is recorded.
 """
 
 from __future__ import annotations
@@ -53,11 +55,13 @@ class _Timed:
 
     def start_load_caches(self, encoder_cache: dict[str, Any], **kwargs: Any) -> None:
         before = set(encoder_cache)
+        t_load = time.time_ns()
         super().start_load_caches(encoder_cache, **kwargs)  # type: ignore[misc]
         if len(encoder_cache) != len(before) or encoder_cache.keys() != before:
             t = time.time_ns()
             for key in encoder_cache.keys() - before:
-                _record("placed", key, t=t, nbytes=int(encoder_cache[key].numel() * encoder_cache[key].element_size()))
+                nbytes = int(encoder_cache[key].numel() * encoder_cache[key].element_size())
+                _record("placed", key, t=t, t_load=t_load, nbytes=nbytes)
 
     def has_cache_item(self, identifier: str) -> bool:
         if self.is_consumer:  # type: ignore[attr-defined]
@@ -68,7 +72,15 @@ class _Timed:
         if self.is_consumer:  # type: ignore[attr-defined]
             for feature in request.mm_features or ():
                 self._tw_first_seen(feature.identifier)
-        return bool(super().ensure_cache_available(request, num_computed_tokens))  # type: ignore[misc]
+        available = bool(super().ensure_cache_available(request, num_computed_tokens))  # type: ignore[misc]
+        if available and self.is_consumer:  # type: ignore[attr-defined]
+            ready = self.__dict__.setdefault("_tw_ready", set())
+            t = time.time_ns()
+            for feature in request.mm_features or ():
+                if feature.identifier not in ready:
+                    ready.add(feature.identifier)
+                    _record("ready", feature.identifier, t=t)
+        return available
 
 
 class TimedTensorwireEC(_Timed, TensorwireECConnector):
