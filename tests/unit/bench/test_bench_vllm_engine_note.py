@@ -1,8 +1,13 @@
-"""The engine benchmark's ``note``: derived from the load each set saw and the hog, never a fixed text."""
+"""The engine benchmark's ``note`` (derived from the load each set saw and the hog, never a fixed text) and its
+checks before anything starts."""
 
 from __future__ import annotations
 
-from tensorwire.bench.vllm_engine.driver import load_class, load_note
+from pathlib import Path
+
+import pytest
+
+from tensorwire.bench.vllm_engine.driver import load_class, load_note, main
 
 
 def _run(lo: float, hi: float) -> dict[str, object]:
@@ -36,3 +41,14 @@ def test_no_set_completed() -> None:
     assert load_note([{"error": "RuntimeError: died"}], cores=2, hog=True) == (
         "2-core CPU, load not recorded (no set completed); beside a CPU-bound process (--hog: one core spinning)"
     )
+
+
+def test_a_workdir_with_an_earlier_runs_sets_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "mp-10mb").mkdir()
+    argv = ["--workdir", str(tmp_path), "--sizes", "1", "10", "--model-dir", str(tmp_path / "models")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "mp-10mb" in err and "uniproc-10mb" not in err and "new or empty directory" in err, err
+    assert not (tmp_path / "models").exists()  # nothing built, no instance started

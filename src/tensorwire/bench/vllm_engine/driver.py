@@ -466,6 +466,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mooncake: {MOONCAKE_NOT_RUN}", file=sys.stderr)
         return 2
 
+    if args.workdir is not None:  # every set's directory is new: refuse now rather than fail every set later
+        taken = [
+            f"{t}-{size}mb" for size in args.sizes for t in topologies if (args.workdir / f"{t}-{size}mb").exists()
+        ]
+        if taken:
+            print(
+                f"error: --workdir {args.workdir} already holds {', '.join(taken)} from an earlier run; "
+                "give a new or empty directory",
+                file=sys.stderr,
+            )
+            return 2
+
     from tensorwire.bench.vllm_engine.tiny_llava import build_sized
 
     # SIGTERM ends the run as an exception would: every instance's process group is killed on the way out.
