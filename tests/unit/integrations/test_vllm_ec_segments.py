@@ -8,6 +8,7 @@ import errno
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -81,6 +82,36 @@ def test_no_memory_for_a_segment_is_an_error_and_no_spare(monkeypatch: pytest.Mo
         assert spares.spare_bytes == 0
     finally:
         spares.close()
+
+
+def test_a_spare_is_made_once_no_segment_was_taken_for_the_quiet_period() -> None:
+    """Not while the hand-off that took the last segment may still be under way; a later take of any size pushes
+    it further."""
+    quiet_s = 0.3
+    spares = SegmentSpares(quiet_s=quiet_s)
+    try:
+        spares.take(4 * _PAGE).close()
+        spares.refill(4 * _PAGE)
+        time.sleep(quiet_s / 2)
+        last = time.monotonic()
+        spares.take(8 * _PAGE).close()  # none spare of that size: made now, and no refill asked
+        deadline = time.monotonic() + 60
+        while spares.spare_bytes == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        seen = time.monotonic()
+        assert spares.spare_bytes == 4 * _PAGE
+        assert seen - last >= quiet_s, f"the spare was made {seen - last:.3f} s after the last take"
+    finally:
+        spares.close()
+
+
+def test_close_does_not_wait_for_a_pending_spare() -> None:
+    spares = SegmentSpares(quiet_s=600.0)
+    spares.take(4 * _PAGE).close()
+    spares.refill(4 * _PAGE)
+    t0 = time.monotonic()
+    spares.close()
+    assert time.monotonic() - t0 < 60 and spares.spare_bytes == 0
 
 
 def test_the_pages_are_allocated_by_a_call_that_releases_the_gil() -> None:
