@@ -6,7 +6,7 @@ Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): 
 this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open until
 ``drop``. Allocating a segment's pages costs about 0.4 ms per MB, so segments of the sizes recently staged are
 made ahead (:class:`SegmentSpares`, also used by the uniproc rank's ``fetch.LocalStager``) on a background thread
-that allocates them without holding the GIL, once no segment has been taken for ``REFILL_QUIET_S`` (at most
+that allocates them without holding the GIL, ``REFILL_DELAY_S`` after the READ that took one (at most
 ``SPARES_PER_SIZE`` per size and ``SPARE_BYTES`` in all); a segment is still used once. Nothing is named in a
 file system: the segment cannot be opened by another user, and it is freed when the scheduler has dropped it and
 the last rank's mapping is gone (a crashed engine leaves nothing behind).
@@ -51,7 +51,9 @@ SPARES_PER_SIZE = 2
 SPARE_BYTES = 512 * 1024**2
 # Making a spare right after a READ took one ran beside the rest of that hand-off (the scheduler's next step, the
 # worker's load) and, on a host with few free cores, slowed it by as long as the allocation took.
-REFILL_QUIET_S = 0.1
+# A fixed delay rather than "once no READ for a while": under a steady stream of items that moment never comes,
+# and every READ would allocate its segment on the scheduler's thread.
+REFILL_DELAY_S = 0.1
 _names = itertools.count(1)
 _DTYPES = {
     str(d).removeprefix("torch."): d
@@ -153,17 +155,16 @@ def _populate(addr: int, nbytes: int) -> bool:
 class SegmentSpares:
     """Segments of the sizes recently taken, made ahead on one background thread (at most ``SPARES_PER_SIZE`` per
     size and ``SPARE_BYTES`` in all): ``take`` hands out a ready one, or makes one now when none is; each taken
-    segment is used once. Call ``refill`` after the READ that used a taken one: the spare is made once no segment
-    has been taken for ``quiet_s``, so that its allocation does not compete for the CPU with the hand-off under
-    way. ``close`` does not wait for a pending one. Thread-safe."""
+    segment is used once. Call ``refill`` after the READ that used a taken one: the spare is made ``delay_s``
+    later (refills in the order asked), so that its allocation does not compete for the CPU with the rest of that
+    hand-off. ``close`` does not wait for a pending one. Thread-safe."""
 
-    def __init__(self, *, background: bool = True, quiet_s: float = REFILL_QUIET_S) -> None:
+    def __init__(self, *, background: bool = True, delay_s: float = REFILL_DELAY_S) -> None:
         self._lock = threading.Lock()
         self._spares: dict[int, list[_Segment]] = {}
         self._bytes = 0
         self._closed = False
-        self._quiet_s = quiet_s
-        self._last_take = float("-inf")
+        self._delay_s = delay_s
         self._stop = threading.Event()
         self._maker = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-segments") if background else None
@@ -177,7 +178,6 @@ class SegmentSpares:
     def take(self, nbytes: int) -> _Segment:
         size = max(1, nbytes)
         with self._lock:
-            self._last_take = time.monotonic()
             ready = self._spares.get(size)
             if ready:
                 seg = ready.pop()
@@ -189,18 +189,13 @@ class SegmentSpares:
         if self._maker is None:
             return
         try:
-            self._maker.submit(self._make, max(1, size))
+            self._maker.submit(self._make, max(1, size), time.monotonic() + self._delay_s)
         except RuntimeError:  # shut down
             pass
 
-    def _make(self, size: int) -> None:
-        while True:  # until no segment was taken for quiet_s (a later take pushes it further)
-            with self._lock:
-                wait_s = self._last_take + self._quiet_s - time.monotonic()
-            if wait_s <= 0:
-                break
-            if self._stop.wait(wait_s):
-                return
+    def _make(self, size: int, due: float) -> None:
+        if self._stop.wait(max(0.0, due - time.monotonic())):
+            return
         with self._lock:
             if self._closed or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
                 return
