@@ -11,13 +11,14 @@ Subcommands are listed in ``COMMANDS`` (command name -> module name). Start-up s
 imports nothing heavy at module level, only the command being run gets its flags built, and building them
 imports no torch, so ``tensorwire --help`` and ``tensorwire COMMAND --help`` answer in a fraction of a second.
 
-Every mistake in the arguments is one line on stderr (``tensorwire COMMAND: error: ...``) and exit code 2;
-Ctrl-C at any point, imports included, is one line and exit code 130: until the command's ``run`` starts, SIGINT
-ends the process at once (``tensorwire._startup``, armed by the package's first statement); from then on it is a
-``KeyboardInterrupt``, which the command may handle (stop its children) and ``main`` ends the same way. Unless
-``--log-level DEBUG``, gRPC's own log lines (its C core writes them to stderr) are turned off for the CLI's process
-and its children (``GRPC_VERBOSITY=NONE`` before gRPC is imported, unless the environment already sets it); the
-library itself never changes that.
+Every mistake in the arguments is one line on stderr (``tensorwire COMMAND: error: ...``) and exit code 2; Ctrl-C at
+any point, imports included, is one line and exit code 130: until the command's ``run`` starts (torch is imported
+before, as a KeyboardInterrupt inside its C initialisation can be lost), SIGINT ends the process at once
+(``tensorwire._startup``, armed by the package's first statement); from then on it is a ``KeyboardInterrupt``, which
+the command may handle (stop its children) and ``main`` ends the same way. Unless ``--log-level DEBUG``, gRPC's own
+log lines (its C core writes them to stderr) are turned off for the CLI's process and its children
+(``GRPC_VERBOSITY=NONE`` before gRPC is imported, unless the environment already sets it); the library itself never
+changes that.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def _main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tensorwire import _startup
 
+    # Every command's work needs torch. It is imported while Ctrl-C still ends the process at once: a
+    # KeyboardInterrupt raised during torch's C initialisation can be swallowed there, and the command then ran on
+    # as if nothing had been pressed (a fetch waited out its connection attempt, 20 s).
+    importlib.import_module("torch")
     _startup.disarm()  # the command's work: Ctrl-C is a KeyboardInterrupt it may clean up after
     return run_command(args._module, args)
 

@@ -135,14 +135,21 @@ def _loading_torch(pid: int) -> bool:
         return False
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_ctrl_c_during_import_torch_is_one_line_and_130(silent_endpoint: str) -> None:
-    proc = _start([sys.executable, "-m", "tensorwire"], silent_endpoint)
-    deadline = time.monotonic() + 200
-    while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert _loading_torch(proc.pid), "the fetch never started importing torch"
-    assert _outcome(*_interrupt(proc)) == "tensorwire"
+    """Every 25 ms for 0.6 s after libtorch is mapped: a KeyboardInterrupt raised inside torch's C initialisation
+    can be swallowed there (on this box 225-275 ms after the mapping, when the command imported torch after the
+    start-up handler was gone: the fetch then ran on until its connection attempt gave up, 20 s later)."""
+    outcomes = {}
+    for after_ms in range(0, 600, 25):
+        proc = _start([sys.executable, "-m", "tensorwire"], silent_endpoint)
+        deadline = time.monotonic() + 200
+        while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert _loading_torch(proc.pid), "the fetch never started importing torch"
+        time.sleep(after_ms / 1000)
+        outcomes[after_ms] = _outcome(*_interrupt(proc))
+    assert set(outcomes.values()) == {"tensorwire"}, outcomes
 
 
 def test_importing_tensorwire_as_a_library_leaves_sigint_alone() -> None:
