@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.workdir is not None:  # every set's directory is new: refuse now rather than fail every set later
         taken = [
-            f"{t}-{size}mb" for size in args.sizes for t in topologies if (args.workdir / f"{t}-{size}mb").exists()
+            _set_dir(t, size) for size in args.sizes for t in topologies if (args.workdir / _set_dir(t, size)).exists()
         ]
         if taken:
             print(
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.warmup,
                         args.max_tokens,
                         model,
-                        work / f"{topo}-{size}mb",
+                        work / _set_dir(topo, size),
                         seed0=1000 * size,
                         settle_s=_settle_s(args.settle_ms, topo),
                     )
@@ -552,6 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     out = write(runs, partial=False)
     print(f"\nwrote {out}")
     return 1 if failed else 0
+
+
+def _set_dir(topology: str, size_mb: int) -> str:
+    """The directory of one set's logs and timestamps under ``--workdir``."""
+    return f"{topology}-{size_mb}mb"
 
 
 def _settle_s(settle_ms: float | None, topology: str) -> float:

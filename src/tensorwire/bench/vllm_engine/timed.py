@@ -40,13 +40,12 @@ def _record(event: str, mm_hash: str, **fields: Any) -> None:
 class _Timed:
     """The recording overrides; the connector class follows in the MRO."""
 
-    _tw_seen: set[str]
-
-    def _tw_first_seen(self, identifier: str) -> None:
-        seen = self.__dict__.setdefault("_tw_seen", set())
-        if identifier not in seen:
-            seen.add(identifier)
-            _record("seen", identifier, t=time.time_ns())
+    def _tw_first(self, event: str, identifier: str, t: int) -> None:
+        """Records ``event`` for ``identifier`` the first time only."""
+        done = self.__dict__.setdefault(f"_tw_{event}", set())
+        if identifier not in done:
+            done.add(identifier)
+            _record(event, identifier, t=t)
 
     def save_caches(self, encoder_cache: dict[str, Any], mm_hash: str, **kwargs: Any) -> None:
         t0 = time.time_ns()
@@ -65,21 +64,19 @@ class _Timed:
 
     def has_cache_item(self, identifier: str) -> bool:
         if self.is_consumer:  # type: ignore[attr-defined]
-            self._tw_first_seen(identifier)
+            self._tw_first("seen", identifier, time.time_ns())
         return bool(super().has_cache_item(identifier))  # type: ignore[misc]
 
     def ensure_cache_available(self, request: Any, num_computed_tokens: int) -> bool:
         if self.is_consumer:  # type: ignore[attr-defined]
-            for feature in request.mm_features or ():
-                self._tw_first_seen(feature.identifier)
-        available = bool(super().ensure_cache_available(request, num_computed_tokens))  # type: ignore[misc]
-        if available and self.is_consumer:  # type: ignore[attr-defined]
-            ready = self.__dict__.setdefault("_tw_ready", set())
             t = time.time_ns()
             for feature in request.mm_features or ():
-                if feature.identifier not in ready:
-                    ready.add(feature.identifier)
-                    _record("ready", feature.identifier, t=t)
+                self._tw_first("seen", feature.identifier, t)
+        available = bool(super().ensure_cache_available(request, num_computed_tokens))  # type: ignore[misc]
+        if available and self.is_consumer:  # type: ignore[attr-defined]
+            t = time.time_ns()
+            for feature in request.mm_features or ():
+                self._tw_first("ready", feature.identifier, t)
         return available
 
 

@@ -163,9 +163,8 @@ class SegmentSpares:
         self._lock = threading.Lock()
         self._spares: dict[int, list[_Segment]] = {}
         self._bytes = 0
-        self._closed = False
         self._delay_s = delay_s
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by close(): no spare is kept after it
         self._maker = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-segments") if background else None
         )
@@ -197,7 +196,7 @@ class SegmentSpares:
         if self._stop.wait(max(0.0, due - time.monotonic())):
             return
         with self._lock:
-            if self._closed or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
+            if self._stop.is_set() or len(self._spares.get(size, ())) >= SPARES_PER_SIZE:
                 return
             if self._bytes + size > SPARE_BYTES:
                 return
@@ -207,16 +206,15 @@ class SegmentSpares:
             log.debug("no spare segment of %d bytes: %s", size, exc)
             return
         with self._lock:
-            if not self._closed:
+            if not self._stop.is_set():
                 self._spares.setdefault(size, []).append(seg)
                 self._bytes += seg.size
                 return
         seg.close()
 
     def close(self) -> None:
-        self._stop.set()
         with self._lock:
-            self._closed = True
+            self._stop.set()
             spares = [seg for segs in self._spares.values() for seg in segs]
             self._spares, self._bytes = {}, 0
         if self._maker is not None:
