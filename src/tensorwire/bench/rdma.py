@@ -5,8 +5,11 @@ An owner process (``tensorwire.testing.OwnerProcess``) exports one tensor per si
 (reader side: ``read()`` wall time including validation, the generation check and result building), GB/s, and a
 plain ``memcpy`` of the same size in this process, both between ordinary buffers and between huge-page buffers
 (the slot pool uses huge pages, so the second ratio is the stricter one; the target uses the plain memcpy).
-Also: idle CPU of the owner and of this reader process, and the UCX transport the READs used. With
-``--device cuda:N`` the memcpy is a device-to-device copy on that GPU. Writes benchmarks/results/rdma-<machine>.json.
+Also: idle CPU of the owner and of this reader process, and the UCX transport the READs used. On the host the
+reader copies from the owner with ``process_vm_readv`` (``same_host_copy``, the default: both processes are on this
+host); a second reader with ``same_host_copy=0`` READs the same descriptor through NIXL in the same loop
+(``read_nixl``, and ``nixl_vs_copy``: how many times longer the READ took). With ``--device cuda:N`` the memcpy is a
+device-to-device copy on that GPU. Writes benchmarks/results/rdma-<machine>.json.
 """
 
 from __future__ import annotations
@@ -145,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(float(s) * MIB) for s in args.sizes_mib.split(",") if s]
     rows: list[dict[str, Any]] = []
     env = {"UCX_NET_DEVICES": os.environ["UCX_NET_DEVICES"]}
-    with OwnerProcess(cfg, env=env) as owner, TensorReader(cfg) as reader:
+    with (
+        OwnerProcess(cfg, env=env) as owner,
+        TensorReader(cfg) as reader,
+        TensorReader(cfg.replace(same_host_copy=0)) as nixl_reader,
+    ):
         transport = "unknown"
         for nbytes in sizes:
             iters = max(5, args.iters // 3) if nbytes >= 256 * MIB else args.iters
@@ -165,10 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.warmup):
                 del _
                 reader.read([desc])
+                if not cfg.is_cuda:
+                    nixl_reader.read([desc])
             # Reads and memcpys alternate, so both see the same background load on a shared machine.
             plain = _Memcpy(nbytes, cfg.device, huge=False)
             huge = None if cfg.is_cuda else _Memcpy(nbytes, "cpu", huge=True)
-            read_s, plain_s, huge_s = [], [], []
+            read_s, nixl_s, plain_s, huge_s = [], [], [], []
             for _ in range(iters):
                 t0 = time.perf_counter()
                 out = reader.read([desc])
@@ -176,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.synchronize(cfg.device)
                 read_s.append(time.perf_counter() - t0)
                 del out
+                if not cfg.is_cuda:
+                    t0 = time.perf_counter()
+                    out = nixl_reader.read([desc])
+                    nixl_s.append(time.perf_counter() - t0)
+                    del out
                 plain_s.append(plain.once())
                 if huge is not None:
                     huge_s.append(huge.once())
@@ -186,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.batch > 1 and nbytes >= 64 * MIB
                 else None
             )
-            transport = reader.transport(desc)
+            transport = nixl_reader.transport(desc) if nixl_s else reader.transport(desc)
             r = summarize(read_s)
             memcpy = nbytes / statistics.median(plain_s) / 1e9
             memcpy_huge = nbytes / statistics.median(huge_s) / 1e9 if huge_s else memcpy
@@ -202,6 +216,10 @@ def main(argv: list[str] | None = None) -> int:
                 "read_vs_hugepage_memcpy": gbps / memcpy_huge,
                 "transport": transport,
             }
+            if nixl_s:
+                row["read_nixl"] = summarize(nixl_s)
+                row["nixl_vs_copy"] = row["read_nixl"]["median_ms"] / r["median_ms"]
+                row["same_host_copy"] = reader.stats().same_host_copies > 0
             if batch is not None:
                 row["batched"] = batch
             rows.append(row)
@@ -212,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"ratio {row['read_vs_memcpy']:5.2f} / {row['read_vs_hugepage_memcpy']:5.2f}  [{transport}]",
                 flush=True,
             )
+            if nixl_s:
+                print(
+                    f"{'':12}NIXL READ {row['read_nixl']['median_ms']:8.3f} ms "
+                    f"(p99 {row['read_nixl']['p99_ms']:8.3f}): {row['nixl_vs_copy']:5.2f}x the copy's time",
+                    flush=True,
+                )
             if batch is not None:
                 print(
                     f"{'':12}batched x{batch['descriptors']}: read {batch['read']['median_ms']:8.3f} ms "

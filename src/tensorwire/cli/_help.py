@@ -63,6 +63,8 @@ RDMA = {
     "pool_cap_bytes": "bound of all registered memory of the exporter's slot pool (and of a reader's buffers)",
     "slot_align": "alignment of each tensor inside a slot (a power of two)",
     "progress_delay_us": "how long an idle NIXL progress thread sleeps in poll(); 0 busy-spins a core",
+    "same_host_copy": "1: a host reader copies host slots of an owner on its own host with one process_vm_readv "
+    "(same uid) instead of a READ through the provider; 0: always READ",
 }
 
 TLS = {

@@ -36,6 +36,8 @@ class RdmaConfig:
     separately, one reader's pooled read buffers); ``slot_align`` is the manifest offset alignment (a power of 2).
     ``qp_count`` is the provider's transfer concurrency (NIXL: UCX workers of the agent).
     ``progress_delay_us`` is how long an idle NIXL progress thread sleeps in poll(); 0 busy-spins a core.
+    ``same_host_copy`` (1): a host reader copies host slots of an owner on its own host with one
+    ``process_vm_readv`` instead of a READ through the provider (``tensorwire.rdma._local``); 0 always READs.
     """
 
     provider: str = "auto"
@@ -52,6 +54,7 @@ class RdmaConfig:
     pool_cap_bytes: int = 8 * GIB
     slot_align: int = 4096
     progress_delay_us: int = 1000
+    same_host_copy: int = 1
 
     def __post_init__(self) -> None:
         known = ("auto", *known_providers())
@@ -86,6 +89,7 @@ class RdmaConfig:
                 "a slot of the maximum size could never be allocated"
             )
         _check_int("progress_delay_us", self.progress_delay_us, 0, 1_000_000)
+        _check_int("same_host_copy", self.same_host_copy, 0, 1)
 
     @property
     def is_cuda(self) -> bool:

@@ -9,6 +9,10 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
   (<= ``MAX_MANIFEST_ENTRIES``) -> DESCRIPTOR_MALFORMED / EMPTY_LEASE_ID / EMPTY_MANIFEST;
 - sizes: ``0 < payload_bytes <= max_slot_bytes`` -> OUT_OF_BOUNDS / SLOT_TOO_LARGE; slot_addr + payload_bytes
   must not wrap the 64-bit address space;
+- binding: when ``binding`` is set (0 only from owners that predate it), ``generation`` equals
+  :func:`bound_generation` of it, the slot address and the payload size (DESCRIPTOR_MALFORMED): a descriptor
+  edited to name other memory is refused before anything is read; the owner's ``pid`` is a uint32 and its
+  ``host_id`` at most 64 bytes;
 - per tensor: known dtype, and field 5 and the legacy field 2 agree when both are set (UNSUPPORTED_DTYPE);
   <= ``MAX_DIMS`` dims, each >= 0 (NEGATIVE_DIM); prod(shape) x
   itemsize computed in Python integers and capped at 2**63 (SIZE_OVERFLOW); nbytes equal to it
@@ -20,8 +24,10 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -76,6 +82,8 @@ class Owner:
     port: int
     registration_epoch: int = 0
     metadata_token: bytes = field(default=b"", repr=False)
+    pid: int = 0
+    host_id: bytes = field(default=b"", repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -100,6 +108,7 @@ class Descriptor:
     generation: int
     generation_addr: int
     manifest: tuple[TensorMeta, ...] = field(default_factory=tuple)
+    binding: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +127,7 @@ class Descriptor:
             lease_id=self.lease_id,
             generation=self.generation,
             generation_addr=self.generation_addr,
+            binding=self.binding,
         )
         add = msg.manifest.add
         for m in self.manifest:
@@ -167,7 +177,7 @@ class Descriptor:
             raise InvalidDescriptor(f"unknown mem_type value {msg.mem_type}")
         o = msg.owner
         desc = cls(
-            owner=Owner(o.agent_name, o.host, o.port, o.registration_epoch, o.metadata_token),
+            owner=Owner(o.agent_name, o.host, o.port, o.registration_epoch, o.metadata_token, o.pid, o.host_id),
             mem_type=mem_type,
             device_id=msg.device_id,
             slot_addr=msg.slot_addr,
@@ -176,6 +186,7 @@ class Descriptor:
             generation=msg.generation,
             generation_addr=msg.generation_addr,
             manifest=tuple(entries),
+            binding=msg.binding,
         )
         desc.validate(max_slot_bytes=max_slot_bytes, slot_align=slot_align)
         return desc
@@ -210,8 +221,17 @@ def _owner_field(o: Owner) -> bytes:
             port=o.port,
             registration_epoch=o.registration_epoch,
             metadata_token=o.metadata_token,
+            pid=o.pid,
+            host_id=o.host_id,
         )
     ).SerializeToString()
+
+
+def bound_generation(binding: int, slot_addr: int, payload_bytes: int) -> int:
+    """The generation of a slot exported at ``slot_addr`` with ``payload_bytes`` under ``binding`` (a random
+    64-bit number): 63 bits of BLAKE2b over the three, never 0 (``_pool``'s module docstring, step 5)."""
+    h = hashlib.blake2b(struct.pack("<QQQ", binding, slot_addr, payload_bytes), digest_size=8, person=b"tw-gen")
+    return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 
 def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
@@ -226,6 +246,10 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         raise InvalidDescriptor("registration epoch is not a uint64")
     if not isinstance(o.metadata_token, bytes) or len(o.metadata_token) > MAX_TOKEN_BYTES:
         raise InvalidDescriptor(f"metadata token is not bytes of at most {MAX_TOKEN_BYTES}")
+    if not isinstance(o.pid, int) or isinstance(o.pid, bool) or not 0 <= o.pid < 1 << 32:
+        raise InvalidDescriptor(f"owner pid {o.pid!r} is not a uint32")
+    if not isinstance(o.host_id, bytes) or len(o.host_id) > MAX_TOKEN_BYTES:
+        raise InvalidDescriptor(f"owner host id is not bytes of at most {MAX_TOKEN_BYTES}")
     if not isinstance(d.lease_id, str) or not d.lease_id:
         raise InvalidDescriptor("lease id is empty", reason=Reason.EMPTY_LEASE_ID)
     if len(d.lease_id) > MAX_LEASE_ID_CHARS:
@@ -237,6 +261,8 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
     for name in ("slot_addr", "generation_addr", "generation", "payload_bytes"):
         if not _u64(getattr(d, name)):
             raise InvalidDescriptor(f"{name} is not a uint64")
+    if not _u64(d.binding):
+        raise InvalidDescriptor("binding is not a uint64")
     if d.slot_addr == 0:
         raise InvalidDescriptor("slot address is 0")
     if d.generation_addr == 0 or d.generation_addr % 8:
@@ -249,6 +275,8 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         )
     if d.slot_addr + d.payload_bytes >= _UINT64:
         raise InvalidDescriptor("slot address + payload_bytes wraps around", reason=Reason.OUT_OF_BOUNDS)
+    if d.binding and d.generation != bound_generation(d.binding, d.slot_addr, d.payload_bytes):
+        raise InvalidDescriptor("the generation does not match its binding: the slot address or size was changed")
     if not d.manifest:
         raise InvalidDescriptor("manifest is empty", reason=Reason.EMPTY_MANIFEST)
     if len(d.manifest) > MAX_MANIFEST_ENTRIES:

@@ -386,6 +386,7 @@ class TensorExporter:
         if owner is None or owner.registration_epoch != epoch:  # Owner is immutable: one per registration epoch
             owner = self._published_owner = dataclasses.replace(self._owner, registration_epoch=epoch)
         slot = lease.slot
+        binding, generation = self._gens.bind(slot.gen_index, slot.addr, lease.payload_bytes)
         desc = Descriptor(
             owner=owner,
             mem_type=self._pool.mem_type if self._pool else "DRAM",
@@ -393,9 +394,10 @@ class TensorExporter:
             slot_addr=slot.addr,
             payload_bytes=lease.payload_bytes,
             lease_id=lease.lease_id,
-            generation=self._gens.current(slot.gen_index),
+            generation=generation,
             generation_addr=self._gens.addr_of(slot.gen_index),
             manifest=lease.manifest,
+            binding=binding,
         )
         lease.descriptor = desc
         with self._tally.locked() as c:

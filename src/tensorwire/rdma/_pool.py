@@ -25,6 +25,12 @@ detected by the protocol, not by the transport:
    is written into the slot, because the new tenant's copy is issued by the same code path afterwards.
 4. The reader READs the payload, waits for that READ to complete, and only then READs the generation word. If the
    word still equals the descriptor's value the bytes are returned, else ``LeaseExpired(STALE_GENERATION)``.
+5. Binding: at export the word is set to ``_descriptor.bound_generation`` of a fresh random ``binding`` and the slot's
+   address and payload size, and the descriptor carries both. A reader checks the descriptor's generation against
+   its binding before reading (``Descriptor.validate``), so a descriptor edited to point at other memory (keeping a
+   real word's address and value) names no generation word: finding a word that matches would take a preimage of
+   the hash. Without it, whoever holds one descriptor could READ any other slot of the owner through params it
+   edits (and, with the same-host copy of ``_local``, any memory of the owner process).
 
 Soundness: suppose the payload READ observed a byte of a new tenant. That byte was written after the bump (3),
 and it was observed before the payload READ completed, which is before the generation READ started (4). So the
@@ -51,6 +57,7 @@ import torch
 
 from tensorwire.errors import ClosedError, ExportError, PoolExhausted, Reason, TensorwireError
 from tensorwire.rdma._config import RdmaConfig
+from tensorwire.rdma._descriptor import bound_generation
 from tensorwire.rdma._stats import BucketStats, PoolStats, Tally
 from tensorwire.rdma.providers.base import Provider, Registration
 
@@ -122,6 +129,17 @@ class GenerationTable:
 
     def current(self, index: int) -> int:
         return int(self._view[index])
+
+    def bind(self, index: int, slot_addr: int, payload_bytes: int) -> tuple[int, int]:
+        """Stores the bound value of a fresh binding in word ``index`` (step 5); returns (binding, value)."""
+        with self._lock:
+            binding = secrets.randbits(64) or 1
+            value = bound_generation(binding, slot_addr, payload_bytes)
+            while value == self._view[index]:
+                binding = secrets.randbits(64) or 1
+                value = bound_generation(binding, slot_addr, payload_bytes)
+            self._view[index] = value
+        return binding, value
 
 
 @dataclass(eq=False)

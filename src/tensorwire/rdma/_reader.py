@@ -41,6 +41,7 @@ from tensorwire.errors import (
     ReadTimeout,
     Reason,
 )
+from tensorwire.rdma import _local
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Descriptor, Owner, TensorMeta, views
 from tensorwire.rdma._devmem import wrap_device
@@ -120,6 +121,9 @@ class TensorReader:
         self._staging: SlotPool | None = None
         self._scratch: _GenScratch | None = None
         self._device_loans = True
+        # Owners (pid) a same-host copy can never reach (EPERM, ESRCH): read through the provider from then on.
+        self._no_copy: set[int] = set()
+        self._copies = bool(self._cfg.same_host_copy) and self._cfg.device == "cpu" and _local.available()
         try:
             self._device = torch.device(self._cfg.device)
             self._mem_type = "VRAM" if self._device.type == "cuda" else "DRAM"
@@ -306,14 +310,18 @@ class TensorReader:
         finished = False
         try:
             for i, (d, cell) in enumerate(zip(descs, cells, strict=True)):
-                dests.append(self._destination(d, cell) if into is None else self._given(d, cell, into[i]))
-            for owner, local_mem, remote_mem, group in _groups(dests, by_memory=True):
+                by_copy = self._can_copy(d)
+                x = self._destination(d, cell, by_copy) if into is None else self._given(d, cell, into[i], by_copy)
+                dests.append(x)
+            if any(x.by_copy for x in dests):
+                self._copy(dests)
+            for owner, local_mem, remote_mem, group in _groups([x for x in dests if not x.by_copy], by_memory=True):
                 local = [r for x in group for r in x.local]
                 if local:
                     self._provider.read(
                         owner, local_mem, local, remote_mem, [r for x in group for r in x.remote], deadline=deadline
                     )
-            for owner, _, _, group in _groups(dests, by_memory=False):
+            for owner, _, _, group in _groups([x for x in dests if not x.by_copy], by_memory=False):
                 self._provider.read(
                     owner,
                     "DRAM",
@@ -376,14 +384,15 @@ class TensorReader:
                     x.results.clear()
                     x.loan = None
 
-    def _destination(self, d: Descriptor, cell: int) -> _Dest:
-        """Where ``d``'s payload lands: a loaned buffer, fresh registered tensors, or a pooled buffer to clone from."""
+    def _destination(self, d: Descriptor, cell: int, by_copy: bool = False) -> _Dest:
+        """Where ``d``'s payload lands: a loaned buffer, fresh tensors (registered unless ``by_copy``), or a pooled
+        buffer to clone from."""
         assert self._provider is not None and self._pool is not None
         host = self._device.type == "cpu"
         # Host-memory owner, GPU reader: UCX cannot READ host memory of another process straight into GPU memory
         # over CMA, so the bytes land in a registered host buffer and are copied to the device afterwards.
         staged = not host and d.mem_type == "DRAM"
-        x = _Dest(d=d, cell=cell, staged=staged, local_mem="DRAM" if staged else self._mem_type)
+        x = _Dest(d=d, cell=cell, staged=staged, local_mem="DRAM" if staged else self._mem_type, by_copy=by_copy)
         dev = self._cfg.device_index
         loaned = self._loan(d.payload_bytes) if not staged and d.payload_bytes >= LOAN_READ_BYTES else None
         wrapped = self._loan_tensor(loaned, d.payload_bytes) if loaned is not None else None
@@ -397,7 +406,10 @@ class TensorReader:
                 t = torch.empty(m.shape, dtype=m.dtype, device=self._device)
                 x.results.append(t)
                 if m.nbytes:
-                    x.regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
+                    if by_copy:
+                        x.unregistered.append((t.data_ptr(), m.nbytes, dev))
+                    else:
+                        x.regs.append(self._provider.register(t.data_ptr(), m.nbytes, self._mem_type, dev))
                     x.local.append((t.data_ptr(), m.nbytes, dev))
                     x.remote.append((d.slot_addr + m.offset, m.nbytes, d.device_id))
         else:
@@ -408,16 +420,70 @@ class TensorReader:
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         return x
 
-    def _given(self, d: Descriptor, cell: int, dest: torch.Tensor) -> _Dest:
-        """``d``'s payload lands in the caller's ``dest``, registered for this read."""
+    def _given(self, d: Descriptor, cell: int, dest: torch.Tensor, by_copy: bool = False) -> _Dest:
+        """``d``'s payload lands in the caller's ``dest``, registered for this read (unless ``by_copy``)."""
         assert self._provider is not None
-        x = _Dest(d=d, cell=cell, staged=False, local_mem=self._mem_type)
+        x = _Dest(d=d, cell=cell, staged=False, local_mem=self._mem_type, by_copy=by_copy)
         x.results = views(dest[: d.payload_bytes], d.manifest)
         if d.payload_bytes:
-            x.regs.append(self._provider.register(dest.data_ptr(), d.payload_bytes, self._mem_type, 0))
+            if by_copy:
+                x.unregistered.append((dest.data_ptr(), d.payload_bytes, 0))
+            else:
+                x.regs.append(self._provider.register(dest.data_ptr(), d.payload_bytes, self._mem_type, 0))
             x.local.append((dest.data_ptr(), d.payload_bytes, 0))
             x.remote.append((d.slot_addr, d.payload_bytes, d.device_id))
         return x
+
+    def _can_copy(self, d: Descriptor) -> bool:
+        """Whether ``d`` is copied on this host rather than READ (``_local``'s contract)."""
+        o = d.owner
+        return (
+            self._copies
+            and d.mem_type == "DRAM"
+            and d.binding != 0
+            and o.pid != 0
+            and o.host_id == _local.host_id()
+            and o.pid not in self._no_copy
+        )
+
+    def _copy(self, dests: list[_Dest]) -> None:
+        """Copies the payloads of the ``by_copy`` destinations, then their generation words into the scratch
+        cells (the order the generation protocol needs); a destination whose copy fails goes back to the provider's
+        READ (its ranges registered now)."""
+        assert self._provider is not None and self._scratch is not None
+        copied: dict[int, list[_Dest]] = {}
+        for x in dests:
+            if not x.by_copy:
+                continue
+            try:
+                _local.copy_from(x.d.owner.pid, [(a, n) for a, n, _ in x.local], [(a, n) for a, n, _ in x.remote])
+            except _local.LocalCopyFailed as exc:
+                self._copy_failed(x, exc)
+                continue
+            copied.setdefault(x.d.owner.pid, []).append(x)
+        for pid, group in copied.items():
+            try:
+                _local.copy_from(
+                    pid, [(self._scratch.addr(x.cell), 8) for x in group], [(x.d.generation_addr, 8) for x in group]
+                )
+            except _local.LocalCopyFailed as exc:
+                for x in group:
+                    self._copy_failed(x, exc)
+                continue
+            with self._tally.locked() as c:
+                c.same_host_copies += len(group)
+
+    def _copy_failed(self, x: _Dest, exc: _local.LocalCopyFailed) -> None:
+        assert self._provider is not None
+        log.debug("same-host copy from pid %d failed (%s); reading through %s", x.d.owner.pid, exc, self.provider_name)
+        if exc.permanent:
+            if len(self._no_copy) >= 4096:  # pids of owners long gone; a live one is relearned with one failure
+                self._no_copy.clear()
+            self._no_copy.add(x.d.owner.pid)
+        x.by_copy = False
+        for a, n, dev in x.unregistered:
+            x.regs.append(self._provider.register(a, n, self._mem_type, dev))
+        x.unregistered = []
 
     def _loan(self, nbytes: int) -> Slot | None:
         """A loaned buffer for a large READ, or None when loans are at their share of the cap."""
@@ -530,6 +596,10 @@ class _Dest:
     results: list[torch.Tensor] = field(default_factory=list)
     local: list[Range] = field(default_factory=list)
     remote: list[Range] = field(default_factory=list)
+    # Same-host copy: the local ranges are copied with process_vm_readv; ``unregistered`` are those the provider
+    # would need registered if the copy fails and the bytes are READ after all.
+    by_copy: bool = False
+    unregistered: list[Range] = field(default_factory=list)
 
 
 class _GroupKey(NamedTuple):

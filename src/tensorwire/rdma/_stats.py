@@ -151,6 +151,7 @@ class ReaderStats:
     quarantined: int = 0  # timed-out transfers whose destinations were quarantined
     quarantine_freed: int = 0
     quarantine_live: int = 0
+    same_host_copies: int = 0  # descriptors copied with process_vm_readv instead of READ (rdma._local)
     buffers: PoolStats = field(default_factory=PoolStats)
     loans: PoolStats = field(default_factory=PoolStats)
     provider_stats: ProviderStats = field(default_factory=ProviderStats)

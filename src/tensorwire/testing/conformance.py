@@ -236,5 +236,6 @@ CHECKS: dict[str, Callable[[RdmaConfig], None]] = {
 
 
 def run_check(name: str, config: RdmaConfig) -> None:
-    """Run one check; raises AssertionError on a violation and ConformanceSkip when it does not apply."""
-    CHECKS[name](config)
+    """Run one check; raises AssertionError on a violation and ConformanceSkip when it does not apply. Every
+    read goes through the provider (``same_host_copy=0``): the reader's same-host copy would bypass it."""
+    CHECKS[name](config.replace(same_host_copy=0))

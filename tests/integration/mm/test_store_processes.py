@@ -239,8 +239,10 @@ def test_a_receipt_of_a_released_item_never_delivers_the_slots_new_bytes(procs: 
 
 
 def test_a_receipt_pointing_at_another_items_slot_is_not_read_as_this_item(procs: StoreProcs) -> None:
-    """A forged receipt: this item's grant, another item's slot address, a guessed generation. Generations are
-    random, so the read fails its check; the lookup then delivers this item's own bytes."""
+    """A forged receipt: this item's grant, another item's slot address, with a guessed generation, with this
+    item's own (real) generation word and value, or with the binding removed. The binding ties a generation to
+    its slot's address, so each is refused before anything is read (``invalid``); the lookup then delivers this
+    item's own bytes."""
     import dataclasses
 
     from tensorwire.mm._proto import encoder_pb2 as epb
@@ -253,22 +255,32 @@ def test_a_receipt_pointing_at_another_items_slot_is_not_read_as_this_item(procs
         theirs, other = _grant_with_receipt(procs, "theirs", 32)
         assert theirs.receipt is not None
         d_theirs = Descriptor.from_bytes(epb.EncodeResponse.FromString(theirs.receipt).rdma_slots[0].descriptor)
-        for i, delta in enumerate((0, 1, 2)):
+        forgeries = ("guess+0", "guess+1", "guess^1", "own word", "unbound")
+        for i, how in enumerate(forgeries):
             mine, want = _grant_with_receipt(procs, f"mine-{i}", 40 + i)
             assert mine.receipt is not None
             r_mine = epb.EncodeResponse.FromString(mine.receipt)
             d_mine = Descriptor.from_bytes(r_mine.rdma_slots[0].descriptor)
-            guess = (d_mine.generation + delta) if delta < 2 else (d_theirs.generation ^ 1)
-            forged = dataclasses.replace(
-                d_mine, slot_addr=d_theirs.slot_addr, generation_addr=d_theirs.generation_addr, generation=guess
-            )
+            if how.startswith("guess"):
+                guess = {"guess+0": d_mine.generation, "guess+1": d_mine.generation + 1}.get(how)
+                forged = dataclasses.replace(
+                    d_mine,
+                    slot_addr=d_theirs.slot_addr,
+                    generation_addr=d_theirs.generation_addr,
+                    generation=d_theirs.generation ^ 1 if guess is None else guess,
+                )
+            else:  # this item's generation word and value, pointed at their slot
+                forged = dataclasses.replace(
+                    d_mine, slot_addr=d_theirs.slot_addr, binding=d_mine.binding if how == "own word" else 0
+                )
             r_mine.rdma_slots[0].descriptor = forged.to_bytes()
             grant = dataclasses.replace(mine, receipt=r_mine.SerializeToString())
             res = fetcher.start(grant, f"k-{i}", Expect(SHAPE, torch.float32)).result(timeout=90)
             assert res.ok, res
             got = _staged(fetcher, res.staging_key)
             assert torch.equal(got, want) and not torch.equal(got, other)
-        assert _counted(metrics.receipts, "read_failed") == 3 and _counted(metrics.receipts, "used") == 0
+        assert _counted(metrics.receipts, "invalid") == len(forgeries)
+        assert _counted(metrics.receipts, "read_failed") == 0 and _counted(metrics.receipts, "used") == 0
     finally:
         fetcher.close()
 

@@ -29,9 +29,17 @@ def owner() -> OwnerProcess:
         yield own
 
 
+@pytest.fixture(scope="module", params=[0, 1], ids=["provider-read", "same-host-copy"])
+def reader(request: pytest.FixtureRequest) -> TensorReader:
+    """Each test twice: READs through NIXL, and the same-host copy (``rdma._local``) that a reader on the owner's
+    host uses by default."""
+    with TensorReader(CFG.replace(same_host_copy=request.param)) as rd:
+        yield rd
+
+
 @pytest.fixture(scope="module")
-def reader() -> TensorReader:
-    with TensorReader(CFG) as rd:
+def nixl_reader() -> TensorReader:
+    with TensorReader(CFG.replace(same_host_copy=0)) as rd:
         yield rd
 
 
@@ -43,8 +51,10 @@ def test_sizes_byte_for_byte(owner: OwnerProcess, reader: TensorReader, nbytes: 
     raw, _ = owner.export([((nbytes,), "uint8", seed)])
     d = Descriptor.from_bytes(raw)
     assert d.payload_bytes >= nbytes and d.owner.agent_name == owner.owner.agent_name
+    copies = reader.stats().same_host_copies
     (out,) = reader.read([d])
     assert same_bytes(out, make_tensor((nbytes,), "uint8", seed))
+    assert reader.stats().same_host_copies - copies == reader.config.same_host_copy  # the path the id names
     owner.release([d.lease_id])
     del out
 
@@ -183,9 +193,10 @@ def test_idle_owner_uses_little_cpu(owner: OwnerProcess) -> None:
     assert owner.idle_cpu(1.0) < 0.5
 
 
-def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reader: TensorReader) -> None:
+def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, nixl_reader: TensorReader) -> None:
     """Completed READ requests are posted again for recurring (slot, slot) pairs: each read must still fetch the
     slot's current bytes, and a stale descriptor must still fail its generation check."""
+    reader = nixl_reader
     before = nixl_stats(reader)
     seen_slots = set()
     stale = None
@@ -205,7 +216,10 @@ def test_reposted_reads_see_each_new_tenant_of_a_slot(owner: OwnerProcess, reade
         reader.read([stale])
 
 
-def test_batched_read_uses_one_payload_and_one_generation_transfer(owner: OwnerProcess, reader: TensorReader) -> None:
+def test_batched_read_uses_one_payload_and_one_generation_transfer(
+    owner: OwnerProcess, nixl_reader: TensorReader
+) -> None:
+    reader = nixl_reader
     specs = [[((4096 * (i + 1),), "float32", 400 + i)] for i in range(4)] + [[((5 * MIB,), "uint8", 409)]]
     raws = owner.export_batch(specs)
 

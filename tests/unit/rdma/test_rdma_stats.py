@@ -92,7 +92,7 @@ READER_KEYS = [
 ]
 ADDED_KEYS = {
     "exporter": ["metadata_rejected", "metadata_refused", "metadata_evicted"],
-    "reader": ["metadata_served", "metadata_rejected", "metadata_refused", "metadata_evicted"],
+    "reader": ["metadata_served", "metadata_rejected", "metadata_refused", "metadata_evicted", "same_host_copies"],
 }
 
 

@@ -69,7 +69,7 @@ from tensorwire.mm.client._breaker import BreakerBoard
 from tensorwire.mm.held._local import LocalUnavailable
 from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, PendingRelease, StagingClient
 from tensorwire.mm.held._staging import Expect, StagingArea
-from tensorwire.rdma import Descriptor
+from tensorwire.rdma import Descriptor, Owner
 
 log = logging.getLogger(__name__)
 
@@ -308,8 +308,9 @@ class Fetcher:
         self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
         self._inline: list[_Inline] = []
         self._releasing: list[tuple[ItemGrant, PendingRelease]] = []  # written here, answers collected by advance
-        # Owners met through a Lookup answer -> their metadata token (what lets a receipt from params be read).
-        self._owners: dict[tuple[str, str, str, int], bytes] = {}
+        # Owners met through a Lookup answer (what lets a receipt from params be read): their metadata token, pid
+        # and host id are taken from that answer, never from params.
+        self._owners: dict[tuple[str, str, str, int], Owner] = {}
 
     @property
     def ranks(self) -> int:
@@ -478,7 +479,7 @@ class Fetcher:
         return self._stage_and_judge(grant, key, receipt, expect, deadline, later)
 
     def _learn_owners(self, endpoint: str, receipt: pb.EncodeResponse) -> None:
-        """Remembers the owners (and their metadata tokens) a Lookup answer of ``endpoint`` names: receipts in
+        """Remembers the owners (metadata token, pid, host id) a Lookup answer of ``endpoint`` names: receipts in
         params that name the same endpoint and owner may be read without a lookup."""
         for slot in receipt.rdma_slots:
             try:
@@ -489,11 +490,13 @@ class Fetcher:
             if k not in self._owners:
                 if len(self._owners) >= _MAX_OWNERS:
                     self._owners.clear()  # owners come and go with encoder instances: relearn the live ones
-                self._owners[k] = owner.metadata_token
+                self._owners[k] = owner
 
     def _receipt_from_params(self, grant: ItemGrant) -> pb.EncodeResponse | None:
-        """The receipt the params carry, with its owners' metadata tokens filled in, when every owner it names
-        was met through a Lookup answer of the grant's endpoint; else None (the item is looked up)."""
+        """The receipt the params carry, with what its owners were met with (metadata token, pid, host id)
+        filled in, when every owner it names was met through a Lookup answer of the grant's endpoint and every
+        descriptor's generation is bound to its slot (``Descriptor.binding``: params are edited by whoever relays
+        them, and an unbound descriptor could be pointed at another item's slot); else None (looked up)."""
         if grant.receipt is None or not self._support_rdma:
             return None
         receipt = parse_receipt(grant.receipt)
@@ -506,13 +509,17 @@ class Fetcher:
             except TensorwireError:
                 self._metrics.receipts.labels("invalid").inc()
                 return None
+            if not d.binding:
+                self._metrics.receipts.labels("invalid").inc()
+                return None
             o = d.owner
-            token = self._owners.get((grant.endpoint, o.agent_name, o.host, o.port))
-            if token is None:
+            met = self._owners.get((grant.endpoint, o.agent_name, o.host, o.port))
+            if met is None:
                 self._metrics.receipts.labels("unknown_owner").inc()
                 return None
-            if token != o.metadata_token:
-                slot.descriptor = dataclasses.replace(d, owner=dataclasses.replace(o, metadata_token=token)).to_bytes()
+            if (met.metadata_token, met.pid, met.host_id) != (o.metadata_token, o.pid, o.host_id):
+                owner = dataclasses.replace(o, metadata_token=met.metadata_token, pid=met.pid, host_id=met.host_id)
+                slot.descriptor = dataclasses.replace(d, owner=owner).to_bytes()
         return receipt
 
     def _stage_from_params(

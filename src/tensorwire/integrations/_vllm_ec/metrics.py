@@ -159,8 +159,8 @@ class ECMetrics:
         self.receipts = Counter(
             "tensorwire_vllm_ec_receipts_total",
             "Receipts carried in params, by outcome: used (read with no Lookup), unknown_owner "
-            "(an owner not met through a Lookup yet: looked up), invalid (looked up), "
-            "read_failed (the read failed, e.g. a released slot: looked up)",
+            "(an owner not met through a Lookup yet: looked up), invalid (malformed, or a descriptor without a "
+            "binding: looked up), read_failed (the read failed, e.g. a released slot: looked up)",
             ["outcome"],
             registry=reg,
         )

@@ -16,8 +16,9 @@ What a receipt holds: the ``EncodeResponse`` a Lookup would answer for the item 
 the owner's metadata token removed (:func:`announceable`): params travel through clients and routers, and the
 token is what lets a peer fetch the encoder's data-plane metadata, so an LLM instance learns it only from a
 Lookup answer (a control call under the transport's own access rules) and reads from params only from owners met
-that way. Holding a receipt does not let a reader use another slot's bytes: slot generations are random
-(``tensorwire.rdma._pool``), so a descriptor built from a guessed address fails the reader's generation check.
+that way. Holding a receipt does not let a reader use another slot's bytes: slot generations are random and bound
+to the slot's address and size (``tensorwire.rdma._pool``, step 5), so a descriptor edited to name another
+address fails validation, and the LLM instance takes no unbound descriptor from params.
 
 A missing receipt (the hold failed, a file system error) is not an error: the params go out without one and the
 LLM instance looks the item up. Receipts of items that are never announced are removed when the scheduler

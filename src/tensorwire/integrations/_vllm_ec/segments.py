@@ -2,8 +2,9 @@
 that every local tensor-parallel rank maps.
 
 Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` takes an anonymous
-``memfd`` (``tw-ec-<pid>-<n>``, sized for the item, its pages allocated up front), READs the item into it with
-this process's ``TensorReader`` (the mapping is registered for that one READ) and keeps the descriptor open until
+``memfd`` (``tw-ec-<pid>-<n>``, sized for the item, its pages allocated up front), reads the item into it with
+this process's ``TensorReader`` (an encoder instance on this host: one ``process_vm_readv``, see
+``tensorwire.rdma._local``; else a READ, the mapping registered for it) and keeps the descriptor open until
 ``drop``. Allocating a segment's pages costs about 0.4 ms per MB, so segments of the sizes recently staged are
 made ahead (:class:`SegmentSpares`, also used by the uniproc rank's ``fetch.LocalStager``) on a background thread
 that allocates them without holding the GIL, ``REFILL_DELAY_S`` after the READ that took one (at most

@@ -81,21 +81,25 @@ class TensorMetaPB(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., legacy_dtype: _Optional[_Union[LegacyDType, str]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class OwnerPB(_message.Message):
-    __slots__ = ("agent_name", "host", "port", "registration_epoch", "metadata_token")
+    __slots__ = ("agent_name", "host", "port", "registration_epoch", "metadata_token", "pid", "host_id")
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     REGISTRATION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     METADATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     agent_name: str
     host: str
     port: int
     registration_epoch: int
     metadata_token: bytes
-    def __init__(self, agent_name: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., registration_epoch: _Optional[int] = ..., metadata_token: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    host_id: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., registration_epoch: _Optional[int] = ..., metadata_token: _Optional[bytes] = ..., pid: _Optional[int] = ..., host_id: _Optional[bytes] = ...) -> None: ...
 
 class DescriptorPB(_message.Message):
-    __slots__ = ("version", "owner", "mem_type", "device_id", "slot_addr", "payload_bytes", "lease_id", "generation", "generation_addr", "manifest")
+    __slots__ = ("version", "owner", "mem_type", "device_id", "slot_addr", "payload_bytes", "lease_id", "generation", "generation_addr", "manifest", "binding")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +110,7 @@ class DescriptorPB(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     GENERATION_ADDR_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    BINDING_FIELD_NUMBER: _ClassVar[int]
     version: int
     owner: OwnerPB
     mem_type: MemType
@@ -116,4 +121,5 @@ class DescriptorPB(_message.Message):
     generation: int
     generation_addr: int
     manifest: _containers.RepeatedCompositeFieldContainer[TensorMetaPB]
-    def __init__(self, version: _Optional[int] = ..., owner: _Optional[_Union[OwnerPB, _Mapping]] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., slot_addr: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., generation_addr: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorMetaPB, _Mapping]]] = ...) -> None: ...
+    binding: int
+    def __init__(self, version: _Optional[int] = ..., owner: _Optional[_Union[OwnerPB, _Mapping]] = ..., mem_type: _Optional[_Union[MemType, str]] = ..., device_id: _Optional[int] = ..., slot_addr: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., lease_id: _Optional[str] = ..., generation: _Optional[int] = ..., generation_addr: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorMetaPB, _Mapping]]] = ..., binding: _Optional[int] = ...) -> None: ...

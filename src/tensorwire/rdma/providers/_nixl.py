@@ -39,6 +39,7 @@ from tensorwire.errors import ClosedError, ExportError, LeaseExpired, ReadError,
 from tensorwire.rdma import _endpoint
 from tensorwire.rdma._config import RdmaConfig
 from tensorwire.rdma._descriptor import Owner
+from tensorwire.rdma._local import host_id
 from tensorwire.rdma._stats import ProviderStats, Tally
 from tensorwire.rdma.providers import _metadata, _ucx_env, _ucx_probe
 from tensorwire.rdma.providers._ucx_probe import MemPair
@@ -218,7 +219,7 @@ class NixlProvider(Provider):
                 ) from exc
             self._advertised = ep.advertise_host
             _endpoint.announce(ep, self._server.port, self._agent_name, cfg.control_host)
-        return Owner(self._agent_name, self._advertised, self._server.port, 0, self._md_token)
+        return Owner(self._agent_name, self._advertised, self._server.port, 0, self._md_token, os.getpid(), host_id())
 
     def _snapshot(self) -> tuple[str, int, bytes]:
         with self._reg_lock:
