@@ -63,10 +63,15 @@ def test_quick_run_writes_a_complete_json(tmp_path: Path) -> None:
         for sample in run["samples"][name]:
             stages = [sample[m] for m in ("until_ready", "to_worker", "worker_load")]
             assert min(stages) >= 0 and abs(sum(stages) - sample["fetch"]) < 1e-6, (name, sample)
+            # What is left of the hand-off without the connector's own time (save, until_ready, worker_load).
+            own = sample["save"] + sample["until_ready"] + sample["worker_load"]
+            assert 0 < sample["outside"] and abs(sample["outside"] + own - sample["handoff"]) < 1e-6, (name, sample)
         # The bit-identical check ran for every measured request (True: equal to the baseline's output).
         assert [s["identical"] for s in run["samples"][name]] == [True, True], run["samples"][name]
     assert run["baseline"]["llm_request"]["n"] == 2
     assert set(run["ratios_vs_file"]["tensorwire"]) >= {"handoff_p50", "handoff_p99", "fetch_p50", "llm_request_p50"}
+    file_st = run["connectors"]["file"]
+    assert run["bound_vs_file"] == round(file_st["handoff"]["p50_ms"] / file_st["outside"]["p50_ms"], 3) > 1
     tw = run["leftovers"]["tensorwire"]
     assert tw["held_items"] == 0 and tw["held_bytes"] == 0 and tw["fallbacks"] == 0 and tw["place_misses"] == 0, tw
     assert tw["delivered_rdma"] == 3 and tw["placed"] == 3, tw  # the warm-up round's item and two measured ones

@@ -28,6 +28,8 @@ CLASSES = {"tensorwire": "TimedTensorwireEC", "file": "TimedExampleEC", "mooncak
 METRICS = ("handoff", "fetch", "save", "llm_request", "e2e")
 # The fetch in three stretches (the LLM instance's timeline): the connector's, vLLM's, the worker's.
 FETCH_STAGES = ("until_ready", "to_worker", "worker_load")
+# The hand-off less the connector's own time on both sides: what a connector that cost nothing would still take.
+OUTSIDE = "outside"
 # Generous on a busy 2-core box: a fetch that falls back would encode locally and be counted as failed.
 # (A fetch that misses it is counted as failed, so a stuck read costs a round this long, not a whole run.)
 CONSUMER_BUDGETS = {"fetch_timeout_ms": 15000, "lookup_timeout_ms": 10000, "release_timeout_ms": 10000}
@@ -48,6 +50,10 @@ DEFINITIONS = {
     "to_worker": "fetch, second stretch: available -> the worker's start_load_caches call that loads it begins "
     "(vLLM's scheduling, the step's metadata, the hop to the worker process in the multiprocess topology)",
     "worker_load": "fetch, third stretch: that start_load_caches call -> the item in the encoder cache",
+    "outside": "handoff - save - until_ready - worker_load: the hand-off's time outside the connector's code "
+    "(the rest of the encoder request, the driver, the LLM instance's intake and scheduling, the hop to the worker)",
+    "bound_vs_file": "the file connector's hand-off p50 over its own 'outside' p50: the best file/x hand-off ratio "
+    "any connector could reach in this set (one that cost nothing)",
     "llm_request": "the LLM instance's LLM.generate call (the request with the params)",
     "e2e": "the encoder instance's request (max_tokens 1) + the LLM instance's, as the driver saw them",
     "ratios_vs_file": "the file connector's figure over the other's: above 1, that connector is faster",
@@ -192,6 +198,8 @@ class Pair:
                     sample["until_ready"] = (ready[0]["t"] - seen[0]["t"]) / 1e6
                     sample["to_worker"] = (placed[0]["t_load"] - ready[0]["t"]) / 1e6
                     sample["worker_load"] = (placed[0]["t"] - placed[0]["t_load"]) / 1e6
+                    own = sample["save"] + sample["until_ready"] + sample["worker_load"]
+                    sample[OUTSIDE] = sample["handoff"] - own
             else:
                 sample["failed"] = "not placed in the LLM instance's encoder cache (encoded locally?)"
             if self.file_dir is not None:  # vLLM's example connector never deletes its files
@@ -217,7 +225,7 @@ def _instance_env(topology: str) -> dict[str, str]:
 
 
 def _summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {m: stats_of([s[m] for s in samples if m in s]) for m in (*METRICS, *FETCH_STAGES)}
+    out: dict[str, Any] = {m: stats_of([s[m] for s in samples if m in s]) for m in (*METRICS, *FETCH_STAGES, OUTSIDE)}
     out["producer_request"] = stats_of([s["producer_request"] for s in samples if "producer_request" in s])
     out["requests"] = len(samples)
     out["failed"] = sum("failed" in s for s in samples)
@@ -327,6 +335,7 @@ def run_set(
         result["samples"] = {p.connector: p.samples for p in pairs}
         result["leftovers"] = _leftovers(pairs)
         result["ratios_vs_file"] = _ratios(result)
+        result["bound_vs_file"] = _bound(result)
     finally:
         for inst in insts.values():
             inst.stop()
@@ -393,6 +402,15 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _bound(result: dict[str, Any]) -> float | None:
+    """The file connector's hand-off p50 over its time outside the connector (``bound_vs_file``), or None."""
+    st = result["connectors"].get("file")
+    if st is None:
+        return None
+    outside, handoff = st.get(OUTSIDE, {}).get("p50_ms"), st["handoff"].get("p50_ms")
+    return round(handoff / outside, 3) if outside and handoff else None
+
+
 def print_set(res: dict[str, Any]) -> None:
     conns = list(res["connectors"])
     print(
@@ -403,7 +421,7 @@ def print_set(res: dict[str, Any]) -> None:
     if "file" in conns:
         head += "".join(f"{'file/' + c + ' p50 (p99)':>26}" for c in conns if c != "file")
     print(head)
-    for m in (*METRICS, *FETCH_STAGES):
+    for m in (*METRICS, *FETCH_STAGES, OUTSIDE):
         row = f"{(m if m in METRICS else '  ' + m):<13}"
         for c in conns:
             st = res["connectors"][c].get(m, {})
@@ -415,6 +433,9 @@ def print_set(res: dict[str, Any]) -> None:
             a, b = r.get(f"{m}_p50"), r.get(f"{m}_p99")
             row += f"{(f'{a:.2f}x ({b:.2f}x)' if a and b else '-'):>26}"
         print(row)
+    bound = res.get("bound_vs_file")
+    if bound:
+        print(f"  best hand-off ratio to the file's any connector could reach here (bound_vs_file): {bound:.2f}x")
     b = res["baseline"]["llm_request"]
     print(
         f"{'baseline':<13}{b['p50_ms']:>12.1f} /{b['p90_ms']:>8.1f} /{b['p99_ms']:>8.1f}  (single instance, "
