@@ -123,6 +123,7 @@ class TensorReader:
         self._device_loans = True
         # Owners (pid) a same-host copy can never reach (EPERM, ESRCH): read through the provider from then on.
         self._no_copy: set[int] = set()
+        self._copied_from: set[int] = set()  # owners (pid) whose first copy was logged
         self._copies = bool(self._cfg.same_host_copy) and self._cfg.device == "cpu" and _local.available()
         try:
             self._device = torch.device(self._cfg.device)
@@ -472,10 +473,23 @@ class TensorReader:
                 continue
             with self._tally.locked() as c:
                 c.same_host_copies += len(group)
+            if pid not in self._copied_from:
+                if len(self._copied_from) >= 4096:
+                    self._copied_from.clear()
+                self._copied_from.add(pid)
+                log.info("reading %s (pid %d) on this host with process_vm_readv", group[0].d.owner.agent_name, pid)
 
     def _copy_failed(self, x: _Dest, exc: _local.LocalCopyFailed) -> None:
         assert self._provider is not None
-        log.debug("same-host copy from pid %d failed (%s); reading through %s", x.d.owner.pid, exc, self.provider_name)
+        # Once per owner when it can never work (another user, a gone process); a bad address is per descriptor.
+        log.log(
+            logging.WARNING if exc.permanent else logging.DEBUG,
+            "same-host copy from %s (pid %d) failed (%s); reading through %s",
+            x.d.owner.agent_name,
+            x.d.owner.pid,
+            exc,
+            self.provider_name,
+        )
         if exc.permanent:
             if len(self._no_copy) >= 4096:  # pids of owners long gone; a live one is relearned with one failure
                 self._no_copy.clear()
