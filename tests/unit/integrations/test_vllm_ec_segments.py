@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tensorwire.errors import ReadError, Reason
 from tensorwire.integrations._vllm_ec import segments
 from tensorwire.integrations._vllm_ec.segments import SegmentSpares
 
@@ -80,6 +81,10 @@ def test_no_memory_for_a_segment_is_an_error_and_no_spare(monkeypatch: pytest.Mo
         spares._maker.submit(done.set)  # type: ignore[union-attr]  # runs after the refill
         assert done.wait(30)
         assert spares.spare_bytes == 0
+        # Taken with no spare ready: a typed ReadError the fetch reports as pool_exhausted, not "unknown".
+        with pytest.raises(ReadError, match="no memory") as taken:
+            spares.take(4 * _PAGE)
+        assert taken.value.reason is Reason.POOL_EXHAUSTED and isinstance(taken.value.__cause__, OSError)
     finally:
         spares.close()
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import ProtocolError, Reason
+from tensorwire.errors import ProtocolError, ReadError, Reason
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
 
@@ -176,6 +176,8 @@ class SegmentSpares:
             return self._bytes
 
     def take(self, nbytes: int) -> _Segment:
+        """A segment of ``nbytes``: a spare when one is ready, else one made now; ``ReadError`` (reason
+        POOL_EXHAUSTED) when the memory cannot be had (the fetch then fails with that reason, not ``unknown``)."""
         size = max(1, nbytes)
         with self._lock:
             ready = self._spares.get(size)
@@ -183,7 +185,10 @@ class SegmentSpares:
                 seg = ready.pop()
                 self._bytes -= seg.size
                 return seg
-        return _Segment(size)
+        try:
+            return _Segment(size)
+        except OSError as exc:  # ENOMEM, EMFILE, a full /dev/shm-less tmpfs: out of memory for this item
+            raise ReadError(f"no memory for a {size}-byte segment: {exc}", reason=Reason.POOL_EXHAUSTED) from exc
 
     def refill(self, size: int) -> None:
         if self._maker is None:

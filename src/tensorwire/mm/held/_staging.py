@@ -134,9 +134,10 @@ class StagingArea:
 
         ``into`` (host areas only): called once with the bytes the item needs, it returns the caller's contiguous
         uint8 host buffer of at least that size (shared memory, say); the tensors land there (RDMA: READ straight
-        into it; inline: copied) and are views of it."""
+        into it; inline: copied) and are views of it. ``into`` on a device area, or with a reader that is not a
+        ``TensorReader``, raises InvalidPayload (reason INVALID_REQUEST), as the reader does for a bad ``into``."""
         if into is not None and self._device.type != "cpu":
-            raise ValueError("into: host staging areas only")
+            raise InvalidPayload("into: host staging areas only", reason=Reason.INVALID_REQUEST)
         if not isinstance(key, str) or not key:
             raise InvalidPayload("staging key must be a non-empty string", reason=Reason.INVALID_REQUEST)
         if self._closed:
@@ -263,7 +264,7 @@ class StagingArea:
             tensors = reader.read(descs, timeout_ms=timeout_ms)
         else:
             if not isinstance(reader, TensorReader):
-                raise ValueError("into: needs a TensorReader")
+                raise InvalidPayload("into: needs a TensorReader", reason=Reason.INVALID_REQUEST)
             offsets = _packed([d.payload_bytes for d in descs])
             buf = into(offsets[-1])
             tensors = reader.read(
