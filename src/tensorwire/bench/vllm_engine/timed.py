@@ -4,11 +4,14 @@ Loaded inside the engines, never by the driver. Each subclass calls the connecto
 ``time.time_ns()`` records to ``$TW_EC_TIMES_DIR/<pid>.jsonl``: ``save`` (producer worker), ``seen`` (consumer
 scheduler: vLLM's first look at the item), ``ready`` (consumer scheduler: the connector first answered that the item
 is available), ``placed`` (consumer worker: the item entered the encoder cache; ``t_load`` is when that
-``start_load_caches`` call began). Without ``TW_EC_TIMES_DIR`` nothing is recorded.
+``start_load_caches`` call began). Without ``TW_EC_TIMES_DIR`` nothing is recorded. With ``TW_EC_GC_MS`` set as well,
+every garbage collection of at least that many ms in a process that loaded this module is recorded as ``gc``
+(``gen``, ``ms``, ``collected``, ``t`` at its end): a diagnostic for pauses that are not the connector's.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -35,6 +38,29 @@ def _record(event: str, mm_hash: str, **fields: Any) -> None:
             _file_pid = os.getpid()
             _file = open(os.path.join(directory, f"{os.getpid()}.jsonl"), "a", buffering=1)
         _file.write(line + "\n")
+
+
+def _watch_gc(threshold_ms: float) -> None:
+    """Records collections that took ``threshold_ms`` or more (see the module docstring)."""
+    started: dict[int, int] = {}
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            started[tid] = time.perf_counter_ns()
+            return
+        t0 = started.pop(tid, None)
+        if t0 is None:
+            return
+        ms = (time.perf_counter_ns() - t0) / 1e6
+        if ms >= threshold_ms:
+            _record("gc", "", gen=info.get("generation"), ms=ms, collected=info.get("collected"), t=time.time_ns())
+
+    gc.callbacks.append(callback)
+
+
+if os.environ.get("TW_EC_TIMES_DIR") and os.environ.get("TW_EC_GC_MS"):
+    _watch_gc(float(os.environ["TW_EC_GC_MS"]))
 
 
 class _Timed:
