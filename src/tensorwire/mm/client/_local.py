@@ -19,9 +19,10 @@ situation                                              what the fetch gets
 =====================================================  ===============================================
 connect/hello fails, pool full, not discovered         the gRPC session (nothing was sent)
 the request could not be written (peer gone)           the gRPC session, same budget (never executed)
-no answer within the budget                            DeadlineExceeded(DEADLINE_EXCEEDED); connection
-                                                       closed (the worker sees it and releases what it
-                                                       exported for the request)
+no answer within the budget                            DeadlineExceeded(DEADLINE_EXCEEDED); write side
+                                                       shut (the worker sees the caller gone and releases
+                                                       what it exported); an answer still on its way
+                                                       within LATE_ANSWER_S has its leases requeued
 connection ends after the request was written          PeerUnavailable(PEER_UNAVAILABLE), never resent
   (worker killed, stopped under the request)
 answer that does not parse / names another request     ProtocolError; connection closed
@@ -44,6 +45,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +63,7 @@ from tensorwire.mm.wire._local import HELLO_MAGIC, NOT_MAPPED
 from tensorwire.mm.wire._local import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
 from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
 from tensorwire.mm.wire._receipt import WireReceipt, read_stream_response
+from tensorwire.rdma import Descriptor
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +81,48 @@ class _Unusable(Exception):
     """The advertised channel cannot be used (gone, refused, fails a check): forget it until rediscovery."""
 
 
+# How long a connection whose request timed out is kept for its late answer: the worker gives up sending an
+# answer its deadline plus ANSWER_SLACK_S (server._local) after it got the request.
+LATE_ANSWER_S = 5.0
+
+
+def _late_answer_leases(sock: socket.socket, rid: int) -> list[str]:
+    """The lease ids of request ``rid``'s answer if it is readable on ``sock`` now (a short wait for the rest of a
+    frame that has begun), else []. Anything else read (EOF, another id, an error answer) yields []."""
+    try:
+        raw = _unix.recv_frame(sock, time.monotonic() + 0.05, wire.MAX_MESSAGE_BYTES)
+        if raw is None:
+            return []
+        answer_id, value = read_stream_response(raw)
+    except Exception:  # a partial or malformed frame: the connection is dropped either way
+        return []
+    if answer_id != rid or not isinstance(value, WireReceipt):
+        return []
+    ids = []
+    for slot in value.message.rdma_slots:
+        try:
+            ids.append(Descriptor.from_bytes(bytes(slot.descriptor)).lease_id)
+        except TensorwireError:
+            continue
+    return ids
+
+
+@dataclass
+class _Grave:
+    """A broken connection kept until its worker is done with it: ``bufs`` it may still write into, and the id of
+    a request whose answer may still come (``awaiting``, until ``until``)."""
+
+    sock: socket.socket
+    bufs: list[RecvBuffer]
+    awaiting: int | None = None
+    until: float = 0.0
+
+
 class _Placements:
     """The channel's receive buffers (``_placed``): bytes in use against ``cap_bytes``, the size the next buffer
-    should have (``hint``: the largest output a worker could not place), and the buffers whose worker may still
-    write (``bury``: freed once the worker's end of their connection is closed). Thread-safe."""
+    should have (``hint``: the largest output a worker could not place), and the broken connections whose worker
+    may still write into a buffer or still answer (``bury``; ``reap`` frees them once the worker closed its end or
+    answered, and hands the leases of a late answer to the release queue). Thread-safe."""
 
     def __init__(self, cap_bytes: int, device: str, rl: RateLimitedLog) -> None:
         self.cap_bytes = cap_bytes
@@ -92,7 +133,7 @@ class _Placements:
         self._lock = threading.Lock()
         self._bytes = 0
         self._off_until = 0.0
-        self._graves: list[tuple[socket.socket, list[RecvBuffer]]] = []
+        self._graves: list[_Grave] = []
 
     def enabled(self) -> bool:
         return self.cap_bytes > 0 and time.monotonic() >= self._off_until
@@ -106,7 +147,7 @@ class _Placements:
     def buried(self) -> int:
         """Buffers waiting for their worker to close its end of a broken connection."""
         with self._lock:
-            return sum(len(bufs) for _, bufs in self._graves)
+            return sum(len(g.bufs) for g in self._graves)
 
     def off(self, why: str) -> None:
         self._off_until = time.monotonic() + _PLACEMENT_OFF_S
@@ -138,42 +179,62 @@ class _Placements:
             if not buf.busy:
                 self._free(buf)
 
-    def bury(self, sock: socket.socket, inflight: RecvBuffer, others: list[RecvBuffer]) -> None:
-        """``inflight``'s request was in flight when its connection broke: the worker may still write it. The
-        connection's write side is shut (the worker sees the caller gone) and the buffer is freed once the worker
-        closed its end (``reap``)."""
-        inflight.retired = True
+    def bury(
+        self, sock: socket.socket, inflight: RecvBuffer | None, others: list[RecvBuffer], awaiting: int | None = None
+    ) -> None:
+        """The connection broke with a request in flight: the worker may still write ``inflight`` and still send
+        request ``awaiting``'s answer (after its deadline: the caller gave up). The connection's write side is
+        shut (the worker sees the caller gone), the buffer is freed once the worker closed its end or answered,
+        and an answer that comes within ``LATE_ANSWER_S`` has its leases released (``reap``)."""
+        if inflight is not None:
+            inflight.retired = True
         self.retire(others)
         try:
             sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
+        grave = _Grave(sock, [inflight] if inflight is not None else [], awaiting, time.monotonic() + LATE_ANSWER_S)
         with self._lock:
-            self._graves.append((sock, [inflight]))
+            self._graves.append(grave)
 
-    def reap(self) -> None:
+    def reap(self, requeue: Requeue | None = None) -> None:
+        """Frees what the workers are done with; the leases of a late answer go to ``requeue`` (never blocks
+        long: only what is already readable is read)."""
         if not self._graves:
             return
         with self._lock:
             graves, self._graves = self._graves, []
         keep = []
-        for sock, bufs in graves:
-            if _unix.is_gone(sock):
-                sock.close()
-                for buf in bufs:
+        now = time.monotonic()
+        for g in graves:
+            if g.awaiting is not None and not _unix.is_quiet(g.sock):
+                ids = _late_answer_leases(g.sock, g.awaiting)
+                if ids and requeue is not None:
+                    requeue(ids)
+                g.awaiting = None  # answered (or the connection ended): nothing more will be written
+                done = True
+            else:
+                done = _unix.is_gone(g.sock) or (not g.bufs and now >= g.until)
+            if done:
+                g.sock.close()
+                for buf in g.bufs:
                     buf.busy = False
                     self._free(buf)
             else:
-                keep.append((sock, bufs))
+                keep.append(g)
         with self._lock:
             self._graves.extend(keep)
 
-    def close(self) -> None:
-        """At the channel's close: graves whose worker is gone are freed; the rest are left allocated (a worker
-        that never ends its connection could still write into them)."""
-        self.reap()
+    def close(self, requeue: Requeue | None = None) -> None:
+        """At the channel's close: graves whose worker is gone or answered are freed; the rest are left allocated
+        (a worker that never ends its connection could still write into them)."""
+        self.reap(requeue)
         with self._lock:
-            left = len(self._graves)
+            kept = [g for g in self._graves if g.bufs]
+            ended, self._graves = [g for g in self._graves if not g.bufs], kept
+            left = sum(len(g.bufs) for g in kept)
+        for g in ended:  # only an answer was awaited: nobody is left to release it (the worker's TTL GC is)
+            g.sock.close()
         if left:
             log.warning("%d receive buffer(s) stay allocated: their worker may still write into them", left)
 
@@ -199,6 +260,7 @@ class _Conn:
         self.buffers: list[RecvBuffer] = []  # lent to the worker on this connection (mapped there)
         self.inflight: RecvBuffer | None = None  # named by the request on the wire
         self.answered: RecvBuffer | None = None  # named by the last request, whose answer says it is filled
+        self.awaiting: int | None = None  # a request written whose answer did not come in time
 
     @classmethod
     def open(cls, path: str, timeout_s: float, placements: _Placements | None = None) -> _Conn:
@@ -292,6 +354,7 @@ class _Conn:
             raw = _unix.recv_frame(self.sock, deadline, wire.MAX_MESSAGE_BYTES)
         except TimeoutError as exc:
             self.broken = True
+            self.awaiting = rid  # its answer may still come: close() keeps the connection to release it
             metrics.control_streams.labels("llm", "local_deadline").inc()
             raise DeadlineExceeded(
                 f"Encode on {endpoint} failed with DEADLINE_EXCEEDED: no answer on the local "
@@ -372,8 +435,9 @@ class _Conn:
         self.broken = True
         bufs, self.buffers = self.buffers, []
         inflight, self.inflight = self.inflight, None
-        if self._placements is not None and inflight is not None:
-            self._placements.bury(self.sock, inflight, [b for b in bufs if b is not inflight])
+        awaiting, self.awaiting = self.awaiting, None
+        if self._placements is not None and (inflight is not None or awaiting is not None):
+            self._placements.bury(self.sock, inflight, [b for b in bufs if b is not inflight], awaiting)
             return  # the socket goes with the grave
         if self._placements is not None:
             self._placements.retire(bufs)
@@ -479,6 +543,7 @@ class LocalControlChannel(ControlChannel):
         self._asking: threading.Thread | None = None
         self._closed = False
         self._rl = RateLimitedLog(log)
+        self._requeue: Requeue | None = None
         # mode grpc: every output inline, so no receive buffers either
         self.placements = _Placements(
             self._config.local_placement_bytes if self._config.mode == MODE_AUTO else 0,
@@ -570,6 +635,7 @@ class LocalControlChannel(ControlChannel):
     # -- ControlChannel -----------------------------------------------------------------------------------
 
     def bind_requeue(self, requeue: Requeue) -> None:
+        self._requeue = requeue  # also where the leases of a late local answer go (_Placements.reap)
         self.grpc.bind_requeue(requeue)
 
     def session(self) -> ControlSession:
@@ -580,7 +646,7 @@ class LocalControlChannel(ControlChannel):
             if time.monotonic() >= self._retry_at:
                 self._ask()
             return self.grpc.session()
-        self.placements.reap()
+        self.placements.reap(self._requeue)
         conn, may_open = self._pool.take()
         if conn is None and may_open:
             try:
@@ -617,7 +683,7 @@ class LocalControlChannel(ControlChannel):
             asking = self._asking
         try:
             self._pool.close()
-            self.placements.close()
+            self.placements.close(self._requeue)
             if asking is not None:
                 asking.join(self._wait_s + 1.0)
         finally:

@@ -20,9 +20,10 @@ request, or when a request frame does not arrive whole within ``REQUEST_FRAME_S`
 
 A request runs through ``EncoderService.run_encode``, the function both gRPC paths run, so outputs, errors (the
 ``wire`` status table, as ``StreamError``), metrics and the caller-went-away release are the same. The caller is
-"active" while its connection is open and the request's ``deadline_ms`` has not passed. A receipt whose send
-fails has its leases released at once. A message that does not parse ends the connection (it has no id an
-answer could name), as on the EncodeStream.
+"active" while its connection is open (a caller that timed out shuts its write side) and the request's
+``deadline_ms`` has not passed; an RDMA receipt made for an inactive caller, or whose send fails, has its leases
+released at once (an answer that still reaches a caller after its deadline is released by that caller). A
+message that does not parse ends the connection (it has no id an answer could name), as on the EncodeStream.
 
 Stop: ``stop_accepting`` (the servers' drain step, never waits): the listener goes (its file first: new clients
 use gRPC), idle connections are shut down at once, a connection in the middle of an Encode answers it and then
@@ -201,6 +202,11 @@ class LocalControlServer(UnixConnServer):
 
                 try:
                     receipt = self._service.run_encode(msg.encode, is_active, placement=placement)
+                    if receipt.message.rdma_slots and not is_active():
+                        # Gone or past its deadline while the answer was made: the caller will not read it (a
+                        # caller that times out shuts its write side, and releases what still reaches it).
+                        self._service.discard_for_gone_caller(receipt, "before its local-channel answer was sent")
+                        return False
                     if msg.placement and placement is None:  # named a buffer we did not map (refused, unknown)
                         receipt.message.placed.buffer_id = msg.placement
                         receipt.message.placed.declined = NOT_MAPPED
