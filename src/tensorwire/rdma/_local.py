@@ -7,13 +7,13 @@ a request, is completed by polling and registers the destination; measured on a 
 
 Contract:
 
-- Only host-memory slots (``DRAM``) of an owner whose descriptor names this host (:func:`host_id`: the boot id and
-  the pid namespace, so a pid is only ever looked up in the pid space that issued it) and whose generation is bound
-  to the slot (``Descriptor.binding``; see ``_pool.bound_generation``), read by a host reader on x86-64. The copy
-  keeps the generation protocol: payload first, then the generation word, then the same comparison as a READ. The
-  binding is what makes the comparison mean "this slot": without it a descriptor could keep a valid (word,
-  generation) pair and point ``slot_addr`` at any memory of the owner process, which NIXL's registrations would
-  refuse and ``process_vm_readv`` would not.
+- Only host-memory slots (``DRAM``) of an owner whose descriptor names this host (:func:`host_id`: the boot id,
+  the pid namespace, so a pid is only ever looked up in the pid space that issued it, and the network namespace)
+  and whose generation is bound to the slot (``Descriptor.binding``; see ``_pool.bound_generation``), read by a
+  host reader on x86-64. The copy keeps the generation protocol: payload first, then the generation word, then
+  the same comparison as a READ. The binding is what makes the comparison mean "this slot": without it a
+  descriptor could keep a valid (word, generation) pair and point ``slot_addr`` at any memory of the owner
+  process, which NIXL's registrations would refuse and ``process_vm_readv`` would not.
 - Why x86-64 only: the protocol needs the payload's loads to complete before the generation word's load, and the
   owner's bump to be visible before a new tenant's bytes. x86's ordering gives both for plain loads and stores
   (one thread's stores are seen in order; loads are not reordered with older loads); other architectures would
@@ -56,14 +56,19 @@ class _Iovec(ctypes.Structure):
 
 @functools.cache
 def host_id() -> bytes:
-    """This host's and pid namespace's identity (16 bytes; empty when /proc does not say)."""
+    """This host's identity (16 bytes; empty when /proc does not say): the kernel's boot id, the pid namespace
+    (a pid means something only there) and the network namespace. The last one is conservative: the copy would
+    work across network namespaces, but a process in another one is on another host as far as its addresses go
+    (containers, the cross-host test harness), and a deployment that separates them expects its reads to cross
+    the network the way it configured."""
     try:
         with open("/proc/sys/kernel/random/boot_id", "rb") as f:
             boot = f.read().strip()
         pid_ns = os.readlink("/proc/self/ns/pid").encode()
+        net_ns = os.readlink("/proc/self/ns/net").encode()
     except OSError:
         return b""
-    return hashlib.sha256(b"tensorwire-host\0" + boot + b"\0" + pid_ns).digest()[:HOST_ID_BYTES]
+    return hashlib.sha256(b"tensorwire-host\0" + boot + b"\0" + pid_ns + b"\0" + net_ns).digest()[:HOST_ID_BYTES]
 
 
 @functools.cache

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -105,3 +107,19 @@ def test_copy_failures_are_typed_and_say_whether_to_try_again() -> None:
     with pytest.raises(_local.LocalCopyFailed) as info:
         _local.copy_from(os.getpid(), [(dst.data_ptr(), 16)], [(4096, 16)])  # nothing is mapped at page 1
     assert not info.value.permanent  # EFAULT: this descriptor only
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare(1) for a network namespace"
+)
+def test_another_network_namespace_is_another_host() -> None:
+    """The cross-host harness's simulated hosts (and containers) share this kernel: they must READ over the
+    network they were configured with, not copy."""
+    code = "from tensorwire.rdma import _local; print(_local.host_id().hex())"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    same = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    other = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert same.returncode == 0 and other.returncode == 0, (same.stderr, other.stderr)
+    assert same.stdout.strip() == _local.host_id().hex() != other.stdout.strip()
