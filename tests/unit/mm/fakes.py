@@ -139,3 +139,25 @@ class FakeReader:
 
 def make_read_error() -> Exception:
     return ReadError("fake NIC fault", reason=Reason.RDMA_READ_ERROR)
+
+
+def rdma_receipt(lease_id: str = "abc-1") -> Any:
+    """An ``EncodeResponse`` naming one host slot (a 4x4 float32 embedding) under ``lease_id``; the slot is never
+    read (the tests that use it stop before, or only look at the lease id)."""
+    from tensorwire.mm._proto import encoder_pb2 as pb
+    from tensorwire.rdma import TensorMeta
+
+    d = Descriptor(
+        owner=Owner("tw-exporter-a", "127.0.0.1", 4242),
+        mem_type="DRAM",
+        device_id=0,
+        slot_addr=0x7F0000000000,
+        payload_bytes=4096,
+        lease_id=lease_id,
+        generation=7,
+        generation_addr=0x7E0000000008,
+        manifest=(TensorMeta((4, 4), torch.float32, 0, 64),),
+    )
+    msg = pb.EncodeResponse()
+    msg.rdma_slots.add(descriptor=d.to_bytes(), roles=[pb.EMBEDDING])
+    return msg

@@ -7,7 +7,7 @@ import socket
 import threading
 
 import pytest
-import torch
+from fakes import rdma_receipt
 from prometheus_client import CollectorRegistry
 
 from tensorwire._local import unix as _unix
@@ -19,24 +19,6 @@ from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client import _local as client_local
 from tensorwire.mm.client._channel import Budget
 from tensorwire.mm.wire._receipt import WireReceipt
-from tensorwire.rdma import Descriptor, Owner, TensorMeta
-
-
-def _receipt(lease_id: str) -> WireReceipt:
-    d = Descriptor(
-        owner=Owner("tw-exporter-a", "127.0.0.1", 4242),
-        mem_type="DRAM",
-        device_id=0,
-        slot_addr=0x7F0000000000,
-        payload_bytes=4096,
-        lease_id=lease_id,
-        generation=7,
-        generation_addr=0x7E0000000008,
-        manifest=(TensorMeta((4, 4), torch.float32, 0, 64),),
-    )
-    msg = pb.EncodeResponse()
-    msg.rdma_slots.add(descriptor=d.to_bytes(), roles=[pb.EMBEDDING])
-    return WireReceipt.from_message(msg)
 
 
 @pytest.mark.parametrize("answer", ["late receipt", "worker hangs up", "no answer"])
@@ -58,7 +40,7 @@ def test_a_late_answer_is_released_and_the_connection_let_go(answer: str) -> Non
     placements.reap(requeued.append)
     assert requeued == [] and placements._graves  # nothing readable yet: still kept
     if answer == "late receipt":
-        _unix.send_frame(worker, _receipt("lease-late").to_stream_pieces(1), None)
+        _unix.send_frame(worker, WireReceipt.from_message(rdma_receipt("lease-late")).to_stream_pieces(1), None)
     elif answer == "worker hangs up":
         worker.close()
     else:
