@@ -59,6 +59,7 @@ from tensorwire.mm._metrics import TransportMetrics, metrics_for
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._channel import Budget, ControlChannel, ControlSession, Requeue
 from tensorwire.mm.client._grpc import GrpcControlChannel
+from tensorwire.mm.client._rdma_receipt import lease_ids, parse_slots
 from tensorwire.mm.wire._local import HELLO_MAGIC, NOT_MAPPED
 from tensorwire.mm.wire._local import MAX_BUFFERS_PER_CONN as WORKER_MAX_BUFFERS
 from tensorwire.mm.wire._placed import MIN_BUFFER_BYTES, RecvBuffer, buffer_bytes, placed_views
@@ -98,13 +99,7 @@ def _late_answer_leases(sock: socket.socket, rid: int) -> list[str]:
         return []
     if answer_id != rid or not isinstance(value, WireReceipt):
         return []
-    ids = []
-    for slot in value.message.rdma_slots:
-        try:
-            ids.append(Descriptor.from_bytes(bytes(slot.descriptor)).lease_id)
-        except TensorwireError:
-            continue
-    return ids
+    return lease_ids(parse_slots(value.message, Descriptor.from_bytes))
 
 
 @dataclass
