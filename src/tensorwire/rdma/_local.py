@@ -1,15 +1,14 @@
 """Same-host copy: a reader on the owner's host copies a slot straight out of the owner's memory.
 
 Why: on one host UCX already moves a host slot with CMA (``process_vm_readv``), but a READ through NIXL also posts
-a request, is completed by polling and registers the destination; measured on a 2-core box, a 1 MiB READ took
-~1.0 ms standalone (1.5 ms inside a vLLM engine) where the ``process_vm_readv`` underneath takes 0.12 ms, and a
-10 MiB one 2.1-2.5 ms (3.6) against 1.3-1.6 ms. This module makes that one system call itself.
+a request, is completed by polling and registers a destination the caller gave (docs/rdma.md "Same-host copy" has
+the figures). This module makes that one system call itself.
 
 Contract:
 
 - Only host-memory slots (``DRAM``) of an owner whose descriptor names this host (:func:`host_id`: the boot id,
   the pid namespace, so a pid is only ever looked up in the pid space that issued it, and the network namespace)
-  and whose generation is bound to the slot (``Descriptor.binding``; see ``_pool.bound_generation``), read by a
+  and whose generation is bound to the slot (``Descriptor.binding``; see ``_descriptor.bound_generation``), read by a
   host reader on x86-64. The copy keeps the generation protocol: payload first, then the generation word, then
   the same comparison as a READ. The binding is what makes the comparison mean "this slot": without it a
   descriptor could keep a valid (word, generation) pair and point ``slot_addr`` at any memory of the owner
