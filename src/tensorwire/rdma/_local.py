@@ -6,13 +6,13 @@ the figures). This module makes that one system call itself.
 
 Contract:
 
-- Only host-memory slots (``DRAM``) of an owner whose descriptor names this host (:func:`host_id`: the boot id,
-  the pid namespace, so a pid is only ever looked up in the pid space that issued it, and the network namespace)
-  and whose generation is bound to the slot (``Descriptor.binding``; see ``_descriptor.bound_generation``), read by a
-  host reader on x86-64. The copy keeps the generation protocol: payload first, then the generation word, then
-  the same comparison as a READ. The binding is what makes the comparison mean "this slot": without it a
-  descriptor could keep a valid (word, generation) pair and point ``slot_addr`` at any memory of the owner
-  process, which NIXL's registrations would refuse and ``process_vm_readv`` would not.
+- Only host-memory slots (``DRAM``) of an owner whose descriptor names this host (:func:`host_id`: the boot id, the
+  pid namespace, so a pid is only ever looked up in the pid space that issued it, and the network namespace) and
+  whose generation is bound to the slot (``Descriptor.binding``; see ``_descriptor.bound_generation``), read by a
+  host reader on x86-64. The copy keeps the generation protocol: payload first, then the generation word (both in
+  one system call, in that order), then the same comparison as a READ. The binding is what makes the comparison mean
+  "this slot": without it a descriptor could keep a valid (word, generation) pair and point ``slot_addr`` at any
+  memory of the owner process, which NIXL's registrations would refuse and ``process_vm_readv`` would not.
 - Why x86-64 only: the protocol needs the payload's loads to complete before the generation word's load, and the
   owner's bump to be visible before a new tenant's bytes. x86's ordering gives both for plain loads and stores
   (one thread's stores are seen in order; loads are not reordered with older loads); other architectures would
@@ -99,7 +99,11 @@ def copy_from(pid: int, local: Sequence[Range], remote: Sequence[Range]) -> None
     """Copies ``remote`` ranges of process ``pid`` into ``local`` ranges of this process, in order, as one
     ``process_vm_readv`` per ``IOV_MAX`` ranges; the two lists are the same length and their sizes equal.
     Returns when every byte is here; raises :class:`LocalCopyFailed` otherwise (the local bytes are then
-    undefined)."""
+    undefined).
+
+    Order: every byte of a remote range is loaded before the first byte of the next one (the kernel copies the
+    ranges one after the other on the calling CPU, and x86-64 does not reorder loads with older loads), so a
+    generation word placed after its payload in one call is read after the payload, as the protocol needs."""
     fn = _readv()
     if fn is None:
         raise LocalCopyFailed("process_vm_readv is not available here", permanent=True)

@@ -448,36 +448,33 @@ class TensorReader:
         )
 
     def _copy(self, dests: list[_Dest]) -> None:
-        """Copies the payloads of the ``by_copy`` destinations, then their generation words into the scratch
-        cells (the order the generation protocol needs); a destination whose copy fails goes back to the provider's
-        READ (its ranges registered now)."""
+        """Copies each ``by_copy`` destination's payload and then its generation word into its scratch cell, in
+        one ``process_vm_readv`` (``_local.copy_from`` keeps the order the generation protocol needs); a
+        destination whose copy fails goes back to the provider's READ (its ranges registered now)."""
         assert self._provider is not None and self._scratch is not None
-        copied: dict[int, list[_Dest]] = {}
+        copies = 0
         for x in dests:
             if not x.by_copy:
                 continue
+            pid = x.d.owner.pid
             try:
-                _local.copy_from(x.d.owner.pid, [(a, n) for a, n, _ in x.local], [(a, n) for a, n, _ in x.remote])
+                _local.copy_from(
+                    pid,
+                    [(a, n) for a, n, _ in x.local] + [(self._scratch.addr(x.cell), 8)],
+                    [(a, n) for a, n, _ in x.remote] + [(x.d.generation_addr, 8)],
+                )
             except _local.LocalCopyFailed as exc:
                 self._copy_failed(x, exc)
                 continue
-            copied.setdefault(x.d.owner.pid, []).append(x)
-        for pid, group in copied.items():
-            try:
-                _local.copy_from(
-                    pid, [(self._scratch.addr(x.cell), 8) for x in group], [(x.d.generation_addr, 8) for x in group]
-                )
-            except _local.LocalCopyFailed as exc:
-                for x in group:
-                    self._copy_failed(x, exc)
-                continue
-            with self._tally.locked() as c:
-                c.same_host_copies += len(group)
+            copies += 1
             if pid not in self._copied_from:
                 if len(self._copied_from) >= 4096:
                     self._copied_from.clear()
                 self._copied_from.add(pid)
-                log.info("reading %s (pid %d) on this host with process_vm_readv", group[0].d.owner.agent_name, pid)
+                log.info("reading %s (pid %d) on this host with process_vm_readv", x.d.owner.agent_name, pid)
+        if copies:
+            with self._tally.locked() as c:
+                c.same_host_copies += copies
 
     def _copy_failed(self, x: _Dest, exc: _local.LocalCopyFailed) -> None:
         assert self._provider is not None
