@@ -4,8 +4,9 @@ Four instances, each its own OS process tree (``tensorwire.bench.vllm_engine.ins
 benchmark's instance; vLLM adds its EngineCore and worker processes):
 a plain single-instance baseline, an encoder-only instance (``ec_producer``) and two LLM instances
 (``ec_consumer``): one with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (uniproc executor: scheduler and worker share a
-process, the scheduler stages into the worker's area directly), one at TP=2 (multiprocess executor, vLLM's CPU
-default: the scheduler process reads each item once into a shared-memory segment that both ranks map).
+process; the scheduler maps the encoder instance's memfd of each item into the worker's area, ``same_host_map``),
+one at TP=2 (multiprocess executor, vLLM's CPU default, ``same_host_map`` off: the scheduler process reads each
+item once into a shared-memory segment that both ranks map).
 
 Every request runs alone (see that module), and greedy tokens plus the top-3 logprobs of every step must equal
 the baseline's exactly. Run with ``make test-vllm`` (it builds .venv-vllm); ``make test`` never collects this
@@ -148,7 +149,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
             work,
             model,
             role="consumer",
-            extra=dict(common, **CONSUMER_BUDGETS),
+            # Reads the slot (one READ for the host) where "consumer" maps the encoder instance's memfd: both of
+            # the LLM side's planes run in real engines.
+            extra=dict(common, same_host_map=False, **CONSUMER_BUDGETS),
             args=("--tp", "2", "--enable-mm-embeds"),
             env=cpu,
         ),
@@ -199,12 +202,11 @@ def test_llm_instance_matches_baseline_over_rdma(cluster: Any) -> None:
     after = consumer.metrics()
     for n, g in zip(names, got, strict=True):
         assert_same(g, cluster["base"][n], n)
-    delivered = metric(after, "tensorwire_vllm_ec_delivered_items_total", plane="rdma") - metric(
-        before, "tensorwire_vllm_ec_delivered_items_total", plane="rdma"
+    # Same host: the encoder instance's memfds are mapped, nothing is read (same_host_map, on by default).
+    delivered = metric(after, "tensorwire_vllm_ec_delivered_items_total", plane="map") - metric(
+        before, "tensorwire_vllm_ec_delivered_items_total", plane="map"
     )
-    assert delivered == 5, (
-        f"expected the RDMA plane to deliver 5 items, it delivered {delivered}; {diff(before, after)}"
-    )
+    assert delivered == 5, f"expected 5 items mapped from the encoder instance, got {delivered}; {diff(before, after)}"
     assert metric(after, "tensorwire_vllm_ec_fallbacks_total") == metric(before, "tensorwire_vllm_ec_fallbacks_total")
     assert (
         metric(after, "tensorwire_vllm_ec_placed_items_total") - metric(before, "tensorwire_vllm_ec_placed_items_total")
@@ -294,7 +296,7 @@ def test_check_catches_a_zeroed_embedding_and_two_swapped_images(cluster: Any) -
     before = consumer.metrics()
     got_zero, got_swap = consumer.generate([request("zero", zero), request("swap", swap)])
     after = consumer.metrics()
-    delivered = diff(before, after).get("tensorwire_vllm_ec_delivered_items_total{plane=rdma}")
+    delivered = diff(before, after).get("tensorwire_vllm_ec_delivered_items_total{plane=map}")
     assert delivered == 3  # the LLM instance used what it was given, it did not encode
     assert not same(got_zero, cluster["base"]["zero"]), "a zeroed embedding went unnoticed"
     assert not same(got_swap, cluster["base"]["swap"]), "two swapped images went unnoticed"

@@ -278,7 +278,7 @@ def test_chat_with_an_image_through_the_router_matches_the_llm_instance_alone(se
     got = _answer(raw)
     assert got == baseline, f"routed {got[0]!r} {got[1][:1]} != LLM instance alone {baseline[0]!r} {baseline[1][:1]}"
     assert len(got[1]) == 8 and all(len(step["top_logprobs"]) == 3 for step in got[1])
-    assert _delta(before, after, "tensorwire_vllm_ec_delivered_items_total{plane=rdma}") == 1, (before, after)
+    assert _delta(before, after, "tensorwire_vllm_ec_delivered_items_total{plane=map}") == 1, (before, after)
     assert _delta(before, after, "tensorwire_vllm_ec_placed_items_total{}") == 1
     assert not any(k.startswith("tensorwire_vllm_ec_fallbacks_total") and _delta(before, after, k) for k in after)
     rm = _metrics(router.port)
@@ -300,5 +300,5 @@ def test_streamed_chat_through_the_router(serving: dict[str, Any]) -> None:
     after = _metrics(llm.port)
     assert status == 200 and headers["content-type"].startswith("text/event-stream"), raw[:500]
     assert _streamed(raw) == baseline
-    assert _delta(before, after, "tensorwire_vllm_ec_delivered_items_total{plane=rdma}") == 1
+    assert _delta(before, after, "tensorwire_vllm_ec_delivered_items_total{plane=map}") == 1
     _wait_nothing_held(serving["encoder"])

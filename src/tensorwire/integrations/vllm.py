@@ -187,7 +187,10 @@ class TensorwireECConnector(ECConnectorBase):  # type: ignore[misc]  # (vLLM shi
         if self._in_process:
             device = self._worker_device()
             area = rt.staging_runtime(self._cfg, self._name, 0, device, serve=False).area
-            stagers = [LocalStager(area, spares=SegmentSpares() if device == "cpu" else None)]
+            host = device == "cpu"
+            stagers = [
+                LocalStager(area, spares=SegmentSpares() if host else None, map_host=host and self._cfg.same_host_map)
+            ]
         elif self._host_stages(self._worker_device()):
             stagers = [rt.segment_stager(self._cfg)]
         else:

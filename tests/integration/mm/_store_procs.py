@@ -14,14 +14,18 @@ from typing import Any
 import torch
 
 
-def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtype, segments: bool = False) -> None:
+    import os
+
     from tensorwire.integrations._vllm_ec.receipts import announceable
+    from tensorwire.integrations._vllm_ec.segments import SegmentSpares
     from tensorwire.mm.held._rpc import serve_store
     from tensorwire.mm.held._store import HeldStore
     from tensorwire.rdma import RdmaConfig, TensorExporter
 
     exporter = TensorExporter(RdmaConfig(device=device, slot_gc_timeout_ms=30000))
-    store = HeldStore(exporter, ttl_s=30)
+    spares = SegmentSpares() if segments else None
+    store = HeldStore(exporter, ttl_s=30, segments=spares)
     server = serve_store("127.0.0.1:0", store=store)
     conn.send(server.address)
     while True:
@@ -42,10 +46,22 @@ def owner_main(conn: Any, device: str, shape: tuple[int, ...], dtype: torch.dtyp
             conn.send(None if item is None else announceable(item))
         elif msg[0] == "drop":
             conn.send(store.drop(msg[1]))
+        elif msg[0] == "segment_fds":  # this process's open host segments (spares made ahead included)
+            links = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    links.append(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass
+            conn.send(sum(1 for link in links if link.startswith("/memfd:tw-ec-")))
+        elif msg[0] == "spare_bytes":
+            conn.send(0 if spares is None else spares.spare_bytes)
         else:
             break
     server.stop(0)
     store.close()
+    if spares is not None:
+        spares.close()
     exporter.close()
 
 
@@ -75,15 +91,24 @@ def rank_main(conn: Any, sock: str, device: str) -> None:
 
 
 class StoreProcs:
-    """An owner on ``owner_device`` and one rank per entry of ``rank_devices``."""
+    """An owner on ``owner_device`` and one rank per entry of ``rank_devices``; ``segments``: the owner's store
+    keeps host segments too (the vLLM producer's ``same_host_map``)."""
 
     def __init__(
-        self, tmp: Path, owner_device: str, rank_devices: list[str], shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        tmp: Path,
+        owner_device: str,
+        rank_devices: list[str],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        segments: bool = False,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
         self.owner, child = ctx.Pipe()
-        self.procs.append(ctx.Process(target=owner_main, args=(child, owner_device, shape, dtype), daemon=True))
+        args = (child, owner_device, shape, dtype, segments)
+        self.procs.append(ctx.Process(target=owner_main, args=args, daemon=True))
         self.ranks: list[Any] = []
         self.socks = [str(tmp / f"r{i}.sock") for i in range(len(rank_devices))]
         self.devices = rank_devices

@@ -363,7 +363,11 @@ def _leftovers(pairs: Sequence[Pair]) -> dict[str, Any]:
             out["tensorwire"] = {
                 "held_items": held,
                 "held_bytes": metric(m, "tensorwire_vllm_ec_held_bytes"),
-                "delivered_rdma": metric(c, "tensorwire_vllm_ec_delivered_items_total", plane="rdma"),
+                "delivered": {  # by plane: map (the encoder instance's memfd, same host), rdma (a read), inline
+                    k.split("plane=", 1)[1].rstrip("}"): v
+                    for k, v in c.items()
+                    if k.startswith("tensorwire_vllm_ec_delivered_items_total{")
+                },
                 "fallbacks": metric(c, "tensorwire_vllm_ec_fallbacks_total"),
                 "placed": metric(c, "tensorwire_vllm_ec_placed_items_total"),
                 "place_misses": metric(c, "tensorwire_vllm_ec_place_misses_total"),

@@ -38,7 +38,10 @@ class ECConfig:
     how long an item stays exported without being released (the rdma slot GC);
     ``pool_cap_bytes`` bounds the exported memory (a save that does not fit is not announced); ``receipts``
     (default true) puts each item's slot descriptor in the params, so that an LLM instance reads it without a
-    Lookup (``receipts``; false: every item is looked up).
+    Lookup (``receipts``; false: every item is looked up). ``same_host_map`` (default true, both roles): the
+    producer also copies each host-memory item into a memfd of its own that an LLM instance on the same host maps
+    instead of reading (one more copy on the save path, none on the fetch path; the pages are shared until the LLM
+    instance's encoder cache drops the item); the consumer maps such an item when its producer is on this host.
 
     Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every
     rank holding the tensors (lookup, reads, the hold on the request); ``lookup_timeout_ms`` and
@@ -100,6 +103,7 @@ class ECConfig:
     tls_client_auth: bool = True
     insecure: bool = False
     receipts: bool = True
+    same_host_map: bool = True
 
     def __post_init__(self) -> None:
         _int("port", self.port, 0, 65535)
@@ -134,6 +138,8 @@ class ECConfig:
             raise ConfigError(f"ec_connector_extra_config.insecure={self.insecure!r}: expected a boolean")
         if not isinstance(self.receipts, bool):
             raise ConfigError(f"ec_connector_extra_config.receipts={self.receipts!r}: expected a boolean")
+        if not isinstance(self.same_host_map, bool):
+            raise ConfigError(f"ec_connector_extra_config.same_host_map={self.same_host_map!r}: expected a boolean")
         try:
             self.tls  # noqa: B018 (validates the TLS keys together)
         except ConfigError as exc:

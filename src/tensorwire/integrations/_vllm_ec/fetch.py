@@ -63,7 +63,7 @@ from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
 from tensorwire.integrations._vllm_ec.receipts import parse_receipt
-from tensorwire.integrations._vllm_ec.segments import SegmentSpares
+from tensorwire.integrations._vllm_ec.segments import SegmentSpares, open_host_segment
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._breaker import BreakerBoard
 from tensorwire.mm.held._local import LocalUnavailable
@@ -95,10 +95,12 @@ _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 # Owners (store endpoint, agent, metadata endpoint) whose metadata token a Lookup answer of that store brought
 # (the token is per owner process; a new registration epoch of the same owner needs none), at most.
 _MAX_OWNERS = 4096
+_MAX_MAPPED_KEYS = 4096
 
 
 class Stager(Protocol):
-    """One rank's staging area, local or behind a socket. ``stage`` raises on failure."""
+    """One rank's staging area, local or behind a socket. ``stage`` raises on failure. A host's only stager may
+    also have ``plane_of(key)``: ``"map"`` for an item it mapped from its producer instead of reading."""
 
     name: str
 
@@ -119,12 +121,30 @@ class LocalStager:
 
     inline = True  # no RPC: the fetch may run it on the scheduler's thread
 
-    def __init__(self, area: StagingArea, name: str = "rank0", *, spares: SegmentSpares | None = None) -> None:
+    def __init__(
+        self, area: StagingArea, name: str = "rank0", *, spares: SegmentSpares | None = None, map_host: bool = False
+    ) -> None:
         self.area = area
         self.name = name
         self._spares = spares
+        self._map_host = map_host
+        self.mapped = 0  # items handed over as a producer's host segment (no read)
+        self._mapped_keys: set[str] = set()
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
+        host = open_host_segment(receipt, expect, key) if self._map_host else None
+        if host is not None:  # the producer's own segment, mapped: nothing is read
+            try:
+                tensors = host.tensors()
+            finally:
+                host.close()
+            nbytes = self.area.put(key, tensors)
+            self.mapped += 1
+            if len(self._mapped_keys) >= _MAX_MAPPED_KEYS:  # keys the area let expire without a drop
+                self._mapped_keys.clear()
+            self._mapped_keys.add(key)
+            return nbytes
+        self._mapped_keys.discard(key)
         spares = self._spares
         if spares is None or not receipt.rdma_slots:
             return self.area.stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
@@ -142,8 +162,13 @@ class LocalStager:
             for size in made:
                 spares.refill(size)
 
+    def plane_of(self, key: str) -> str | None:
+        """``"map"`` when the item under ``key`` is a producer's host segment (nothing was read), else None."""
+        return "map" if key in self._mapped_keys else None
+
     def drop(self, keys: Sequence[str]) -> None:
         self.area.drop(keys)
+        self._mapped_keys.difference_update(keys)
 
     def close(self) -> None:
         if self._spares is not None:  # only the spares: the area belongs to the worker side
@@ -814,6 +839,9 @@ class Fetcher:
             except Exception as exc:
                 errors.append((r, exc))
         if not errors:
+            plane_of = getattr(self._stagers[0], "plane_of", None) if len(self._stagers) == 1 else None
+            if plane_of is not None:
+                plane = plane_of(key) or plane
             return FetchResult(True, key, plane=plane, nbytes=nbytes, seconds=self._clock() - t0)
         if staged:
             self.drop_async([key])  # the ranks that have it must not keep it

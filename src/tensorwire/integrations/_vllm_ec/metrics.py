@@ -131,7 +131,8 @@ class ECMetrics:
         )
         self.delivered = Counter(
             "tensorwire_vllm_ec_delivered_items_total",
-            "Items every rank holds, by the plane that carried them",
+            "Items every rank holds, by the plane that carried them (map: a producer's memfd on this host, "
+            "mapped, nothing read)",
             ["plane"],
             registry=reg,
         )
@@ -144,7 +145,7 @@ class ECMetrics:
         self.read_bytes = Counter(
             "tensorwire_vllm_ec_read_bytes_total",
             "Payload bytes moved from encoder instances into this instance, each READ (or "
-            "inline answer) once: one item per host when the host stages, one per rank "
+            "inline answer, or mapped producer memfd) once: one item per host when the host stages, one per rank "
             "otherwise",
             ["plane"],
             registry=reg,

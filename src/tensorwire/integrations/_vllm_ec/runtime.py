@@ -32,7 +32,7 @@ from tensorwire._local.unix import InsecurePath
 from tensorwire.errors import ConfigError, ExportError, Reason
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.receipts import ReceiptBoard
-from tensorwire.integrations._vllm_ec.segments import SegmentStager
+from tensorwire.integrations._vllm_ec.segments import SegmentSpares, SegmentStager
 from tensorwire.mm.held._local import LocalRpcServer
 from tensorwire.mm.held._rpc import StoreServer, serve_staging_local, serve_store
 from tensorwire.mm.held._staging import StagingArea
@@ -146,6 +146,7 @@ class ProducerRuntime:
         self.exporter: TensorExporter | None = None
         self.store: HeldStore | None = None
         self.server: StoreServer | None = None
+        self.segments: SegmentSpares | None = None  # the store's host segments (``same_host_map``)
         try:
             try:
                 self.exporter = TensorExporter(_rdma_config(cfg, device))
@@ -153,7 +154,15 @@ class ProducerRuntime:
                 if exc.reason is not Reason.PROVIDER_UNAVAILABLE:
                     raise
                 log.warning("no RDMA provider on this encoder instance (%s); items are served inline over gRPC", exc)
-            self.store = HeldStore(self.exporter, ttl_s=cfg.lease_ttl_ms / 1000.0, on_change=on_change, compat=compat)
+            if cfg.same_host_map and self.exporter is not None and device == "cpu":
+                self.segments = SegmentSpares()
+            self.store = HeldStore(
+                self.exporter,
+                ttl_s=cfg.lease_ttl_ms / 1000.0,
+                on_change=on_change,
+                compat=compat,
+                segments=self.segments,
+            )
             local_dir = str(runtime_dir(cfg)) if cfg.serves_local_channel else ""
             self.server = serve_store(
                 f"{cfg.host}:{cfg.port}",
@@ -210,6 +219,9 @@ class ProducerRuntime:
             self.server = None
         if self.store is not None:
             self.store.close()
+        if self.segments is not None:
+            self.segments.close()
+            self.segments = None
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
@@ -367,7 +379,9 @@ def segment_stager(cfg: ECConfig) -> SegmentStager:
     """The LLM instance's host stager (scheduler process, CPU workers in other processes): one reader on host
     memory, built in the background now (a NIXL agent takes a fraction of a second), not in the first fetch."""
     rdma = _rdma_config(cfg, "cpu", reader=True)
-    stager = SegmentStager(None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma)))
+    stager = SegmentStager(
+        None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma)), map_host=cfg.same_host_map
+    )
     threading.Thread(target=stager.warm_up, name="tensorwire-ec-warmup", daemon=True).start()
     return stager
 

@@ -32,6 +32,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +42,12 @@ from typing import Any
 
 import torch
 
-from tensorwire.errors import ProtocolError, ReadError, Reason
+from tensorwire.errors import ProtocolError, ReadError, Reason, TensorwireError
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
+from tensorwire.rdma import Descriptor
+from tensorwire.rdma._descriptor import views
+from tensorwire.rdma._local import host_id
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +95,9 @@ class _Segment:
     whole mapping."""
 
     def __init__(self, size: int) -> None:
-        self.name = f"{_PREFIX}{os.getpid()}-{next(_names)}"
+        # Random: a producer's segment is named in the receipts it hands out, and its name is what lets a reader
+        # on the host map it (``open_host_segment``); a counter would let one receipt's holder name the next.
+        self.name = f"{_PREFIX}{os.getpid()}-{next(_names)}-{secrets.token_hex(16)}"
         self.size = max(1, size)
         self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
@@ -229,17 +235,82 @@ class SegmentSpares:
             seg.close()
 
 
+class HostSegment:
+    """A producer's host segment (``HeldStore(segments=...)``) opened by this process: ``fd`` is ours (read-only),
+    ``descriptor`` the receipt's slot whose payload it holds at the same offsets. ``close`` closes our descriptor;
+    mappings made from it stay valid."""
+
+    def __init__(self, fd: int, name: str, size: int, descriptor: Descriptor) -> None:
+        self.fd, self.name, self.size, self.descriptor = fd, name, size, descriptor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The item's tensors as views of a private mapping of the segment (no copy: the pages are faulted in when
+        first read, from the producer's memory)."""
+        m = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return views(torch.frombuffer(m, dtype=torch.uint8), self.descriptor.manifest)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_host_segment(receipt: pb.EncodeResponse, expect: Expect, key: str) -> HostSegment | None:
+    """The memfd the receipt's ``host_segment`` names, opened from the owner process, when this host can map it
+    instead of reading the slot; None otherwise (the caller reads the slot, which reports the lease's state).
+
+    Mapped only when the receipt has one host-memory slot whose owner is on this host (the descriptor's pid and
+    host id: the fetch puts there what a Lookup answer said, never what params said), the segment's name has the
+    producer prefix and, checked on the descriptor once open (the owner may have closed the number and reused it
+    meanwhile), it is the memfd so named, of the announced size, which holds the payload. The name is random and
+    the segment is written once, before the receipt exists: whoever holds the receipt can map that item's bytes
+    and no other. ``Expect`` failures raise, as a read would."""
+    if not receipt.HasField("host_segment") or len(receipt.rdma_slots) != 1:
+        return None
+    hs = receipt.host_segment
+    if not hs.name.startswith(_PREFIX) or "/" in hs.name:
+        return None
+    try:
+        d = Descriptor.from_bytes(bytes(receipt.rdma_slots[0].descriptor))
+    except TensorwireError:
+        return None
+    o = d.owner
+    if d.mem_type != "DRAM" or o.pid <= 0 or not o.host_id or o.host_id != host_id() or hs.nbytes < d.payload_bytes:
+        return None
+    if not d.manifest:
+        return None
+    first = d.manifest[0]
+    expect.check(first.shape, first.dtype, f"item {key[:64]!r}")
+    names = (f"/memfd:{hs.name} (deleted)", f"/memfd:{hs.name}")
+    path = f"/proc/{o.pid}/fd/{int(hs.fd)}"
+    try:
+        if os.readlink(path) not in names:  # not even opened: another kind of file (a FIFO would block an open)
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:  # the owner closed it (released, expired, gone) or may not be opened by us: read the slot
+        return None
+    try:
+        if os.readlink(f"/proc/self/fd/{fd}") in names and os.fstat(fd).st_size == hs.nbytes:
+            return HostSegment(fd, hs.name, int(hs.nbytes), d)
+    except OSError:
+        pass
+    os.close(fd)
+    return None
+
+
 class SegmentStager:
     """The host's one reader (see the module docstring). ``stage`` runs on any thread, one call per key."""
 
     name = "host"
     inline = True  # no RPC: the fetch may run it on the calling (scheduler) thread
 
-    def __init__(self, reader_factory: ReaderFactory | None, *, spares: bool = True) -> None:
+    def __init__(self, reader_factory: ReaderFactory | None, *, spares: bool = True, map_host: bool = False) -> None:
         self.area = StagingArea(reader_factory, device="cpu")
         self._lock = threading.Lock()
-        self._segments: dict[str, tuple[_Segment, SegmentRef]] = {}
+        self._segments: dict[str, tuple[_Segment | HostSegment, SegmentRef]] = {}
         self._spares = SegmentSpares(background=spares)
+        self._map_host = map_host
+        self.mapped = 0  # items handed over as a producer's host segment (no read)
 
     @property
     def spare_bytes(self) -> int:
@@ -249,6 +320,13 @@ class SegmentStager:
         return self.area.warm_up()
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
+        host = open_host_segment(receipt, expect, key) if self._map_host else None
+        if host is not None:  # the producer's own segment: the ranks map it through our descriptor, nothing is read
+            m = host.descriptor.manifest[0]
+            dtype = str(m.dtype).removeprefix("torch.")
+            self._keep(key, host, SegmentRef(os.getpid(), host.fd, host.name, host.size, m.offset, m.shape, dtype))
+            self.mapped += 1
+            return host.descriptor.nbytes
         made: list[_Segment] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
@@ -282,12 +360,21 @@ class SegmentStager:
         finally:
             for seg in made:
                 self._spares.refill(seg.size)
+        self._keep(key, seg, ref)
+        return nbytes
+
+    def _keep(self, key: str, seg: _Segment | HostSegment, ref: SegmentRef) -> None:
         with self._lock:
             old = self._segments.pop(key, None)
             self._segments[key] = (seg, ref)
         if old is not None:
             old[0].close()
-        return nbytes
+
+    def plane_of(self, key: str) -> str | None:
+        """``"map"`` when the item under ``key`` is a producer's host segment (nothing was read), else None."""
+        with self._lock:
+            entry = self._segments.get(key)
+        return "map" if entry is not None and isinstance(entry[0], HostSegment) else None
 
     def ref(self, key: str) -> SegmentRef | None:
         with self._lock:
@@ -351,4 +438,4 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["SegmentRef", "SegmentSpares", "SegmentStager", "map_segment"]
+__all__ = ["HostSegment", "SegmentRef", "SegmentSpares", "SegmentStager", "map_segment", "open_host_segment"]

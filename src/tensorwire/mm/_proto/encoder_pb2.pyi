@@ -101,7 +101,7 @@ class WorkerIdentity(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
-    __slots__ = ("embedding", "position_ids", "extra_inputs", "split_sizes", "rdma_slots", "worker", "encoder_stage_us", "placed")
+    __slots__ = ("embedding", "position_ids", "extra_inputs", "split_sizes", "rdma_slots", "worker", "encoder_stage_us", "placed", "host_segment")
     class EncoderStageUsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class EncodeResponse(_message.Message):
     WORKER_FIELD_NUMBER: _ClassVar[int]
     ENCODER_STAGE_US_FIELD_NUMBER: _ClassVar[int]
     PLACED_FIELD_NUMBER: _ClassVar[int]
+    HOST_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     embedding: Tensor
     position_ids: Tensor
     extra_inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
@@ -125,7 +126,18 @@ class EncodeResponse(_message.Message):
     worker: WorkerIdentity
     encoder_stage_us: _containers.ScalarMap[str, int]
     placed: PlacedOutput
-    def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ..., placed: _Optional[_Union[PlacedOutput, _Mapping]] = ...) -> None: ...
+    host_segment: HostSegment
+    def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ..., placed: _Optional[_Union[PlacedOutput, _Mapping]] = ..., host_segment: _Optional[_Union[HostSegment, _Mapping]] = ...) -> None: ...
+
+class HostSegment(_message.Message):
+    __slots__ = ("fd", "name", "nbytes")
+    FD_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    fd: int
+    name: str
+    nbytes: int
+    def __init__(self, fd: _Optional[int] = ..., name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class PlacedTensor(_message.Message):
     __slots__ = ("role", "dtype", "shape", "offset", "nbytes")

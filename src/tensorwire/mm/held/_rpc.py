@@ -75,7 +75,8 @@ MAX_GRANTS_PER_CALL = 4096
 
 
 def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
-    """The receipt of a held item: one RDMA slot (roles EMBEDDING, then EXTRA_INPUT) or inline tensors."""
+    """The receipt of a held item: one RDMA slot (roles EMBEDDING, then EXTRA_INPUT), with the item's host
+    segment when it has one, or inline tensors."""
     receipt = pb.EncodeResponse()
     if item.shapes[0]:
         receipt.split_sizes.append(int(item.shapes[0][0]))
@@ -83,6 +84,9 @@ def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
         slot = receipt.rdma_slots.add()
         slot.descriptor = item.descriptor.to_bytes()
         slot.roles.extend([pb.EMBEDDING] + [pb.EXTRA_INPUT] * (len(item.shapes) - 1))
+        seg = item.segment
+        if seg is not None and seg.fd >= 0:
+            receipt.host_segment.fd, receipt.host_segment.name, receipt.host_segment.nbytes = seg.fd, seg.name, seg.size
         return receipt
     if item.tensors is None:
         raise TensorwireError(

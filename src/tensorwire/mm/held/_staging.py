@@ -78,6 +78,7 @@ class StagingStats:
     inline_stages: int
     drops: int
     expired: int
+    put_items: int = 0  # kept by ``put``: got another way (a mapped host segment), not read by the area
 
 
 class StagingArea:
@@ -106,7 +107,9 @@ class StagingArea:
         self._reader_error: BaseException | None = None
         self._closed = False
         self._items: dict[str, tuple[tuple[torch.Tensor, ...], int, float]] = {}
-        self._n = dict.fromkeys(("stages", "stage_failures", "rdma_stages", "inline_stages", "drops", "expired"), 0)
+        self._n = dict.fromkeys(
+            ("stages", "stage_failures", "rdma_stages", "inline_stages", "drops", "expired", "put_items"), 0
+        )
 
     @property
     def device(self) -> torch.device:
@@ -168,6 +171,22 @@ class StagingArea:
             self._items[key] = (tuple(tensors), nbytes, self._clock())
             self._n["stages"] += 1
             self._n[kind] += 1
+        return nbytes
+
+    def put(self, key: str, tensors: Sequence[torch.Tensor]) -> int:
+        """Keeps ``tensors``, which the caller got another way (a host segment it mapped), under ``key`` as ``stage``
+        would (a previous item under it is replaced); returns their bytes. They must be on this area's device."""
+        if not isinstance(key, str) or not key:
+            raise InvalidPayload("staging key must be a non-empty string", reason=Reason.INVALID_REQUEST)
+        if any(t.device != self._device for t in tensors):
+            raise InvalidPayload(f"put: tensors must be on {self._device}", reason=Reason.INVALID_REQUEST)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        with self._lock:
+            if self._closed:
+                raise ClosedError("StagingArea is closed")
+            self._sweep_locked()
+            self._items[key] = (tuple(tensors), nbytes, self._clock())
+            self._n["put_items"] += 1
         return nbytes
 
     def get(self, key: str) -> tuple[torch.Tensor, ...] | None:

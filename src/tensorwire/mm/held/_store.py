@@ -32,6 +32,7 @@ not held yet) or ``LeaseExpired(NOT_HELD)`` from ``lookup``,
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import hashlib
 import logging
@@ -41,10 +42,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, ReadError, Reason
+from tensorwire.errors import ClosedError, InvalidPayload, LeaseExpired, ReadError, Reason, TensorwireError
 from tensorwire.rdma import Descriptor, Exporter
 
 log = logging.getLogger(__name__)
@@ -82,9 +84,31 @@ class StoreState(enum.Enum):
     CLOSED = "closed"
 
 
+class Segment(Protocol):
+    """A memfd mapped in this process: ``tensor`` is a uint8 view of its ``size`` bytes, ``fd`` its descriptor,
+    ``name`` its memfd name; ``close`` closes the descriptor (the mapping goes with the last view)."""
+
+    fd: int
+    name: str
+    size: int
+    tensor: torch.Tensor
+
+    def close(self) -> None: ...
+
+
+class SegmentSource(Protocol):
+    """Where a store gets host segments: ``take(nbytes)`` one used once (raises ``TensorwireError`` or ``OSError``
+    when none can be had), ``refill(size)`` after taking one (the source may make the next one ahead)."""
+
+    def take(self, nbytes: int) -> Segment: ...
+
+    def refill(self, size: int) -> None: ...
+
+
 @dataclass(frozen=True)
 class HeldItem:
-    """What a lookup returns: the descriptor of the item's slot (RDMA) or its host copies (inline)."""
+    """What a lookup returns: the descriptor of the item's slot (RDMA) or its host copies (inline); ``segment``:
+    the slot's payload also in a host segment of this process (``HeldStore(segments=...)``), or None."""
 
     key: str
     shapes: tuple[tuple[int, ...], ...]
@@ -92,6 +116,7 @@ class HeldItem:
     nbytes: int
     descriptor: Descriptor | None = None
     tensors: tuple[torch.Tensor, ...] | None = None
+    segment: Segment | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_rdma(self) -> bool:
@@ -141,8 +166,10 @@ class HeldStore:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[int, int], None] | None = None,
         compat: str = "",
+        segments: SegmentSource | None = None,
     ) -> None:
         self._exporter = exporter
+        self._segments = segments
         # The owner's compatibility hash: a Lookup that carries another is refused (incompatible). "": unchecked.
         self.compat = compat
         self._on_change = on_change
@@ -363,11 +390,28 @@ class HeldStore:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if self._exporter is not None:
             (desc,) = self._exporter.export_batch([tensors])
-            return HeldItem(key, shapes, dtypes, nbytes, descriptor=desc)
+            return HeldItem(key, shapes, dtypes, nbytes, descriptor=desc, segment=self._segment_of(desc))
         copies = tuple(t.detach().to("cpu", copy=True).contiguous() for t in tensors)
         return HeldItem(key, shapes, dtypes, nbytes, tensors=copies)
 
+    def _segment_of(self, desc: Descriptor) -> Segment | None:
+        """A host segment holding a copy of ``desc``'s host slot (same offsets), or None (no source, device memory,
+        none to be had: readers then read the slot)."""
+        if self._segments is None or desc.mem_type != "DRAM":
+            return None
+        try:
+            seg = self._segments.take(desc.payload_bytes)
+        except (TensorwireError, OSError) as exc:
+            log.debug("no host segment for a %d-byte item: %s", desc.payload_bytes, exc)
+            return None
+        # The slot is this process's memory, leased to the item: one plain copy of its payload as laid out.
+        ctypes.memmove(seg.tensor.data_ptr(), desc.slot_addr, desc.payload_bytes)
+        self._segments.refill(seg.size)
+        return seg
+
     def _end_item(self, item: HeldItem) -> None:
+        if item.segment is not None:
+            item.segment.close()
         if item.descriptor is not None and self._exporter is not None:
             try:
                 self._exporter.release([item.descriptor.lease_id])
