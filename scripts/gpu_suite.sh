@@ -58,7 +58,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 
 NGPU=$($PY -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
 GPUNAME=$($PY -c 'import torch; print(torch.cuda.get_device_name(0).lower())' 2>/dev/null || echo unknown)
-case "$GPUNAME" in *h200*) TAG="h200x$NGPU" ;; *) TAG="gpu${NGPU}" ;; esac
+case "$GPUNAME" in *h200*) TAG="h200x$NGPU" ;; *h100*) TAG="h100x$NGPU" ;; *) TAG="gpu${NGPU}" ;; esac
 MPS_ON=0
 stop_mps() { if [ "$MPS_ON" = 1 ]; then echo quit | nvidia-cuda-mps-control; MPS_ON=0; fi; }
 if [ "${SUITE_MPS:-0}" = 1 ]; then
