@@ -23,11 +23,13 @@ Descriptors cross process and trust boundaries, so ``Descriptor.from_bytes`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import itertools
 import math
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -115,7 +117,28 @@ class Descriptor:
         """Sum of the manifest's tensor sizes (payload_bytes also counts alignment padding)."""
         return sum(m.nbytes for m in self.manifest)
 
+    def with_owner(self, owner: Owner) -> Descriptor:
+        """This descriptor with ``owner`` instead (a reader filling in what it learned of the owner elsewhere). A
+        validated descriptor stays validated once ``owner`` passes the owner rules, and its ``to_bytes`` is then
+        remembered by ``from_bytes``: a reader that rewrites an untrusted descriptor and hands the bytes on parses
+        them once."""
+        new = dataclasses.replace(self, owner=owner)
+        limits = self.__dict__.get("_valid_for")
+        if limits is not None:
+            try:
+                _validate_owner(owner)
+            except (TypeError, ValueError, AttributeError, OverflowError) as exc:
+                raise InvalidDescriptor(f"owner fields have wrong types: {exc}") from exc
+            object.__setattr__(new, "_valid_for", limits)
+        return new
+
     def to_bytes(self) -> bytes:
+        data = self._serialize()
+        if self.__dict__.get("_valid_for") == _DEFAULT_LIMITS and len(data) <= _PARSED_MAX_BYTES:
+            _remember(data, self)
+        return data
+
+    def _serialize(self) -> bytes:
         # A serialized message is the concatenation of its serialized fields, so the owner's field (one per
         # exporter and registration epoch) is serialized once and prepended: ~30% of this call on a slow host.
         msg = pb.DescriptorPB(
@@ -148,11 +171,19 @@ class Descriptor:
         max_slot_bytes: int = RdmaConfig.max_slot_bytes,
         slot_align: int = RdmaConfig.slot_align,
     ) -> Descriptor:
-        """Parse and validate untrusted bytes; raises ``InvalidDescriptor`` (never another exception)."""
+        """Parse and validate untrusted bytes; raises ``InvalidDescriptor`` (never another exception). The last
+        ``_PARSED_KEPT`` results of up to ``_PARSED_MAX_BYTES`` with the default limits are remembered by their
+        bytes (an equal input returns the same immutable descriptor)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidDescriptor(f"descriptor must be bytes, got {type(data).__name__}")
         if len(data) > MAX_DESCRIPTOR_BYTES:
             raise InvalidDescriptor(f"descriptor is {len(data)} bytes, over the {MAX_DESCRIPTOR_BYTES} limit")
+        default = (max_slot_bytes, slot_align) == _DEFAULT_LIMITS and len(data) <= _PARSED_MAX_BYTES
+        if default:
+            data = data if type(data) is bytes else bytes(data)
+            known = _parsed.get(data)
+            if known is not None:
+                return known
         msg = pb.DescriptorPB()
         try:
             msg.ParseFromString(data if type(data) is bytes else bytes(data))
@@ -189,6 +220,8 @@ class Descriptor:
             binding=msg.binding,
         )
         desc.validate(max_slot_bytes=max_slot_bytes, slot_align=slot_align)
+        if default:
+            _remember(data, desc)
         return desc
 
     def validate(
@@ -234,8 +267,26 @@ def bound_generation(binding: int, slot_addr: int, payload_bytes: int) -> int:
     return (int.from_bytes(h.digest(), "little") >> 1) or 1
 
 
+_DEFAULT_LIMITS = (RdmaConfig.max_slot_bytes, RdmaConfig.slot_align)
+_PARSED_KEPT = 256
+_PARSED_MAX_BYTES = 4096  # a one-tensor item's descriptor is ~300 bytes; large manifests are parsed every time
+_parsed: dict[bytes, Descriptor] = {}
+_parsed_lock = threading.Lock()
+
+
+def _remember(data: bytes, desc: Descriptor) -> None:
+    with _parsed_lock:
+        if len(_parsed) >= _PARSED_KEPT:
+            del _parsed[next(iter(_parsed))]  # the oldest (dicts keep insertion order)
+        _parsed[data] = desc
+
+
 def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
-    o = d.owner
+    _validate_owner(d.owner)
+    _validate_body(d, max_slot_bytes, slot_align)
+
+
+def _validate_owner(o: Owner) -> None:
     if not isinstance(o, Owner) or not o.agent_name or len(o.agent_name) > MAX_NAME_CHARS:
         raise InvalidDescriptor("owner agent name is empty or too long")
     if not o.host or len(o.host) > MAX_NAME_CHARS:
@@ -250,6 +301,9 @@ def _validate(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
         raise InvalidDescriptor(f"owner pid {o.pid!r} is not a uint32")
     if not isinstance(o.host_id, bytes) or len(o.host_id) > MAX_TOKEN_BYTES:
         raise InvalidDescriptor(f"owner host id is not bytes of at most {MAX_TOKEN_BYTES}")
+
+
+def _validate_body(d: Descriptor, max_slot_bytes: int, slot_align: int) -> None:
     if not isinstance(d.lease_id, str) or not d.lease_id:
         raise InvalidDescriptor("lease id is empty", reason=Reason.EMPTY_LEASE_ID)
     if len(d.lease_id) > MAX_LEASE_ID_CHARS:

@@ -280,3 +280,35 @@ def test_views_of_a_buffer_not_a_whole_number_of_items_fall_back_to_slices():
     (t,) = views(buf, manifest, typed)
     assert not typed and t.data_ptr() == buf.data_ptr() and t.shape == (4,) and t.dtype == torch.float32
     assert torch.equal(t.view(torch.uint8), buf[:16])
+
+
+# -- parsed once: the memo of from_bytes and with_owner ----------------------------------------------------------
+
+
+def test_equal_bytes_parse_to_the_same_descriptor_once_validated() -> None:
+    data = valid().to_bytes()
+    first = Descriptor.from_bytes(data)
+    assert Descriptor.from_bytes(bytes(data)) is first and Descriptor.from_bytes(bytearray(data)) is first
+    # Other limits are checked again, never answered from what the default limits passed.
+    with pytest.raises(InvalidDescriptor):
+        Descriptor.from_bytes(data, max_slot_bytes=ALIGN)
+
+
+def test_a_rewritten_owner_is_parsed_from_memory_and_a_bad_one_is_refused() -> None:
+    d = Descriptor.from_bytes(valid().to_bytes())
+    o = dataclasses.replace(d.owner, metadata_token=b"t" * 16, pid=4242, host_id=b"h" * 16)
+    d2 = d.with_owner(o)
+    assert d2.owner == o and dataclasses.replace(d2, owner=d.owner) == d
+    assert Descriptor.from_bytes(d2.to_bytes()) is d2
+    for bad in (dataclasses.replace(o, agent_name=""), dataclasses.replace(o, pid=-1), dataclasses.replace(o, port=0)):
+        with pytest.raises(InvalidDescriptor):
+            d.with_owner(bad)
+
+
+def test_bytes_of_a_descriptor_nobody_validated_are_still_checked() -> None:
+    # A hand-built descriptor that breaks a rule (its generation does not match its binding) serializes fine; its
+    # bytes must not be remembered as valid, with or without with_owner.
+    bad = dataclasses.replace(valid(), binding=12345)
+    for d in (bad, bad.with_owner(dataclasses.replace(bad.owner, pid=7))):
+        with pytest.raises(InvalidDescriptor):
+            Descriptor.from_bytes(d.to_bytes())

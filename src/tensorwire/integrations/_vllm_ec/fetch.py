@@ -544,7 +544,8 @@ class Fetcher:
                 return None
             if (met.metadata_token, met.pid, met.host_id) != (o.metadata_token, o.pid, o.host_id):
                 owner = dataclasses.replace(o, metadata_token=met.metadata_token, pid=met.pid, host_id=met.host_id)
-                slot.descriptor = dataclasses.replace(d, owner=owner).to_bytes()
+                # with_owner keeps the validation, so the stager's parse of these bytes is a lookup
+                slot.descriptor = d.with_owner(owner).to_bytes()
         return receipt
 
     def _stage_from_params(
