@@ -96,6 +96,11 @@ _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 # (the token is per owner process; a new registration epoch of the same owner needs none), at most.
 _MAX_OWNERS = 4096
 _MAX_MAPPED_KEYS = 4096
+# The consumer drops an item it no longer needs when it next looks at its requests, which is when the next request
+# arrives: the drop (a mapping's last reference: its munmap, ~0.6 ms per used 10 MB, holds the process's mapping
+# lock) then ran beside that request's fetch, whose own mmap waited for it (a real engine's 10 MB map: 0.1 ms
+# alone, 0.9-1.3 ms beside a drop). Drops wait this long, as spare segments do (segments.REFILL_DELAY_S).
+DROP_DELAY_S = 0.1
 
 
 class Stager(Protocol):
@@ -323,6 +328,8 @@ class Fetcher:
             else None
         )
         self._side_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tensorwire-ec-release")
+        self._dropper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensorwire-ec-drop")
+        self._drops_now = threading.Event()  # set by close(): pending drops run at once
         self._releases_queued = 0  # releases submitted and not finished (wait_released)
         self._releases_cv = threading.Condition()
         self._clients: dict[str, HeldStoreClient] = {}
@@ -410,10 +417,10 @@ class Fetcher:
             )
 
     def drop_async(self, staging_keys: Sequence[str]) -> None:
-        """Forgets staged items on every rank."""
+        """Forgets staged items on every rank, ``DROP_DELAY_S`` from now (in the order asked)."""
         keys = list(staging_keys)
         if keys and not self._closed:
-            self._side_pool.submit(self._drop_all, keys)
+            self._dropper.submit(self._drop_later, keys, time.monotonic() + DROP_DELAY_S)
 
     def close(self) -> None:
         if self._closed:
@@ -431,7 +438,8 @@ class Fetcher:
             self._release_done()
         self._releasing = []
         # Queued releases still go out (they end leases on encoder instances); running fetches finish.
-        for pool in (self._pool, self._rank_pool, self._side_pool):
+        self._drops_now.set()
+        for pool in (self._pool, self._rank_pool, self._side_pool, self._dropper):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
         with self._clients_lock:
@@ -899,6 +907,10 @@ class Fetcher:
         except Exception as exc:
             self._metrics.releases.labels("failed").inc()
             log.info("release of an item grant on %s failed (%s); its TTL GC reclaims it", grant.endpoint, exc)
+
+    def _drop_later(self, keys: list[str], due: float) -> None:
+        self._drops_now.wait(max(0.0, due - time.monotonic()))
+        self._drop_all(keys)
 
     def _drop_all(self, keys: list[str]) -> None:
         for s in self._stagers:

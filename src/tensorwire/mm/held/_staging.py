@@ -196,9 +196,13 @@ class StagingArea:
 
     def drop(self, keys: Sequence[str]) -> int:
         with self._lock:
-            n = sum(1 for k in keys if self._items.pop(k, None) is not None)
-            self._n["drops"] += n
-            return n
+            gone = [e for e in (self._items.pop(k, None) for k in keys) if e is not None]
+            self._n["drops"] += len(gone)
+        n = len(gone)
+        # Released here, outside the lock: the last reference to a mapped item unmaps it (~0.6 ms per used 10 MB,
+        # its pages freed), which would hold up a stage or put of another item waiting for the lock meanwhile.
+        gone.clear()
+        return n
 
     def keys(self) -> list[str]:
         with self._lock:
