@@ -40,8 +40,9 @@ class ECConfig:
     (default true) puts each item's slot descriptor in the params, so that an LLM instance reads it without a
     Lookup (``receipts``; false: every item is looked up). ``same_host_map`` (default true, both roles): the
     producer also copies each host-memory item into a memfd of its own that an LLM instance on the same host maps
-    instead of reading (one more copy on the save path, none on the fetch path; the pages are shared until the LLM
-    instance's encoder cache drops the item); the consumer maps such an item when its producer is on this host.
+    instead of reading (one more copy on the save path and the item's bytes twice while held, none on the fetch
+    path; the pages are shared until the LLM instance's encoder cache drops the item); the consumer maps such an
+    item when its producer is on this host.
 
     Consumer (LLM instance): ``fetch_timeout_ms`` is the budget of one item, from the request's arrival to every
     rank holding the tensors (lookup, reads, the hold on the request); ``lookup_timeout_ms`` and

@@ -2,7 +2,7 @@
 that every local tensor-parallel rank maps.
 
 Scheduler side (:class:`SegmentStager`, a ``fetch.Stager`` for the whole host): ``stage`` takes an anonymous
-``memfd`` (``tw-ec-<pid>-<n>``, sized for the item, its pages allocated up front), reads the item into it with
+``memfd`` (``tw-ec-<pid>-<n>-<random>``, sized for the item, its pages allocated up front), reads the item into it with
 this process's ``TensorReader`` (an encoder instance on this host: one ``process_vm_readv``, see
 ``tensorwire.rdma._local``; else a READ, the mapping registered for it) and keeps the descriptor open until
 ``drop``. Allocating a segment's pages costs about 0.4 ms per MB, so segments of the sizes recently staged are
@@ -18,6 +18,11 @@ descriptor number, the memfd's name, size and the first tensor's layout); the ra
 another), maps it shared and returns the tensor as a view of the mapping, without a copy. The mapping lives as
 long as the tensor (vLLM's encoder cache holds it); dropping the item on the scheduler side never changes bytes
 a rank still maps (a segment is never reused).
+
+Same host, no read (``map_host``): an encoder instance's store may keep each item in such a segment of its own
+too (``HeldStore(segments=...)``), named in the receipt; :func:`open_host_segment` opens it from the owner process
+when the owner is on this host, and the stager hands that over instead of reading (the ranks map it through the
+scheduler's descriptor as they map a segment of ours; the uniproc rank's ``fetch.LocalStager`` maps it itself).
 
 Why a memfd reached through ``/proc`` rather than a file in ``/dev/shm``: a named file outlives a killed engine;
 the descriptor dies with the process. Opening ``/proc/<pid>/fd/<n>`` needs the same uid (and a dumpable process),

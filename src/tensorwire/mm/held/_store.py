@@ -23,8 +23,11 @@ Lifecycle of one key::
 An item that is held with no grant (nobody asked for it yet) stays until a grant arrives, or the TTL.
 
 Ownership: ``hold`` copies (``TensorExporter.export``); the caller may drop or modify its tensors when it
-returns. Without an exporter (``exporter=None``: no RDMA provider) the store keeps host copies and hands them
-out inline. Thread safety: every method may be called from many threads. Errors: ``ExportError`` /
+returns. With ``segments`` (a :class:`SegmentSource`) a host-memory item is also copied from its slot into a
+segment taken from it (a memfd, used once): receipts name it, so a reader on this host may map it instead of
+reading the slot; the store closes its descriptor when the item ends and never writes it after ``hold``.
+Without an exporter (``exporter=None``: no RDMA provider) the store keeps host copies and hands them out inline.
+Thread safety: every method may be called from many threads. Errors: ``ExportError`` /
 ``PoolExhausted`` from ``hold`` (nothing is held then), ``ReadError(NOT_READY)`` (a pending grant: the item is
 not held yet) or ``LeaseExpired(NOT_HELD)`` from ``lookup``,
 ``InvalidPayload`` for a secret that is too short, ``ClosedError`` after ``close``.
