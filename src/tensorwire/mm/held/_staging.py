@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -163,15 +164,7 @@ class StagingArea:
             with self._lock:
                 self._n["stage_failures"] += 1
             raise
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        with self._lock:
-            if self._closed:
-                raise ClosedError("StagingArea is closed")
-            self._sweep_locked()
-            self._items[key] = (tuple(tensors), nbytes, self._clock())
-            self._n["stages"] += 1
-            self._n[kind] += 1
-        return nbytes
+        return self._keep(key, tensors, ("stages", kind))
 
     def put(self, key: str, tensors: Sequence[torch.Tensor]) -> int:
         """Keeps ``tensors``, which the caller got another way (a host segment it mapped), under ``key`` as ``stage``
@@ -180,13 +173,19 @@ class StagingArea:
             raise InvalidPayload("staging key must be a non-empty string", reason=Reason.INVALID_REQUEST)
         if any(t.device != self._device for t in tensors):
             raise InvalidPayload(f"put: tensors must be on {self._device}", reason=Reason.INVALID_REQUEST)
+        return self._keep(key, tensors, ("put_items",))
+
+    def _keep(self, key: str, tensors: Sequence[torch.Tensor], counters: tuple[str, ...]) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         with self._lock:
             if self._closed:
                 raise ClosedError("StagingArea is closed")
-            self._sweep_locked()
+            gone = self._sweep_locked()
+            gone.append(self._items.pop(key, None))  # a previous item under the key
             self._items[key] = (tuple(tensors), nbytes, self._clock())
-            self._n["put_items"] += 1
+            for c in counters:
+                self._n[c] += 1
+        gone.clear()  # outside the lock, as in drop
         return nbytes
 
     def get(self, key: str) -> tuple[torch.Tensor, ...] | None:
@@ -210,10 +209,12 @@ class StagingArea:
 
     def stats(self) -> StagingStats:
         with self._lock:
-            self._sweep_locked()
-            return StagingStats(
+            gone = self._sweep_locked()
+            stats = StagingStats(
                 staged_items=len(self._items), staged_bytes=sum(e[1] for e in self._items.values()), **self._n
             )
+        gone.clear()
+        return stats
 
     def close(self) -> None:
         """Drops everything and closes the reader. Idempotent."""
@@ -315,16 +316,17 @@ class StagingArea:
             tensors = [t.to(self._device) for t in tensors]
         return tensors
 
-    def _sweep_locked(self) -> None:
+    def _sweep_locked(self) -> list[Any]:
+        """Forgets items older than the TTL; returns them, for the caller to let go of after the lock."""
         if self._ttl_s is None:
-            return
+            return []
         horizon = self._clock() - self._ttl_s
         old = [k for k, e in self._items.items() if e[2] <= horizon]
-        for k in old:
-            del self._items[k]
+        gone = [self._items.pop(k) for k in old]
         if old:
             self._n["expired"] += len(old)
             log.warning("staging area dropped %d item(s) staged more than %.0f s ago", len(old), self._ttl_s)
+        return gone
 
 
 _ALIGN = 64
