@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 # Thread-name prefixes of executors that grow on demand up to a fixed max_workers and then stay: growth of
 # these between the baseline and the end is a pool filling up, not a leak (the report lists them apart).
 POOL_PREFIXES = ("relay-", "proxy", "tensorwire-encoder", "ThreadPoolExecutor")
+# How long the end of a run waits for the workers' descriptors to come back to their baselines (_settled): a
+# late answer's wait (mm.client LATE_ANSWER_S, 5 s) and a loaded host's lag.
+SETTLE_S = 8.0
 
 
 class _Client:
@@ -461,6 +464,29 @@ class SoakRunner:
 
     # ---- accounting
 
+    def _settled(self, workers: dict[str, Any]) -> dict[str, Any]:
+        """The workers' stats once every worker has at most its baseline's descriptors, or after ``SETTLE_S``.
+
+        A connection whose client has gone is closed by its worker when that worker next reads it, and a caller
+        that gave up on a call keeps its connection for a late answer (``LATE_ANSWER_S``): on a loaded host a
+        single look half a second after the clients stopped can count a socket that is about to close. A leak
+        stays over the baseline for the whole window."""
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            over = [
+                key
+                for key, st in workers.items()
+                if (base := self.worker_baseline.get(int(key))) is not None
+                and int(st["process"]["fds"]) > int(base["process"]["fds"])
+            ]
+            if not over or time.monotonic() >= deadline:
+                return workers
+            time.sleep(0.25)
+            for key in over:
+                w = self.workers[int(key)]
+                if w is not None:
+                    workers[key] = w.stats()
+
     def _account(self, soak_s: float, stuck: list[_Client]) -> dict[str, Any]:
         cfg = self.cfg
         gc_deadline = time.monotonic() + 2 * cfg.slot_gc_timeout_ms / 1000.0 + 2.0
@@ -477,6 +503,7 @@ class SoakRunner:
         busy_slots = sum(int(s["exporter"].get("busy_slots", 0)) for s in workers.values())
         busy_bytes = sum(int(s["exporter"].get("busy_bytes", 0)) for s in workers.values())
         time.sleep(0.5)
+        workers = self._settled(workers)
         self_end = sample()
         self_end_names = thread_names()
         procs: dict[str, Any] = {}
