@@ -58,6 +58,15 @@ def _grant(procs: StoreProcs, key: str, seed: int, *, receipt: bool = True) -> t
     return ItemGrant(procs.endpoint, key, secret, SHAPE, "float32", receipt=data), want
 
 
+def _introduced(procs: StoreProcs, seed: int) -> tuple[SegmentStager, Fetcher]:
+    """A mapping host stager and its fetcher, with the owner met through one looked-up item (mapped)."""
+    stager = SegmentStager(lambda: TensorReader(RdmaConfig()), map_host=True)
+    fetcher = _fetcher(stager)
+    intro, _ = _grant(procs, "intro", seed)
+    assert fetcher.start(intro, "k0", EXPECT).result(timeout=90).ok
+    return stager, fetcher
+
+
 def _with_segment(grant: ItemGrant, edit: Callable[[pb.HostSegment], None]) -> ItemGrant:
     assert grant.receipt is not None
     r = pb.EncodeResponse.FromString(grant.receipt)
@@ -126,11 +135,8 @@ def test_the_uniproc_rank_maps_the_owners_segment(procs: StoreProcs) -> None:
 def test_an_edited_segment_in_the_params_is_read_instead_and_delivers_this_item(procs: StoreProcs) -> None:
     """The params are relayed by clients: a host segment renamed, pointed at another item's memfd, or at a file
     of the owner that is no memfd, is not mapped; the slot is read, and its generation check vouches for it."""
-    stager = SegmentStager(lambda: TensorReader(RdmaConfig()), map_host=True)
-    fetcher = _fetcher(stager)
+    stager, fetcher = _introduced(procs, 30)
     try:
-        intro, _ = _grant(procs, "intro", 30)
-        assert fetcher.start(intro, "k0", EXPECT).result(timeout=90).ok
         other, _ = _grant(procs, "other", 31)
         assert other.receipt is not None
         theirs = pb.EncodeResponse.FromString(other.receipt).host_segment
@@ -164,11 +170,8 @@ def test_an_edited_segment_in_the_params_is_read_instead_and_delivers_this_item(
 
 
 def test_a_segment_of_an_item_the_owner_let_go_is_never_mapped(procs: StoreProcs) -> None:
-    stager = SegmentStager(lambda: TensorReader(RdmaConfig()), map_host=True)
-    fetcher = _fetcher(stager)
+    stager, fetcher = _introduced(procs, 50)
     try:
-        intro, _ = _grant(procs, "intro", 50)
-        assert fetcher.start(intro, "k0", EXPECT).result(timeout=90).ok
         gone, _ = _grant(procs, "gone", 51)
         assert procs.ask(procs.owner, "drop", "gone")  # released early (TTL, say): its segment is closed
         for i in range(3):  # later items may get the closed descriptor number

@@ -95,7 +95,6 @@ _NOT_READY_BACKOFF_S = (0.002, 0.005, 0.01, 0.02, 0.05)
 # Owners (store endpoint, agent, metadata endpoint) whose metadata token a Lookup answer of that store brought
 # (the token is per owner process; a new registration epoch of the same owner needs none), at most.
 _MAX_OWNERS = 4096
-_MAX_MAPPED_KEYS = 4096
 # The consumer drops an item it no longer needs when it next looks at its requests, which is when the next request
 # arrives: the drop (a mapping's last reference: its munmap, ~0.6 ms per used 10 MB, holds the process's mapping
 # lock) then ran beside that request's fetch, whose own mmap waited for it (a real engine's 10 MB map: 0.1 ms
@@ -122,7 +121,9 @@ class LocalStager:
     With ``spares`` (host memory) an RDMA item is READ straight into a segment taken from them, used once: the
     staged tensors are views of it, so vLLM's encoder cache may keep them after ``drop``. Without, the reader's
     own destinations are used (whose loans the encoder cache would keep, leaving later reads to allocate and
-    register fresh tensors); inline items are always decoded by the area."""
+    register fresh tensors); inline items are always decoded by the area. With ``map_host`` an item whose receipt
+    names its producer's host segment on this host is mapped instead (``segments.open_host_segment``) and kept with
+    ``StagingArea.put``: nothing is read."""
 
     inline = True  # no RPC: the fetch may run it on the scheduler's thread
 
@@ -133,8 +134,11 @@ class LocalStager:
         self.name = name
         self._spares = spares
         self._map_host = map_host
-        self.mapped = 0  # items handed over as a producer's host segment (no read)
-        self._mapped_keys: set[str] = set()
+
+    @property
+    def mapped(self) -> int:
+        """Items handed over as a producer's host segment (no read): the area's puts, which only this makes."""
+        return self.area.stats().put_items
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
         host = open_host_segment(receipt, expect, key) if self._map_host else None
@@ -143,13 +147,7 @@ class LocalStager:
                 tensors = host.tensors()
             finally:
                 host.close()
-            nbytes = self.area.put(key, tensors)
-            self.mapped += 1
-            if len(self._mapped_keys) >= _MAX_MAPPED_KEYS:  # keys the area let expire without a drop
-                self._mapped_keys.clear()
-            self._mapped_keys.add(key)
-            return nbytes
-        self._mapped_keys.discard(key)
+            return self.area.put(key, tensors)
         spares = self._spares
         if spares is None or not receipt.rdma_slots:
             return self.area.stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
@@ -169,11 +167,10 @@ class LocalStager:
 
     def plane_of(self, key: str) -> str | None:
         """``"map"`` when the item under ``key`` is a producer's host segment (nothing was read), else None."""
-        return "map" if key in self._mapped_keys else None
+        return "map" if self.area.was_put(key) else None
 
     def drop(self, keys: Sequence[str]) -> None:
         self.area.drop(keys)
-        self._mapped_keys.difference_update(keys)
 
     def close(self) -> None:
         if self._spares is not None:  # only the spares: the area belongs to the worker side

@@ -107,7 +107,7 @@ class StagingArea:
         self._reader: Reader | None = None
         self._reader_error: BaseException | None = None
         self._closed = False
-        self._items: dict[str, tuple[tuple[torch.Tensor, ...], int, float]] = {}
+        self._items: dict[str, tuple[tuple[torch.Tensor, ...], int, float, bool]] = {}  # tensors, bytes, when, put
         self._n = dict.fromkeys(
             ("stages", "stage_failures", "rdma_stages", "inline_stages", "drops", "expired", "put_items"), 0
         )
@@ -164,7 +164,7 @@ class StagingArea:
             with self._lock:
                 self._n["stage_failures"] += 1
             raise
-        return self._keep(key, tensors, ("stages", kind))
+        return self._keep(key, tensors, ("stages", kind), put=False)
 
     def put(self, key: str, tensors: Sequence[torch.Tensor]) -> int:
         """Keeps ``tensors``, which the caller got another way (a host segment it mapped), under ``key`` as ``stage``
@@ -173,16 +173,22 @@ class StagingArea:
             raise InvalidPayload("staging key must be a non-empty string", reason=Reason.INVALID_REQUEST)
         if any(t.device != self._device for t in tensors):
             raise InvalidPayload(f"put: tensors must be on {self._device}", reason=Reason.INVALID_REQUEST)
-        return self._keep(key, tensors, ("put_items",))
+        return self._keep(key, tensors, ("put_items",), put=True)
 
-    def _keep(self, key: str, tensors: Sequence[torch.Tensor], counters: tuple[str, ...]) -> int:
+    def was_put(self, key: str) -> bool:
+        """Whether the item under ``key`` came through ``put`` (False: staged, or no such item)."""
+        with self._lock:
+            entry = self._items.get(key)
+            return entry is not None and entry[3]
+
+    def _keep(self, key: str, tensors: Sequence[torch.Tensor], counters: tuple[str, ...], *, put: bool) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         with self._lock:
             if self._closed:
                 raise ClosedError("StagingArea is closed")
             gone = self._sweep_locked()
             gone.append(self._items.pop(key, None))  # a previous item under the key
-            self._items[key] = (tuple(tensors), nbytes, self._clock())
+            self._items[key] = (tuple(tensors), nbytes, self._clock(), put)
             for c in counters:
                 self._n[c] += 1
         gone.clear()  # outside the lock, as in drop
