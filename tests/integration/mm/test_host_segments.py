@@ -25,7 +25,7 @@ from tensorwire.integrations._vllm_ec.segments import SegmentRef, SegmentStager,
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, StagingArea
 from tensorwire.mm.held._store import new_secret
-from tensorwire.rdma import RdmaConfig, TensorReader
+from tensorwire.rdma import Descriptor, RdmaConfig, TensorReader
 
 pytestmark = [pytest.mark.timeout(240)]
 SHAPE = (256, 1024)  # 1 MiB of float32
@@ -165,6 +165,68 @@ def test_an_edited_segment_in_the_params_is_read_instead_and_delivers_this_item(
         grant, _ = _grant(procs, "mine-x", 49)
         res = fetcher.start(_with_segment(grant, their_segment), "mx", EXPECT).result(timeout=90)
         assert res.ok and stager.mapped == 2
+    finally:
+        fetcher.close()
+
+
+def test_a_met_owners_item_is_mapped_from_the_segments_layout_without_parsing_its_descriptor(
+    procs: StoreProcs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    area = StagingArea(lambda: TensorReader(RdmaConfig()))
+    fetcher = _fetcher(LocalStager(area, map_host=True))
+    try:
+        intro, _ = _grant(procs, "intro", 70)
+        assert fetcher.start(intro, "u0", EXPECT).result(timeout=90).ok  # looked up: the owner's pid is learned
+        grant, want = _grant(procs, "fast", 71)
+        assert grant.receipt is not None
+        hs = pb.EncodeResponse.FromString(grant.receipt).host_segment
+        assert list(hs.shape) == list(SHAPE) and hs.dtype == "float32" and hs.offset == 0
+        parsed: list[bytes] = []
+        real = Descriptor.from_bytes.__func__  # type: ignore[attr-defined]
+
+        def counted(cls: type, data: bytes, **kw: Any) -> Descriptor:
+            parsed.append(bytes(data))
+            return real(cls, data, **kw)
+
+        monkeypatch.setattr(Descriptor, "from_bytes", classmethod(counted))
+        res = fetcher.start(grant, "u1", EXPECT).result(timeout=0)  # answered within start
+        staged = area.get("u1")
+        assert res.ok and res.plane == "map" and staged is not None and torch.equal(staged[0], want), res
+        assert parsed == []
+        _eventually(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the grant did not go back")
+    finally:
+        fetcher.close()
+        area.close()
+
+
+def test_an_edited_layout_in_the_params_takes_the_descriptors_path(procs: StoreProcs) -> None:
+    """A layout that does not fit the segment or what this instance expects is not mapped as announced: the
+    descriptor's path decides (it maps the segment as the descriptor lays it out, or reads)."""
+    stager, fetcher = _introduced(procs, 80)
+    try:
+
+        def rows(hs: pb.HostSegment) -> None:
+            hs.shape[0] = SHAPE[0] - 1
+
+        def past_the_end(hs: pb.HostSegment) -> None:
+            hs.offset = hs.nbytes
+
+        def unaligned(hs: pb.HostSegment) -> None:
+            hs.offset = 2
+
+        def dtype(hs: pb.HostSegment) -> None:
+            hs.dtype = "complex128"
+
+        def no_layout(hs: pb.HostSegment) -> None:
+            del hs.shape[:]
+
+        edits = (rows, past_the_end, unaligned, dtype, no_layout)
+        for i, edit in enumerate(edits):
+            grant, want = _grant(procs, f"lay-{i}", 81 + i)
+            res = fetcher.start(_with_segment(grant, edit), f"l{i}", EXPECT).result(timeout=90)
+            ref = fetcher.load_ref(res.staging_key)
+            assert res.ok and isinstance(ref, SegmentRef) and torch.equal(map_segment(ref), want), (edit, res)
+            assert ref.offset == 0 and ref.shape == SHAPE, edit
     finally:
         fetcher.close()
 

@@ -270,6 +270,28 @@ def test_item_is_held_back_fetched_announced_placed_and_released(rig: Rig) -> No
     assert not rig.consumer.has_cache_item("h1")
 
 
+def test_an_idle_ready_item_is_retired_when_its_grace_has_passed_and_not_before() -> None:
+    r = _rig(retire_grace_s=600.0)
+    shift = [0.0]
+    r.consumer._clock = lambda: time.monotonic() + shift[0]  # type: ignore[method-assign]
+    try:
+        params = r.produce(Req("p1", [feat("h1")]))
+        for n, (now, kept) in enumerate(((590.0, True), (1100.0, True), (1200.0, False))):
+            if n < 2:  # loaded at 0, then again at 590: its grace counts from the last load
+                creq = Req(f"c{n}", [feat("h1")], params)
+                assert r.until(creq)
+                r.consumer.update_state_after_alloc(creq, 0)
+                r.cworker.start_load_caches({}, r.consumer.take_loads())
+                r.consumer.request_finished(creq)
+            shift[0] = now
+            r.consumer.poll()
+            assert r.consumer.ready_items == (1 if kept else 0), now
+    finally:
+        r.consumer.close()
+        for s in r.servers:
+            s.stop(0)
+
+
 def test_close_forgets_ready_items_without_dialing_the_workers(caplog: Any) -> None:
     # vLLM shuts its executor down before its scheduler: in the multiprocess executor the workers' staging
     # sockets are gone when the connector's scheduler closes, so a drop per ready item could only fail (it

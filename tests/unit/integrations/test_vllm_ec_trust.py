@@ -172,6 +172,13 @@ def test_default_trusts_loopback_only() -> None:
         assert not t.admits(untrusted), untrusted
 
 
+def test_answers_stay_the_same_when_asked_again_and_past_the_remembered_count() -> None:
+    t = ProducerTrust.from_config("10.0.0.0/8")
+    asked = [f"10.0.{i // 250}.{i % 250}:5000" for i in range(1500)] + ["11.0.0.1:5000", "127.0.0.1:1"]
+    first = [t.admits(e) for e in asked]
+    assert first == [t.admits(e) for e in asked] == [True] * 1500 + [False, False]
+
+
 def test_with_a_ca_the_certificate_is_what_is_trusted() -> None:
     assert ProducerTrust.from_config("", tls_ca="/etc/ca.pem").admits("10.9.9.9:5000")
     # an explicit list still applies with TLS

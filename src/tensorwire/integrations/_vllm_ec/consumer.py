@@ -24,6 +24,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, MutableMapping
 from concurrent.futures import Future
@@ -137,6 +138,7 @@ class ConsumerScheduler:
         self._inflight: list[_Fetch] = []
         self._ready: dict[str, _Fetch] = {}
         self._idle_ready: list[_Fetch] = []
+        self._next_retire = math.inf  # no idle ready item is due before this (poll scans them only then)
         self._abandoned: list[_Fetch] = []
         self._unavailable: set[str] = set()
         self._loads: list[tuple[str, str, Any]] = []
@@ -240,7 +242,7 @@ class ConsumerScheduler:
             if ready is not None:
                 ready.holders.discard(rid)
                 if not ready.holders:
-                    self._idle_ready.append(ready)
+                    self._idle(ready)
         self.poll()
 
     def poll(self) -> None:
@@ -271,18 +273,21 @@ class ConsumerScheduler:
                 else:
                     keep.append(f)
             self._abandoned = keep
-        if self._idle_ready:
+        if now >= self._next_retire:  # a scan per due item, not per step: a busy instance has many idle ones
             keep = []
+            self._next_retire = math.inf
             for f in self._idle_ready:
                 if f.holders or f.dropped:
                     continue
-                if now - f.last_load_s >= self._retire_grace_s:
+                due = f.last_load_s + self._retire_grace_s
+                if now >= due:
                     if self._ready.get(f.mm_hash) is f:
                         del self._ready[f.mm_hash]
                     self._forget_grant(f)
                     self._drop(f)
                 else:
                     keep.append(f)
+                    self._next_retire = min(self._next_retire, due)
             self._idle_ready = keep
 
     def close(self) -> None:
@@ -293,6 +298,7 @@ class ConsumerScheduler:
         read them."""
         self._ready.clear()
         self._idle_ready = []
+        self._next_retire = math.inf
         self._fetcher.close()
 
     # -- introspection (tests, stats) --
@@ -413,7 +419,7 @@ class ConsumerScheduler:
             return
         self._ready[f.mm_hash] = f
         if not f.holders:
-            self._idle_ready.append(f)
+            self._idle(f)
 
     def _fail(self, f: _Fetch, reason: Reason, error: str) -> None:
         f.state = FetchState.FAILED
@@ -456,6 +462,11 @@ class ConsumerScheduler:
         if not f.dropped:
             f.dropped = True
             self._fetcher.drop_async([f.staging_key])
+
+    def _idle(self, f: _Fetch) -> None:
+        """A ready item nobody holds now: retired ``retire_grace_s`` after its last load unless held again."""
+        self._idle_ready.append(f)
+        self._next_retire = min(self._next_retire, f.last_load_s + self._retire_grace_s)
 
     def _set_waiting(self, st: _Req, waiting: bool) -> None:
         if waiting != st.waiting:

@@ -63,13 +63,20 @@ from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
 from tensorwire.integrations._vllm_ec.receipts import parse_receipt
-from tensorwire.integrations._vllm_ec.segments import SegmentSpares, open_host_segment
+from tensorwire.integrations._vllm_ec.segments import (
+    HostSegment,
+    SegmentSpares,
+    SegmentStager,
+    open_announced_segment,
+    open_host_segment,
+)
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.client._breaker import BreakerBoard
 from tensorwire.mm.held._local import LocalUnavailable
 from tensorwire.mm.held._rpc import HeldStoreClient, PendingLookup, PendingRelease, StagingClient
 from tensorwire.mm.held._staging import Expect, StagingArea
 from tensorwire.rdma import Descriptor, Owner
+from tensorwire.rdma._local import host_id
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +140,7 @@ class LocalStager:
         self.area = area
         self.name = name
         self._spares = spares
-        self._map_host = map_host
+        self.map_host = map_host
 
     @property
     def mapped(self) -> int:
@@ -141,13 +148,9 @@ class LocalStager:
         return self.area.stats().put_items
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
-        host = open_host_segment(receipt, expect, key) if self._map_host else None
-        if host is not None:  # the producer's own segment, mapped: nothing is read
-            try:
-                tensors = host.tensors()
-            finally:
-                host.close()
-            return self.area.put(key, tensors)
+        host = open_host_segment(receipt, expect, key) if self.map_host else None
+        if host is not None:
+            return self._put(key, host)
         spares = self._spares
         if spares is None or not receipt.rdma_slots:
             return self.area.stage(key, receipt, timeout_ms=timeout_ms, expect=expect)
@@ -164,6 +167,20 @@ class LocalStager:
         finally:
             for size in made:
                 spares.refill(size)
+
+    def map_announced(self, key: str, hs: pb.HostSegment, pid: int, expect: Expect) -> int | None:
+        """Stages the item ``hs`` announces in process ``pid`` (``segments.open_announced_segment``) by mapping
+        it; its bytes, or None when it cannot be (nothing staged: take ``stage``). Raises on ``Expect`` failures."""
+        host = open_announced_segment(hs, pid, expect, key) if self.map_host else None
+        return self._put(key, host) if host is not None else None
+
+    def _put(self, key: str, host: HostSegment) -> int:
+        """The producer's own segment, mapped and kept under ``key``: nothing is read."""
+        try:
+            tensors = host.tensors()
+        finally:
+            host.close()
+        return self.area.put(key, tensors)
 
     def plane_of(self, key: str) -> str | None:
         """``"map"`` when the item under ``key`` is a producer's host segment (nothing was read), else None."""
@@ -340,6 +357,13 @@ class Fetcher:
         # Owners met through a Lookup answer (what lets a receipt from params be read): their metadata token, pid
         # and host id are taken from that answer, never from params.
         self._owners: dict[tuple[str, str, str, int], Owner] = {}
+        # The pid of each endpoint's store when it runs on this host (from those answers too): a receipt in params
+        # whose host segment says where its tensor sits is mapped from that process with no descriptor parsed.
+        self._host_pids: dict[str, int] = {}
+        first = self._stagers[0]
+        self._mapper: LocalStager | SegmentStager | None = None
+        if self._inline_ok and isinstance(first, (LocalStager, SegmentStager)) and first.map_host:
+            self._mapper = first
 
     @property
     def ranks(self) -> int:
@@ -350,6 +374,11 @@ class Fetcher:
         deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
         fut: Future[FetchResult] = Future()
         fut.set_running_or_notify_cancel()
+        if grant.receipt is not None and self._mapper is not None and not self._closed:
+            res = self._map_from_params(grant, staging_key, expect)
+            if res is not None:
+                fut.set_result(res)
+                return fut
         receipt = self._receipt_from_params(grant)
         if receipt is not None and not self._closed and self.breakers.allow(grant.endpoint):
             self._metrics.fetch_paths.labels("params").inc()
@@ -521,6 +550,37 @@ class Fetcher:
                 if len(self._owners) >= _MAX_OWNERS:
                     self._owners.clear()  # owners come and go with encoder instances: relearn the live ones
                 self._owners[k] = owner
+            if owner.pid > 0 and owner.host_id and owner.host_id == host_id():
+                if len(self._host_pids) >= _MAX_OWNERS and endpoint not in self._host_pids:
+                    self._host_pids.clear()
+                self._host_pids[endpoint] = owner.pid
+
+    def _map_from_params(self, grant: ItemGrant, key: str, expect: Expect) -> FetchResult | None:
+        """The item mapped from the host segment its params' receipt announces, on this thread, with nothing
+        parsed but the receipt: only when the grant's endpoint runs on this host (its pid learned from a Lookup
+        answer, never from params) and the segment says where its one tensor sits. The result (the grant's release
+        written), or None when the item must take the descriptor's path (nothing staged; a layout that does not
+        match what this instance expects is left to that path, which reports it)."""
+        pid = self._host_pids.get(grant.endpoint)
+        if pid is None or self._mapper is None or not self.breakers.allow(grant.endpoint):
+            return None
+        receipt = parse_receipt(grant.receipt) if grant.receipt is not None else None
+        if receipt is None or not receipt.HasField("host_segment") or len(receipt.rdma_slots) != 1:
+            return None
+        t0 = self._clock()
+        try:
+            nbytes = self._mapper.map_announced(key, receipt.host_segment, pid, expect)
+        except TensorwireError:
+            return None
+        if nbytes is None:
+            return None
+        self._metrics.fetch_paths.labels("params").inc()
+        self._metrics.receipts.labels("used").inc()
+        self.breakers.record_success(grant.endpoint)
+        self._release_here(grant)
+        if _TRACE:
+            log.info("params map %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, nbytes)
+        return FetchResult(True, key, plane="map", nbytes=nbytes, seconds=self._clock() - t0)
 
     def _receipt_from_params(self, grant: ItemGrant) -> pb.EncodeResponse | None:
         """The receipt the params carry, with what its owners were met with (metadata token, pid, host id)

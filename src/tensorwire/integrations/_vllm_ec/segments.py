@@ -51,7 +51,8 @@ from tensorwire.errors import ProtocolError, ReadError, Reason, TensorwireError
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, ReaderFactory, StagingArea
 from tensorwire.rdma import Descriptor
-from tensorwire.rdma._descriptor import views
+from tensorwire.rdma._descriptor import MAX_DIMS as _MAX_DIMS
+from tensorwire.rdma._descriptor import TensorMeta, views
 from tensorwire.rdma._local import host_id
 
 log = logging.getLogger(__name__)
@@ -242,17 +243,21 @@ class SegmentSpares:
 
 class HostSegment:
     """A producer's host segment (``HeldStore(segments=...)``) opened by this process: ``fd`` is ours (read-only),
-    ``descriptor`` the receipt's slot whose payload it holds at the same offsets. ``close`` closes our descriptor;
-    mappings made from it stay valid."""
+    ``manifest`` the item's tensors at their offsets in it. ``close`` closes our descriptor; mappings made from it
+    stay valid."""
 
-    def __init__(self, fd: int, name: str, size: int, descriptor: Descriptor) -> None:
-        self.fd, self.name, self.size, self.descriptor = fd, name, size, descriptor
+    def __init__(self, fd: int, name: str, size: int, manifest: tuple[TensorMeta, ...]) -> None:
+        self.fd, self.name, self.size, self.manifest = fd, name, size, manifest
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.manifest)
 
     def tensors(self) -> list[torch.Tensor]:
         """The item's tensors as views of a private mapping of the segment (no copy: the pages are faulted in when
         first read, from the producer's memory)."""
         m = mmap.mmap(self.fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return views(torch.frombuffer(m, dtype=torch.uint8), self.descriptor.manifest)
+        return views(torch.frombuffer(m, dtype=torch.uint8), self.manifest)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -273,21 +278,49 @@ def open_host_segment(receipt: pb.EncodeResponse, expect: Expect, key: str) -> H
     if not receipt.HasField("host_segment") or len(receipt.rdma_slots) != 1:
         return None
     hs = receipt.host_segment
-    if not hs.name.startswith(_PREFIX) or "/" in hs.name:
-        return None
     try:
         d = Descriptor.from_bytes(bytes(receipt.rdma_slots[0].descriptor))
     except TensorwireError:
         return None
     o = d.owner
-    if d.mem_type != "DRAM" or o.pid <= 0 or not o.host_id or o.host_id != host_id() or hs.nbytes < d.payload_bytes:
+    if d.mem_type != "DRAM" or not o.host_id or o.host_id != host_id() or hs.nbytes < d.payload_bytes:
         return None
     if not d.manifest:
         return None
     first = d.manifest[0]
     expect.check(first.shape, first.dtype, f"item {key[:64]!r}")
+    fd = _open_memfd(o.pid, hs)
+    return HostSegment(fd, hs.name, int(hs.nbytes), d.manifest) if fd is not None else None
+
+
+def open_announced_segment(hs: pb.HostSegment, pid: int, expect: Expect, key: str) -> HostSegment | None:
+    """The memfd ``hs`` names in process ``pid`` (an owner on this host that a Lookup answer named, never a pid
+    from params), laid out as ``hs`` itself says (its one tensor's shape, dtype and offset): the descriptor is not
+    needed. None when ``hs`` carries no layout or one that does not fit the segment, or the memfd cannot be opened
+    as :func:`open_host_segment` opens it (the caller then takes the descriptor's path). ``Expect`` failures raise."""
+    dtype = _DTYPES.get(hs.dtype)
+    shape = tuple(hs.shape)
+    if dtype is None or not 0 < len(shape) <= _MAX_DIMS or min(shape) < 0:
+        return None
+    nbytes = dtype.itemsize * _numel(shape)
+    if hs.offset % dtype.itemsize or hs.offset + nbytes > hs.nbytes or nbytes >= 1 << 63:
+        return None
+    expect.check(shape, dtype, f"item {key[:64]!r}")
+    fd = _open_memfd(pid, hs)
+    if fd is None:
+        return None
+    return HostSegment(fd, hs.name, int(hs.nbytes), (TensorMeta(shape, dtype, int(hs.offset), nbytes),))
+
+
+def _open_memfd(pid: int, hs: pb.HostSegment) -> int | None:
+    """Our read-only descriptor of process ``pid``'s memfd that ``hs`` names, or None. Opened only if
+    ``/proc/<pid>/fd/<fd>`` links to a memfd of that name (the producer prefix, no slash), and kept only if the
+    descriptor we got is that memfd, of ``hs.nbytes`` bytes (the owner may have closed the number and reused it
+    between the two looks)."""
+    if pid <= 0 or not hs.name.startswith(_PREFIX) or "/" in hs.name:
+        return None
     names = (f"/memfd:{hs.name} (deleted)", f"/memfd:{hs.name}")
-    path = f"/proc/{o.pid}/fd/{int(hs.fd)}"
+    path = f"/proc/{int(pid)}/fd/{int(hs.fd)}"
     try:
         if os.readlink(path) not in names:  # not even opened: another kind of file (a FIFO would block an open)
             return None
@@ -296,7 +329,7 @@ def open_host_segment(receipt: pb.EncodeResponse, expect: Expect, key: str) -> H
         return None
     try:
         if os.readlink(f"/proc/self/fd/{fd}") in names and os.fstat(fd).st_size == hs.nbytes:
-            return HostSegment(fd, hs.name, int(hs.nbytes), d)
+            return fd
     except OSError:
         pass
     os.close(fd)
@@ -314,7 +347,7 @@ class SegmentStager:
         self._lock = threading.Lock()
         self._segments: dict[str, tuple[_Segment | HostSegment, SegmentRef]] = {}
         self._spares = SegmentSpares(background=spares)
-        self._map_host = map_host
+        self.map_host = map_host
         self.mapped = 0  # items handed over as a producer's host segment (no read)
 
     @property
@@ -325,13 +358,9 @@ class SegmentStager:
         return self.area.warm_up()
 
     def stage(self, key: str, receipt: pb.EncodeResponse, *, timeout_ms: int, expect: Expect) -> int:
-        host = open_host_segment(receipt, expect, key) if self._map_host else None
-        if host is not None:  # the producer's own segment: the ranks map it through our descriptor, nothing is read
-            m = host.descriptor.manifest[0]
-            dtype = str(m.dtype).removeprefix("torch.")
-            self._keep(key, host, SegmentRef(os.getpid(), host.fd, host.name, host.size, m.offset, m.shape, dtype))
-            self.mapped += 1
-            return host.descriptor.nbytes
+        host = open_host_segment(receipt, expect, key) if self.map_host else None
+        if host is not None:
+            return self._hand_over(key, host)
         made: list[_Segment] = []
 
         def alloc(nbytes: int) -> torch.Tensor:
@@ -367,6 +396,22 @@ class SegmentStager:
                 self._spares.refill(seg.size)
         self._keep(key, seg, ref)
         return nbytes
+
+    def map_announced(self, key: str, hs: pb.HostSegment, pid: int, expect: Expect) -> int | None:
+        """Stages the item ``hs`` announces in process ``pid`` (``open_announced_segment``) by handing that segment
+        over; its bytes, or None when it cannot be (nothing staged: take ``stage``). Raises on ``Expect``
+        failures."""
+        host = open_announced_segment(hs, pid, expect, key) if self.map_host else None
+        return self._hand_over(key, host) if host is not None else None
+
+    def _hand_over(self, key: str, host: HostSegment) -> int:
+        """The producer's own segment, kept under ``key``: the ranks map it through our descriptor, nothing is
+        read."""
+        m = host.manifest[0]
+        dtype = str(m.dtype).removeprefix("torch.")
+        self._keep(key, host, SegmentRef(os.getpid(), host.fd, host.name, host.size, m.offset, m.shape, dtype))
+        self.mapped += 1
+        return host.nbytes
 
     def _keep(self, key: str, seg: _Segment | HostSegment, ref: SegmentRef) -> None:
         with self._lock:
@@ -443,4 +488,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-__all__ = ["HostSegment", "SegmentRef", "SegmentSpares", "SegmentStager", "map_segment", "open_host_segment"]
+__all__ = [
+    "HostSegment",
+    "SegmentRef",
+    "SegmentSpares",
+    "SegmentStager",
+    "map_segment",
+    "open_announced_segment",
+    "open_host_segment",
+]

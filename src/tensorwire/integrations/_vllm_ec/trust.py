@@ -40,6 +40,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _LOOPBACK: tuple[IPNetwork, ...] = (ipaddress.ip_network("127.0.0.0/8"), ipaddress.ip_network("::1/128"))
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,253}$")
 _ENTRY_SPLIT = re.compile(r"[,\s]+")
+_ANSWERS_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,18 @@ class ProducerTrust:
     def __init__(self, rules: tuple[_Rule, ...] | None, description: str) -> None:
         self._rules = rules
         self.description = description
+        self._answers: dict[str, bool] = {}  # by endpoint as written: the rules never change
+
+    def admits(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` matches the allow-list (the module docstring says how); remembered for the last
+        ``_ANSWERS_KEPT`` endpoints asked about (each request asks once per item, on the scheduler's thread)."""
+        known = self._answers.get(endpoint)
+        if known is None:
+            known = self._admits(endpoint)
+            if len(self._answers) >= _ANSWERS_KEPT:
+                self._answers.clear()
+            self._answers[endpoint] = known
+        return known
 
     @classmethod
     def from_config(cls, trusted_producers: str, *, tls_ca: str = "") -> ProducerTrust:
@@ -137,7 +150,7 @@ class ProducerTrust:
             return cls(None, "any endpoint whose certificate verifies against tls_ca")
         return cls(parse_trusted("loopback"), "loopback (default)")
 
-    def admits(self, endpoint: str) -> bool:
+    def _admits(self, endpoint: str) -> bool:
         if self._rules is None:
             return True
         split = _split_endpoint(endpoint)

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tensorwire/mm/_proto/encoder.proto\x12\x10tensorwire.mm.v1\"\xaf\x01\n\x0fMultimodalInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12=\n\x06params\x18\x03 \x03(\x0b\x32-.tensorwire.mm.v1.MultimodalInput.ParamsEntry\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\rEncodeRequest\x12\x31\n\x06inputs\x18\x01 \x03(\x0b\x32!.tensorwire.mm.v1.MultimodalInput\x12\x14\n\x0csupport_rdma\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\x03\x12\x1d\n\x15rdma_excluded_workers\x18\x04 \x03(\t\"M\n\x06Tensor\x12&\n\x05\x64type\x18\x01 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\x08RdmaSlot\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12%\n\x05roles\x18\x02 \x03(\x0e\x32\x16.tensorwire.mm.v1.Role\"4\n\x0eWorkerIdentity\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x80\x04\n\x0e\x45ncodeResponse\x12+\n\tembedding\x18\x01 \x01(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12.\n\x0cposition_ids\x18\x02 \x01(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12.\n\x0c\x65xtra_inputs\x18\x03 \x03(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12\x13\n\x0bsplit_sizes\x18\x04 \x03(\x03\x12.\n\nrdma_slots\x18\x05 \x03(\x0b\x32\x1a.tensorwire.mm.v1.RdmaSlot\x12\x30\n\x06worker\x18\x06 \x01(\x0b\x32 .tensorwire.mm.v1.WorkerIdentity\x12N\n\x10\x65ncoder_stage_us\x18\x07 \x03(\x0b\x32\x34.tensorwire.mm.v1.EncodeResponse.EncoderStageUsEntry\x12.\n\x06placed\x18\x08 \x01(\x0b\x32\x1e.tensorwire.mm.v1.PlacedOutput\x12\x33\n\x0chost_segment\x18\t \x01(\x0b\x32\x1d.tensorwire.mm.v1.HostSegment\x1a\x35\n\x13\x45ncoderStageUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"7\n\x0bHostSegment\x12\n\n\x02\x66\x64\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x8b\x01\n\x0cPlacedTensor\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.tensorwire.mm.v1.Role\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"z\n\x0cPlacedOutput\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.tensorwire.mm.v1.PlacedTensor\x12\x10\n\x08\x64\x65\x63lined\x18\x03 \x01(\t\x12\x14\n\x0cneeded_bytes\x18\x04 \x01(\x04\"\xad\x01\n\x0b\x42ufferOffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x30\n\x04kind\x18\x02 \x01(\x0e\x32\".tensorwire.mm.v1.BufferOffer.Kind\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\"0\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04HOST\x10\x01\x12\x08\n\x04\x43UDA\x10\x02\")\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\":\n\x15ReleaseLeasesResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"\xd4\x01\n\rStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x06\x65ncode\x18\x02 \x01(\x0b\x32\x1f.tensorwire.mm.v1.EncodeRequestH\x00\x12\x39\n\x07release\x18\x03 \x01(\x0b\x32&.tensorwire.mm.v1.ReleaseLeasesRequestH\x00\x12.\n\x05offer\x18\x04 \x01(\x0b\x32\x1d.tensorwire.mm.v1.BufferOfferH\x00\x12\x11\n\tplacement\x18\x05 \x01(\x04\x42\x06\n\x04\x62ody\"<\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x89\x01\n\x0eStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.tensorwire.mm.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\")\n\x13LocalChannelRequest\x12\x12\n\nhost_token\x18\x01 \x01(\t\"4\n\x10LocalChannelInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nhost_token\x18\x02 \x01(\t*\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n*H\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tEMBEDDING\x10\x01\x12\n\n\x06POS_ID\x10\x02\x12\x0f\n\x0b\x45XTRA_INPUT\x10\x03\x32\xf1\x02\n\x0e\x45ncoderService\x12K\n\x06\x45ncode\x12\x1f.tensorwire.mm.v1.EncodeRequest\x1a .tensorwire.mm.v1.EncodeResponse\x12`\n\rReleaseLeases\x12&.tensorwire.mm.v1.ReleaseLeasesRequest\x1a\'.tensorwire.mm.v1.ReleaseLeasesResponse\x12U\n\x0c\x45ncodeStream\x12\x1f.tensorwire.mm.v1.StreamRequest\x1a .tensorwire.mm.v1.StreamResponse(\x01\x30\x01\x12Y\n\x0cLocalChannel\x12%.tensorwire.mm.v1.LocalChannelRequest\x1a\".tensorwire.mm.v1.LocalChannelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"tensorwire/mm/_proto/encoder.proto\x12\x10tensorwire.mm.v1\"\xaf\x01\n\x0fMultimodalInput\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12=\n\x06params\x18\x03 \x03(\x0b\x32-.tensorwire.mm.v1.MultimodalInput.ParamsEntry\x12\x12\n\ntimeout_ms\x18\x04 \x01(\x03\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\rEncodeRequest\x12\x31\n\x06inputs\x18\x01 \x03(\x0b\x32!.tensorwire.mm.v1.MultimodalInput\x12\x14\n\x0csupport_rdma\x18\x02 \x01(\x08\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x03 \x01(\x03\x12\x1d\n\x15rdma_excluded_workers\x18\x04 \x03(\t\"M\n\x06Tensor\x12&\n\x05\x64type\x18\x01 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"E\n\x08RdmaSlot\x12\x12\n\ndescriptor\x18\x01 \x01(\x0c\x12%\n\x05roles\x18\x02 \x03(\x0e\x32\x16.tensorwire.mm.v1.Role\"4\n\x0eWorkerIdentity\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x80\x04\n\x0e\x45ncodeResponse\x12+\n\tembedding\x18\x01 \x01(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12.\n\x0cposition_ids\x18\x02 \x01(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12.\n\x0c\x65xtra_inputs\x18\x03 \x03(\x0b\x32\x18.tensorwire.mm.v1.Tensor\x12\x13\n\x0bsplit_sizes\x18\x04 \x03(\x03\x12.\n\nrdma_slots\x18\x05 \x03(\x0b\x32\x1a.tensorwire.mm.v1.RdmaSlot\x12\x30\n\x06worker\x18\x06 \x01(\x0b\x32 .tensorwire.mm.v1.WorkerIdentity\x12N\n\x10\x65ncoder_stage_us\x18\x07 \x03(\x0b\x32\x34.tensorwire.mm.v1.EncodeResponse.EncoderStageUsEntry\x12.\n\x06placed\x18\x08 \x01(\x0b\x32\x1e.tensorwire.mm.v1.PlacedOutput\x12\x33\n\x0chost_segment\x18\t \x01(\x0b\x32\x1d.tensorwire.mm.v1.HostSegment\x1a\x35\n\x13\x45ncoderStageUsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"e\n\x0bHostSegment\x12\n\n\x02\x66\x64\x18\x01 \x01(\r\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\r\n\x05shape\x18\x04 \x03(\x03\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\x04\"\x8b\x01\n\x0cPlacedTensor\x12$\n\x04role\x18\x01 \x01(\x0e\x32\x16.tensorwire.mm.v1.Role\x12&\n\x05\x64type\x18\x02 \x01(\x0e\x32\x17.tensorwire.mm.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"z\n\x0cPlacedOutput\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12/\n\x07tensors\x18\x02 \x03(\x0b\x32\x1e.tensorwire.mm.v1.PlacedTensor\x12\x10\n\x08\x64\x65\x63lined\x18\x03 \x01(\t\x12\x14\n\x0cneeded_bytes\x18\x04 \x01(\x04\"\xad\x01\n\x0b\x42ufferOffer\x12\x11\n\tbuffer_id\x18\x01 \x01(\x04\x12\x30\n\x04kind\x18\x02 \x01(\x0e\x32\".tensorwire.mm.v1.BufferOffer.Kind\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\"0\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x08\n\x04HOST\x10\x01\x12\x08\n\x04\x43UDA\x10\x02\")\n\x14ReleaseLeasesRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\":\n\x15ReleaseLeasesResponse\x12\x10\n\x08released\x18\x01 \x01(\r\x12\x0f\n\x07unknown\x18\x02 \x01(\r\"\xd4\x01\n\rStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x31\n\x06\x65ncode\x18\x02 \x01(\x0b\x32\x1f.tensorwire.mm.v1.EncodeRequestH\x00\x12\x39\n\x07release\x18\x03 \x01(\x0b\x32&.tensorwire.mm.v1.ReleaseLeasesRequestH\x00\x12.\n\x05offer\x18\x04 \x01(\x0b\x32\x1d.tensorwire.mm.v1.BufferOfferH\x00\x12\x11\n\tplacement\x18\x05 \x01(\x04\x42\x06\n\x04\x62ody\"<\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x89\x01\n\x0eStreamResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x33\n\x07receipt\x18\x02 \x01(\x0b\x32 .tensorwire.mm.v1.EncodeResponseH\x00\x12.\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1d.tensorwire.mm.v1.StreamErrorH\x00\x42\x06\n\x04\x62ody\")\n\x13LocalChannelRequest\x12\x12\n\nhost_token\x18\x01 \x01(\t\"4\n\x10LocalChannelInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nhost_token\x18\x02 \x01(\t*\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n*H\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\r\n\tEMBEDDING\x10\x01\x12\n\n\x06POS_ID\x10\x02\x12\x0f\n\x0b\x45XTRA_INPUT\x10\x03\x32\xf1\x02\n\x0e\x45ncoderService\x12K\n\x06\x45ncode\x12\x1f.tensorwire.mm.v1.EncodeRequest\x1a .tensorwire.mm.v1.EncodeResponse\x12`\n\rReleaseLeases\x12&.tensorwire.mm.v1.ReleaseLeasesRequest\x1a\'.tensorwire.mm.v1.ReleaseLeasesResponse\x12U\n\x0c\x45ncodeStream\x12\x1f.tensorwire.mm.v1.StreamRequest\x1a .tensorwire.mm.v1.StreamResponse(\x01\x30\x01\x12Y\n\x0cLocalChannel\x12%.tensorwire.mm.v1.LocalChannelRequest\x1a\".tensorwire.mm.v1.LocalChannelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -26,10 +26,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MULTIMODALINPUT_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_ENCODERESPONSE_ENCODERSTAGEUSENTRY']._loaded_options = None
   _globals['_ENCODERESPONSE_ENCODERSTAGEUSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=2213
-  _globals['_DTYPE']._serialized_end=2360
-  _globals['_ROLE']._serialized_start=2362
-  _globals['_ROLE']._serialized_end=2434
+  _globals['_DTYPE']._serialized_start=2259
+  _globals['_DTYPE']._serialized_end=2406
+  _globals['_ROLE']._serialized_start=2408
+  _globals['_ROLE']._serialized_end=2480
   _globals['_MULTIMODALINPUT']._serialized_start=57
   _globals['_MULTIMODALINPUT']._serialized_end=232
   _globals['_MULTIMODALINPUT_PARAMSENTRY']._serialized_start=187
@@ -47,29 +47,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERESPONSE_ENCODERSTAGEUSENTRY']._serialized_start=1041
   _globals['_ENCODERESPONSE_ENCODERSTAGEUSENTRY']._serialized_end=1094
   _globals['_HOSTSEGMENT']._serialized_start=1096
-  _globals['_HOSTSEGMENT']._serialized_end=1151
-  _globals['_PLACEDTENSOR']._serialized_start=1154
-  _globals['_PLACEDTENSOR']._serialized_end=1293
-  _globals['_PLACEDOUTPUT']._serialized_start=1295
-  _globals['_PLACEDOUTPUT']._serialized_end=1417
-  _globals['_BUFFEROFFER']._serialized_start=1420
-  _globals['_BUFFEROFFER']._serialized_end=1593
-  _globals['_BUFFEROFFER_KIND']._serialized_start=1545
-  _globals['_BUFFEROFFER_KIND']._serialized_end=1593
-  _globals['_RELEASELEASESREQUEST']._serialized_start=1595
-  _globals['_RELEASELEASESREQUEST']._serialized_end=1636
-  _globals['_RELEASELEASESRESPONSE']._serialized_start=1638
-  _globals['_RELEASELEASESRESPONSE']._serialized_end=1696
-  _globals['_STREAMREQUEST']._serialized_start=1699
-  _globals['_STREAMREQUEST']._serialized_end=1911
-  _globals['_STREAMERROR']._serialized_start=1913
-  _globals['_STREAMERROR']._serialized_end=1973
-  _globals['_STREAMRESPONSE']._serialized_start=1976
-  _globals['_STREAMRESPONSE']._serialized_end=2113
-  _globals['_LOCALCHANNELREQUEST']._serialized_start=2115
-  _globals['_LOCALCHANNELREQUEST']._serialized_end=2156
-  _globals['_LOCALCHANNELINFO']._serialized_start=2158
-  _globals['_LOCALCHANNELINFO']._serialized_end=2210
-  _globals['_ENCODERSERVICE']._serialized_start=2437
-  _globals['_ENCODERSERVICE']._serialized_end=2806
+  _globals['_HOSTSEGMENT']._serialized_end=1197
+  _globals['_PLACEDTENSOR']._serialized_start=1200
+  _globals['_PLACEDTENSOR']._serialized_end=1339
+  _globals['_PLACEDOUTPUT']._serialized_start=1341
+  _globals['_PLACEDOUTPUT']._serialized_end=1463
+  _globals['_BUFFEROFFER']._serialized_start=1466
+  _globals['_BUFFEROFFER']._serialized_end=1639
+  _globals['_BUFFEROFFER_KIND']._serialized_start=1591
+  _globals['_BUFFEROFFER_KIND']._serialized_end=1639
+  _globals['_RELEASELEASESREQUEST']._serialized_start=1641
+  _globals['_RELEASELEASESREQUEST']._serialized_end=1682
+  _globals['_RELEASELEASESRESPONSE']._serialized_start=1684
+  _globals['_RELEASELEASESRESPONSE']._serialized_end=1742
+  _globals['_STREAMREQUEST']._serialized_start=1745
+  _globals['_STREAMREQUEST']._serialized_end=1957
+  _globals['_STREAMERROR']._serialized_start=1959
+  _globals['_STREAMERROR']._serialized_end=2019
+  _globals['_STREAMRESPONSE']._serialized_start=2022
+  _globals['_STREAMRESPONSE']._serialized_end=2159
+  _globals['_LOCALCHANNELREQUEST']._serialized_start=2161
+  _globals['_LOCALCHANNELREQUEST']._serialized_end=2202
+  _globals['_LOCALCHANNELINFO']._serialized_start=2204
+  _globals['_LOCALCHANNELINFO']._serialized_end=2256
+  _globals['_ENCODERSERVICE']._serialized_start=2483
+  _globals['_ENCODERSERVICE']._serialized_end=2852
 # @@protoc_insertion_point(module_scope)

@@ -130,14 +130,20 @@ class EncodeResponse(_message.Message):
     def __init__(self, embedding: _Optional[_Union[Tensor, _Mapping]] = ..., position_ids: _Optional[_Union[Tensor, _Mapping]] = ..., extra_inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., split_sizes: _Optional[_Iterable[int]] = ..., rdma_slots: _Optional[_Iterable[_Union[RdmaSlot, _Mapping]]] = ..., worker: _Optional[_Union[WorkerIdentity, _Mapping]] = ..., encoder_stage_us: _Optional[_Mapping[str, int]] = ..., placed: _Optional[_Union[PlacedOutput, _Mapping]] = ..., host_segment: _Optional[_Union[HostSegment, _Mapping]] = ...) -> None: ...
 
 class HostSegment(_message.Message):
-    __slots__ = ("fd", "name", "nbytes")
+    __slots__ = ("fd", "name", "nbytes", "shape", "dtype", "offset")
     FD_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     fd: int
     name: str
     nbytes: int
-    def __init__(self, fd: _Optional[int] = ..., name: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    offset: int
+    def __init__(self, fd: _Optional[int] = ..., name: _Optional[str] = ..., nbytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PlacedTensor(_message.Message):
     __slots__ = ("role", "dtype", "shape", "offset", "nbytes")

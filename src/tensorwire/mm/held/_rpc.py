@@ -86,7 +86,13 @@ def receipt_for(item: HeldItem, *, rdma: bool) -> pb.EncodeResponse:
         slot.roles.extend([pb.EMBEDDING] + [pb.EXTRA_INPUT] * (len(item.shapes) - 1))
         seg = item.segment
         if seg is not None and seg.fd >= 0:
-            receipt.host_segment.fd, receipt.host_segment.name, receipt.host_segment.nbytes = seg.fd, seg.name, seg.size
+            hs = receipt.host_segment
+            hs.fd, hs.name, hs.nbytes = seg.fd, seg.name, seg.size
+            manifest = item.descriptor.manifest
+            if len(manifest) == 1:  # the tensor's place, so that a reader that met the owner needs no descriptor
+                m = manifest[0]
+                hs.shape.extend(m.shape)
+                hs.dtype, hs.offset = str(m.dtype).removeprefix("torch."), m.offset
         return receipt
     if item.tensors is None:
         raise TensorwireError(
