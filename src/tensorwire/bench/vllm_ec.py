@@ -278,6 +278,7 @@ class _Run:
             else:
                 why = f"no valid params for the item: {grant!r}"
             t_held = time.monotonic_ns()
+            self.fetcher.flush_releases()  # as the connector does after the step that loads the item
             st = self.stager
             check_ns = self.area.last_check_ns if self.area is not None else 0
             split = {

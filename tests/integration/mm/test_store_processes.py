@@ -215,7 +215,9 @@ def test_a_receipt_in_the_params_is_read_with_no_lookup_once_the_owner_is_known(
             assert res.ok and res.nbytes == want.numel() * 4 and torch.equal(_staged(fetcher, f"k{i}"), want), res
         assert procs.ask(procs.owner, "lookups") == lookups
         assert _counted(metrics.receipts, "used") == 3 and _counted(metrics.fetch_paths, "params") == 3
-        # ... and each grant still goes back to the owner after its read.
+        # ... and each grant still goes back to the owner after its read, once the caller says the step is over.
+        assert procs.ask(procs.owner, "stats")[0] == 3
+        fetcher.flush_releases()
         wait_until(lambda: procs.ask(procs.owner, "stats") == (0, 0), "the owner still holds items after the reads")
     finally:
         fetcher.close()

@@ -157,8 +157,11 @@ def test_an_inline_fetch_stages_on_the_callers_thread_and_releases(store_server:
         got = stager.area.get("k1")
         assert got is not None and torch.equal(got[0], want)
         assert _val(metrics.fetch_paths, "inline") == 1 and _val(metrics.fetch_paths, "thread") == 0
+        # The release waits for the step that loads the item (the connector flushes after the forward pass) ...
+        assert store.stats().held_items == 1
+        fetcher.flush_releases()
         _wait(lambda: store.stats().held_items == 0, "the grant was not released after the read")
-        # The release went out on this thread's socket too: no release thread was woken for it.
+        # ... and went out on this thread's socket too: no release thread was woken for it.
         _wait(lambda: (fetcher.advance(), _val(metrics.control_calls, "Release", "local") == 1)[1], "no local Release")
         assert not [t for t in threading.enumerate() if t.name.startswith("tensorwire-ec-release")]
         assert _val(metrics.releases, "ok") == 1 and fetcher.wait_released(10)

@@ -51,6 +51,20 @@ def test_each_role_lists_exactly_the_families_it_creates() -> None:
         assert {k for k, v in vars(m).items() if v is ec_metrics._UNEXPORTED} == before - made
 
 
+def test_a_series_looked_up_once_counts_as_labels_does_and_follows_a_later_export() -> None:
+    reg = CollectorRegistry()
+    m = ECMetrics(reg, roles=())
+    m.series(m.delivered, "map").inc()  # not exported yet: counts nothing
+    m.export(CONSUMER)
+    for _ in range(3):
+        m.series(m.delivered, "map").inc()
+    m.series(m.bytes, "map").inc(10)
+    m.delivered.labels("map").inc()
+    assert m.series(m.delivered, "map") is m.delivered.labels("map")
+    assert reg.get_sample_value("tensorwire_vllm_ec_delivered_items_total", {"plane": "map"}) == 4.0
+    assert reg.get_sample_value("tensorwire_vllm_ec_staged_bytes_total", {"plane": "map"}) == 10.0
+
+
 def test_metrics_for_exports_each_role_asked_for_once() -> None:
     reg = CollectorRegistry()
     consumer = metrics_for(reg, CONSUMER)

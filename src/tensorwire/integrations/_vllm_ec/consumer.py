@@ -210,6 +210,9 @@ class ConsumerScheduler:
         return loads
 
     def take_unavailable_requests(self) -> set[str]:
+        """The requests vLLM must fail (an item could not be had, no media to encode it); clears them. vLLM asks
+        after every step's forward pass, so the releases of the items staged for that step are written now."""
+        self._fetcher.flush_releases()
         out, self._unavailable = self._unavailable, set()
         return out
 
@@ -243,6 +246,7 @@ class ConsumerScheduler:
                 ready.holders.discard(rid)
                 if not ready.holders:
                     self._idle(ready)
+        self._fetcher.flush_releases()  # the request's steps are over (an aborted one may have had none)
         self.poll()
 
     def poll(self) -> None:
@@ -408,11 +412,12 @@ class ConsumerScheduler:
             return
         f.staging_key = res.staging_key  # the fetcher may have staged under another key (a lookup after a receipt)
         f.state = FetchState.READY
-        self._metrics.fetches.labels("delivered").inc()
-        self._metrics.delivered.labels(res.plane or "rdma").inc()
-        self._metrics.bytes.labels(res.plane or "rdma").inc(res.nbytes)
-        self._metrics.read_bytes.labels(res.plane or "rdma").inc(res.nbytes)
-        self._metrics.fetch_seconds.observe(res.seconds)
+        m, plane = self._metrics, res.plane or "rdma"
+        m.series(m.fetches, "delivered").inc()
+        m.series(m.delivered, plane).inc()
+        m.series(m.bytes, plane).inc(res.nbytes)
+        m.series(m.read_bytes, plane).inc(res.nbytes)
+        m.fetch_seconds.observe(res.seconds)
         if f.abandoned or f.mm_hash in self._ready:
             self._forget_grant(f)
             self._drop(f)

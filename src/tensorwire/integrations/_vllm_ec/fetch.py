@@ -12,7 +12,9 @@ backstop for a release that is lost. Only when every stager succeeded is the ite
 announces it to vLLM, so a failed read never reaches a worker.
 
 No lookup at all when the params carry the item's receipt (``receipts``) and its owner is one this fetcher met
-through a Lookup answer (which brings the owner's metadata token; params never carry it): the item is read at
+through a Lookup answer (which brings the owner's metadata token and pid; params never carry them). An owner on
+this host whose receipt's host segment says where the item's tensor sits is mapped from that segment with nothing
+else parsed (``Fetcher._map_from_params``, the host's one stager's ``map_announced``); otherwise the item is read at
 once, on the caller's thread when the one stager needs no RPC (vLLM's scheduler thread, so the item is ready in
 the same scheduling pass), else on a fetch thread. Nothing of the encoder instance has to run for that: the
 read is one-sided. A receipt that fails (a released or reused slot fails the generation check) falls back to the
@@ -24,8 +26,9 @@ instance's store answers on a same-host socket: the Lookup is written and collec
 wake up (inside a one-process engine each such wake-up can wait a GIL switch interval behind the engine loop);
 otherwise a fetch thread runs the Lookup and the stages.
 
-The Release RPC is off the critical path. A fetch that ran on the caller's thread writes it to the same-host
-socket from that thread and ``advance`` collects the answer later (no thread of ours is woken: inside the engine
+The Release RPC is off the critical path. A fetch that ran on the caller's thread leaves it for
+``flush_releases``, which the scheduler calls after the step's forward pass, and which writes it to the same-host
+socket from that thread; ``advance`` collects the answer later (no thread of ours is woken: inside the engine
 every wake-up takes the GIL from the engine loop); otherwise the last rank's countdown queues it on the release
 threads. Either way the fetch answers at once (the tensors are local by then, so nothing the item's consumer
 does depends on it). A release that fails is counted (``releases{outcome="failed"}``) and left to the encoder's
@@ -107,6 +110,9 @@ _MAX_OWNERS = 4096
 # lock) then ran beside that request's fetch, whose own mmap waited for it (a real engine's 10 MB map: 0.1 ms
 # alone, 0.9-1.3 ms beside a drop). Drops wait this long, as spare segments do (segments.REFILL_DELAY_S).
 DROP_DELAY_S = 0.1
+# A release of an item staged on the scheduler's thread waits for flush_releases (after the step that loads the
+# item: writing it before cost that step ~0.05-0.08 ms) at most this long.
+RELEASE_DEFER_S = 0.05
 
 
 class Stager(Protocol):
@@ -354,6 +360,10 @@ class Fetcher:
         self._inline_ok = len(self._stagers) == 1 and bool(getattr(self._stagers[0], "inline", False))
         self._inline: list[_Inline] = []
         self._releasing: list[tuple[ItemGrant, PendingRelease]] = []  # written here, answers collected by advance
+        # Releases of items staged on the caller's thread, written by flush_releases (after the step that needs the
+        # item has run) or by advance once the oldest waited RELEASE_DEFER_S.
+        self._deferred: list[ItemGrant] = []
+        self._deferred_since = 0.0
         # Owners met through a Lookup answer (what lets a receipt from params be read): their metadata token, pid
         # and host id are taken from that answer, never from params.
         self._owners: dict[tuple[str, str, str, int], Owner] = {}
@@ -402,6 +412,8 @@ class Fetcher:
         """Advances the inline fetches without blocking on a peer: collects Lookup answers that have arrived and
         stages those items (a same-host READ, bounded by the item's budget). Call it from the thread that called
         ``start`` (vLLM's scheduler thread, every step). Also collects the answers of releases written here."""
+        if self._deferred and self._clock() - self._deferred_since >= RELEASE_DEFER_S:
+            self.flush_releases()
         if self._releasing:
             self._collect_releases()
         if not self._inline:
@@ -411,6 +423,15 @@ class Fetcher:
             if not self._step_inline(f):
                 still.append(f)
         self._inline = still
+
+    def flush_releases(self) -> None:
+        """Writes the releases of items staged on this thread since the last call (``advance`` collects the
+        answers). Call it from that thread once the step that needed those items has run (the connector: when vLLM
+        asks for the unavailable requests, after the forward pass), so the writes are off the item's path;
+        ``advance`` writes them anyway ``RELEASE_DEFER_S`` after the first."""
+        deferred, self._deferred = self._deferred, []
+        for g in deferred:
+            self._release_here(g)
 
     @property
     def inline_pending(self) -> int:
@@ -432,6 +453,7 @@ class Fetcher:
         must see the grants back (a benchmark's final count, a test), never needed for correctness; call it from
         the thread that calls ``advance`` (it collects the answers of releases written on that thread)."""
         deadline = time.monotonic() + timeout_s
+        self.flush_releases()
         while self._releasing:
             self._collect_releases()
             if time.monotonic() >= deadline:
@@ -458,6 +480,9 @@ class Fetcher:
             self._release_even_closed(f.grant)
             f.future.set_result(self._failed(f.key, f.t0, Reason.CLOSED, "the fetcher closed"))
         self._inline = []
+        for grant in self._deferred:  # never written: the release threads send them
+            self._release_even_closed(grant)
+        self._deferred = []
         for grant, pending in self._releasing:  # unanswered: sent again (Release is idempotent)
             pending.cancel()
             self._release_even_closed(grant)
@@ -574,10 +599,11 @@ class Fetcher:
             return None
         if nbytes is None:
             return None
-        self._metrics.fetch_paths.labels("params").inc()
-        self._metrics.receipts.labels("used").inc()
+        m = self._metrics
+        m.series(m.fetch_paths, "params").inc()
+        m.series(m.receipts, "used").inc()
         self.breakers.record_success(grant.endpoint)
-        self._release_here(grant)
+        self._release_soon(grant)
         if _TRACE:
             log.info("params map %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, nbytes)
         return FetchResult(True, key, plane="map", nbytes=nbytes, seconds=self._clock() - t0)
@@ -650,7 +676,7 @@ class Fetcher:
         self._metrics.receipts.labels("used").inc()
         self.breakers.record_success(grant.endpoint)
         for g in later:
-            self._release_here(g) if here else self._release_later(g)
+            self._release_soon(g) if here else self._release_later(g)
         if _TRACE:
             log.info("params fetch %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, res.nbytes)
         return FetchResult(True, key, plane=res.plane, nbytes=res.nbytes, seconds=self._clock() - t0)
@@ -777,8 +803,14 @@ class Fetcher:
                 f.future.set_exception(exc)
         finally:
             for g in later:
-                self._release_here(g)
+                self._release_soon(g)
         return True
+
+    def _release_soon(self, grant: ItemGrant) -> None:
+        """Queues the release for ``flush_releases`` (this thread, after the step)."""
+        if not self._deferred:
+            self._deferred_since = self._clock()
+        self._deferred.append(grant)
 
     def _release_here(self, grant: ItemGrant) -> None:
         """Writes the release to the same-host socket from this thread (``advance`` collects the answer); the
@@ -815,7 +847,7 @@ class Fetcher:
             if n is None:
                 still.append((grant, pending))
                 continue
-            self._metrics.releases.labels("ok" if n else "unknown").inc()
+            self._metrics.series(self._metrics.releases, "ok" if n else "unknown").inc()
             self._release_done()
         self._releasing = still
 

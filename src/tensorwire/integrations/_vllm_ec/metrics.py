@@ -76,6 +76,7 @@ class ECMetrics:
         self.registry = registry if registry is not None else REGISTRY
         self._exported: set[str] = set()
         self._lock = threading.Lock()
+        self._series: dict[tuple[int, tuple[str, ...]], Any] = {}
         for name in _FAMILIES[PRODUCER] + _FAMILIES[CONSUMER]:
             setattr(self, name, _UNEXPORTED)
         for role in roles:
@@ -221,9 +222,19 @@ class ECMetrics:
             registry=reg,
         )
 
+    def series(self, family: Any, *labels: str) -> Any:
+        """``family.labels(*labels)``, looked up once per family and label values (labels are bounded, so is
+        this): prometheus_client's ``labels`` takes a lock and checks its arguments on every call, six times per
+        item delivered on the scheduler's thread."""
+        key = (id(family), labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = family.labels(*labels)
+        return child
+
     def count_control_call(self, method: str, channel: str) -> None:
         """The ``on_call`` hook of the store and staging clients."""
-        self.control_calls.labels(method, channel).inc()
+        self.series(self.control_calls, method, channel).inc()
 
 
 _lock = threading.Lock()
