@@ -283,6 +283,7 @@ def test_an_idle_ready_item_is_retired_when_its_grace_has_passed_and_not_before(
                 r.consumer.update_state_after_alloc(creq, 0)
                 r.cworker.start_load_caches({}, r.consumer.take_loads())
                 r.consumer.request_finished(creq)
+                assert len(r.consumer._idle_ready) == 1  # let go twice before a scan: listed once
             shift[0] = now
             r.consumer.poll()
             assert r.consumer.ready_items == (1 if kept else 0), now

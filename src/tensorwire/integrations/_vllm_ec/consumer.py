@@ -80,6 +80,7 @@ class _Fetch:
     abandoned: bool = False
     last_load_s: float = 0.0
     dropped: bool = False
+    idle_listed: bool = False  # in ConsumerScheduler._idle_ready
 
 
 @dataclass(eq=False)
@@ -281,6 +282,7 @@ class ConsumerScheduler:
             keep = []
             self._next_retire = math.inf
             for f in self._idle_ready:
+                f.idle_listed = False
                 if f.holders or f.dropped:
                     continue
                 due = f.last_load_s + self._retire_grace_s
@@ -291,6 +293,7 @@ class ConsumerScheduler:
                     self._drop(f)
                 else:
                     keep.append(f)
+                    f.idle_listed = True
                     self._next_retire = min(self._next_retire, due)
             self._idle_ready = keep
 
@@ -470,7 +473,9 @@ class ConsumerScheduler:
 
     def _idle(self, f: _Fetch) -> None:
         """A ready item nobody holds now: retired ``retire_grace_s`` after its last load unless held again."""
-        self._idle_ready.append(f)
+        if not f.idle_listed:  # an item used and let go again before the next scan is listed once
+            f.idle_listed = True
+            self._idle_ready.append(f)
         self._next_retire = min(self._next_retire, f.last_load_s + self._retire_grace_s)
 
     def _set_waiting(self, st: _Req, waiting: bool) -> None:

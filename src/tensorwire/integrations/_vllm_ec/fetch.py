@@ -584,8 +584,8 @@ class Fetcher:
         """The item mapped from the host segment its params' receipt announces, on this thread, with nothing
         parsed but the receipt: only when the grant's endpoint runs on this host (its pid learned from a Lookup
         answer, never from params) and the segment says where its one tensor sits. The result (the grant's release
-        written), or None when the item must take the descriptor's path (nothing staged; a layout that does not
-        match what this instance expects is left to that path, which reports it)."""
+        queued for ``flush_releases``), or None when the item must take the descriptor's path (nothing staged; a
+        layout that does not match what this instance expects is left to that path, which reports it)."""
         pid = self._host_pids.get(grant.endpoint)
         if pid is None or self._mapper is None or not self.breakers.allow(grant.endpoint):
             return None
@@ -808,6 +808,9 @@ class Fetcher:
 
     def _release_soon(self, grant: ItemGrant) -> None:
         """Queues the release for ``flush_releases`` (this thread, after the step)."""
+        if self._closed:  # nothing flushes any more
+            self._release_even_closed(grant)
+            return
         if not self._deferred:
             self._deferred_since = self._clock()
         self._deferred.append(grant)
