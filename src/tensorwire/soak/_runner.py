@@ -477,7 +477,7 @@ class SoakRunner:
                 key
                 for key, st in workers.items()
                 if (base := self.worker_baseline.get(int(key))) is not None
-                and int(st["process"]["fds"]) > int(base["process"]["fds"])
+                and server_fds_delta(_delta(base["process"], st["process"], [], [])) > 0
             ]
             if not over or time.monotonic() >= deadline:
                 return workers
@@ -636,12 +636,22 @@ class SoakRunner:
                 w.stop()
 
 
+def server_fds_delta(p: dict[str, Any]) -> int:
+    """A server process's fd growth less its connections whose peer still has them open (TCP established): a
+    live client may open another pooled connection after the baseline, which is that client's to bound (the
+    sentinel client's check does), not a leak of the server's; a connection its peer closed and the server kept
+    (close_wait), and every other kind, count."""
+    live = max(0, int(p.get("socket_growth_by_state", {}).get("tcp:established", 0)))
+    return int(p["fds_delta"]) - live
+
+
 def _fds_back(name: str, p: dict[str, Any]) -> bool:
-    """No fd grew, except on the sentinel client: sockets, at most one UCX endpoint per UCX worker (qp_count) for
-    each worker restart after its baseline (a restarted owner's endpoints are opened lazily, after the baseline;
-    docs/reliability.md, Findings 1)."""
+    """No fd grew, except connections a live peer holds open on a server (``server_fds_delta``), and on the
+    sentinel client sockets: at most one UCX endpoint per UCX worker (qp_count) for each worker restart after its
+    baseline (a restarted owner's endpoints are opened lazily, after the baseline; docs/reliability.md,
+    Findings 1)."""
     if not name.startswith("client"):
-        return int(p["fds_delta"]) <= 0
+        return server_fds_delta(p) <= 0
     from tensorwire.rdma import RdmaConfig
 
     grown = {k: v for k, v in p.get("fd_growth_by_kind", {}).items() if v > 0}
@@ -668,6 +678,8 @@ def _delta(
     threads_delta = int(end["threads"]) - int(base["threads"])
     kinds = set(base.get("fd_kinds", {})) | set(end.get("fd_kinds", {}))
     fd_growth = {k: end.get("fd_kinds", {}).get(k, 0) - base.get("fd_kinds", {}).get(k, 0) for k in sorted(kinds)}
+    sb, se = base.get("sockets", {}), end.get("sockets", {})
+    socket_growth = {k: se.get(k, 0) - sb.get(k, 0) for k in sorted(set(sb) | set(se)) if se.get(k, 0) != sb.get(k, 0)}
     nb, ne = base.get("native_threads", {}), end.get("native_threads", {})
     native_growth = {k: ne.get(k, 0) - nb.get(k, 0) for k in sorted(set(nb) | set(ne)) if ne.get(k, 0) != nb.get(k, 0)}
     return {
@@ -675,6 +687,7 @@ def _delta(
         "fds_delta": int(end["fds"]) - int(base["fds"]),
         "native_thread_growth": native_growth,
         "fd_growth_by_kind": {k: v for k, v in fd_growth.items() if v},
+        "socket_growth_by_state": socket_growth,
         "threads": [base["threads"], end["threads"]],
         "threads_delta": threads_delta,
         "pool_threads_grown": pool_growth,

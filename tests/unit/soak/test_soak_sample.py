@@ -1,0 +1,53 @@
+"""The soak's socket census: a connection whose peer closed and that this process kept (what a server's leak
+looks like) is told apart from one its peer still holds open; and the server check counts only the former."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+from tensorwire.soak._runner import _delta, server_fds_delta
+from tensorwire.soak._sample import sample, socket_states
+
+
+def _wait_for(cond: Callable[[], bool], tries: int = 500) -> bool:
+    for _ in range(tries):
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_an_open_connection_is_established_and_one_its_peer_closed_is_close_wait() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        before = socket_states()
+        client = socket.create_connection(srv.getsockname())
+        accepted, _ = srv.accept()
+        try:
+            now = socket_states()
+            assert now.get("tcp:listen", 0) >= 1
+            assert now.get("tcp:established", 0) == before.get("tcp:established", 0) + 2  # both ends are ours
+            client.close()
+            assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) == before.get("tcp:close_wait", 0) + 1)
+        finally:
+            accepted.close()
+            client.close()
+
+
+def test_the_server_check_forgives_live_connections_only() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        base = sample()
+        client = socket.create_connection(srv.getsockname())
+        accepted, _ = srv.accept()
+        try:
+            live = _delta(base, sample(), [], [])
+            assert live["fds_delta"] == 2 and server_fds_delta(live) == 0
+            client.close()  # the peer goes; this process keeps its end: a leak
+            waiting = base["sockets"].get("tcp:close_wait", 0)
+            assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) > waiting)
+            kept = _delta(base, sample(), [], [])
+            assert kept["fds_delta"] == 1 and server_fds_delta(kept) == 1
+        finally:
+            accepted.close()
+            client.close()
