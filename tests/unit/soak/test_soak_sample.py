@@ -7,7 +7,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from tensorwire.soak._runner import _delta, server_fds_delta
+from tensorwire.soak._runner import _delta, server_fds_back, server_fds_delta
 from tensorwire.soak._sample import sample, socket_states
 
 
@@ -48,6 +48,9 @@ def test_the_server_check_forgives_live_connections_only() -> None:
             assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) > waiting)
             kept = _delta(base, sample(), [], [])
             assert kept["fds_delta"] == 1 and server_fds_delta(kept) == 1
+            assert server_fds_back(kept)  # one socket is tolerated and named ...
+            assert not server_fds_back({**kept, "fds_delta": 2, "fd_growth_by_kind": {"socket": 2}})  # ... two are not
+            assert not server_fds_back({**kept, "fd_growth_by_kind": {"pipe": 1}})  # nor any other kind
         finally:
             accepted.close()
             client.close()
