@@ -10,18 +10,15 @@ from typing import Any
 def sample(pid: int | None = None) -> dict[str, Any]:
     """{"fds", "threads", "rss_bytes", "fd_kinds"}; -1 where /proc cannot be read."""
     pid = os.getpid() if pid is None else pid
+    listed = _fd_targets(pid)
     out: dict[str, Any] = {
-        "fds": -1,
+        "fds": -1 if listed is None else listed[0],
         "threads": -1,
         "rss_bytes": -1,
-        "fd_kinds": fd_kinds(pid),
-        "sockets": socket_states(pid),
+        "fd_kinds": fd_kinds(pid, listed),
+        "sockets": socket_states(pid, listed),
         "native_threads": native_threads(pid),
     }
-    try:
-        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        pass
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
@@ -35,19 +32,28 @@ def sample(pid: int | None = None) -> dict[str, Any]:
     return out
 
 
-def fd_kinds(pid: int | None = None) -> dict[str, int]:
-    """Open fds by kind (socket, pipe, anon_inode, shm, file, ...): names what grew when fds did."""
-    pid = os.getpid() if pid is None else pid
-    kinds: dict[str, int] = {}
+def _fd_targets(pid: int) -> tuple[int, list[str]] | None:
+    """How many fds ``pid`` has open and where each still open one links (/proc/PID/fd); None if unreadable."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
-        return kinds
+        return None
+    targets = []
     for fd in names:
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
             continue
+    return len(names), targets
+
+
+def fd_kinds(pid: int | None = None, listed: tuple[int, list[str]] | None = None) -> dict[str, int]:
+    """Open fds by kind (socket, pipe, anon_inode, shm, file, ...): names what grew when fds did. ``listed``:
+    ``_fd_targets(pid)`` when the caller has it."""
+    pid = os.getpid() if pid is None else pid
+    listed = listed if listed is not None else _fd_targets(pid)
+    kinds: dict[str, int] = {}
+    for target in listed[1] if listed is not None else ():
         if target.startswith("/dev/shm/"):
             kind = "shm"
         elif target.startswith("/"):
@@ -73,51 +79,35 @@ _TCP_STATES = {
 }
 
 
-def socket_states(pid: int | None = None) -> dict[str, int]:
+def _rows(pid: int, table: str) -> list[list[str]]:
+    """The rows of /proc/PID/net/<table> past its header, split on blanks; none if unreadable."""
+    try:
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f, None)
+            return [line.split() for line in f]
+    except OSError:
+        return []
+
+
+def socket_states(pid: int | None = None, listed: tuple[int, list[str]] | None = None) -> dict[str, int]:
     """Open sockets by kind and state: ``tcp:established`` (the peer still has its end open), ``tcp:close_wait``
     (the peer closed, this process has not: what a leak of a server's connections looks like), ``tcp:listen``,
-    ``unix``, ``udp``, ``netlink``, ``raw``, ``other``. From /proc/PID/net/*, matched by inode."""
+    ``unix``, ``udp``, ``netlink``, ``raw``, ``other``. From /proc/PID/net/*, matched by inode. ``listed``:
+    ``_fd_targets(pid)`` when the caller has it."""
     pid = os.getpid() if pid is None else pid
     by_inode: dict[str, str] = {}
     for table in ("tcp", "tcp6"):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > 9:
-                        by_inode[cols[9]] = "tcp:" + _TCP_STATES.get(cols[3].upper(), cols[3].lower())
-        except OSError:
-            pass
-    for table, ix in (("udp", 9), ("udp6", 9), ("netlink", 9), ("raw", 9), ("raw6", 9)):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                next(f, None)
-                for line in f:
-                    cols = line.split()
-                    if len(cols) > ix:
-                        by_inode.setdefault(cols[ix], table.rstrip("6"))
-        except OSError:
-            pass
-    try:
-        with open(f"/proc/{pid}/net/unix") as f:
-            next(f, None)
-            for line in f:
-                cols = line.split()
-                if len(cols) > 6:
-                    by_inode.setdefault(cols[6], "unix")
-    except OSError:
-        pass
+        for cols in _rows(pid, table):
+            if len(cols) > 9:
+                by_inode[cols[9]] = "tcp:" + _TCP_STATES.get(cols[3].upper(), cols[3].lower())
+    # (table, inode column): the unix table's inode is its 7th column, the others' their 10th
+    for table, ix in (("udp", 9), ("udp6", 9), ("netlink", 9), ("raw", 9), ("raw6", 9), ("unix", 6)):
+        for cols in _rows(pid, table):
+            if len(cols) > ix:
+                by_inode.setdefault(cols[ix], table.rstrip("6"))
+    listed = listed if listed is not None else _fd_targets(pid)
     out: dict[str, int] = {}
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return out
-    for fd in names:
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
+    for target in listed[1] if listed is not None else ():
         if target.startswith("socket:["):
             kind = by_inode.get(target[8:-1], "other")
             out[kind] = out.get(kind, 0) + 1

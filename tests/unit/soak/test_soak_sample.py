@@ -3,9 +3,10 @@ looks like) is told apart from one its peer still holds open; and the server che
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tensorwire.soak._runner import _delta, server_fds_back, server_fds_delta
 from tensorwire.soak._sample import sample, socket_states
@@ -19,38 +20,41 @@ def _wait_for(cond: Callable[[], bool], tries: int = 500) -> bool:
     return False
 
 
-def test_an_open_connection_is_established_and_one_its_peer_closed_is_close_wait() -> None:
+@contextlib.contextmanager
+def _connection(before: Callable[[], object]) -> Iterator[tuple[socket.socket, object]]:
+    """A loopback TCP connection (both ends ours) and what ``before()`` said once its listener existed; yields
+    the client end (closing it leaves the accepted end in close_wait)."""
     with socket.create_server(("127.0.0.1", 0)) as srv:
-        before = socket_states()
+        seen = before()
         client = socket.create_connection(srv.getsockname())
         accepted, _ = srv.accept()
         try:
-            now = socket_states()
-            assert now.get("tcp:listen", 0) >= 1
-            assert now.get("tcp:established", 0) == before.get("tcp:established", 0) + 2  # both ends are ours
-            client.close()
-            assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) == before.get("tcp:close_wait", 0) + 1)
+            yield client, seen
         finally:
             accepted.close()
             client.close()
+
+
+def test_an_open_connection_is_established_and_one_its_peer_closed_is_close_wait() -> None:
+    with _connection(socket_states) as (client, before):
+        assert isinstance(before, dict)
+        now = socket_states()
+        assert now.get("tcp:listen", 0) >= 1
+        assert now.get("tcp:established", 0) == before.get("tcp:established", 0) + 2  # both ends are ours
+        client.close()
+        assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) == before.get("tcp:close_wait", 0) + 1)
 
 
 def test_the_server_check_forgives_live_connections_only() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        base = sample()
-        client = socket.create_connection(srv.getsockname())
-        accepted, _ = srv.accept()
-        try:
-            live = _delta(base, sample(), [], [])
-            assert live["fds_delta"] == 2 and server_fds_delta(live) == 0
-            client.close()  # the peer goes; this process keeps its end: a leak
-            waiting = base["sockets"].get("tcp:close_wait", 0)
-            assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) > waiting)
-            kept = _delta(base, sample(), [], [])
-            assert kept["fds_delta"] == 1 and server_fds_delta(kept) == 1
-            assert server_fds_back(kept)  # one socket is tolerated and named ...
-            assert not server_fds_back({**kept, "fds_delta": 2, "fd_growth_by_kind": {"socket": 2}})  # ... two are not
-            assert not server_fds_back({**kept, "fd_growth_by_kind": {"pipe": 1}})  # nor any other kind
-        finally:
-            accepted.close()
-            client.close()
+    with _connection(sample) as (client, base):
+        assert isinstance(base, dict)
+        live = _delta(base, sample(), [], [])
+        assert live["fds_delta"] == 2 and server_fds_delta(live) == 0
+        client.close()  # the peer goes; this process keeps its end: a leak
+        waiting = base["sockets"].get("tcp:close_wait", 0)
+        assert _wait_for(lambda: socket_states().get("tcp:close_wait", 0) > waiting)
+        kept = _delta(base, sample(), [], [])
+        assert kept["fds_delta"] == 1 and server_fds_delta(kept) == 1
+        assert server_fds_back(kept)  # one socket is tolerated and named ...
+        assert not server_fds_back({**kept, "fds_delta": 2, "fd_growth_by_kind": {"socket": 2}})  # ... two are not
+        assert not server_fds_back({**kept, "fd_growth_by_kind": {"pipe": 1}})  # nor any other kind
