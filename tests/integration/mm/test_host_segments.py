@@ -17,10 +17,12 @@ from _store_procs import StoreProcs
 from prometheus_client import CollectorRegistry
 
 from tensorwire.errors import Reason
+from tensorwire.integrations._vllm_ec import fetch as fetch_module
 from tensorwire.integrations._vllm_ec.config import ECConfig
 from tensorwire.integrations._vllm_ec.fetch import Fetcher, LocalStager
 from tensorwire.integrations._vllm_ec.metrics import ECMetrics
 from tensorwire.integrations._vllm_ec.params import ItemGrant
+from tensorwire.integrations._vllm_ec.receipts import parse_receipt
 from tensorwire.integrations._vllm_ec.segments import SegmentRef, SegmentStager, map_segment
 from tensorwire.mm._proto import encoder_pb2 as pb
 from tensorwire.mm.held._staging import Expect, StagingArea
@@ -199,10 +201,20 @@ def test_a_met_owners_item_is_mapped_from_the_segments_layout_without_parsing_it
         area.close()
 
 
-def test_an_edited_layout_in_the_params_takes_the_descriptors_path(procs: StoreProcs) -> None:
+def test_an_edited_layout_in_the_params_takes_the_descriptors_path(
+    procs: StoreProcs, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A layout that does not fit the segment or what this instance expects is not mapped as announced: the
-    descriptor's path decides (it maps the segment as the descriptor lays it out, or reads)."""
+    descriptor's path decides (it maps the segment as the descriptor lays it out, or reads), with the receipt
+    parsed once for both."""
     stager, fetcher = _introduced(procs, 80)
+    parses: list[int] = []
+
+    def counted(raw: bytes) -> Any:
+        parses.append(len(raw))
+        return parse_receipt(raw)
+
+    monkeypatch.setattr(fetch_module, "parse_receipt", counted)
     try:
 
         def rows(hs: pb.HostSegment) -> None:
@@ -227,6 +239,7 @@ def test_an_edited_layout_in_the_params_takes_the_descriptors_path(procs: StoreP
             ref = fetcher.load_ref(res.staging_key)
             assert res.ok and isinstance(ref, SegmentRef) and torch.equal(map_segment(ref), want), (edit, res)
             assert ref.offset == 0 and ref.shape == SHAPE, edit
+        assert len(parses) == len(edits), parses
     finally:
         fetcher.close()
 

@@ -384,14 +384,17 @@ class Fetcher:
         deadline = self._clock() + self._cfg.fetch_timeout_ms / 1000.0
         fut: Future[FetchResult] = Future()
         fut.set_running_or_notify_cancel()
-        if grant.receipt is not None and self._mapper is not None and not self._closed:
-            res = self._map_from_params(grant, staging_key, expect)
+        parsed = None  # the params' receipt, parsed once for both paths below
+        if grant.receipt is not None and (self._mapper is not None or self._support_rdma):
+            parsed = parse_receipt(grant.receipt)
+        if parsed is not None and self._mapper is not None and not self._closed:
+            res = self._map_from_params(grant, parsed, staging_key, expect)
             if res is not None:
                 fut.set_result(res)
                 return fut
-        receipt = self._receipt_from_params(grant)
+        receipt = self._receipt_from_params(grant, parsed)
         if receipt is not None and not self._closed and self.breakers.allow(grant.endpoint):
-            self._metrics.fetch_paths.labels("params").inc()
+            self._metrics.series(self._metrics.fetch_paths, "params").inc()
             if self._inline_ok:
                 res = self._stage_from_params(grant, staging_key, receipt, expect, deadline, here=True)
                 if res is not None:
@@ -580,17 +583,19 @@ class Fetcher:
                     self._host_pids.clear()
                 self._host_pids[endpoint] = owner.pid
 
-    def _map_from_params(self, grant: ItemGrant, key: str, expect: Expect) -> FetchResult | None:
+    def _map_from_params(
+        self, grant: ItemGrant, receipt: pb.EncodeResponse, key: str, expect: Expect
+    ) -> FetchResult | None:
         """The item mapped from the host segment its params' receipt announces, on this thread, with nothing
         parsed but the receipt: only when the grant's endpoint runs on this host (its pid learned from a Lookup
         answer, never from params) and the segment says where its one tensor sits. The result (the grant's release
         queued for ``flush_releases``), or None when the item must take the descriptor's path (nothing staged; a
-        layout that does not match what this instance expects is left to that path, which reports it)."""
+        layout that does not match what this instance expects is left to that path, which reports it).
+        ``receipt``: the grant's, parsed (not edited here)."""
         pid = self._host_pids.get(grant.endpoint)
         if pid is None or self._mapper is None or not self.breakers.allow(grant.endpoint):
             return None
-        receipt = parse_receipt(grant.receipt) if grant.receipt is not None else None
-        if receipt is None or not receipt.HasField("host_segment") or len(receipt.rdma_slots) != 1:
+        if not receipt.HasField("host_segment") or len(receipt.rdma_slots) != 1:
             return None
         t0 = self._clock()
         try:
@@ -608,30 +613,31 @@ class Fetcher:
             log.info("params map %s: staged in %.2f ms, %d bytes", key, (self._clock() - t0) * 1e3, nbytes)
         return FetchResult(True, key, plane="map", nbytes=nbytes, seconds=self._clock() - t0)
 
-    def _receipt_from_params(self, grant: ItemGrant) -> pb.EncodeResponse | None:
+    def _receipt_from_params(self, grant: ItemGrant, receipt: pb.EncodeResponse | None) -> pb.EncodeResponse | None:
         """The receipt the params carry, with what its owners were met with (metadata token, pid, host id)
         filled in, when every owner it names was met through a Lookup answer of the grant's endpoint and every
         descriptor's generation is bound to its slot (``Descriptor.binding``: params are edited by whoever relays
-        them, and an unbound descriptor could be pointed at another item's slot); else None (looked up)."""
+        them, and an unbound descriptor could be pointed at another item's slot); else None (looked up).
+        ``receipt``: ``parse_receipt(grant.receipt)`` (None: it did not parse), edited in place."""
         if grant.receipt is None or not self._support_rdma:
             return None
-        receipt = parse_receipt(grant.receipt)
+        m = self._metrics
         if receipt is None:
-            self._metrics.receipts.labels("invalid").inc()
+            m.series(m.receipts, "invalid").inc()
             return None
         for slot in receipt.rdma_slots:
             try:
                 d = Descriptor.from_bytes(bytes(slot.descriptor))
             except TensorwireError:
-                self._metrics.receipts.labels("invalid").inc()
+                m.series(m.receipts, "invalid").inc()
                 return None
             if not d.binding:
-                self._metrics.receipts.labels("invalid").inc()
+                m.series(m.receipts, "invalid").inc()
                 return None
             o = d.owner
             met = self._owners.get((grant.endpoint, o.agent_name, o.host, o.port))
             if met is None:
-                self._metrics.receipts.labels("unknown_owner").inc()
+                m.series(m.receipts, "unknown_owner").inc()
                 return None
             if (met.metadata_token, met.pid, met.host_id) != (o.metadata_token, o.pid, o.host_id):
                 owner = dataclasses.replace(o, metadata_token=met.metadata_token, pid=met.pid, host_id=met.host_id)
@@ -652,7 +658,7 @@ class Fetcher:
         """Stages the item from the params' receipt on this thread; the result when it worked (the grant's release
         queued), None when the item must be looked up instead (nothing staged, the grant kept, no breaker fault:
         a released or reused slot says nothing about the encoder instance's health)."""
-        t0 = self._clock()
+        m, t0 = self._metrics, self._clock()
         if len(self._stagers) == 1:
             # Bounded like the inline READ: a stuck same-host READ stalls the caller's thread at most this long.
             stage_deadline = min(deadline, t0 + self._cfg.lookup_timeout_ms / 1000.0)
@@ -665,7 +671,7 @@ class Fetcher:
         except Exception as exc:  # a stager that raised past its own handling
             res = self._failed(key, t0, getattr(exc, "reason", Reason.UNKNOWN), repr(exc))
         if not res.ok:
-            self._metrics.receipts.labels("read_failed").inc()
+            m.series(m.receipts, "read_failed").inc()
             log.info(
                 "item %.16s: the read from the receipt in its params failed (%s: %s); looking it up",
                 grant.key,
@@ -673,7 +679,7 @@ class Fetcher:
                 res.error,
             )
             return None
-        self._metrics.receipts.labels("used").inc()
+        m.series(m.receipts, "used").inc()
         self.breakers.record_success(grant.endpoint)
         for g in later:
             self._release_soon(g) if here else self._release_later(g)
