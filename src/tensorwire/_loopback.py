@@ -110,7 +110,7 @@ def _family_and_bytes(ip: str) -> tuple[int, bytes, str]:
 
 _pool: list[socket.socket] = []
 _pool_lock = threading.Lock()
-_POOL_MAX = 8
+POOL_MAX = 8  # sock_diag sockets kept for reuse (the soak's fd check allows this many)
 
 
 def _close_pool() -> None:
@@ -137,7 +137,7 @@ def _pooled() -> Iterator[socket.socket]:
         s.close()
         raise
     with _pool_lock:
-        if len(_pool) < _POOL_MAX:
+        if len(_pool) < POOL_MAX:
             _pool.append(s)
             return
     s.close()

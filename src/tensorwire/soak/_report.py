@@ -45,6 +45,7 @@ def format_report(r: dict[str, Any]) -> str:
             f"rss {p['rss_mb'][0]} -> {p['rss_mb'][1]} MB"
             + (f"  fd growth {p['fd_growth_by_kind']}" if p.get("fd_growth_by_kind") else "")
             + (f"  sockets {p['socket_growth_by_state']}" if p.get("socket_growth_by_state") else "")
+            + (f"  new: {'; '.join(p['new_sockets'])}" if p.get("new_sockets") and p.get("fds_delta", 0) > 0 else "")
         )
     lines.append("    (* judged: this process and the sentinels worker0 / client0, which live through every fault)")
     av = r.get("availability")

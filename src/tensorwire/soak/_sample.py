@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import threading
 from typing import Any
 
 
 def sample(pid: int | None = None) -> dict[str, Any]:
-    """{"fds", "threads", "rss_bytes", "fd_kinds"}; -1 where /proc cannot be read."""
+    """{"fds", "threads", "rss_bytes", "fd_kinds", "socket_details", "sockets", "native_threads"}; -1 where /proc
+    cannot be read."""
     pid = os.getpid() if pid is None else pid
     listed = _fd_targets(pid)
+    details = socket_details(pid, listed)
     out: dict[str, Any] = {
         "fds": -1 if listed is None else listed[0],
         "threads": -1,
         "rss_bytes": -1,
         "fd_kinds": fd_kinds(pid, listed),
-        "sockets": socket_states(pid, listed),
+        "socket_details": details,
+        "sockets": _count_kinds(details),
         "native_threads": native_threads(pid),
     }
     try:
@@ -79,6 +83,11 @@ _TCP_STATES = {
 }
 
 
+# /proc/net/netlink's protocol column, named where known (4: the socket-owner lookups of tensorwire._loopback,
+# which pools its sockets), others by number
+_NETLINK_PROTOCOLS = {"0": "route", "4": "sock_diag"}
+
+
 def _rows(pid: int, table: str) -> list[list[str]]:
     """The rows of /proc/PID/net/<table> past its header, split on blanks; none if unreadable."""
     try:
@@ -89,28 +98,74 @@ def _rows(pid: int, table: str) -> list[list[str]]:
         return []
 
 
-def socket_states(pid: int | None = None, listed: tuple[int, list[str]] | None = None) -> dict[str, int]:
-    """Open sockets by kind and state: ``tcp:established`` (the peer still has its end open), ``tcp:close_wait``
-    (the peer closed, this process has not: what a leak of a server's connections looks like), ``tcp:listen``,
-    ``unix``, ``udp``, ``netlink``, ``raw``, ``other``. From /proc/PID/net/*, matched by inode. ``listed``:
-    ``_fd_targets(pid)`` when the caller has it."""
-    pid = os.getpid() if pid is None else pid
-    by_inode: dict[str, str] = {}
+def _addr(hexaddr: str) -> str:
+    """``/proc/net/tcp``'s ``0100007F:1F90`` (or tcp6's 32 hex digits) as ``127.0.0.1:8080`` (``[::1]:8080``)."""
+    host, _, port = hexaddr.partition(":")
+    try:
+        raw = bytes.fromhex(host)
+        # the kernel prints each 32-bit word in host (little-endian) order
+        words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+        text = str(ipaddress.ip_address(words))
+        return f"{text}:{int(port, 16)}" if len(words) == 4 else f"[{text}]:{int(port, 16)}"
+    except ValueError:
+        return hexaddr
+
+
+def _socket_table(pid: int) -> dict[str, tuple[str, str]]:
+    """Every socket of ``pid``'s network namespace by inode: (kind and state, what names it: the local and remote
+    addresses, or a unix socket's path)."""
+    by_inode: dict[str, tuple[str, str]] = {}
     for table in ("tcp", "tcp6"):
         for cols in _rows(pid, table):
             if len(cols) > 9:
-                by_inode[cols[9]] = "tcp:" + _TCP_STATES.get(cols[3].upper(), cols[3].lower())
-    # (table, inode column): the unix table's inode is its 7th column, the others' their 10th
+                state = "tcp:" + _TCP_STATES.get(cols[3].upper(), cols[3].lower())
+                by_inode[cols[9]] = (state, f"{_addr(cols[1])} -> {_addr(cols[2])}")
+    # (table, inode column): the unix table's inode is its 7th column (its path the 8th), the others' their 10th
     for table, ix in (("udp", 9), ("udp6", 9), ("netlink", 9), ("raw", 9), ("raw6", 9), ("unix", 6)):
         for cols in _rows(pid, table):
-            if len(cols) > ix:
-                by_inode.setdefault(cols[ix], table.rstrip("6"))
+            if len(cols) > ix and cols[ix] not in by_inode:
+                if table == "unix":
+                    where = cols[7] if len(cols) > 7 else "(unnamed)"
+                    kind = "unix"
+                elif table == "netlink":
+                    where = f"protocol {cols[1]}"
+                    kind = f"netlink:{_NETLINK_PROTOCOLS.get(cols[1], cols[1])}"
+                else:
+                    where = f"{_addr(cols[1])} -> {_addr(cols[2])}"
+                    kind = table.rstrip("6")
+                by_inode[cols[ix]] = (kind, where)
+    return by_inode
+
+
+def socket_details(pid: int | None = None, listed: tuple[int, list[str]] | None = None) -> dict[str, str]:
+    """Each open socket of ``pid`` as ``{inode: "kind[:state] where"}`` (``socket_states``' kinds, with the
+    addresses or path): what a grown count does not say, e.g. whose port a stray listener holds."""
+    pid = os.getpid() if pid is None else pid
+    table = _socket_table(pid)
     listed = listed if listed is not None else _fd_targets(pid)
-    out: dict[str, int] = {}
+    out: dict[str, str] = {}
     for target in listed[1] if listed is not None else ():
         if target.startswith("socket:["):
-            kind = by_inode.get(target[8:-1], "other")
-            out[kind] = out.get(kind, 0) + 1
+            inode = target[8:-1]
+            kind, where = table.get(inode, ("other", ""))
+            out[inode] = f"{kind} {where}".strip()
+    return out
+
+
+def socket_states(pid: int | None = None, listed: tuple[int, list[str]] | None = None) -> dict[str, int]:
+    """Open sockets by kind and state: ``tcp:established`` (the peer still has its end open), ``tcp:close_wait``
+    (the peer closed, this process has not: what a leak of a server's connections looks like), ``tcp:listen``,
+    ``unix``, ``udp``, ``netlink:<protocol>`` (``netlink:sock_diag``: ``tensorwire._loopback``'s pooled lookup
+    sockets), ``raw``, ``other``. From /proc/PID/net/*, matched by inode. ``listed``:
+    ``_fd_targets(pid)`` when the caller has it."""
+    return _count_kinds(socket_details(pid, listed))
+
+
+def _count_kinds(details: dict[str, str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for desc in details.values():
+        kind = desc.split(" ", 1)[0]
+        out[kind] = out.get(kind, 0) + 1
     return out
 
 

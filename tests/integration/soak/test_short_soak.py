@@ -102,9 +102,10 @@ def test_fds_and_threads_back(report: dict) -> None:
             allowed = QP_COUNT * p["worker_restarts_after_baseline"]
             assert set(k for k, v in grown.items() if v > 0) <= {"socket"}, (name, p)
             assert grown.get("socket", 0) <= allowed, (name, p)
-        else:  # a server: live peers' connections are theirs; one other socket is named (SERVER_SPARE_SOCKETS)
+        else:  # a server: live peers' connections and the owner-lookup pool are not leaks (server_fds_delta)
             assert server_fds_back(p), (
-                f"{name}: fds {p['fds']}, by kind {p['fd_growth_by_kind']}, sockets {p.get('socket_growth_by_state')}"
+                f"{name}: fds {p['fds']}, by kind {p['fd_growth_by_kind']}, sockets {p.get('socket_growth_by_state')}, "
+                f"new {p.get('new_sockets')}"
             )
 
 
