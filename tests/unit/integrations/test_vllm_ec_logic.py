@@ -603,6 +603,14 @@ def test_producer_rdma_endpoint_and_params_name_the_same_host() -> None:
     assert _advertise(chosen) == _rdma_config(chosen, "cpu").advertise_host == "enc-1.example"
 
 
+def test_host_agents_sleep_longer_when_idle_and_gpu_agents_keep_the_default() -> None:
+    from tensorwire.integrations._vllm_ec.runtime import _CPU_PROGRESS_DELAY_US, _rdma_config
+    from tensorwire.rdma import RdmaConfig
+
+    assert _rdma_config(ECConfig(), "cpu").progress_delay_us == _CPU_PROGRESS_DELAY_US > RdmaConfig().progress_delay_us
+    assert _rdma_config(ECConfig(), "cuda:0").progress_delay_us == RdmaConfig().progress_delay_us
+
+
 # -- the release is off the fetch's critical path ------------------------------------------------------------
 
 

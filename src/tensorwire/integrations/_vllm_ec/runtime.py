@@ -83,14 +83,18 @@ def open_runtime_dir(cfg: ECConfig) -> tuple[Path, int]:
         ) from exc
 
 
-# How long the idle NIXL progress thread of an LLM instance's host-memory reader sleeps between wake-ups. Its READs
-# are driven by the reading thread's own polling and need nothing from that thread, while at the 1 ms default it
-# woke ~930 times a second inside the engine (1.4% of a core on the 2-core box) beside vLLM's own threads.
-_CPU_READER_PROGRESS_DELAY_US = 50_000
+# How long the idle NIXL progress thread of the connector's host-memory agents (an encoder instance's exporter, an
+# LLM instance's reader) sleeps between wake-ups. At RdmaConfig's 1 ms it woke ~920 times a second inside the
+# engine (2.6-3.2% of a core on the 2-core box) beside vLLM's own threads; at 50 ms 22 times (0.2-0.4%). A reader's
+# READs are driven by its reading thread's own polling; an exporter serves the TCP READs of other hosts from that
+# thread, which the READ's arrival wakes (UCX's event fd), not the delay: a READ from another network namespace
+# over a veth took as long at 50 ms as at 1 ms, 4 KiB to 10 MiB, also after the owner sat idle 0.02-0.2 s
+# (benchmarks/results/progress-delay-cpu2.json). GPU agents keep the default (not measured there).
+_CPU_PROGRESS_DELAY_US = 50_000
 
 
-def _rdma_config(cfg: ECConfig, device: str, *, reader: bool = False) -> RdmaConfig:
-    """The connector's RDMA settings for ``device``; ``reader``: for a reader only (an LLM instance's)."""
+def _rdma_config(cfg: ECConfig, device: str) -> RdmaConfig:
+    """The connector's RDMA settings for ``device`` (an encoder instance's exporter, an LLM instance's reader)."""
     # control_host: the metadata endpoint follows the store's gRPC address, and advertises what the store's
     # endpoint advertises (the rules of tensorwire.rdma._endpoint, docs/deployment.md "Addresses").
     rdma = RdmaConfig(
@@ -103,8 +107,8 @@ def _rdma_config(cfg: ECConfig, device: str, *, reader: bool = False) -> RdmaCon
         advertise_host=cfg.advertise_host,
         port=cfg.rdma_port,
     )
-    if reader and device == "cpu":
-        rdma = rdma.replace(progress_delay_us=_CPU_READER_PROGRESS_DELAY_US)
+    if device == "cpu":
+        rdma = rdma.replace(progress_delay_us=_CPU_PROGRESS_DELAY_US)
     return rdma
 
 
@@ -306,7 +310,7 @@ class StagingRuntime:
     """One consumer rank's StagingArea (reader on the rank's device), served on a socket when asked."""
 
     def __init__(self, cfg: ECConfig, name: str, rank: int, device: str, *, serve: bool) -> None:
-        rdma = _rdma_config(cfg, device, reader=True)
+        rdma = _rdma_config(cfg, device)
         factory = None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma))
         self.area = StagingArea(factory, device=device)
         self.server: StoreServer | None = None
@@ -378,7 +382,7 @@ def close_staging(name: str, rank: int) -> None:
 def segment_stager(cfg: ECConfig) -> SegmentStager:
     """The LLM instance's host stager (scheduler process, CPU workers in other processes): one reader on host
     memory, built in the background now (a NIXL agent takes a fraction of a second), not in the first fetch."""
-    rdma = _rdma_config(cfg, "cpu", reader=True)
+    rdma = _rdma_config(cfg, "cpu")
     stager = SegmentStager(
         None if cfg.rdma_provider == "none" else (lambda: TensorReader(rdma)), map_host=cfg.same_host_map
     )
