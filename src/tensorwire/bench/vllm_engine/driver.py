@@ -18,7 +18,15 @@ from typing import Any
 
 import tensorwire
 from tensorwire.bench._common import write_result
-from tensorwire.bench.vllm_engine.procs import Instance, logging_config, metric, same, wait_ready
+from tensorwire.bench.vllm_engine.procs import (
+    Instance,
+    logging_config,
+    metric,
+    same,
+    schedstat_delta,
+    session_schedstat,
+    wait_ready,
+)
 
 SIZES_MB = {1: 64, 10: 625, 100: 6400}  # image tokens per item; x 4096 float32 = 1.05 / 10.2 / 105 MB
 COLS = 4096
@@ -164,15 +172,19 @@ class Pair:
         self.file_dir = file_dir
         self.samples: list[dict[str, Any]] = []
         self.last_got: dict[str, Any] = {}
+        # --sched: every instance whose processes' CPU time is taken around the LLM request (set by run_set)
+        self.watch: list[Instance] = []
 
     def run(self, image: bytes, prompt: str, max_tokens: int, want: dict[str, Any] | None) -> dict[str, Any]:
         t0 = time.monotonic()
         (prod,) = self.producer.generate([{"images": [image], "prompt": prompt, "max_tokens": 1}])
         params = prod["ec_transfer_params"]
+        before = {i.name: session_schedstat(i.proc.pid) for i in self.watch}
         (got,) = self.consumer.generate(
             [{"images": [image], "prompt": prompt, "params": params, "max_tokens": max_tokens}]
         )
         e2e_ms = (time.monotonic() - t0) * 1e3
+        sched = {i.name: schedstat_delta(before[i.name], session_schedstat(i.proc.pid)) for i in self.watch}
         self.last_got = got
         saves = [e for e in self.producer.events.new() if e["ev"] == "save"]
         cons_events = self.consumer.events.new()
@@ -182,6 +194,8 @@ class Pair:
             "producer_request": prod["seconds"] * 1e3,
             "identical": None if want is None else same(got, want),
         }
+        if sched:
+            sample["sched_during_llm_request"] = sched
         if len(saves) == 1:
             save = saves[0]
             h = save["mm_hash"]
@@ -245,9 +259,12 @@ def run_set(
     work: Path,
     seed0: int,
     settle_s: float = 0.0,
+    sched: bool = False,
 ) -> dict[str, Any]:
     """One topology and one item size: every instance alive at once, requests interleaved; ``settle_s`` is the
-    pause before each request (so that other instances' workers, which busy-poll after a step, are idle again)."""
+    pause before each request (so that other instances' workers, which busy-poll after a step, are idle again);
+    ``sched``: each sample also says how long every instance's threads ran and waited for a CPU during the LLM
+    request (``sched_during_llm_request``; the /proc walk before it adds ~ms to the hand-off's ``outside``)."""
     from tensorwire.bench.vllm_engine.tiny_llava import PROMPT, side_for_tokens
 
     tokens = SIZES_MB[size_mb]
@@ -292,6 +309,8 @@ def run_set(
             insts[p.name], insts[q.name] = p, q
             pairs.append(Pair(c, p, q, file_dir))
         wait_ready(list(insts.values()), lambda i: i.try_connect())
+        for pair in pairs if sched else ():
+            pair.watch = list(insts.values())
         result["startup_s"] = round(time.monotonic() - t_start, 1)
         print(f"[{topology} {size_mb} MB] {len(insts)} instances ready in {result['startup_s']} s", flush=True)
         base = insts["baseline"]
@@ -474,6 +493,12 @@ def main(argv: list[str] | None = None) -> int:
         "after each step, 0 in uniproc)",
     )
     ap.add_argument(
+        "--sched",
+        action="store_true",
+        help="diagnosis: record every instance's CPU run and run-queue wait time during each LLM request "
+        "(/proc schedstat, by process and thread name; adds a few ms before each LLM request)",
+    )
+    ap.add_argument(
         "--model-dir",
         type=Path,
         default=Path("build/vllm-engine-models"),
@@ -530,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
                 "settle_ms": {t: _settle_s(args.settle_ms, t) * 1000 for t in topologies},
                 "hog": args.hog,
                 "quick": args.quick,
+                "sched": args.sched,
                 "consumer_budgets": CONSUMER_BUDGETS,
             },
             "definitions": DEFINITIONS,
@@ -558,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                         work / _set_dir(topo, size),
                         seed0=1000 * size,
                         settle_s=_settle_s(args.settle_ms, topo),
+                        sched=args.sched,
                     )
                 except Exception as exc:  # an instance died or hung: recorded, the other sets still run
                     print(f"[{topo} {size} MB] failed: {exc}", file=sys.stderr, flush=True)

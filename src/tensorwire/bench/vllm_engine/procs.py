@@ -176,3 +176,49 @@ def metric(m: dict[str, float], name: str, **labels: str) -> float:
 def same(got: dict[str, Any], want: dict[str, Any]) -> bool:
     """Two results with the same greedy tokens and top logprobs, bit for bit."""
     return bool(got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"])
+
+
+def session_schedstat(sid: int) -> dict[str, tuple[int, int]]:
+    """Nanoseconds on a CPU and waiting for one, summed over every thread of every process in session ``sid``,
+    by process name (``/proc/PID/comm``: vLLM names its engine core and workers ``VLLM::...``) and thread name,
+    as ``"process/thread": (run_ns, wait_ns)`` (``/proc/PID/task/TID/schedstat``; Linux with schedstats)."""
+    out: dict[str, tuple[int, int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[3]) != sid:
+                    continue
+            with open(f"/proc/{entry}/comm") as f:
+                proc = f.read().strip()
+            tids = os.listdir(f"/proc/{entry}/task")
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        for tid in tids:
+            try:
+                with open(f"/proc/{entry}/task/{tid}/comm") as f:
+                    key = f"{proc}/{f.read().strip()}"
+                with open(f"/proc/{entry}/task/{tid}/schedstat") as f:
+                    run, wait = (int(x) for x in f.read().split()[:2])
+            except (OSError, ValueError):
+                continue
+            r0, w0 = out.get(key, (0, 0))
+            out[key] = (r0 + run, w0 + wait)
+    return out
+
+
+def schedstat_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """``after - before`` in ms, ``{"run_ms", "wait_ms", "by_thread": {key: [run_ms, wait_ms]}}``; threads that
+    started meanwhile count from zero, threads that ended are lost (their time is not in ``after``)."""
+    by: dict[str, list[float]] = {}
+    for key, (run, wait) in after.items():
+        r0, w0 = before.get(key, (0, 0))
+        d = [max(0, run - r0) / 1e6, max(0, wait - w0) / 1e6]
+        if d[0] or d[1]:
+            by[key] = [round(d[0], 3), round(d[1], 3)]
+    return {
+        "run_ms": round(sum(v[0] for v in by.values()), 3),
+        "wait_ms": round(sum(v[1] for v in by.values()), 3),
+        "by_thread": by,
+    }
