@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 "sizes": args.sizes,
                 "gaps_s": args.gaps,
                 "iters": args.iters,
+                "rounds": args.rounds,
                 "idle_s": args.idle_s,
             },
             "load_avg_1m": os.getloadavg()[0],
