@@ -264,7 +264,7 @@ def run_set(
     """One topology and one item size: every instance alive at once, requests interleaved; ``settle_s`` is the
     pause before each request (so that other instances' workers, which busy-poll after a step, are idle again);
     ``sched``: each sample also says how long every instance's threads ran and waited for a CPU during the LLM
-    request (``sched_during_llm_request``; the /proc walk before it adds ~ms to the hand-off's ``outside``)."""
+    request (``sched_during_llm_request``; the /proc walk before it adds 13-20 ms to the hand-off's ``outside``)."""
     from tensorwire.bench.vllm_engine.tiny_llava import PROMPT, side_for_tokens
 
     tokens = SIZES_MB[size_mb]
@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "--sched",
         action="store_true",
         help="diagnosis: record every instance's CPU run and run-queue wait time during each LLM request "
-        "(/proc schedstat, by process and thread name; adds a few ms before each LLM request)",
+        "(/proc schedstat, by process and thread name; adds 13-20 ms to each hand-off)",
     )
     ap.add_argument(
         "--model-dir",
