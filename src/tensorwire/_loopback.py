@@ -216,13 +216,14 @@ def _proc_entries(family: int, states: frozenset[int]) -> list[_Entry]:
         state = int(fields[3], 16)
         if state not in states:
             continue
-        (src, sport), (dst, dport) = (_proc_addr(fields[1]), _proc_addr(fields[2]))
+        (src, sport), (dst, dport) = (proc_addr(fields[1]), proc_addr(fields[2]))
         out.append(_Entry(family, state, sport, dport, src, dst, int(fields[7])))
     return out
 
 
-def _proc_addr(text: str) -> tuple[bytes, int]:
-    """``/proc/net/tcp``'s ``ADDR:PORT``: the address as 32-bit words in host order, padded to 16 bytes."""
+def proc_addr(text: str) -> tuple[bytes, int]:
+    """``/proc/net/tcp``'s ``ADDR:PORT`` as (the address in network order, padded to 16 bytes, the port): the
+    kernel prints the address as 32-bit words in host order. ``ValueError`` on text that is not hex."""
     hexaddr, _, hexport = text.partition(":")
     raw = bytes.fromhex(hexaddr)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)) if len(raw) in (4, 16) else raw

@@ -7,6 +7,8 @@ import os
 import threading
 from typing import Any
 
+from tensorwire._loopback import proc_addr
+
 
 def sample(pid: int | None = None) -> dict[str, Any]:
     """{"fds", "threads", "rss_bytes", "fd_kinds", "socket_details", "sockets", "native_threads"}; -1 where /proc
@@ -98,17 +100,16 @@ def _rows(pid: int, table: str) -> list[list[str]]:
         return []
 
 
-def _addr(hexaddr: str) -> str:
-    """``/proc/net/tcp``'s ``0100007F:1F90`` (or tcp6's 32 hex digits) as ``127.0.0.1:8080`` (``[::1]:8080``)."""
-    host, _, port = hexaddr.partition(":")
+def _addr(text: str) -> str:
+    """``/proc/net/tcp``'s ``0100007F:1F90`` (or tcp6's 32 hex digits) as ``127.0.0.1:8080`` (``[::1]:8080``);
+    the text itself when it does not parse."""
     try:
-        raw = bytes.fromhex(host)
-        # the kernel prints each 32-bit word in host (little-endian) order
-        words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-        text = str(ipaddress.ip_address(words))
-        return f"{text}:{int(port, 16)}" if len(words) == 4 else f"[{text}]:{int(port, 16)}"
+        raw, port = proc_addr(text)
+        size = len(text.partition(":")[0]) // 2  # 4 or 16 bytes (proc_addr pads to 16)
+        ip = ipaddress.ip_address(raw[:size])
     except ValueError:
-        return hexaddr
+        return text
+    return f"{ip}:{port}" if size == 4 else f"[{ip}]:{port}"
 
 
 def _socket_table(pid: int) -> dict[str, tuple[str, str]]:
