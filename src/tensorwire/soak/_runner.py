@@ -640,9 +640,9 @@ def server_fds_delta(p: dict[str, Any]) -> int:
     """A server process's fd growth less what is not a leak: its connections whose peer still has them open (TCP
     established: a live client may open another pooled connection after the baseline, which is that client's to
     bound, as the sentinel client's check does) and ``tensorwire._loopback``'s sock_diag sockets while they stay
-    within that pool's bound (two owner lookups at once after the baseline leave a second pooled socket: CI runs
-    ended with worker 0 one netlink socket up). A connection its peer closed and the server kept (close_wait),
-    sock_diag sockets past the pool's bound, and every other kind count."""
+    within that pool's bound (two owner lookups at once after the baseline leave a second pooled socket). A
+    connection its peer closed and the server kept (close_wait), sock_diag sockets past the pool's bound, and every
+    other kind count."""
     from tensorwire._loopback import POOL_MAX
 
     growth = p.get("socket_growth_by_state", {})
